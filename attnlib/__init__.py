@@ -1,0 +1,9 @@
+"""attnlib: fused attention for JAX."""
+
+import importlib.metadata
+
+from ._src.attention import attention as attention, explain as explain
+from ._src.dispatch import Explanation as Explanation
+
+
+__version__ = importlib.metadata.version("attnlib")

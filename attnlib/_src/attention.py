@@ -1,0 +1,198 @@
+"""`attnlib.attention`: the public function, and `attnlib.explain`."""
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, jaxtyped
+
+from . import dispatch, validation
+
+
+_ARRAY_ARGS = (
+    "query", "key", "value", "bias", "mask", "query_seq_lengths", "key_value_seq_lengths", "q_segment_ids",
+    "kv_segment_ids", "cu_seqlens_q", "cu_seqlens_kv", "page_table", "sinks",
+)  # fmt: skip
+
+
+@jax.named_scope("attnlib.attention")
+@jaxtyped(typechecker=beartype)
+def attention(
+    query: Float[ArrayLike, "..."],
+    key: Float[ArrayLike, "..."],
+    value: Float[ArrayLike, "..."],
+    bias: Float[ArrayLike, "..."] | None = None,
+    mask: Bool[ArrayLike, "..."] | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Int[ArrayLike, "..."] | None = None,
+    key_value_seq_lengths: Int[ArrayLike, "..."] | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | Sequence[str] | None = None,
+    return_residual: bool = False,
+    diagonal_alignment: Literal["top_left", "bottom_right"] | str = "top_left",
+    q_segment_ids: Int[ArrayLike, "..."] | None = None,
+    kv_segment_ids: Int[ArrayLike, "..."] | None = None,
+    max_segments_per_row: int | None = None,
+    cu_seqlens_q: Int[ArrayLike, "..."] | None = None,
+    cu_seqlens_kv: Int[ArrayLike, "..."] | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
+    page_table: Int[ArrayLike, "..."] | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: Float[ArrayLike, "..."] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_key: PRNGKeyArray | None = None,
+    deterministic_backward: bool = False,
+) -> Float[Array, "..."] | tuple[Float[Array, "..."], Float[Array, "..."]]:
+    r"""Scaled dot-product attention: a drop-in for `jax.nn.dot_product_attention` that goes further.
+
+    For one sequence and head, with $s = \mathrm{scale} \cdot q k^\top (+\,\mathrm{bias})$, soft-capped
+    ($s \leftarrow c \tanh(s / c)$) and then masked,
+
+    $$p = \frac{e^{s}}{e^{\mathrm{sink}} + \sum_{\mathrm{kept}} e^{s}}, \qquad
+      \mathrm{out} = p\, v, \qquad \mathrm{lse} = \log\Big(e^{\mathrm{sink}} + \sum_{\mathrm{kept}} e^{s}\Big).$$
+
+    A query with no visible key (fully masked, padding, segment id 0, past `cu_seqlens_q[-1]`) gets `out = 0` and,
+    without sinks, `lse = -inf`; its gradients are 0, never NaN.
+
+    Shapes: `B` batch, `T` query length, `S` key/value length, `N` query heads, `K` key/value heads
+    (`N % K == 0`; query head `n` uses key/value head `n // (N // K)`), `H` query/key head dim, `Hv` value head
+    dim, `P` pages.
+
+    Args:
+        query: `[*B, T, N, H]`; `[T, N, H]` when unbatched or THD.
+        key: `[*B, S, K, H]`; a page pool `[P, page_size, K, H]` with `page_table`.
+        value: `[*B, S, K, Hv]`; a page pool `[P, page_size, K, Hv]` with `page_table`. Same dtype as `query`
+            and `key` (float16, bfloat16 or float32).
+        bias: broadcastable to `[*B, N, T, S]`; added to the scaled logits; differentiable.
+        mask: bool, broadcastable to `[*B, N, T, S]`; `True` = may attend.
+        scale: logit scale. Defaults to `1/sqrt(H)`.
+        is_causal: causal mask, aligned by `diagonal_alignment`. Defaults to False.
+        query_seq_lengths: int `[*B]`: valid query prefix lengths (padding rows output 0).
+        key_value_seq_lengths: int `[*B]`: valid key/value prefix lengths. Required with `page_table`.
+        local_window_size: `int w` = `(w, w)`, or `(left, right)`: a query at aligned position `i` sees keys
+            `i - left … i + right`.
+        implementation: `None` (the first of `"cudnn"`, `"xla_chunked"`, `"xla"` that can serve the call),
+            one name (raises `NotImplementedError` when it cannot serve), or a sequence tried in order.
+        return_residual: also return `lse`. Defaults to False.
+        diagonal_alignment: `"top_left"` (query 0 on key 0) or `"bottom_right"` (last query on last key, per
+            sequence). Defaults to `"top_left"`.
+        q_segment_ids: int `[*B, T]`: packed rows; tokens attend only within their segment; 0 = padding; each
+            segment one contiguous run. Positions restart at each segment.
+        kv_segment_ids: int `[*B, S]`. Defaults to `q_segment_ids`.
+        max_segments_per_row: static bound on segments per row (fused kernels need it).
+        cu_seqlens_q: int `[B + 1]`: THD layout; sequence `b` is query rows `cu[b]:cu[b+1]`; rows past `cu[-1]`
+            are padding.
+        cu_seqlens_kv: int `[B + 1]`. Defaults to `cu_seqlens_q`.
+        max_seqlen_q: THD static bound of one sequence's query length. Defaults to `T`.
+        max_seqlen_kv: THD static bound of one sequence's key length. Defaults to `S`.
+        page_table: int `[B, pages_per_seq]`: key token `j` of sequence `b` lives at
+            `pool[page_table[b, j // page_size], j % page_size]`.
+        logits_soft_cap: `c > 0` in `s <- c * tanh(s / c)`, applied after bias, before masking.
+        sinks: float `[N]`: per-head sink logit in every softmax denominator; differentiable; zeros give the
+            off-by-one softmax.
+        dropout_rate: dropout on the probabilities, in `[0, 1)`, kept ones scaled by `1 / (1 - rate)`.
+        dropout_key: PRNG key; required when `dropout_rate > 0`. The same key gives the same mask forward and
+            backward.
+        deterministic_backward: the backward is bitwise reproducible run to run (the plain-JAX implementations
+            always are).
+
+    Returns:
+        `out` `[*B, T, N, Hv]` (THD `[T, N, Hv]`) in `query.dtype`; with `return_residual`, `(out, lse)` where
+        `lse` is float32 `[*B, T, N]` (THD `[T, N]`).
+
+    Raises:
+        ValueError: a shape or value is invalid (the message names the argument and shows what was given).
+        TypeError: a dtype or argument kind is invalid.
+        NotImplementedError: the requested implementation(s) cannot serve this valid call.
+
+    !!! Example
+        ```python
+        out = attnlib.attention(q, k, v, is_causal=True, local_window_size=(128, 0))
+        ```
+    """
+    arrays = {
+        name: None if x is None else jnp.asarray(x)
+        for name, x in zip(
+            _ARRAY_ARGS,
+            (query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
+             kv_segment_ids, cu_seqlens_q, cu_seqlens_kv, page_table, sinks),
+            strict=True,
+        )
+    }  # fmt: skip
+    config, inputs = validation.validate(
+        **arrays,
+        scale=scale,
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        return_residual=return_residual,
+        diagonal_alignment=diagonal_alignment,
+        max_segments_per_row=max_segments_per_row,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        logits_soft_cap=logits_soft_cap,
+        dropout_rate=dropout_rate,
+        dropout_key=dropout_key,
+        deterministic_backward=deterministic_backward,
+    )
+    impl = dispatch.choose(config, implementation)
+    out, lse = impl.attention(config, inputs)
+    return (out, lse) if return_residual else out
+
+
+Shaped = ArrayLike | jax.ShapeDtypeStruct
+
+
+@beartype
+def explain(
+    query: Shaped,
+    key: Shaped,
+    value: Shaped,
+    bias: Shaped | None = None,
+    mask: Shaped | None = None,
+    *,
+    implementation: str | Sequence[str] | None = None,
+    **kwargs: Any,
+) -> dispatch.Explanation:
+    """Which implementation `attention` would run for these arguments, and why each other one declined.
+
+    Takes the same arguments as `attention`; arrays may be `jax.ShapeDtypeStruct`s (nothing is computed).
+
+    Returns:
+        An `Explanation` with `.implementation` (None when nothing can serve), `.declined` (name -> reason) and
+        a readable `str()`.
+
+    Raises:
+        ValueError, TypeError: as `attention` would for the same arguments.
+
+    !!! Example
+        ```python
+        q = jax.ShapeDtypeStruct((4, 4096, 32, 128), jnp.bfloat16)
+        print(attnlib.explain(q, q, q, is_causal=True))
+        ```
+    """
+    as_shaped = lambda x: x if x is None or isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "dtype") else (
+        jnp.asarray(x)
+    )
+    options = {
+        "scale": None, "is_causal": False, "local_window_size": None, "return_residual": False,
+        "diagonal_alignment": "top_left", "max_segments_per_row": None, "max_seqlen_q": None,
+        "max_seqlen_kv": None, "logits_soft_cap": None, "dropout_rate": 0.0, "dropout_key": None,
+        "deterministic_backward": False,
+    }  # fmt: skip
+    arrays = dict.fromkeys(_ARRAY_ARGS[5:])
+    for name, x in kwargs.items():
+        if name in arrays:
+            arrays[name] = as_shaped(x)
+        elif name in options:
+            options[name] = x
+        else:
+            raise TypeError(f"explain() got an unexpected keyword argument `{name}`.")
+    config, _ = validation.validate(
+        as_shaped(query), as_shaped(key), as_shaped(value), as_shaped(bias), as_shaped(mask), **arrays, **options
+    )
+    return dispatch.explain_config(config, implementation)

@@ -1,0 +1,27 @@
+"""What every implementation provides to dispatch."""
+
+from typing import Protocol
+
+import jax
+
+from ..config import AttentionConfig, AttentionInputs
+
+
+class Implementation(Protocol):
+    """One attention implementation.
+
+    `decline_reason` is pure Python over the static configuration (no arrays, no device work): it returns None when
+    the implementation serves the call, or a sentence naming the feature and the limit when it does not.
+    `explicit` is True when the caller named this implementation alone; an implementation may decline an automatic
+    choice on performance grounds but must serve an explicit one whenever it can.
+
+    `attention` returns `(out, lse)`: `out` in the query's layout with the value head dim (`[*B, T, N, Hv]`, THD
+    `[T, N, Hv]`) and dtype, `lse` float32 `[*B, T, N]` (THD `[T, N]`). Both are differentiable with respect to
+    query, key, value, bias and sinks (paged layouts may decline gradients).
+    """
+
+    name: str
+
+    def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None: ...
+
+    def attention(self, config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]: ...

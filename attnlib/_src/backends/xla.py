@@ -1,0 +1,61 @@
+"""`implementation="xla"`: materialise all scores; the readable reference. Gradients by JAX autodiff."""
+
+import jax
+import jax.numpy as jnp
+
+from .. import canonical
+from ..config import AttentionConfig, AttentionInputs
+from . import scores
+
+
+def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Array, jax.Array]:
+    """Canonical attention: `out [B, T, N, Hv]` in the query dtype and float32 `lse [B, T, N]`."""
+    B, T, N, _ = problem.query.shape
+    S = problem.key.shape[1]
+    q5 = scores.grouped_query(config, problem.query)
+    s = scores.soft_cap(config, scores.raw_scores(config, q5, problem.key, problem.bias))  # [B, K, G, T, S]
+    allowed = scores.visible(config, problem, 0, S, problem.mask)
+
+    row_max = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1)  # [B, K, G, T]
+    if problem.sinks is not None:
+        sinks = scores.grouped_sinks(config, problem.sinks)
+        row_max = jnp.maximum(row_max, sinks)
+    # The softmax is invariant to the shift, so it carries no gradient; rows with nothing visible shift by 0.
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    unnormalised = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
+    denominator = jnp.sum(unnormalised, axis=-1)
+    if problem.sinks is not None:
+        denominator = denominator + jnp.exp(sinks - shift)
+    has_mass = denominator > 0
+    safe_denominator = jnp.where(has_mass, denominator, 1.0)
+    lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), -jnp.inf)
+    probs = unnormalised / safe_denominator[..., None]
+
+    if problem.dropout_seeds is not None:
+        keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, 0, S)
+        probs = jnp.where(keep, probs / (1.0 - config.dropout_rate), 0.0)
+
+    out = jnp.einsum(
+        "bkgts,bskh->btkgh",
+        probs.astype(problem.value.dtype),
+        problem.value,
+        preferred_element_type=jnp.float32,
+        precision=scores.precision(problem.value.dtype),
+    )
+    out = jnp.reshape(out, (B, T, N, -1)).astype(problem.query.dtype)
+    lse = jnp.transpose(jnp.reshape(lse, (B, N, T)), (0, 2, 1))
+    return out, lse
+
+
+class _Xla:
+    name = "xla"
+
+    def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None:
+        return None
+
+    def attention(self, config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+        out, lse = attend(config, canonical.canonicalize(config, inputs))
+        return canonical.restore(config, out, lse)
+
+
+IMPLEMENTATION = _Xla()

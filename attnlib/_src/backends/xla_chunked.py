@@ -1,0 +1,257 @@
+"""`implementation="xla_chunked"`: online softmax over key blocks (the flash-attention algorithm in plain JAX).
+
+The forward keeps a running maximum, denominator and output per query and visits the keys one block at a time, so
+memory is linear in the key length. The backward (`custom_vjp`) recomputes each block's probabilities from the
+saved `lse` instead of storing them.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .. import canonical
+from ..config import AttentionConfig, AttentionInputs
+from ..positions import TokenPositions
+from . import scores
+
+
+DEFAULT_BLOCK_K = 512
+"""Keys per block. Tests lower it to exercise several (and ragged) blocks."""
+
+AUTO_MIN_SCORE_BYTES = 256 * 2**20
+"""With `implementation=None`, materialised float32 scores below this size are left to `"xla"` (faster)."""
+
+
+def _pad_keys(problem: canonical.Problem, padded_len: int) -> canonical.Problem:
+    """Pad the key axis to `padded_len`; padded keys belong to no sequence, so nothing sees them."""
+    S = problem.key.shape[1]
+    extra = padded_len - S
+    if extra == 0:
+        return problem
+    pad_tokens = lambda x, value=0: jnp.pad(
+        x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value
+    )
+    pad_last = lambda x, value: x if x is None or x.shape[-1] == 1 else jnp.pad(
+        x, [(0, 0)] * 3 + [(0, extra)], constant_values=value
+    )
+    p = problem.positions
+    positions = TokenPositions(p.q_segment, p.q_position, pad_tokens(p.kv_segment), pad_tokens(p.kv_position))
+    return problem._replace(
+        key=pad_tokens(problem.key),
+        value=pad_tokens(problem.value),
+        bias=pad_last(problem.bias, 0),
+        mask=pad_last(problem.mask, False),
+        positions=positions,
+    )
+
+
+def _slice_keys(x: jax.Array | None, start: jax.Array, size: int) -> jax.Array | None:
+    """Keys `start : start + size` of a rank-4 bias/mask (unchanged when broadcast along keys)."""
+    if x is None or x.shape[-1] == 1:
+        return x
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=3)
+
+
+def _block_probabilities(config, problem, q5, k_start, block, shift):
+    """Recompute one block: soft-capped scores `[B, K, G, T, s]`, visibility, and `exp(s - shift)` where visible."""
+    k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
+    s = scores.soft_cap(config, scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block)))
+    allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
+    p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
+    return s, p
+
+
+def _forward(config: AttentionConfig, block: int, problem: canonical.Problem):
+    """Returns `out [B, T, N, Hv]` (query dtype) and `lse [B, K, G, T]` float32."""
+    B, T, N, _ = problem.query.shape
+    K, G, Hv = config.num_kv_heads, config.group_size, problem.value.shape[-1]
+    q5 = scores.grouped_query(config, problem.query)
+    num_blocks = problem.key.shape[1] // block
+
+    def body(c, carry):
+        row_max, denominator, acc = carry
+        k_start = c * block
+        k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
+        v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
+        s = scores.soft_cap(
+            config, scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block))
+        )
+        allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
+        new_max = jnp.maximum(row_max, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
+        shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        rescale = jnp.exp(row_max - shift)  # 0 while nothing was visible (row_max = -inf)
+        p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
+        denominator = denominator * rescale + jnp.sum(p, axis=-1)
+        if problem.dropout_seeds is not None:
+            keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, k_start, block)
+            p = jnp.where(keep, p, 0.0)
+        pv = jnp.einsum(
+            "bkgts,bskh->bkgth",
+            p.astype(problem.value.dtype),
+            v_blk,
+            preferred_element_type=jnp.float32,
+            precision=scores.precision(problem.value.dtype),
+        )
+        acc = acc * rescale[..., None] + pv
+        return new_max, denominator, acc
+
+    init = (
+        jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
+        jnp.zeros((B, K, G, T), jnp.float32),
+        jnp.zeros((B, K, G, T, Hv), jnp.float32),
+    )
+    row_max, denominator, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+
+    if problem.sinks is not None:
+        sinks = scores.grouped_sinks(config, problem.sinks)
+        final_max = jnp.maximum(row_max, sinks)
+        rescale = jnp.exp(row_max - final_max)
+        denominator = denominator * rescale + jnp.exp(sinks - final_max)
+        acc = acc * rescale[..., None]
+        row_max = final_max
+    has_mass = denominator > 0
+    safe_denominator = jnp.where(has_mass, denominator, 1.0)
+    lse = jnp.where(has_mass, jnp.where(jnp.isfinite(row_max), row_max, 0.0) + jnp.log(safe_denominator), -jnp.inf)
+    out = acc / safe_denominator[..., None]
+    if problem.dropout_seeds is not None:
+        out = out / (1.0 - config.dropout_rate)
+    out = jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (B, T, N, Hv)).astype(problem.query.dtype)
+    return out, lse
+
+
+def _backward(config: AttentionConfig, block: int, problem: canonical.Problem, out, lse, d_out, d_lse):
+    """Gradients `(dq, dk, dv, dbias, dsinks)` from the saved `lse [B, K, G, T]`, recomputing each block.
+
+    `d_lse` is the cotangent of `lse`, also `[B, K, G, T]`.
+    """
+    B, T, N, H = problem.query.shape
+    S = problem.key.shape[1]
+    K, G = config.num_kv_heads, config.group_size
+    q5 = scores.grouped_query(config, problem.query)
+    to_kgt = lambda x: jnp.transpose(jnp.reshape(x, (B, T, K, G)), (0, 2, 3, 1))
+    do5 = jnp.reshape(d_out, (B, T, K, G, -1))
+    # D = rowsum(dO * O): the softmax Jacobian's diagonal correction; d_lse enters every score with weight p.
+    correction = to_kgt(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1))
+    correction = correction - d_lse.astype(jnp.float32)
+    shift = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    keep_scale = 1.0 / (1.0 - config.dropout_rate)
+    bias = problem.bias
+    f32 = lambda x: x.astype(jnp.float32)
+
+    def body(c, carry):
+        dq, dk, dv, dbias = carry
+        k_start = c * block
+        k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
+        v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
+        s, p = _block_probabilities(config, problem, q5, k_start, block, shift)
+        dp = jnp.einsum(
+            "btkgh,bskh->bkgts", do5, v_blk, preferred_element_type=jnp.float32,
+            precision=scores.precision(v_blk.dtype),
+        )
+        p_kept = p
+        if problem.dropout_seeds is not None:
+            keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, k_start, block)
+            p_kept = jnp.where(keep, p * keep_scale, 0.0)
+            dp = jnp.where(keep, dp * keep_scale, 0.0)
+        dv_blk = jnp.einsum(
+            "bkgts,btkgh->bskh", p_kept, f32(do5), precision=jax.lax.Precision.HIGHEST
+        )
+        ds = p * (dp - correction[..., None])
+        if config.logits_soft_cap is not None:
+            ds = ds * (1.0 - jnp.square(s / jnp.float32(config.logits_soft_cap)))
+        if bias is not None:
+            ds_n = jnp.reshape(ds, (B, N, T, block))
+            reduce_axes = tuple(a for a in range(3) if bias.shape[a] == 1)
+            ds_n = jnp.sum(ds_n, axis=reduce_axes, keepdims=True)
+            if bias.shape[3] == 1:
+                dbias = dbias + jnp.sum(ds_n, axis=3, keepdims=True)
+            else:
+                dbias = jax.lax.dynamic_update_slice_in_dim(dbias, ds_n, k_start, axis=3)
+        ds = ds * jnp.float32(config.scale)
+        dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
+        dk_blk = jnp.einsum("bkgts,btkgh->bskh", ds, f32(q5), precision=jax.lax.Precision.HIGHEST)
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk, k_start, axis=1)
+        dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk, k_start, axis=1)
+        return dq, dk, dv, dbias
+
+    init = (
+        jnp.zeros(q5.shape, jnp.float32),
+        jnp.zeros(problem.key.shape, jnp.float32),
+        jnp.zeros(problem.value.shape, jnp.float32),
+        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+    )
+    dq, dk, dv, dbias = jax.lax.fori_loop(0, S // block, body, init)
+
+    d_sinks = None
+    if problem.sinks is not None:
+        # d lse / d sink = p_sink, and the output depends on the sink only through the normaliser.
+        p_sink = jnp.exp(scores.grouped_sinks(config, problem.sinks) - lse)
+        d_sinks = jnp.reshape(jnp.sum(-p_sink * correction, axis=(0, 3)), (N,)).astype(problem.sinks.dtype)
+    return (
+        jnp.reshape(dq, (B, T, N, H)).astype(problem.query.dtype),
+        dk.astype(problem.key.dtype),
+        dv.astype(problem.value.dtype),
+        None if bias is None else dbias.astype(bias.dtype),
+        d_sinks,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked(config, block, query, key, value, bias, sinks, mask, seeds, positions):
+    problem = canonical.Problem(query, key, value, bias, mask, sinks, seeds, positions)
+    out, lse = _forward(config, block, problem)
+    return out, lse
+
+
+def _chunked_fwd(config, block, query, key, value, bias, sinks, mask, seeds, positions):
+    problem = canonical.Problem(query, key, value, bias, mask, sinks, seeds, positions)
+    out, lse = _forward(config, block, problem)
+    return (out, lse), (problem, out, lse)
+
+
+def _chunked_bwd(config, block, residuals, cotangents):
+    problem, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dk, dv, dbias, d_sinks = _backward(config, block, problem, out, lse, d_out, d_lse)
+    return dq, dk, dv, dbias, d_sinks, None, None, None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int | None = None):
+    """Canonical attention: `out [B, T, N, Hv]` in the query dtype and float32 `lse [B, T, N]`."""
+    B, T, N, _ = problem.query.shape
+    S = problem.key.shape[1]
+    block = max(1, min(block_k or DEFAULT_BLOCK_K, S))
+    padded = _pad_keys(problem, -(-S // block) * block)
+    out, lse = _chunked(
+        config, block, padded.query, padded.key, padded.value, padded.bias, padded.sinks, padded.mask,
+        padded.dropout_seeds, padded.positions,
+    )
+    # [B, K, G, T] -> [B, T, N]
+    lse = jnp.reshape(jnp.transpose(lse, (0, 3, 1, 2)), (B, T, N))
+    return out, lse
+
+
+class _XlaChunked:
+    name = "xla_chunked"
+
+    def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None:
+        if explicit:
+            return None
+        score_bytes = 4 * config.batch_size * config.num_q_heads * config.q_len * config.kv_len
+        if score_bytes < AUTO_MIN_SCORE_BYTES:
+            return (
+                f"xla_chunked: the materialised scores take only {score_bytes / 2**20:.1f} MiB "
+                f"(< {AUTO_MIN_SCORE_BYTES // 2**20} MiB), where `xla` is faster; name it to force it"
+            )
+        return None
+
+    def attention(self, config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+        out, lse = attend(config, canonical.canonicalize(config, inputs))
+        return canonical.restore(config, out, lse)
+
+
+IMPLEMENTATION = _XlaChunked()

@@ -1,0 +1,121 @@
+"""The validated, static description of one attention call, shared by every implementation.
+
+Shape letters (jax.nn): `B` batch (flattened `*B`), `T` query length, `S` key/value length, `N` query heads,
+`K` key/value heads, `H` query/key head dim, `Hv` value head dim, `P` pages.
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax
+import numpy as np
+
+
+Layout = Literal["dense", "thd", "paged"]
+Alignment = Literal["top_left", "bottom_right"]
+
+IMPLEMENTATIONS = ("cudnn", "xla_chunked", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Everything static about one call: what a graph, a cache key or a dispatch decision depends on.
+
+    Attributes:
+        layout: `"dense"` (`[*B, T, N, H]`), `"thd"` (packed tokens `[T, N, H]` with `cu_seqlens`) or `"paged"`
+            (key/value page pools with a page table).
+        batch_shape: the `*B` dims of `query` (empty when unbatched or THD).
+        unbatched: `query` was `[T, N, H]` without THD.
+        q_len, kv_len: `T` and `S` (for paged: `pages_per_seq * page_size`).
+        num_q_heads, num_kv_heads: `N` and `K`.
+        head_dim, value_head_dim: `H` and `Hv`.
+        dtype: the shared dtype of query, key and value.
+        scale: the logit scale (already defaulted to `1/sqrt(H)`).
+        is_causal, diagonal_alignment: causal mask and where its diagonal sits.
+        window: `(left, right)` or None.
+        bias_shape, mask_shape: the caller's shapes, or None.
+        has_q_lengths, has_kv_lengths: padding lengths given.
+        has_segments: packed rows via segment ids.
+        max_segments_per_row: the static bound on segments per row, or None.
+        num_sequences: THD: `B` of `cu_seqlens` (`len(cu_seqlens) - 1`); paged: rows of the page table.
+        max_seqlen_q, max_seqlen_kv: THD static bounds (default: the token counts).
+        page_size, pages_per_seq, num_pages: paged-KV geometry.
+        logits_soft_cap: `c` in `c * tanh(s / c)`, or None.
+        has_sinks: per-head sink logits given.
+        dropout_rate: the dropout probability (0 = off).
+        return_residual: also return `lse`.
+        deterministic_backward: the backward must be bitwise reproducible.
+    """
+
+    layout: Layout
+    batch_shape: tuple[int, ...]
+    unbatched: bool
+    q_len: int
+    kv_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    dtype: np.dtype
+    scale: float
+    is_causal: bool
+    diagonal_alignment: Alignment
+    window: tuple[int, int] | None
+    bias_shape: tuple[int, ...] | None
+    mask_shape: tuple[int, ...] | None
+    has_q_lengths: bool
+    has_kv_lengths: bool
+    has_segments: bool
+    max_segments_per_row: int | None
+    num_sequences: int | None
+    max_seqlen_q: int | None
+    max_seqlen_kv: int | None
+    page_size: int | None
+    pages_per_seq: int | None
+    num_pages: int | None
+    logits_soft_cap: float | None
+    has_sinks: bool
+    dropout_rate: float
+    return_residual: bool
+    deterministic_backward: bool
+
+    @property
+    def batch_size(self) -> int:
+        """The flattened `*B` (1 when unbatched or THD)."""
+        return int(np.prod(self.batch_shape, dtype=np.int64))
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (`N // K`)."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias_shape is not None
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask_shape is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """The arrays of one call, as the caller gave them (after `jnp.asarray`); None where absent.
+
+    `dropout_key` is kept as given (a typed or raw PRNG key).
+    """
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None = None
+    mask: jax.Array | None = None
+    query_seq_lengths: jax.Array | None = None
+    key_value_seq_lengths: jax.Array | None = None
+    q_segment_ids: jax.Array | None = None
+    kv_segment_ids: jax.Array | None = None
+    cu_seqlens_q: jax.Array | None = None
+    cu_seqlens_kv: jax.Array | None = None
+    page_table: jax.Array | None = None
+    sinks: jax.Array | None = None
+    dropout_key: jax.Array | None = None

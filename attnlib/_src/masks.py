@@ -1,0 +1,32 @@
+"""Which keys a query may see: the causal / window / segment rule shared by the plain-JAX implementations."""
+
+import jax
+import jax.numpy as jnp
+
+
+def visible(
+    q_segment: jax.Array,
+    q_position: jax.Array,
+    kv_segment: jax.Array,
+    kv_position: jax.Array,
+    *,
+    is_causal: bool,
+    window: tuple[int, int] | None,
+) -> jax.Array:
+    """Bool `[B, T, S]`: query `i` may attend to key `j`.
+
+    Args:
+        q_segment, q_position: int `[B, T]` sequence ids (0 = none) and aligned positions (see `positions.py`).
+        kv_segment, kv_position: int `[B, S]` sequence ids and positions.
+        is_causal: keys after the (aligned) query position are hidden.
+        window: `(left, right)`: only keys at aligned offsets `-left … +right` are visible.
+    """
+    qs = q_segment[:, :, None]
+    allowed = (qs != 0) & (qs == kv_segment[:, None, :])
+    offset = kv_position[:, None, :] - q_position[:, :, None]
+    if is_causal:
+        allowed &= offset <= 0
+    if window is not None:
+        left, right = window
+        allowed &= (offset >= -left) & (offset <= right)
+    return allowed

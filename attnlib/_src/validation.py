@@ -1,0 +1,387 @@
+"""Argument checks for `attnlib.attention`: every rule, one message style, at trace time.
+
+Messages name the argument in backticks, say what was required, and end with what was given
+("… Got query.shape=(2, 7, 6, 8)."). Shapes and values raise `ValueError`, dtypes and kinds `TypeError`.
+Checks look only at shapes and dtypes (so `jax.ShapeDtypeStruct`s work), except the few structural value checks
+on concrete (non-traced) `cu_seqlens` and `page_table` arrays.
+"""
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import AttentionConfig, AttentionInputs
+
+
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _is_int(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.integer)
+
+
+def _require_int_array(name: str, x: Any) -> None:
+    if not _is_int(x.dtype):
+        raise TypeError(f"`{name}` must have an integer dtype. Got {name}.dtype={x.dtype}.")
+
+
+def _require_shape(name: str, x: Any, expected: tuple[int, ...], meaning: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"`{name}` must have shape {meaning}={tuple(expected)}. Got {name}.shape={tuple(x.shape)}.")
+
+
+def _require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a Python bool. Got {value!r} of type {type(value).__name__}.")
+
+
+def _require_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive Python int. Got {value!r}.")
+    return int(value)
+
+
+def _is_concrete(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer)
+
+
+def _check_broadcastable(name: str, x: Any, target: tuple[int, ...], meaning: str) -> None:
+    shape = tuple(x.shape)
+    ok = len(shape) <= len(target) and all(
+        d == 1 or d == t for d, t in zip(shape[::-1], target[::-1], strict=False)
+    )
+    if not ok:
+        raise ValueError(
+            f"`{name}` must be broadcastable to {meaning}={target}. Got {name}.shape={shape}."
+        )
+
+
+def _window(local_window_size: Any) -> tuple[int, int] | None:
+    if local_window_size is None:
+        return None
+    is_count = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+    if is_count(local_window_size):
+        return int(local_window_size), int(local_window_size)
+    if (
+        isinstance(local_window_size, (tuple, list))
+        and len(local_window_size) == 2
+        and all(is_count(v) for v in local_window_size)
+    ):
+        return int(local_window_size[0]), int(local_window_size[1])
+    raise ValueError(
+        "`local_window_size` must be a non-negative int or a pair (left, right) of non-negative ints. "
+        f"Got {local_window_size!r}."
+    )
+
+
+def _check_cu_seqlens(name: str, cu: Any, num_tokens: int, tensor: str) -> None:
+    _require_int_array(name, cu)
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(
+            f"`{name}` must be 1-D with B+1 >= 2 cumulative sequence lengths. Got {name}.shape={tuple(cu.shape)}."
+        )
+    if _is_concrete(cu):
+        values = np.asarray(cu)
+        if values[0] < 0 or np.any(np.diff(values) < 0) or values[-1] > num_tokens:
+            raise ValueError(
+                f"`{name}` must be non-decreasing, start at >= 0 and end at <= the {num_tokens} tokens of "
+                f"`{tensor}`. Got {name}={values.tolist()}."
+            )
+
+
+def validate(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any,
+    mask: Any,
+    *,
+    scale: Any,
+    is_causal: Any,
+    query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+    local_window_size: Any,
+    return_residual: Any,
+    diagonal_alignment: Any,
+    q_segment_ids: Any,
+    kv_segment_ids: Any,
+    max_segments_per_row: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_kv: Any,
+    max_seqlen_q: Any,
+    max_seqlen_kv: Any,
+    page_table: Any,
+    logits_soft_cap: Any,
+    sinks: Any,
+    dropout_rate: Any,
+    dropout_key: Any,
+    deterministic_backward: Any,
+) -> tuple[AttentionConfig, AttentionInputs]:
+    """Check every argument of `attention` and describe the call statically.
+
+    Array arguments may be arrays or `jax.ShapeDtypeStruct`s. Returns the static configuration and the arrays.
+    """
+    # dtypes
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not _is_float(x.dtype) or x.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"`{name}` must have dtype float16, bfloat16 or float32. Got {name}.dtype={x.dtype}."
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            "`query`, `key` and `value` must share one dtype. "
+            f"Got query.dtype={query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}."
+        )
+    got_qkv = f"Got query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}."
+
+    # layout
+    if cu_seqlens_kv is not None and cu_seqlens_q is None:
+        raise ValueError("`cu_seqlens_kv` requires `cu_seqlens_q` (THD layout). Got cu_seqlens_q=None.")
+    if cu_seqlens_q is not None:
+        layout = "thd"
+    elif page_table is not None:
+        layout = "paged"
+    else:
+        layout = "dense"
+
+    if layout == "thd":
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.ndim != 3:
+                raise ValueError(
+                    f"With `cu_seqlens_q` (THD layout) `{name}` must be packed tokens of rank 3 "
+                    f"([T, N, H] / [S, K, H] / [S, K, Hv]). {got_qkv}"
+                )
+        batch_shape: tuple[int, ...] = ()
+    elif layout == "paged":
+        if query.ndim != 4:
+            raise ValueError(
+                f"With `page_table` `query` must have rank 4 [B, T, N, H]. Got query.shape={tuple(query.shape)}."
+            )
+        for name, x in (("key", key), ("value", value)):
+            if x.ndim != 4:
+                raise ValueError(
+                    f"With `page_table` `{name}` must be a page pool of rank 4 [P, page_size, K, H|Hv]. {got_qkv}"
+                )
+        if key.shape[:2] != value.shape[:2]:
+            raise ValueError(
+                "With `page_table` `key` and `value` pools must have the same [P, page_size]. " + got_qkv
+            )
+        batch_shape = tuple(query.shape[:1])
+    else:
+        if query.ndim < 3:
+            raise ValueError(
+                f"`query` must have shape [*B, T, N, H] or [T, N, H] (rank >= 3). Got query.shape={tuple(query.shape)}."
+            )
+        if key.ndim != query.ndim or value.ndim != query.ndim:
+            raise ValueError(f"`key` and `value` must have the same rank as `query`. {got_qkv}")
+        if not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
+            raise ValueError(f"`query`, `key` and `value` must share the batch dims *B. {got_qkv}")
+        batch_shape = tuple(query.shape[:-3])
+    unbatched = layout == "dense" and query.ndim == 3
+
+    T, N, H = (int(d) for d in query.shape[-3:])
+    K, Hk = int(key.shape[-2]), int(key.shape[-1])
+    Hv = int(value.shape[-1])
+    if Hk != H:
+        raise ValueError(f"`query` and `key` must have the same head dim H. Got H={H} and {Hk}. {got_qkv}")
+    if value.shape[-2] != K:
+        raise ValueError(f"`key` and `value` must have the same number of heads K. {got_qkv}")
+    if layout != "paged" and key.shape[-3] != value.shape[-3]:
+        raise ValueError(f"`key` and `value` must have the same length S. {got_qkv}")
+    if K == 0 or N % K != 0:
+        raise ValueError(
+            f"`query` has N={N} heads but `key` has K={K}; N must be a multiple of K. "
+            f"Got query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}."
+        )
+    if H == 0 or Hv == 0:
+        raise ValueError(f"Head dims must be positive. {got_qkv}")
+
+    # paged geometry
+    page_size = pages_per_seq = num_pages = None
+    num_sequences = None
+    if layout == "paged":
+        _require_int_array("page_table", page_table)
+        if page_table.ndim != 2 or page_table.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"`page_table` must have shape [B, pages_per_seq] with B={query.shape[0]} rows (query's batch). "
+                f"Got page_table.shape={tuple(page_table.shape)}."
+            )
+        num_pages, page_size = int(key.shape[0]), int(key.shape[1])
+        pages_per_seq = int(page_table.shape[1])
+        num_sequences = int(page_table.shape[0])
+        if key_value_seq_lengths is None:
+            raise ValueError(
+                "`page_table` needs `key_value_seq_lengths` (the number of valid cached tokens per sequence). "
+                "Got key_value_seq_lengths=None."
+            )
+        if _is_concrete(page_table):
+            pt = np.asarray(page_table)
+            if pt.size and (pt.min() < 0 or pt.max() >= num_pages):
+                raise ValueError(
+                    f"`page_table` entries must lie in [0, {num_pages}) (the P pages of the pool). "
+                    f"Got entries in [{pt.min()}, {pt.max()}]."
+                )
+        S = pages_per_seq * page_size
+    else:
+        S = int(key.shape[-3])
+
+    # THD
+    if layout == "thd":
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, T, "query")
+        if cu_seqlens_kv is not None:
+            _check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, S, "key")
+            if cu_seqlens_kv.shape != cu_seqlens_q.shape:
+                raise ValueError(
+                    "`cu_seqlens_q` and `cu_seqlens_kv` must describe the same number of sequences. "
+                    f"Got cu_seqlens_q.shape={tuple(cu_seqlens_q.shape)}, "
+                    f"cu_seqlens_kv.shape={tuple(cu_seqlens_kv.shape)}."
+                )
+        elif S != T:
+            raise ValueError(
+                f"Without `cu_seqlens_kv`, keys are packed like queries and `key` must have T={T} tokens. "
+                f"Got key.shape={tuple(key.shape)}."
+            )
+        num_sequences = int(cu_seqlens_q.shape[0]) - 1
+        for name, x in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths),
+                        ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+            if x is not None:
+                raise ValueError(
+                    f"`{name}` cannot be combined with `cu_seqlens_q` (THD): sequence boundaries come from the "
+                    "cumulative lengths. Got both."
+                )
+    max_q = None if max_seqlen_q is None else _require_positive_int("max_seqlen_q", max_seqlen_q)
+    max_kv = None if max_seqlen_kv is None else _require_positive_int("max_seqlen_kv", max_seqlen_kv)
+    if (max_q is not None or max_kv is not None) and layout != "thd":
+        raise ValueError("`max_seqlen_q` / `max_seqlen_kv` apply only to the THD layout (with `cu_seqlens_q`).")
+    if layout == "thd":
+        max_q = T if max_q is None else max_q
+        max_kv = S if max_kv is None else max_kv
+
+    # padding lengths
+    for name, x in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)):
+        if x is not None:
+            _require_int_array(name, x)
+            _require_shape(name, x, batch_shape, "*B")
+
+    # segments
+    if kv_segment_ids is not None and q_segment_ids is None:
+        raise ValueError("`kv_segment_ids` requires `q_segment_ids`. Got q_segment_ids=None.")
+    if q_segment_ids is not None:
+        if layout == "paged":
+            raise ValueError("`q_segment_ids` cannot be combined with `page_table`. Got both.")
+        _require_int_array("q_segment_ids", q_segment_ids)
+        _require_shape("q_segment_ids", q_segment_ids, batch_shape + (T,), "[*B, T]")
+        if kv_segment_ids is not None:
+            _require_int_array("kv_segment_ids", kv_segment_ids)
+            _require_shape("kv_segment_ids", kv_segment_ids, batch_shape + (S,), "[*B, S]")
+        elif S != T:
+            raise ValueError(
+                f"Without `kv_segment_ids`, keys reuse `q_segment_ids`, so S must equal T. Got T={T}, S={S}."
+            )
+    if max_segments_per_row is not None:
+        max_segments_per_row = _require_positive_int("max_segments_per_row", max_segments_per_row)
+        if q_segment_ids is None:
+            raise ValueError("`max_segments_per_row` needs `q_segment_ids`. Got q_segment_ids=None.")
+
+    # bias / mask
+    target = batch_shape + (N, T, S)
+    if bias is not None:
+        if not _is_float(bias.dtype):
+            raise TypeError(f"`bias` must have a floating dtype. Got bias.dtype={bias.dtype}.")
+        _check_broadcastable("bias", bias, target, "[*B, N, T, S]")
+    if mask is not None:
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"`mask` must be boolean (True = may attend). Got mask.dtype={mask.dtype}.")
+        _check_broadcastable("mask", mask, target, "[*B, N, T, S]")
+
+    # scalars and flags
+    if scale is None:
+        scale = 1.0 / math.sqrt(H)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"`scale` must be a finite Python float. Got {scale!r}.")
+    _require_bool("is_causal", is_causal)
+    _require_bool("return_residual", return_residual)
+    _require_bool("deterministic_backward", deterministic_backward)
+    if diagonal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(
+            f"`diagonal_alignment` must be 'top_left' or 'bottom_right'. Got {diagonal_alignment!r}."
+        )
+    window = _window(local_window_size)
+    if logits_soft_cap is not None and (
+        isinstance(logits_soft_cap, bool)
+        or not isinstance(logits_soft_cap, numbers.Real)
+        or not math.isfinite(logits_soft_cap)
+        or logits_soft_cap <= 0
+    ):
+        raise ValueError(f"`logits_soft_cap` must be a positive finite float. Got {logits_soft_cap!r}.")
+    if sinks is not None:
+        if not _is_float(sinks.dtype):
+            raise TypeError(f"`sinks` must have a floating dtype. Got sinks.dtype={sinks.dtype}.")
+        _require_shape("sinks", sinks, (N,), "[N]")
+    if (
+        isinstance(dropout_rate, bool)
+        or not isinstance(dropout_rate, numbers.Real)
+        or not (0.0 <= dropout_rate < 1.0)
+    ):
+        raise ValueError(f"`dropout_rate` must be a float in [0, 1). Got {dropout_rate!r}.")
+    if dropout_rate > 0 and dropout_key is None:
+        raise ValueError(f"`dropout_rate`={dropout_rate} > 0 needs a `dropout_key`. Got dropout_key=None.")
+
+    config = AttentionConfig(
+        layout=layout,
+        batch_shape=batch_shape,
+        unbatched=unbatched,
+        q_len=T,
+        kv_len=S,
+        num_q_heads=N,
+        num_kv_heads=K,
+        head_dim=H,
+        value_head_dim=Hv,
+        dtype=np.dtype(query.dtype),
+        scale=float(scale),
+        is_causal=bool(is_causal),
+        diagonal_alignment=diagonal_alignment,
+        window=window,
+        bias_shape=None if bias is None else tuple(bias.shape),
+        mask_shape=None if mask is None else tuple(mask.shape),
+        has_q_lengths=query_seq_lengths is not None,
+        has_kv_lengths=key_value_seq_lengths is not None,
+        has_segments=q_segment_ids is not None,
+        max_segments_per_row=max_segments_per_row,
+        num_sequences=num_sequences,
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        num_pages=num_pages,
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        has_sinks=sinks is not None,
+        dropout_rate=float(dropout_rate),
+        return_residual=bool(return_residual),
+        deterministic_backward=bool(deterministic_backward),
+    )
+    inputs = AttentionInputs(
+        query=query,
+        key=key,
+        value=value,
+        bias=bias,
+        mask=mask,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_kv=cu_seqlens_kv,
+        page_table=page_table,
+        sinks=sinks,
+        dropout_key=dropout_key,
+    )
+    return config, inputs
