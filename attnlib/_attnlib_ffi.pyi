@@ -1,0 +1,25 @@
+"""attnlib's native XLA FFI extension: executes serialized cuDNN graphs."""
+
+from typing import Any
+
+
+def registrations(command_buffer: bool = True) -> dict[str, dict[str, Any]]:
+    """FFI handler bundles by target name; `command_buffer` marks execute capturable into CUDA graphs."""
+
+def state_type() -> dict[str, Any]:
+    """The FFI state type of `attnlib_cudnn_graph`, for `jax.ffi.register_ffi_type`."""
+
+def frontend_version() -> int:
+    """CUDNN_FRONTEND_VERSION of the headers this module was compiled against (13200 for 1.32.0)."""
+
+def graph_json_version() -> str:
+    """The serialized-graph JSON version this module reads."""
+
+def canonicalize_graph(blob: bytes) -> bytes:
+    """The blob with its process-dependent graph id zeroed, so equal graphs give equal bytes."""
+
+def graph_versions(blob: bytes) -> tuple[str, int, str]:
+    """(json_version, cudnn_frontend_version, cudnn_backend_version) recorded in a blob."""
+
+def load_cudnn(hint: str = "") -> int:
+    """Binds the extension to libcudnn (the copy already loaded, else `hint`, else the soname); returns its version."""

@@ -1,0 +1,96 @@
+// Python module `attnlib._attnlib_ffi`: the FFI handler capsules of target `attnlib_cudnn_graph`, its state type, and
+// helpers the graph builder uses (blob canonicalization, version checks).
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "cudnn_graph.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::bytes ToBytes(const std::string& s) { return nb::bytes(s.data(), s.size()); }
+
+std::string FromBytes(nb::bytes b) { return std::string(b.c_str(), b.size()); }
+
+}  // namespace
+
+NB_MODULE(_attnlib_ffi, m) {
+  m.doc() = "attnlib's native XLA FFI extension: executes serialized cuDNN graphs.";
+
+  m.def(
+      "registrations",
+      [](bool command_buffer) {
+        nb::dict handlers;
+        handlers["instantiate"] = Capsule(AttnlibCudnnGraphInstantiate);
+        handlers["initialize"] = Capsule(AttnlibCudnnGraphInitialize);
+        handlers["execute"] =
+            command_buffer ? Capsule(AttnlibCudnnGraphExecute) : Capsule(AttnlibCudnnGraphExecuteNoCmdBuffer);
+        nb::dict out;
+        out["attnlib_cudnn_graph"] = handlers;
+        return out;
+      },
+      nb::arg("command_buffer") = true,
+      "FFI handler bundles by target name; `command_buffer` marks execute capturable into CUDA graphs.");
+
+  m.def(
+      "state_type",
+      []() {
+        nb::dict type;
+        type["type_id"] = nb::capsule(reinterpret_cast<void*>(AttnlibGraphStateTypeId()));
+        type["type_info"] = nb::capsule(const_cast<void*>(static_cast<const void*>(AttnlibGraphStateTypeInfo())));
+        return type;
+      },
+      "The FFI state type of `attnlib_cudnn_graph`, for `jax.ffi.register_ffi_type`.");
+
+  m.def("frontend_version", &attnlib::FrontendVersion,
+        "CUDNN_FRONTEND_VERSION of the headers this module was compiled against (13200 for 1.32.0).");
+
+  m.def("graph_json_version", &attnlib::GraphJsonVersion, "The serialized-graph JSON version this module reads.");
+
+  m.def(
+      "canonicalize_graph",
+      [](nb::bytes blob) {
+        std::string out, error;
+        if (!attnlib::CanonicalizeGraph(FromBytes(blob), &out, &error)) {
+          throw std::invalid_argument("not a serialized cuDNN graph: " + error);
+        }
+        return ToBytes(out);
+      },
+      nb::arg("blob"), "The blob with its process-dependent graph id zeroed, so equal graphs give equal bytes.");
+
+  m.def(
+      "graph_versions",
+      [](nb::bytes blob) {
+        std::string json_version, backend, error;
+        int64_t frontend = -1;
+        if (!attnlib::GraphVersions(FromBytes(blob), &json_version, &frontend, &backend, &error)) {
+          throw std::invalid_argument("not a serialized cuDNN graph: " + error);
+        }
+        return std::make_tuple(json_version, frontend, backend);
+      },
+      nb::arg("blob"), "(json_version, cudnn_frontend_version, cudnn_backend_version) recorded in a blob.");
+
+  m.def(
+      "load_cudnn",
+      [](const std::string& hint) {
+        std::string error;
+        int64_t version = attnlib::LoadCudnn(hint, &error);
+        if (version < 0) throw std::runtime_error(error);
+        return version;
+      },
+      nb::arg("hint") = "",
+      "Binds the extension to libcudnn (the copy already loaded, else `hint`, else the soname); returns its version.");
+}
