@@ -1,9 +1,66 @@
 """Guarded access to attnlib's native extension (`attnlib._attnlib_ffi`).
 
-Placeholder until the native extension lands: reports it missing.
+The extension is optional: a CPU-only install has none, and then the cuDNN implementation declines with the reason
+`unavailable_reason()` gives. When it is present, importing this module's `extension()` registers the FFI target
+`attnlib_cudnn_graph` and its state type for the CUDA platform (that needs no GPU: registration is lazy in JAX).
 """
+
+import functools
+import importlib.metadata
+import os
+import types
+
+import jax
+
+
+TARGET = "attnlib_cudnn_graph"
+STATE_TYPE = "attnlib_cudnn_graph_state"
+
+
+def _frontend_version_string(code: int) -> str:
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+
+
+@functools.cache
+def _load() -> tuple[types.ModuleType | None, str | None]:
+    try:
+        from attnlib import _attnlib_ffi  # pyright: ignore[reportAttributeAccessIssue]
+    except ImportError as e:
+        return None, f"attnlib was built without its native extension ({e})"
+    compiled = _frontend_version_string(_attnlib_ffi.frontend_version())
+    try:
+        installed = importlib.metadata.version("nvidia-cudnn-frontend")
+    except importlib.metadata.PackageNotFoundError:
+        return None, (
+            f"the cuDNN frontend Python package is not installed; attnlib's extension was compiled against "
+            f"nvidia-cudnn-frontend {compiled} (pip install --no-deps nvidia-cudnn-frontend=={compiled})"
+        )
+    if installed != compiled:
+        return None, (
+            f"nvidia-cudnn-frontend {installed} is installed but attnlib's extension was compiled against "
+            f"{compiled}; serialized graphs are only compatible between equal versions (reinstall attnlib or "
+            f"nvidia-cudnn-frontend=={compiled})"
+        )
+    # Command buffers (CUDA graphs) can be turned off for debugging: XLA then never captures the execute handler.
+    command_buffer = os.environ.get("ATTNLIB_CUDNN_COMMAND_BUFFER", "1") != "0"
+    for name, handlers in _attnlib_ffi.registrations(command_buffer).items():
+        jax.ffi.register_ffi_target(name, handlers, platform="CUDA")
+    jax.ffi.register_ffi_type(STATE_TYPE, _attnlib_ffi.state_type(), platform="CUDA")
+    return _attnlib_ffi, None
+
+
+def extension() -> types.ModuleType:
+    """The registered native module.
+
+    Raises:
+        NotImplementedError: if it is unavailable (with the reason).
+    """
+    module, reason = _load()
+    if module is None:
+        raise NotImplementedError(f"cudnn: {reason}")
+    return module
 
 
 def unavailable_reason() -> str | None:
     """None when the native cuDNN extension is importable and registered, else why not."""
-    return "attnlib was built without its native extension"
+    return _load()[1]

@@ -1,0 +1,26 @@
+"""`implementation="cudnn"`: cuDNN fused attention graphs run by attnlib's native XLA FFI extension.
+
+The import is cheap and safe everywhere: nothing here imports the cuDNN frontend or touches a GPU until a call is
+traced on a machine that has one.
+"""
+
+import jax
+
+from ...config import AttentionConfig, AttentionInputs
+from . import support
+
+
+class _Cudnn:
+    name = "cudnn"
+
+    def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None:
+        reason = support.decline_reason(config)
+        return None if reason is None else reason.removeprefix("cudnn: ")
+
+    def attention(self, config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+        from . import attention
+
+        return attention.attention(config, inputs)
+
+
+IMPLEMENTATION = _Cudnn()

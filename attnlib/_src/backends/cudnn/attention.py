@@ -1,0 +1,352 @@
+"""cuDNN attention through attnlib's FFI executor: graph calls, batching, and the custom VJP.
+
+Layers, bottom up:
+- `ffi_graph_call`: one `jax.ffi.ffi_call` of the target `attnlib_cudnn_graph` for a built graph.
+- `graph_call(spec)`: the same under `jax.custom_batching.custom_vmap`, whose rule folds a vmapped axis into the
+  graph's batch dim and runs one bigger graph (a fused call, not a loop).
+- `_sdpa`: forward graph + backward graph as a `jax.custom_vjp`, with padding rows zeroed.
+- `attention(config, inputs)`: the implementation entry point (flattening `*B`, slicing bottom-right `T > S`).
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ... import dropout as dropout_lib, ffi
+from ...config import AttentionConfig, AttentionInputs
+from . import graphs, support
+from .cache import GraphCache, GraphEntry
+from .graphs import GraphSpec, Uid
+
+
+CACHE = GraphCache()
+"""The process's graph cache (memory, plus disk under `ATTNLIB_CACHE_DIR`)."""
+
+
+def get_entry(spec: GraphSpec) -> GraphEntry:
+    """The built graph of `spec`: cached in memory / on disk, else built now (about a second)."""
+    return CACHE.get(graphs.cache_key(spec, support.device()), lambda: graphs.build(spec))
+
+
+def ffi_graph_call(spec: GraphSpec, entry: GraphEntry, *operands: jax.Array) -> tuple[jax.Array, ...]:
+    """Run a built graph on `operands` (in `spec.in_uids()` order); returns the outputs in `spec.out_uids()` order."""
+    results = [jax.ShapeDtypeStruct(*spec.shape(uid)) for uid in spec.out_uids()]
+    results.append(jax.ShapeDtypeStruct((max(entry.workspace_bytes, 1),), jnp.uint8))
+    call = jax.ffi.ffi_call(ffi.TARGET, results, vmap_method="sequential")
+    outs = call(
+        *operands,
+        graph=np.frombuffer(entry.blob, np.uint8),
+        label=entry.label,
+        in_uids=np.asarray(entry.in_uids, np.int64),
+        out_uids=np.asarray(entry.out_uids, np.int64),
+        ws_bytes=np.int64(entry.workspace_bytes),
+        zero_fill=np.asarray(entry.zero_fill, np.int64),
+    )
+    return tuple(outs[:-1])
+
+
+_BATCH_MAJOR = {Uid.Q, Uid.K, Uid.V, Uid.O, Uid.DO, Uid.STATS, Uid.DQ, Uid.DK, Uid.DV, Uid.SEQ_Q, Uid.SEQ_KV}
+_BIAS = {Uid.BIAS, Uid.DBIAS}
+
+
+@functools.cache
+def graph_call(spec: GraphSpec) -> Any:
+    """`fn(*operands) -> outputs` running the graph of `spec`; `vmap` folds the mapped axis into the batch."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*operands: jax.Array) -> tuple[jax.Array, ...]:
+        return ffi_graph_call(spec, get_entry(spec), *operands)
+
+    @call.def_vmap
+    def fold(axis_size: int, in_batched: list[bool], *operands: jax.Array) -> tuple[Any, Any]:
+        uids = spec.in_uids()
+        out_uids = spec.out_uids()
+        shared_batched = any(b for u, b in zip(uids, in_batched) if u not in _BATCH_MAJOR and u not in _BIAS)
+        if shared_batched:
+            # Per-example sinks or dropout seeds cannot share one graph call: loop over the mapped axis.
+            batched_ops = tuple(x for x, b in zip(operands, in_batched) if b)
+
+            def one(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+                it = iter(xs)
+                return call(*(next(it) if b else x for x, b in zip(operands, in_batched)))
+
+            outs = jax.lax.map(one, batched_ops)
+            return outs, tuple(True for _ in out_uids)
+
+        V, B = axis_size, spec.b
+        folded = []
+        for uid, x, batched in zip(uids, operands, in_batched):
+            if uid in _BATCH_MAJOR:
+                x = x if batched else jnp.broadcast_to(x, (V,) + x.shape)
+                folded.append(jnp.reshape(x, (V * B,) + x.shape[2:]))
+            elif uid in _BIAS:
+                x = x if batched else jnp.broadcast_to(x, (V,) + x.shape)
+                x = jnp.broadcast_to(x, (V, B) + x.shape[2:])
+                folded.append(jnp.reshape(x, (V * B,) + x.shape[2:]))
+            else:
+                folded.append(x)
+        big = dataclasses.replace(spec, b=V * B, bias_b=V * B if spec.bias_b else 0)
+        outs = graph_call(big)(*folded)
+        unfolded = []
+        for uid, y in zip(out_uids, outs):
+            y = jnp.reshape(y, (V, B) + y.shape[1:])
+            if uid in _BIAS and spec.bias_b == 1:
+                y = jnp.sum(y.astype(jnp.float32), axis=1, keepdims=True).astype(y.dtype)
+            unfolded.append(y)
+        return tuple(unfolded), tuple(True for _ in out_uids)
+
+    return call
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static description of one cuDNN attention problem `[B, T, N, H]` (after flattening and slicing).
+
+    Attributes:
+        fwd, bwd: the graph specs.
+        left, right: the visible key offsets around a query's aligned diagonal (None = unbounded), as in the API.
+        bottom_right: queries are aligned to the end of their key sequence.
+        all_rows_valid: statically, every query row sees at least one key (no masking of rows needed).
+        dropout: the dropout rate.
+    """
+
+    fwd: GraphSpec
+    bwd: GraphSpec
+    left: int | None
+    right: int | None
+    bottom_right: bool
+    all_rows_valid: bool
+
+
+def _row_valid(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array:
+    """Bool `[B, T]`: the query row exists and sees at least one key."""
+    spec = plan.fwd
+    i = jnp.arange(spec.t, dtype=jnp.int32)[None, :]
+    q_len = jnp.full((spec.b, 1), spec.t, jnp.int32) if seq_q is None else seq_q.astype(jnp.int32)[:, None]
+    kv_len = jnp.full((spec.b, 1), spec.s, jnp.int32) if seq_kv is None else seq_kv.astype(jnp.int32)[:, None]
+    diagonal = i + (kv_len - q_len if plan.bottom_right else 0)
+    lo = jnp.zeros_like(diagonal) if plan.left is None else jnp.maximum(diagonal - plan.left, 0)
+    hi = kv_len - 1 if plan.right is None else jnp.minimum(diagonal + plan.right, kv_len - 1)
+    return (i < q_len) & (lo <= hi)
+
+
+def _static_rows_valid(spec: GraphSpec, left: int | None, right: int | None, bottom_right: bool) -> bool:
+    if spec.padding:
+        return False
+    i = np.arange(spec.t)
+    diagonal = i + (spec.s - spec.t if bottom_right else 0)
+    lo = np.zeros_like(diagonal) if left is None else np.maximum(diagonal - left, 0)
+    hi = np.full_like(diagonal, spec.s - 1) if right is None else np.minimum(diagonal + right, spec.s - 1)
+    return bool(np.all(lo <= hi))
+
+
+def _operands(spec: GraphSpec, values: dict[Uid, jax.Array | None]) -> list[jax.Array]:
+    return [values[uid] for uid in spec.in_uids()]  # pyright: ignore[reportReturnType]
+
+
+def _masked_lse(stats: jax.Array, valid: jax.Array | None, sinks: jax.Array | None) -> jax.Array:
+    """`[B, N, T]` stats -> lse `[B, T, N]` with rows that see no key set to the sink (or -inf)."""
+    lse = jnp.transpose(stats, (0, 2, 1))
+    if valid is None:
+        return lse
+    empty = jnp.full_like(lse, -jnp.inf) if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), lse.shape)
+    return jnp.where(valid[:, :, None], lse, empty)
+
+
+def _forward(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds):
+    seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
+    values = {
+        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.BIAS: bias, Uid.SEQ_Q: seq_q, Uid.SEQ_KV: seq_kv,
+        Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks,
+    }
+    out, stats = graph_call(plan.fwd)(*_operands(plan.fwd, values))
+    valid = None if plan.all_rows_valid else _row_valid(plan, seq_q, seq_kv)
+    if valid is not None:
+        out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+        # Rows that see no key: finite stats make the backward's probabilities exactly zero there.
+        stats = jnp.where(valid[:, None, :], stats, 0.0)
+    return out, stats, valid
+
+
+def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv) -> jax.Array:
+    """float32 lse `[B, T, N]` computed by materialising the scores (used only for gradients flowing into lse)."""
+    spec = plan.fwd
+    G = spec.n // spec.k
+    q5 = jnp.reshape(q.astype(jnp.float32), (spec.b, spec.t, spec.k, G, spec.h))
+    s = jnp.einsum("btkgh,bskh->bkgts", q5, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * spec.scale
+    if bias is not None:
+        s = s + jnp.reshape(bias.astype(jnp.float32), (bias.shape[0], spec.k if bias.shape[1] > 1 else 1,
+                                                        G if bias.shape[1] > 1 else 1, spec.t, spec.s))
+    i = jnp.arange(spec.t)[None, :, None]
+    j = jnp.arange(spec.s)[None, None, :]
+    q_len = jnp.full((spec.b,), spec.t) if seq_q is None else seq_q
+    kv_len = jnp.full((spec.b,), spec.s) if seq_kv is None else seq_kv
+    diagonal = i + ((kv_len - q_len)[:, None, None] if plan.bottom_right else 0)
+    allowed = (i < q_len[:, None, None]) & (j < kv_len[:, None, None])
+    if plan.left is not None:
+        allowed &= j >= diagonal - plan.left
+    if plan.right is not None:
+        allowed &= j <= diagonal + plan.right
+    s = jnp.where(allowed[:, None, None], s, -jnp.inf)
+    if sinks is not None:
+        sink = jnp.broadcast_to(jnp.reshape(sinks.astype(jnp.float32), (1, spec.k, G, 1, 1)), s.shape[:-1] + (1,))
+        s = jnp.concatenate([s, sink], axis=-1)
+    lse = jax.nn.logsumexp(s, axis=-1)  # [B, K, G, T]
+    return jnp.transpose(jnp.reshape(lse, (spec.b, spec.n, spec.t)), (0, 2, 1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sdpa(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds):
+    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds)
+    return out, _masked_lse(stats, valid, sinks)
+
+
+def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds):
+    unwrap = lambda x: x.value if isinstance(x, jax.custom_derivatives.CustomVJPPrimal) else x
+    primals = jax.tree.map(
+        unwrap, (q, k, v, bias, sinks, seq_q, seq_kv, seeds),
+        is_leaf=lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal),
+    )
+    q, k, v, bias, sinks, seq_q, seq_kv, seeds = primals
+    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds)
+    residuals = (q, k, v, bias, sinks, seq_q, seq_kv, seeds, out, stats, valid)
+    return (out, _masked_lse(stats, valid, sinks)), residuals
+
+
+def _sdpa_bwd(plan: Plan, residuals, cotangents):
+    q, k, v, bias, sinks, seq_q, seq_kv, seeds, out, stats, valid = residuals
+    d_out, d_lse = cotangents
+    if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+        d_out = jnp.zeros(out.shape, out.dtype)
+    d_out = d_out.astype(out.dtype)
+    if valid is not None:
+        d_out = jnp.where(valid[:, :, None, None], d_out, jnp.zeros((), d_out.dtype))
+    seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
+    values = {
+        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.BIAS: bias,
+        Uid.SEQ_Q: seq_q, Uid.SEQ_KV: seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks,
+    }
+    grads = graph_call(plan.bwd)(*_operands(plan.bwd, values))
+    dq, dk, dv = grads[:3]
+    dbias = grads[3] if bias is not None else None
+    zero = lambda x: jnp.zeros((), x.dtype)
+    if valid is not None:
+        dq = jnp.where(valid[:, :, None, None], dq, zero(dq))
+    if seq_kv is not None:
+        key_valid = jnp.arange(plan.fwd.s)[None, :] < seq_kv[:, None]
+        dk = jnp.where(key_valid[:, :, None, None], dk, zero(dk))
+        dv = jnp.where(key_valid[:, :, None, None], dv, zero(dv))
+    dsinks = None
+    if sinks is not None:
+        # d out_i / d sink = -p_sink,i * out_i with p_sink,i = exp(sink - lse_i); rows that see no key have out = 0.
+        row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - stats)  # [B, N, T]
+        if valid is not None:
+            p_sink = jnp.where(valid[:, None, :], p_sink, 0.0)
+        dsinks = -jnp.einsum("btn,bnt->n", row, p_sink).astype(sinks.dtype)
+    if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
+        # Gradients flowing into lse: cuDNN's backward has no input for them; differentiate a reference lse.
+        diff = (q, k, v, bias, sinks)
+        _, vjp = jax.vjp(lambda *a: _lse_reference(plan, *a, seq_q, seq_kv), *diff)
+        extra = vjp(d_lse.astype(jnp.float32))
+        dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
+        if bias is not None:
+            dbias = dbias + extra[3].astype(dbias.dtype)
+        if sinks is not None:
+            dsinks = dsinks + extra[4].astype(dsinks.dtype)
+    return dq, dk, dv, dbias, dsinks, None, None, None
+
+
+_sdpa.defvjp(_sdpa_fwd, _sdpa_bwd, symbolic_zeros=True)
+
+
+def make_plan(config: AttentionConfig, b: int, t: int, bias_shape: tuple[int, int] | None) -> Plan:
+    """The graphs for a `[b, t, N, H]` problem (`t` after any bottom-right slicing) of `config`."""
+    s = config.kv_len
+    padded = config.has_q_lengths or config.has_kv_lengths
+    left = None if config.window is None else config.window[0]
+    right = support.effective_right(config)
+    bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
+    if bottom_right and t == s and not padded:
+        bottom_right = False
+    common = dict(
+        dtype=np.dtype(config.dtype).name,
+        b=b, t=t, s=s, n=config.num_q_heads, k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim,
+        scale=float(config.scale),
+        alignment="bottom_right" if bottom_right else "top_left",
+        left_bound=None if left is None else left + 1,
+        right_bound=right,
+        padding=padded,
+        bias_b=0 if bias_shape is None else bias_shape[0],
+        bias_n=0 if bias_shape is None else bias_shape[1],
+        dropout=float(config.dropout_rate),
+        sinks=config.has_sinks,
+    )
+    fwd = GraphSpec(direction="fwd", **common)
+    bwd = GraphSpec(direction="bwd", deterministic=config.deterministic_backward, **common)
+    return Plan(fwd, bwd, left, right, bottom_right, _static_rows_valid(fwd, left, right, bottom_right))
+
+
+def _bias_rank4(bias: jax.Array, batch_shape: tuple[int, ...], n: int, t: int, s: int, dtype: Any) -> jax.Array:
+    """Bias broadcastable to `[*B, N, T, S]` -> `[B|1, N|1, T, S]` in the io dtype."""
+    nb = len(batch_shape)
+    x = jnp.reshape(bias, (1,) * (nb + 3 - bias.ndim) + bias.shape)
+    if all(d == 1 for d in x.shape[:nb]):
+        x = jnp.reshape(x, (1,) + x.shape[nb:])
+    else:
+        x = jnp.reshape(jnp.broadcast_to(x, batch_shape + x.shape[nb:]), (-1,) + x.shape[nb:])
+    heads = n if x.shape[1] != 1 else 1
+    return jnp.broadcast_to(x, (x.shape[0], heads, t, s)).astype(dtype)
+
+
+def attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+    """`(out [*B, T, N, Hv], lse float32 [*B, T, N])` computed by cuDNN graphs."""
+    reason = support.decline_reason(config)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    batch_shape = () if config.unbatched else config.batch_shape
+    B, T, S, N = config.batch_size, config.q_len, config.kv_len, config.num_q_heads
+    dtype = inputs.query.dtype
+    q = jnp.reshape(inputs.query, (B, T, N, config.head_dim))
+    k = jnp.reshape(inputs.key, (B, S, config.num_kv_heads, config.head_dim))
+    v = jnp.reshape(inputs.value, (B, S, config.num_kv_heads, config.value_head_dim))
+    sinks = None if inputs.sinks is None else inputs.sinks.astype(jnp.float32)
+
+    def finish(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+        out = jnp.reshape(out.astype(dtype), batch_shape + (T, N, config.value_head_dim))
+        return out, jnp.reshape(lse, batch_shape + (T, N))
+
+    if B == 0 or T == 0 or S == 0:
+        out = jnp.zeros((B, T, N, config.value_head_dim), dtype)
+        empty = jnp.full((B, T, N), -jnp.inf, jnp.float32) if sinks is None else jnp.broadcast_to(sinks, (B, T, N))
+        return finish(out, empty)
+
+    padded = config.has_q_lengths or config.has_kv_lengths
+    seq_q = seq_kv = None
+    if padded:
+        full = lambda x, n: jnp.full((B,), n, jnp.int32) if x is None else jnp.reshape(x, (B,)).astype(jnp.int32)
+        seq_q = jnp.minimum(full(inputs.query_seq_lengths, T), T)
+        seq_kv = jnp.minimum(full(inputs.key_value_seq_lengths, S), S)
+
+    # Bottom-right with more queries than keys: the first T - S queries see nothing (policy guarantees it).
+    skip = T - S if (config.diagonal_alignment == "bottom_right" and T > S and not padded
+                     and (config.is_causal or config.window is not None)) else 0
+    t = T - skip
+    bias = None
+    if inputs.bias is not None:
+        bias = _bias_rank4(inputs.bias, config.batch_shape, N, T, S, dtype)[:, :, skip:, :]
+    seeds = None
+    if config.dropout_rate > 0:
+        seeds = jax.lax.bitcast_convert_type(dropout_lib.dropout_seeds(inputs.dropout_key), jnp.int32)
+
+    plan = make_plan(config, B, t, None if bias is None else (bias.shape[0], bias.shape[1]))
+    out, lse = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds)
+    if skip:
+        out = jnp.concatenate([jnp.zeros((B, skip) + out.shape[2:], out.dtype), out], axis=1)
+        head = jnp.full((B, skip, N), -jnp.inf, jnp.float32) if sinks is None else jnp.broadcast_to(sinks, (B, skip, N))
+        lse = jnp.concatenate([head, lse], axis=1)
+    return finish(out, lse)

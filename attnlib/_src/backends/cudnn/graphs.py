@@ -1,0 +1,332 @@
+"""Forward and backward SDPA graphs built with the cuDNN frontend's Python API, serialized for the FFI executor.
+
+A graph is fully described by a `GraphSpec`. Tensors follow the fixed UID table `Uid`, shared with the C++ executor
+through the `in_uids`/`out_uids` attributes. Memory layouts are JAX's row-major arrays:
+
+| tensor | JAX array | cuDNN dims (logical BHSD) |
+|---|---|---|
+| Q, dQ | `[B, T, N, H]` | `[B, N, T, H]` |
+| K, dK | `[B, S, K, H]` | `[B, K, S, H]` |
+| V, dV | `[B, S, K, Hv]` | `[B, K, S, Hv]` |
+| O, dO | `[B, T, N, Hv]` | `[B, N, T, Hv]` |
+| Stats | float32 `[B, N, T]` | `[B, N, T, 1]` |
+| Bias, dBias | `[B|1, N|1, T, S]` | same |
+| seq lengths | int32 `[B]` | `[B, 1, 1, 1]` |
+| dropout seed, offset | int32 `[1]` | `[1, 1, 1, 1]` |
+| sinks | float32 `[N]` | `[1, N, 1, 1]` |
+
+The plan is always a cuDNN *backend* plan (a Python-engine plan serializes to a blob C++ cannot read), and the blob
+is canonicalized (its process-global graph id zeroed) so equal specs give equal bytes in every process.
+"""
+
+import dataclasses
+import enum
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from ... import ffi
+from . import support
+from .cache import GraphEntry
+
+
+PYPLAN_MAGIC = b"CUDNN_FE_PYPLAN"
+
+
+class Uid(enum.IntEnum):
+    """Tensor UIDs shared by the graph builder and the executor."""
+
+    Q = 1
+    K = 2
+    V = 3
+    O = 4
+    STATS = 5
+    DO = 6
+    DQ = 7
+    DK = 8
+    DV = 9
+    BIAS = 10
+    DBIAS = 11
+    SEQ_Q = 12
+    SEQ_KV = 13
+    SEED = 21
+    OFFSET = 22
+    SINK = 23
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSpec:
+    """Everything that determines one cuDNN SDPA graph.
+
+    Attributes:
+        direction: `"fwd"` (outputs O and Stats) or `"bwd"` (outputs dQ, dK, dV and dBias when `bias_b`).
+        dtype: `"float16"` or `"bfloat16"`.
+        b, t, s, n, k, h, hv: batch, query length, key length, query heads, key/value heads, head dims.
+        scale: the logit scale (baked into the graph).
+        alignment: `"top_left"` or `"bottom_right"` diagonal.
+        left_bound: cuDNN's `diagonal_band_left_bound` (keys `j > i - left_bound` are kept) or None.
+        right_bound: cuDNN's `diagonal_band_right_bound` (keys `j <= i + right_bound`) or None.
+        padding: per-sequence lengths are inputs.
+        bias_b, bias_n: bias dims `[bias_b, bias_n, t, s]`; `bias_b = 0` means no bias.
+        dropout: dropout probability (0 = off).
+        sinks: per-head sink logits are an input.
+        deterministic: deterministic backward algorithm.
+    """
+
+    direction: Literal["fwd", "bwd"]
+    dtype: str
+    b: int
+    t: int
+    s: int
+    n: int
+    k: int
+    h: int
+    hv: int
+    scale: float
+    alignment: Literal["top_left", "bottom_right"] = "top_left"
+    left_bound: int | None = None
+    right_bound: int | None = None
+    padding: bool = False
+    bias_b: int = 0
+    bias_n: int = 0
+    dropout: float = 0.0
+    sinks: bool = False
+    deterministic: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"sdpa_{self.direction}_b{self.b}_t{self.t}_s{self.s}_n{self.n}_k{self.k}_h{self.h}_hv{self.hv}"
+
+    def in_uids(self) -> tuple[Uid, ...]:
+        uids = [Uid.Q, Uid.K, Uid.V]
+        if self.direction == "bwd":
+            uids += [Uid.O, Uid.DO, Uid.STATS]
+        if self.bias_b:
+            uids.append(Uid.BIAS)
+        if self.padding:
+            uids += [Uid.SEQ_Q, Uid.SEQ_KV]
+        if self.dropout > 0:
+            uids += [Uid.SEED, Uid.OFFSET]
+        if self.sinks:
+            uids.append(Uid.SINK)
+        return tuple(uids)
+
+    def out_uids(self) -> tuple[Uid, ...]:
+        if self.direction == "fwd":
+            return (Uid.O, Uid.STATS)
+        return (Uid.DQ, Uid.DK, Uid.DV) + ((Uid.DBIAS,) if self.bias_b else ())
+
+    def zero_fill(self) -> tuple[int, ...]:
+        """Results cuDNN may leave partly unwritten: dBias with padding (entries past the lengths)."""
+        outs = self.out_uids()
+        return tuple(i for i, u in enumerate(outs) if u == Uid.DBIAS and self.padding)
+
+    def shape(self, uid: Uid) -> tuple[tuple[int, ...], str]:
+        """JAX shape and dtype of the array bound to `uid`."""
+        b, t, s, n, k, h, hv = self.b, self.t, self.s, self.n, self.k, self.h, self.hv
+        return {
+            Uid.Q: ((b, t, n, h), self.dtype),
+            Uid.DQ: ((b, t, n, h), self.dtype),
+            Uid.K: ((b, s, k, h), self.dtype),
+            Uid.DK: ((b, s, k, h), self.dtype),
+            Uid.V: ((b, s, k, hv), self.dtype),
+            Uid.DV: ((b, s, k, hv), self.dtype),
+            Uid.O: ((b, t, n, hv), self.dtype),
+            Uid.DO: ((b, t, n, hv), self.dtype),
+            Uid.STATS: ((b, n, t), "float32"),
+            Uid.BIAS: ((self.bias_b, self.bias_n, t, s), self.dtype),
+            Uid.DBIAS: ((self.bias_b, self.bias_n, t, s), self.dtype),
+            Uid.SEQ_Q: ((b,), "int32"),
+            Uid.SEQ_KV: ((b,), "int32"),
+            Uid.SEED: ((1,), "int32"),
+            Uid.OFFSET: ((1,), "int32"),
+            Uid.SINK: ((n,), "float32"),
+        }[uid]
+
+
+def _layout(uid: Uid, spec: GraphSpec) -> tuple[list[int], list[int]]:
+    """cuDNN dims and strides of `uid` for the row-major JAX array of `spec.shape(uid)`."""
+    b, t, s, n, k, h, hv = spec.b, spec.t, spec.s, spec.n, spec.k, spec.h, spec.hv
+
+    def bthd(rows: int, heads: int, dim: int) -> tuple[list[int], list[int]]:
+        return [b, heads, rows, dim], [rows * heads * dim, dim, heads * dim, 1]
+
+    if uid in (Uid.Q, Uid.DQ):
+        return bthd(t, n, h)
+    if uid in (Uid.K, Uid.DK):
+        return bthd(s, k, h)
+    if uid in (Uid.V, Uid.DV):
+        return bthd(s, k, hv)
+    if uid in (Uid.O, Uid.DO):
+        return bthd(t, n, hv)
+    if uid == Uid.STATS:
+        return [b, n, t, 1], [n * t, t, 1, 1]
+    if uid in (Uid.BIAS, Uid.DBIAS):
+        return [spec.bias_b, spec.bias_n, t, s], [spec.bias_n * t * s, t * s, s, 1]
+    if uid in (Uid.SEQ_Q, Uid.SEQ_KV):
+        return [b, 1, 1, 1], [1, 1, 1, 1]
+    if uid in (Uid.SEED, Uid.OFFSET):
+        return [1, 1, 1, 1], [1, 1, 1, 1]
+    if uid == Uid.SINK:
+        return [1, n, 1, 1], [n, 1, 1, 1]
+    raise ValueError(f"no layout for uid {uid!r}")
+
+
+def backend_plan_index(engine_ids: Sequence[int], is_backend: Any) -> int:
+    """Index of the first plan served by the cuDNN backend (never a Python engine, whose blob C++ cannot read).
+
+    Raises:
+        NotImplementedError: when every plan is a Python engine.
+    """
+    for i, engine_id in enumerate(engine_ids):
+        if engine_id == -1 or is_backend(engine_id):
+            return i
+    raise NotImplementedError(
+        f"cudnn: only Python-engine plans (engine ids {list(engine_ids)}) serve this graph; their serialized form "
+        "cannot be executed by attnlib's C++ extension."
+    )
+
+
+def check_blob(blob: bytes) -> None:
+    """Reject a blob the C++ executor cannot load."""
+    if blob.startswith(PYPLAN_MAGIC):
+        raise NotImplementedError(
+            "cudnn: the cuDNN frontend serialized a Python-engine plan (CUDNN_FE_PYPLAN), which attnlib's C++ "
+            "extension cannot execute."
+        )
+
+
+@functools.cache
+def _handle() -> Any:
+    import cudnn
+
+    return cudnn.create_handle()
+
+
+def _data_type(cudnn: Any, name: str) -> Any:
+    return {
+        "float16": cudnn.data_type.HALF,
+        "bfloat16": cudnn.data_type.BFLOAT16,
+        "float32": cudnn.data_type.FLOAT,
+        "int32": cudnn.data_type.INT32,
+    }[name]
+
+
+def build(spec: GraphSpec) -> GraphEntry:
+    """Build, finalize and serialize the graph of `spec` on this process's GPU.
+
+    Raises:
+        NotImplementedError: when cuDNN rejects the graph (with its message).
+    """
+    support.device()  # initializes JAX's CUDA backend first, so the frontend binds the libcudnn JAX loaded
+    import cudnn
+    import cudnn.engines
+
+    start = time.perf_counter()
+    io = _data_type(cudnn, spec.dtype)
+    graph = cudnn.pygraph(
+        name=f"attnlib_{spec.direction}",
+        io_data_type=io,
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+        handle=_handle(),
+    )
+    tensors = {}
+    for uid in spec.in_uids():
+        dim, stride = _layout(uid, spec)
+        tensors[uid] = graph.tensor(
+            dim=dim, stride=stride, data_type=_data_type(cudnn, spec.shape(uid)[1]), uid=int(uid), name=uid.name
+        )
+
+    options: dict[str, Any] = {"attn_scale": float(spec.scale)}
+    if spec.left_bound is not None or spec.right_bound is not None:
+        options["diagonal_alignment"] = (
+            cudnn.diagonal_alignment.BOTTOM_RIGHT if spec.alignment == "bottom_right" else cudnn.diagonal_alignment.TOP_LEFT
+        )
+        if spec.left_bound is not None:
+            options["diagonal_band_left_bound"] = int(spec.left_bound)
+        if spec.right_bound is not None:
+            options["diagonal_band_right_bound"] = int(spec.right_bound)
+    if spec.padding:
+        options.update(use_padding_mask=True, seq_len_q=tensors[Uid.SEQ_Q], seq_len_kv=tensors[Uid.SEQ_KV])
+    if spec.bias_b:
+        options["bias"] = tensors[Uid.BIAS]
+    if spec.dropout > 0:
+        options["dropout"] = (float(spec.dropout), tensors[Uid.SEED], tensors[Uid.OFFSET])
+    if spec.sinks:
+        options["sink_token"] = tensors[Uid.SINK]
+
+    def set_output(t: Any, uid: Uid) -> None:
+        dim, stride = _layout(uid, spec)
+        t.set_output(True).set_dim(dim).set_stride(stride).set_uid(int(uid)).set_data_type(
+            _data_type(cudnn, spec.shape(uid)[1])
+        )
+
+    try:
+        if spec.direction == "fwd":
+            o, stats = graph.sdpa(tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], generate_stats=True, name="sdpa", **options)
+            set_output(o, Uid.O)
+            set_output(stats, Uid.STATS)
+        else:
+            if spec.bias_b:
+                dim, stride = _layout(Uid.DBIAS, spec)
+                dbias = graph.tensor(dim=dim, stride=stride, data_type=io, uid=int(Uid.DBIAS), name="DBIAS")
+                options["dBias"] = dbias
+            dq, dk, dv = graph.sdpa_backward(
+                tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], tensors[Uid.O], tensors[Uid.DO], tensors[Uid.STATS],
+                use_deterministic_algorithm=spec.deterministic, name="sdpa_backward", **options,
+            )
+            set_output(dq, Uid.DQ)
+            set_output(dk, Uid.DK)
+            set_output(dv, Uid.DV)
+            if spec.bias_b:
+                set_output(options["dBias"], Uid.DBIAS)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        index = backend_plan_index([p.engine_id for p in graph.plans], cudnn.engines.is_backend_engine)
+        if index != 0 or any(not cudnn.engines.is_backend_engine(p.engine_id) and p.engine_id != -1 for p in graph.plans):
+            graph.select_plan(index)
+        graph.check_support()
+        graph.build_plans()
+        if graph.selected_engine is not None:
+            raise NotImplementedError(
+                f"cudnn: the frontend selected Python engine {graph.selected_engine.name!r}, which attnlib's C++ "
+                "extension cannot execute."
+            )
+        workspace = int(graph.get_workspace_size())
+        blob = bytes(graph.serialize(as_bytes=True))
+    except (cudnn.cudnnGraphNotSupportedError, RuntimeError, ValueError) as e:
+        raise NotImplementedError(f"cudnn: cuDNN rejected the {spec.direction} graph ({spec.label}): {e}") from e
+    check_blob(blob)
+    blob = ffi.extension().canonicalize_graph(blob)
+    entry = GraphEntry(
+        blob=blob,
+        workspace_bytes=workspace,
+        in_uids=tuple(int(u) for u in spec.in_uids()),
+        out_uids=tuple(int(u) for u in spec.out_uids()),
+        zero_fill=spec.zero_fill(),
+        label=spec.label,
+    )
+    build_seconds = time.perf_counter() - start
+    BUILD_TIMES.append((spec.label, build_seconds))
+    return entry
+
+
+BUILD_TIMES: list[tuple[str, float]] = []
+"""(label, seconds) of every graph built in this process (for the benchmark)."""
+
+
+def cache_key(spec: GraphSpec, device: "support.Device") -> dict[str, Any]:
+    """Everything the serialized graph depends on."""
+    import importlib.metadata
+
+    return {
+        "format": 1,
+        "spec": dataclasses.asdict(spec),
+        "cudnn": device.cudnn_version,
+        "cudnn_frontend": importlib.metadata.version("nvidia-cudnn-frontend"),
+        "compute_capability": list(device.compute_capability),
+        "gpu": device.name,
+    }
