@@ -1,0 +1,178 @@
+"""Shared test helpers: input factories with odd distinct sizes, dtype-keyed tolerances and assert helpers.
+
+Tolerances are derived from the machine epsilon of the dtype the library computes in, never tuned to pass:
+
+* Inputs are drawn in float32, cast to the test dtype, and the reference (float64) is fed exactly the rounded values,
+  so input rounding is not part of the error.
+* Outputs (`out`, dtype = query dtype): the relative error of one softmax row is a small multiple of eps from the
+  logits (`H` products summed, then `exp`) plus the rounding of `out` itself and, for 16-bit dtypes, of the
+  probabilities before the `p @ v` product (as `jax.nn` does). With values ~N(0, 1) (|v| <= ~4 over a few hundred
+  draws) the absolute error is bounded by roughly `(1 + max|v| + |s|eps-growth) * eps/2`, i.e. a few eps.
+  float32: eps = 2**-23 ~ 1.2e-7, the bound with ~20-term sums is < 1e-5 (~80 eps).
+  bfloat16: eps = 2**-7 ~ 7.8e-3 (unit roundoff 2**-8), atol = 2 eps, rtol = eps.
+* `lse` is float32 by contract; with 16-bit inputs the logits go through one 16-bit input rounding that the reference
+  already sees, so the remaining error is that of a float32 (or 16-bit, if an implementation computes logits in the
+  input dtype) log-sum-exp: we allow a few 16-bit ulps of |s| (<= ~8), i.e. atol = 2 eps(bf16).
+* Gradients are sums over T or S of products that are each rounded (cotangent, probabilities, `dp - D`
+  cancellation), so elementwise relative error of a small entry is meaningless; they are compared with an absolute
+  tolerance scaled by the largest entry of the reference gradient (`atol * max|expected|`) plus `rtol * |expected|`.
+  The scaled atol is 4x the output one: the softmax backward `p (dp - D)` loses up to ~2 digits... no: it loses
+  about log2(|dp|/|dp - D|) bits in the cancellation; 4x (2 extra bits) covers the rows of our ~N(0,1) inputs.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# sizes: odd and distinct so that transposed / confused axes cannot go unnoticed.
+B, T, S, N, K, H, HV = 2, 13, 17, 6, 2, 8, 5
+DTYPES = [jnp.float32, jnp.bfloat16]
+DTYPE_IDS = ["f32", "bf16"]
+
+
+def eps(dtype) -> float:
+    return float(ml_dtypes.finfo(dtype).eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tol:
+    atol: float
+    rtol: float
+
+
+_EPS_BF16 = eps(jnp.bfloat16)  # 2**-7
+_EPS_F16 = eps(jnp.float16)  # 2**-10
+
+OUT_TOL = {
+    np.dtype(jnp.float32): Tol(atol=1e-5, rtol=1e-5),
+    np.dtype(jnp.bfloat16): Tol(atol=2 * _EPS_BF16, rtol=_EPS_BF16),
+    np.dtype(jnp.float16): Tol(atol=2 * _EPS_F16, rtol=_EPS_F16),
+}
+LSE_TOL = {
+    np.dtype(jnp.float32): Tol(atol=1e-5, rtol=1e-6),
+    np.dtype(jnp.bfloat16): Tol(atol=2 * _EPS_BF16, rtol=0.0),
+    np.dtype(jnp.float16): Tol(atol=2 * _EPS_F16, rtol=0.0),
+}
+# gradients: atol is relative to max|expected| of the tensor (see module docstring).
+GRAD_TOL = {
+    np.dtype(jnp.float32): Tol(atol=4e-5, rtol=1e-5),
+    np.dtype(jnp.bfloat16): Tol(atol=8 * _EPS_BF16, rtol=_EPS_BF16),
+    np.dtype(jnp.float16): Tol(atol=8 * _EPS_F16, rtol=_EPS_F16),
+}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# factories
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def normal(r: np.random.Generator, shape, dtype=jnp.float32, scale: float = 1.0) -> jax.Array:
+    """`N(0, scale**2)` drawn in float32 and rounded to `dtype`."""
+    return jnp.asarray((scale * r.standard_normal(shape)).astype(np.float32)).astype(dtype)
+
+
+def qkv(r, *, batch=(B,), t=T, s=S, n=N, k=K, h=H, hv=H, dtype=jnp.float32):
+    """`query [*batch, t, n, h]`, `key [*batch, s, k, h]`, `value [*batch, s, k, hv]`."""
+    batch = tuple(batch)
+    return (
+        normal(r, batch + (t, n, h), dtype),
+        normal(r, batch + (s, k, h), dtype),
+        normal(r, batch + (s, k, hv), dtype),
+    )
+
+
+def lengths(values) -> jax.Array:
+    return jnp.asarray(np.asarray(values, dtype=np.int32))
+
+
+def segment_ids_from_runs(runs, total: int) -> np.ndarray:
+    """`[total]` int32 ids from `[(id, count), ...]` runs, padded with 0 to `total`."""
+    ids = [i for i, c in runs for _ in range(c)]
+    assert len(ids) <= total
+    return np.asarray(ids + [0] * (total - len(ids)), dtype=np.int32)
+
+
+def to_f64(x):
+    """A JAX/NumPy array (any float dtype incl. bfloat16) as float64 NumPy; None stays None."""
+    if x is None:
+        return None
+    x = np.asarray(x)
+    if x.dtype == np.bool_ or np.issubdtype(x.dtype, np.integer):
+        return x
+    return x.astype(np.float64)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# asserts
+
+
+def _fmt_worst(actual, expected, err, bound):
+    idx = np.unravel_index(np.argmax(err - bound), err.shape)
+    return (
+        f"max violation at {tuple(int(i) for i in idx)}: actual={actual[idx]!r}, expected={expected[idx]!r}, "
+        f"|err|={err[idx]:.3g} > bound={bound[idx]:.3g}; max|err|={err.max():.3g}"
+    )
+
+
+def assert_finite(x, what: str = "array"):
+    x = np.asarray(to_f64(x))
+    assert not np.isnan(x).any(), f"{what} has NaN at {np.argwhere(np.isnan(x))[:5].tolist()}"
+
+
+def assert_close(actual, expected, tol: Tol, *, what: str = "", scale_atol_by_max: bool = False):
+    """Elementwise `|a - e| <= atol' + rtol |e|`; `atol' = atol * max(1, max|e|)` for gradients.
+
+    Non-finite expected values must be matched exactly (same infinities), and `actual` must have no NaN.
+    """
+    a = np.asarray(to_f64(actual))
+    e = np.asarray(expected, dtype=np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != expected {e.shape}"
+    assert not np.isnan(a).any(), f"{what}: NaN at {np.argwhere(np.isnan(a))[:5].tolist()}"
+    fin = np.isfinite(e)
+    if not fin.all():
+        mism = ~fin & (a != e)
+        assert not mism.any(), (
+            f"{what}: expected non-finite values not matched at {np.argwhere(mism)[:5].tolist()}: "
+            f"actual {a[mism][:5]}, expected {e[mism][:5]}"
+        )
+    fa = np.isfinite(a)
+    bad = fin & ~fa
+    assert not bad.any(), f"{what}: actual non-finite where expected finite at {np.argwhere(bad)[:5].tolist()}"
+    atol = tol.atol
+    if scale_atol_by_max:
+        m = np.abs(e[fin]).max() if fin.any() else 0.0
+        atol = tol.atol * max(1.0, float(m))
+    err = np.where(fin, np.abs(a - np.where(fin, e, 0.0)), 0.0)
+    bound = atol + tol.rtol * np.abs(np.where(fin, e, 0.0))
+    assert (err <= bound).all(), f"{what}: " + _fmt_worst(a, e, err, bound)
+
+
+def assert_out_close(actual, expected, dtype, what="out"):
+    assert_close(actual, expected, OUT_TOL[np.dtype(dtype)], what=what)
+
+
+def assert_lse_close(actual, expected, dtype, what="lse"):
+    assert np.asarray(actual).dtype == np.float32, f"{what}: dtype {np.asarray(actual).dtype}, want float32"
+    assert_close(actual, expected, LSE_TOL[np.dtype(dtype)], what=what)
+
+
+def assert_grad_close(actual, expected, dtype, what="grad"):
+    assert_close(actual, expected, GRAD_TOL[np.dtype(dtype)], what=what, scale_atol_by_max=True)
+
+
+def bitwise_equal(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def num_rows(x) -> int:
+    return int(math.prod(np.shape(x)[:-1]))

@@ -1,0 +1,404 @@
+"""An independent float64 NumPy reference for `attnlib.attention`, written from the maths of `API.md` §1.
+
+Deliberately loop-level: one Python loop over (batch row, query head, query token), NumPy over the key axis only.
+It shares no code with attnlib (it must not import it): the visibility rules (padding, causal / window with both
+diagonal alignments, segments, THD, paged) are spelled out again here from the contract.
+
+Forward, for one query row `i` of batch row `b` and query head `n` (key/value head `n // (N // K)`):
+
+    s_j   = scale * q_i . k_j + bias[b, n, i, j]        (float64)
+    s_j   = c * tanh(s_j / c)                           (logits_soft_cap c, when given)
+    vis_j = "query i may attend to key j"               (mask, padding, causal/window, segments, THD, paged)
+    lse   = log(exp(sink_n) + sum_{vis} exp(s_j))        (no sink term without sinks; -inf when that sum is empty)
+    p_j   = exp(s_j - lse) if vis_j else 0
+    out_i = sum_j p_j * keep_j / (1 - rate) * v_j         (out = 0 for a row with no visible key)
+
+Backward (analytic softmax backward, derived in `reference_attention_vjp`):
+
+    dp_j  = keep_j / (1 - rate) * (dO_i . v_j)          gradient w.r.t. the undropped probability p_j
+    D     = sum_j p_j dp_j                              (= dO_i . out_i)
+    ds_j  = p_j (dp_j - D) + dlse_i p_j                 gradient w.r.t. the capped, biased logit
+    ds_j *= 1 - tanh(s_raw_j / c)**2                    (through the soft cap)
+    dbias[b, n, i, j] = ds_j;  dq_i = scale sum_j ds_j k_j;  dk_j += scale ds_j q_i;  dv_j += p_j keep_j/(1-rate) dO_i
+    dsink_n += p_sink (dlse_i - D),  p_sink = exp(sink_n - lse)
+
+`tests/test_reference.py`-style self-checks (central finite differences of the forward) live in
+`tests/test_conformance.py::test_reference_vjp_matches_finite_differences`.
+"""
+
+import math
+
+import numpy as np
+
+
+__all__ = ["reference_attention", "reference_attention_vjp", "visibility"]
+
+
+def _f64(x):
+    return None if x is None else np.asarray(x, dtype=np.float64)
+
+
+def _int(x):
+    return None if x is None else np.asarray(x).astype(np.int64)
+
+
+class _Problem:
+    """The call canonicalised to one flat batch `[B, T, N, H]` / `[B, S, K, H|Hv]` plus per-token bookkeeping."""
+
+    def __init__(
+        self,
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        *,
+        scale,
+        is_causal,
+        query_seq_lengths,
+        key_value_seq_lengths,
+        local_window_size,
+        diagonal_alignment,
+        q_segment_ids,
+        kv_segment_ids,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        page_table,
+        logits_soft_cap,
+        sinks,
+        dropout_rate,
+        dropout_keep,
+    ):
+        query, key, value = _f64(query), _f64(key), _f64(value)
+        self.layout = "dense"
+        if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+            self.layout = "thd"
+        elif page_table is not None:
+            self.layout = "paged"
+
+        if self.layout == "thd":
+            assert query.ndim == 3 and key.ndim == 3 and value.ndim == 3
+            self.batch_shape = ()
+            self.out_batch_shape = ()
+            q = query[None]
+            k = key[None]
+            v = value[None]
+        elif self.layout == "paged":
+            # Pools [P, page_size, K, H]; query [B, T, N, H] (or [T, N, H] with a one-row table).
+            page_table = _int(page_table)
+            assert page_table.ndim == 2
+            if query.ndim == 3:
+                query = query[None]
+                self.out_batch_shape = ()
+            else:
+                self.out_batch_shape = query.shape[:-3]
+            self.batch_shape = query.shape[:-3]
+            q = query.reshape((-1,) + query.shape[-3:])
+            B = q.shape[0]
+            assert page_table.shape[0] == B
+            P, page_size = key.shape[0], key.shape[1]
+            pages_per_seq = page_table.shape[1]
+            S = pages_per_seq * page_size
+            k = np.zeros((B, S) + key.shape[2:])
+            v = np.zeros((B, S) + value.shape[2:])
+            for b in range(B):
+                for j in range(S):
+                    page = page_table[b, j // page_size]
+                    assert 0 <= page < P
+                    k[b, j] = key[page, j % page_size]
+                    v[b, j] = value[page, j % page_size]
+            self.page_table = page_table
+            self.page_size = page_size
+            self.num_pages = P
+        else:
+            if query.ndim == 3:
+                self.batch_shape = ()
+                self.out_batch_shape = ()
+                q, k, v = query[None], key[None], value[None]
+            else:
+                self.batch_shape = query.shape[:-3]
+                self.out_batch_shape = self.batch_shape
+                q = query.reshape((-1,) + query.shape[-3:])
+                k = key.reshape((-1,) + key.shape[-3:])
+                v = value.reshape((-1,) + value.shape[-3:])
+
+        self.q, self.k, self.v = q, k, v
+        B, T, N, H = q.shape
+        S, K = k.shape[1], k.shape[2]
+        Hv = v.shape[3]
+        assert N % K == 0 and k.shape[3] == H and v.shape[:3] == k.shape[:3]
+        self.B, self.T, self.S, self.N, self.K, self.H, self.Hv = B, T, S, N, K, H, Hv
+        self.scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+        self.cap = None if logits_soft_cap is None else float(logits_soft_cap)
+        self.sinks = _f64(sinks)
+        self.rate = float(dropout_rate)
+        if self.rate > 0:
+            assert dropout_keep is not None, "pass the library's keep mask as `dropout_keep`"
+            keep = np.asarray(dropout_keep, dtype=bool)
+            assert keep.shape == (B, N, T, S), (keep.shape, (B, N, T, S))
+            self.keep_scaled = keep.astype(np.float64) / (1.0 - self.rate)
+        else:
+            self.keep_scaled = None
+
+        # bias / mask, broadcast to [*B, N, T, S] and flattened to [B, N, T, S].
+        full = tuple(self.batch_shape) + (N, T, S)
+        self.bias_shape = None if bias is None else np.shape(bias)
+        self.bias = None if bias is None else np.broadcast_to(_f64(bias), full).reshape(B, N, T, S)
+        if mask is not None:
+            mask = np.asarray(mask)
+            assert mask.dtype == np.bool_
+            self.mask = np.broadcast_to(mask, full).reshape(B, N, T, S)
+        else:
+            self.mask = None
+
+        # Per-token "sequence" ids and lengths. Segments and THD both become ids (0 = padding); a dense row without
+        # them is one sequence of length T (queries) / S (keys), shortened by the padding lengths.
+        qlen = None if query_seq_lengths is None else _int(query_seq_lengths).reshape(-1)
+        kvlen = None if key_value_seq_lengths is None else _int(key_value_seq_lengths).reshape(-1)
+        if self.layout == "thd":
+            cu_q, cu_kv = _int(cu_seqlens_q), _int(cu_seqlens_kv)
+            assert cu_q is not None and cu_kv is not None and cu_q.shape == cu_kv.shape
+            qseg = np.zeros((1, T), np.int64)
+            kvseg = np.zeros((1, S), np.int64)
+            for s in range(len(cu_q) - 1):
+                qseg[0, cu_q[s] : cu_q[s + 1]] = s + 1
+                kvseg[0, cu_kv[s] : cu_kv[s + 1]] = s + 1
+            self.segmented = True
+        elif q_segment_ids is not None:
+            qseg = _int(q_segment_ids).reshape(B, T)
+            kvseg = qseg if kv_segment_ids is None else _int(kv_segment_ids).reshape(B, S)
+            self.segmented = True
+        else:
+            assert kv_segment_ids is None
+            qseg = kvseg = None
+            self.segmented = False
+        self.qseg, self.kvseg = qseg, kvseg
+        self.qlen, self.kvlen = qlen, kvlen
+        self.is_causal = bool(is_causal)
+        assert diagonal_alignment in ("top_left", "bottom_right")
+        self.bottom_right = diagonal_alignment == "bottom_right"
+        if local_window_size is None:
+            self.window = None
+        elif isinstance(local_window_size, int):
+            self.window = (local_window_size, local_window_size)
+        else:
+            self.window = tuple(int(w) for w in local_window_size)
+
+    def visible(self, b: int, n: int, i: int) -> np.ndarray:
+        """Boolean `[S]`: which keys query token `i` of batch row `b`, head `n`, may attend to."""
+        S = self.S
+        j = np.arange(S)
+        vis = np.ones(S, dtype=bool)
+        if self.qlen is not None and i >= self.qlen[b]:
+            return np.zeros(S, dtype=bool)
+        if self.kvlen is not None:
+            vis &= j < self.kvlen[b]
+        if self.mask is not None:
+            vis &= self.mask[b, n, i]
+        if self.segmented:
+            sid = self.qseg[b, i]
+            if sid == 0:
+                return np.zeros(S, dtype=bool)
+            vis &= self.kvseg[b] == sid
+            # positions restart at each segment; lengths are the segment's token counts.
+            q_members = np.flatnonzero(self.qseg[b] == sid)
+            k_members = np.flatnonzero(self.kvseg[b] == sid)
+            q_pos = i - q_members[0]
+            k_pos = j - (k_members[0] if len(k_members) else 0)
+            q_len, k_len = len(q_members), len(k_members)
+        else:
+            q_pos, k_pos = i, j
+            q_len = self.T if self.qlen is None else int(self.qlen[b])
+            k_len = self.S if self.kvlen is None else int(self.kvlen[b])
+        # the query's aligned position on the key axis
+        diag = q_pos + (k_len - q_len if self.bottom_right else 0)
+        if self.is_causal:
+            vis &= k_pos <= diag
+        if self.window is not None:
+            left, right = self.window
+            vis &= (k_pos >= diag - left) & (k_pos <= diag + right)
+        return vis
+
+    def row_logits(self, b: int, n: int, i: int):
+        """`(s_raw, s)`: float64 `[S]` logits of one row before and after the soft cap (bias included)."""
+        kh = n // (self.N // self.K)
+        s_raw = self.scale * (self.k[b, :, kh, :] @ self.q[b, i, n, :])
+        if self.bias is not None:
+            s_raw = s_raw + self.bias[b, n, i]
+        s = s_raw if self.cap is None else self.cap * np.tanh(s_raw / self.cap)
+        return s_raw, s
+
+    def row_softmax(self, b: int, n: int, i: int):
+        """`(p, lse, vis, s_raw)` of one row; `p` is zero off `vis`; lse is -inf for an empty row without sinks."""
+        s_raw, s = self.row_logits(b, n, i)
+        vis = self.visible(b, n, i)
+        terms = list(s[vis])
+        if self.sinks is not None:
+            terms.append(self.sinks[n])
+        if not terms:
+            return np.zeros(self.S), -np.inf, vis, s_raw
+        terms = np.asarray(terms)
+        m = terms.max()
+        lse = m + math.log(np.exp(terms - m).sum())
+        p = np.where(vis, np.exp(np.where(vis, s, 0.0) - lse), 0.0)
+        return p, lse, vis, s_raw
+
+    def dropped(self, p, b, n, i):
+        return p if self.keep_scaled is None else p * self.keep_scaled[b, n, i]
+
+
+def _problem(query, key, value, bias, mask, kwargs) -> _Problem:
+    kwargs = dict(kwargs)
+    for unused in ("return_residual", "max_segments_per_row", "max_seqlen_q", "max_seqlen_kv"):
+        kwargs.pop(unused, None)
+    kwargs.pop("deterministic_backward", None)
+    defaults = dict(
+        scale=None,
+        is_causal=False,
+        query_seq_lengths=None,
+        key_value_seq_lengths=None,
+        local_window_size=None,
+        diagonal_alignment="top_left",
+        q_segment_ids=None,
+        kv_segment_ids=None,
+        cu_seqlens_q=None,
+        cu_seqlens_kv=None,
+        page_table=None,
+        logits_soft_cap=None,
+        sinks=None,
+        dropout_rate=0.0,
+        dropout_keep=None,
+    )
+    unknown = set(kwargs) - set(defaults)
+    assert not unknown, f"reference: unknown arguments {unknown}"
+    defaults.update(kwargs)
+    return _Problem(query, key, value, bias, mask, **defaults)
+
+
+def reference_attention(query, key, value, bias=None, mask=None, **kwargs):
+    """float64 `(out, lse)`: out `[*B, T, N, Hv]` (THD `[T, N, Hv]`), lse `[*B, T, N]` (THD `[T, N]`).
+
+    Takes the keyword arguments of `attnlib.attention` (API.md §1) except `implementation` and `dropout_key`;
+    dropout takes `dropout_rate` and an explicit boolean keep mask `dropout_keep` `[B, N, T, S]` (flattened `*B`).
+    `return_residual` is accepted and ignored: both are always returned.
+    """
+    pr = _problem(query, key, value, bias, mask, kwargs)
+    out = np.zeros((pr.B, pr.T, pr.N, pr.Hv))
+    lse = np.full((pr.B, pr.T, pr.N), -np.inf)
+    for b in range(pr.B):
+        for n in range(pr.N):
+            kh = n // (pr.N // pr.K)
+            for i in range(pr.T):
+                p, row_lse, _, _ = pr.row_softmax(b, n, i)
+                lse[b, i, n] = row_lse
+                out[b, i, n] = pr.dropped(p, b, n, i) @ pr.v[b, :, kh, :]
+    return _unflatten(pr, out), _unflatten(pr, lse)
+
+
+def _unflatten(pr: _Problem, x):
+    if pr.layout == "thd":
+        return x[0]
+    return x.reshape(tuple(pr.out_batch_shape) + x.shape[1:])
+
+
+def _unbroadcast(g, shape):
+    """Sum a broadcast gradient `g` back to `shape` (NumPy broadcasting rules)."""
+    g = np.asarray(g)
+    while g.ndim > len(shape):
+        g = g.sum(axis=0)
+    for ax, size in enumerate(shape):
+        if size == 1 and g.shape[ax] != 1:
+            g = g.sum(axis=ax, keepdims=True)
+    assert g.shape == tuple(shape)
+    return g
+
+
+def reference_attention_vjp(query, key, value, bias=None, mask=None, *, d_out, d_lse=None, **kwargs):
+    """float64 gradients of `<d_out, out> + <d_lse, lse>` for the arguments of `reference_attention`.
+
+    Returns a dict with `query`, `key`, `value` (for paged layouts: gradients w.r.t. the page pools), and `bias`,
+    `sinks` when given. `d_out` has the shape of `out`; `d_lse` (optional) the shape of `lse`.
+
+    Derivation for one row (all sums over visible keys j; p_j = exp(s_j - lse), p_sink = exp(sink - lse),
+    so sum_j p_j + p_sink = 1; o = sum_j p_j m_j v_j with m_j = keep_j / (1 - rate)):
+        d lse / d s_j = p_j,   d lse / d sink = p_sink
+        d p_k / d s_j = p_k (delta_kj - p_j),   d p_k / d sink = -p_k p_sink
+        dL/dp_k = m_k (dO . v_k) =: dp_k,   D := sum_k p_k dp_k
+        dL/ds_j = p_j (dp_j - D) + d_lse p_j,   dL/dsink = -p_sink D + d_lse p_sink
+    then through the soft cap (d/dx c tanh(x / c) = 1 - tanh(x / c)**2) and the linear logits
+    s_raw_j = scale q . k_j + bias_j.
+    """
+    pr = _problem(query, key, value, bias, mask, kwargs)
+    d_out = _f64(d_out)
+    if pr.layout == "thd":
+        d_out = d_out[None]
+        d_lse = None if d_lse is None else _f64(d_lse)[None]
+    else:
+        d_out = d_out.reshape((pr.B, pr.T, pr.N, pr.Hv))
+        d_lse = None if d_lse is None else _f64(d_lse).reshape((pr.B, pr.T, pr.N))
+
+    dq = np.zeros_like(pr.q)
+    dk = np.zeros_like(pr.k)
+    dv = np.zeros_like(pr.v)
+    dbias = np.zeros((pr.B, pr.N, pr.T, pr.S))
+    dsinks = np.zeros(pr.N)
+    for b in range(pr.B):
+        for n in range(pr.N):
+            kh = n // (pr.N // pr.K)
+            for i in range(pr.T):
+                p, lse, vis, s_raw = pr.row_softmax(b, n, i)
+                g_lse = 0.0 if d_lse is None else d_lse[b, i, n]
+                if lse == -np.inf:
+                    continue  # no visible key and no sink: out = 0 and lse = -inf are constants
+                do = d_out[b, i, n]
+                pd = pr.dropped(p, b, n, i)
+                dv[b, :, kh, :] += np.outer(pd, do)
+                dp = pr.v[b, :, kh, :] @ do
+                if pr.keep_scaled is not None:
+                    dp = dp * pr.keep_scaled[b, n, i]
+                D = float(np.sum(p * dp))
+                ds = p * (dp - D) + g_lse * p
+                if pr.sinks is not None:
+                    p_sink = math.exp(pr.sinks[n] - lse)
+                    dsinks[n] += p_sink * (g_lse - D)
+                if pr.cap is not None:
+                    ds = ds * (1.0 - np.tanh(s_raw / pr.cap) ** 2)
+                ds = np.where(vis, ds, 0.0)
+                dbias[b, n, i] = ds
+                dq[b, i, n] = pr.scale * (ds @ pr.k[b, :, kh, :])
+                dk[b, :, kh, :] += pr.scale * np.outer(ds, pr.q[b, i, n])
+
+    grads = {}
+    if pr.layout == "thd":
+        grads["query"], grads["key"], grads["value"] = dq[0], dk[0], dv[0]
+    elif pr.layout == "paged":
+        grads["query"] = dq.reshape(np.shape(query))
+        pool_k = np.zeros(np.shape(key))
+        pool_v = np.zeros(np.shape(value))
+        for b in range(pr.B):
+            for j in range(pr.S):
+                page = pr.page_table[b, j // pr.page_size]
+                pool_k[page, j % pr.page_size] += dk[b, j]
+                pool_v[page, j % pr.page_size] += dv[b, j]
+        grads["key"], grads["value"] = pool_k, pool_v
+    else:
+        grads["query"] = dq.reshape(np.shape(query))
+        grads["key"] = dk.reshape(np.shape(key))
+        grads["value"] = dv.reshape(np.shape(value))
+    if bias is not None:
+        full = tuple(pr.batch_shape) + (pr.N, pr.T, pr.S)
+        grads["bias"] = _unbroadcast(dbias.reshape(full), np.shape(bias))
+    if pr.sinks is not None:
+        grads["sinks"] = dsinks
+    return grads
+
+
+def visibility(query, key, value, bias=None, mask=None, **kwargs) -> np.ndarray:
+    """Boolean `[B, N, T, S]` (flattened `*B`): the reference's "may attend" relation, for test bookkeeping."""
+    pr = _problem(query, key, value, bias, mask, kwargs)
+    vis = np.zeros((pr.B, pr.N, pr.T, pr.S), dtype=bool)
+    for b in range(pr.B):
+        for n in range(pr.N):
+            for i in range(pr.T):
+                vis[b, n, i] = pr.visible(b, n, i)
+    return vis

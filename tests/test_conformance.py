@@ -1,0 +1,400 @@
+"""Conformance: every plain-JAX implementation × dtype × feature against the float64 reference.
+
+Each case checks, against `tests/reference.py`:
+  * forward `out` (dtype = query dtype) and `lse` (float32, `return_residual=True`);
+  * the VJP with a random output cotangent: gradients w.r.t. query, key, value, bias and sinks (not for paged KV,
+    which the contract exempts);
+  * rows with no visible key (and no sinks): `out` exactly 0, `lse` exactly -inf, query gradient exactly 0;
+  * no NaN anywhere; bitwise determinism of a re-run.
+
+`xla_chunked` runs twice: with its default key block and with `DEFAULT_BLOCK_K = 5`, so that S = 17 (or 12 for
+paged) spans several blocks with a ragged last one.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib._src.dropout import dropout_keep_mask
+
+from helpers import (
+    DTYPE_IDS,
+    DTYPES,
+    HV,
+    B,
+    K,
+    N,
+    S,
+    T,
+    assert_finite,
+    assert_grad_close,
+    assert_lse_close,
+    assert_out_close,
+    bitwise_equal,
+    lengths,
+    normal,
+    qkv,
+    segment_ids_from_runs,
+    to_f64,
+)
+from reference import reference_attention, reference_attention_vjp
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# implementations
+
+SMALL_BLOCK_K = 5
+IMPLS = [("xla", None), ("xla_chunked", None), ("xla_chunked", SMALL_BLOCK_K)]
+IMPL_IDS = ["xla", "xla_chunked", f"xla_chunked-bk{SMALL_BLOCK_K}"]
+
+
+def set_block_k(monkeypatch, block_k):
+    """Force `xla_chunked`'s key block size (the library's module-level knob)."""
+    if block_k is None:
+        return
+    import attnlib._src.backends.xla_chunked as chunked
+
+    if not hasattr(chunked, "DEFAULT_BLOCK_K"):
+        pytest.fail("attnlib._src.backends.xla_chunked.DEFAULT_BLOCK_K (the block-size knob) is missing")
+    monkeypatch.setattr(chunked, "DEFAULT_BLOCK_K", block_k)
+
+
+@pytest.fixture(params=IMPLS, ids=IMPL_IDS)
+def impl(request, monkeypatch):
+    name, block_k = request.param
+    set_block_k(monkeypatch, block_k)
+    return name
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# cases
+
+
+@dataclasses.dataclass
+class Case:
+    arrays: dict  # every array argument (traced under jit): query, key, value, bias, mask, lengths, ids, ...
+    static: dict  # python-valued keyword arguments
+    grad: bool = True
+
+    @property
+    def diff_names(self):
+        return [n for n in ("query", "key", "value", "bias", "sinks") if n in self.arrays] if self.grad else []
+
+
+def make_case(query, key, value, *, grad=True, **kwargs):
+    arrays = {"query": query, "key": key, "value": value}
+    static = {}
+    for name, x in kwargs.items():
+        if x is None:
+            continue
+        if isinstance(x, jax.Array):
+            arrays[name] = x
+        else:
+            static[name] = x
+    return Case(arrays, static, grad)
+
+
+def call_attention(impl, arrays, static, return_residual=True):
+    a = dict(arrays)
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    bias, mask = a.pop("bias", None), a.pop("mask", None)
+    return attnlib.attention(
+        q, k, v, bias, mask, implementation=impl, return_residual=return_residual, **a, **static
+    )
+
+
+def dropout_shape(case: Case) -> tuple[int, int, int, int]:
+    """`(B, N, T, S)` of the library's keep mask (flattened *B; THD B = 1; paged S = pages_per_seq * page_size)."""
+    q, k = case.arrays["query"], case.arrays["key"]
+    if "cu_seqlens_q" in case.arrays:
+        return (1, q.shape[-2], q.shape[0], k.shape[0])
+    if "page_table" in case.arrays:
+        pt = case.arrays["page_table"]
+        return (pt.shape[0], q.shape[-2], q.shape[-3], pt.shape[1] * k.shape[1])
+    return (math.prod(q.shape[:-3]), q.shape[-2], q.shape[-3], k.shape[-3])
+
+
+def reference_kwargs(case: Case) -> dict:
+    kw = {name: to_f64(x) for name, x in case.arrays.items() if name != "dropout_key"}
+    kw.update(case.static)
+    if case.static.get("dropout_rate", 0.0) > 0:
+        kw["dropout_keep"] = np.asarray(
+            dropout_keep_mask(case.arrays["dropout_key"], case.static["dropout_rate"], dropout_shape(case))
+        )
+    return kw
+
+
+# Each builder takes (numpy Generator, dtype) and returns a Case. Sizes default to helpers' odd distinct
+# B=2, T=13, S=17, N=6, K=2, H=8 (Hv=5 for MLA).
+
+
+def _base(r, d, **kw):
+    q, k, v = qkv(r, dtype=d)
+    return make_case(q, k, v, **kw)
+
+
+def _bias(shape):
+    return lambda r, d: _base(r, d, bias=normal(r, shape, d))
+
+
+def _mask_full(r, d):
+    m = r.random((B, N, T, S)) < 0.7
+    m[0, 1, 2, :] = False  # one fully masked row
+    m[1, :, 5, :] = False  # one row masked on every head
+    return _base(r, d, mask=jnp.asarray(m))
+
+
+def _mask_ts(r, d):
+    m = r.random((T, S)) < 0.6
+    m[4, :] = False
+    return _base(r, d, mask=jnp.asarray(m))
+
+
+def _qkv_ts(r, d, t, s, **kw):
+    q, k, v = qkv(r, t=t, s=s, dtype=d)
+    return make_case(q, k, v, **kw)
+
+
+def _segments_cross(r, d, **kw):
+    # q: ids 1, 2, 7 (7 has no keys -> fully masked rows), 5, then padding; kv: ids 1, 2, 5, then padding
+    qs = np.stack(
+        [
+            segment_ids_from_runs([(1, 4), (2, 3), (7, 2), (5, 2)], T),
+            segment_ids_from_runs([(3, 6), (4, 7)], T),
+        ]
+    )
+    ks = np.stack(
+        [
+            segment_ids_from_runs([(1, 6), (2, 3), (5, 5)], S),
+            segment_ids_from_runs([(3, 2), (4, 12)], S),
+        ]
+    )
+    return _base(r, d, q_segment_ids=jnp.asarray(qs), kv_segment_ids=jnp.asarray(ks), **kw)
+
+
+def _segments_self(r, d, **kw):
+    # T == S; kv_segment_ids defaults to q_segment_ids
+    q, k, v = qkv(r, t=T, s=T, dtype=d)
+    ids = np.stack(
+        [
+            segment_ids_from_runs([(1, 5), (2, 4), (3, 2)], T),
+            segment_ids_from_runs([(9, 1), (4, 12)], T),
+        ]
+    )
+    return make_case(q, k, v, q_segment_ids=jnp.asarray(ids), **kw)
+
+
+def _thd(r, d, **kw):
+    # 4 sequences; sequence 1 empty in both; sequence 2 has queries but no keys; rows past cu[-1] are padding.
+    tq, tk = T, S
+    q = normal(r, (tq, N, 8), d)
+    k = normal(r, (tk, K, 8), d)
+    v = normal(r, (tk, K, 8), d)
+    cu_q = lengths([0, 3, 3, 7, 11])
+    cu_kv = lengths([0, 5, 5, 5, 14])
+    return make_case(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kw)
+
+
+def _paged(r, d, **kw):
+    page_size, num_pages, pages_per_seq, t = 4, 9, 3, 7
+    q = normal(r, (B, t, N, 8), d)
+    k = normal(r, (num_pages, page_size, K, 8), d)
+    v = normal(r, (num_pages, page_size, K, HV), d)
+    table = lengths([[5, 1, 7], [2, 8, 0]])
+    return make_case(q, k, v, page_table=table, key_value_seq_lengths=lengths([10, 7]), grad=False, **kw)
+
+
+def _sinks(r, d, **kw):
+    return _base(r, d, sinks=normal(r, (N,), jnp.float32), **kw)
+
+
+FEATURES: list[tuple[str, Callable]] = [
+    ("mha", lambda r, d: make_case(*qkv(r, n=3, k=3, dtype=d))),
+    ("gqa", _base),
+    ("mqa", lambda r, d: make_case(*qkv(r, k=1, dtype=d))),
+    ("mla", lambda r, d: make_case(*qkv(r, hv=HV, dtype=d))),
+    ("unbatched", lambda r, d: make_case(*qkv(r, batch=(), dtype=d))),
+    ("batch_2x3", lambda r, d: make_case(*qkv(r, batch=(2, 3), t=5, s=7, dtype=d))),
+    ("scale", lambda r, d: _base(r, d, scale=0.3)),
+    ("bias_BNTS", _bias((B, N, T, S))),
+    ("bias_TS", _bias((T, S))),
+    ("bias_N1S", _bias((N, 1, S))),
+    ("bias_B11S", _bias((B, 1, 1, S))),
+    ("bias_11T1", _bias((1, 1, T, 1))),
+    ("mask_BNTS", _mask_full),
+    ("mask_TS", _mask_ts),
+    ("causal_tl_T<S", lambda r, d: _base(r, d, is_causal=True)),
+    ("causal_tl_T>S", lambda r, d: _qkv_ts(r, d, 17, 11, is_causal=True)),
+    ("causal_br_T<S", lambda r, d: _base(r, d, is_causal=True, diagonal_alignment="bottom_right")),
+    ("causal_br_T>S", lambda r, d: _qkv_ts(r, d, 17, 11, is_causal=True, diagonal_alignment="bottom_right")),
+    ("window_int", lambda r, d: _base(r, d, local_window_size=3)),
+    ("window_lr", lambda r, d: _base(r, d, local_window_size=(4, 1))),
+    ("window_lr_br", lambda r, d: _base(r, d, local_window_size=(2, 0), diagonal_alignment="bottom_right")),
+    ("window_causal", lambda r, d: _base(r, d, local_window_size=(3, 3), is_causal=True)),
+    ("q_lengths", lambda r, d: _base(r, d, query_seq_lengths=lengths([9, 0]))),
+    ("kv_lengths", lambda r, d: _base(r, d, key_value_seq_lengths=lengths([0, 4]))),
+    (
+        "lengths_causal_br_window",
+        lambda r, d: _base(
+            r,
+            d,
+            query_seq_lengths=lengths([10, 13]),
+            key_value_seq_lengths=lengths([15, 6]),
+            is_causal=True,
+            diagonal_alignment="bottom_right",
+            local_window_size=(3, 1),
+        ),
+    ),
+    (
+        "lengths_causal_tl",
+        lambda r, d: _base(
+            r, d, query_seq_lengths=lengths([7, 13]), key_value_seq_lengths=lengths([16, 3]), is_causal=True
+        ),
+    ),
+    ("segments_self", _segments_self),
+    ("segments_self_causal_tl", lambda r, d: _segments_self(r, d, is_causal=True)),
+    ("segments_cross", _segments_cross),
+    ("segments_cross_causal_tl", lambda r, d: _segments_cross(r, d, is_causal=True)),
+    (
+        "segments_cross_causal_br",
+        lambda r, d: _segments_cross(r, d, is_causal=True, diagonal_alignment="bottom_right"),
+    ),
+    (
+        "segments_cross_window_br",
+        lambda r, d: _segments_cross(r, d, local_window_size=(1, 2), diagonal_alignment="bottom_right"),
+    ),
+    ("thd", _thd),
+    ("thd_causal_tl", lambda r, d: _thd(r, d, is_causal=True)),
+    ("thd_causal_br_sinks", lambda r, d: _thd(r, d, is_causal=True, diagonal_alignment="bottom_right",
+                                              sinks=normal(r, (N,), jnp.float32))),
+    ("thd_window_maxseqlen", lambda r, d: _thd(r, d, local_window_size=(1, 1), max_seqlen_q=4, max_seqlen_kv=9)),
+    ("paged", _paged),
+    ("paged_causal_br", lambda r, d: _paged(r, d, is_causal=True, diagonal_alignment="bottom_right")),
+    ("softcap", lambda r, d: _base(r, d, logits_soft_cap=2.5)),
+    ("softcap_bias", lambda r, d: _base(r, d, logits_soft_cap=3.0, bias=normal(r, (N, T, S), d, 2.0))),
+    ("sinks", _sinks),
+    ("sinks_zero", lambda r, d: _base(r, d, sinks=jnp.zeros((N,), jnp.float32))),
+    (
+        "sinks_fully_masked",
+        lambda r, d: _sinks(r, d, key_value_seq_lengths=lengths([0, 9]), is_causal=True,
+                            diagonal_alignment="bottom_right", query_seq_lengths=lengths([13, 12])),
+    ),
+    ("dropout", lambda r, d: _base(r, d, dropout_rate=0.3, dropout_key=jax.random.key(7))),
+    (
+        "dropout_causal_bias",
+        lambda r, d: _base(r, d, dropout_rate=0.5, dropout_key=jax.random.key(3), is_causal=True,
+                           bias=normal(r, (1, N, 1, S), d)),
+    ),
+    (
+        "mla_gqa_causal_br_sinks_softcap",
+        lambda r, d: make_case(*qkv(r, n=6, k=3, hv=HV, dtype=d), is_causal=True, diagonal_alignment="bottom_right",
+                               sinks=normal(r, (6,), jnp.float32), logits_soft_cap=4.0),
+    ),
+    ("segments_causal_sinks", lambda r, d: _segments_cross(r, d, is_causal=True, sinks=normal(r, (N,), jnp.float32))),
+    (
+        "everything",
+        lambda r, d: _base(
+            r,
+            d,
+            bias=normal(r, (B, 1, T, S), d),
+            mask=jnp.asarray(r.random((1, N, T, S)) < 0.8),
+            is_causal=True,
+            diagonal_alignment="bottom_right",
+            local_window_size=(6, 2),
+            query_seq_lengths=lengths([12, 8]),
+            key_value_seq_lengths=lengths([17, 10]),
+            logits_soft_cap=5.0,
+            sinks=normal(r, (N,), jnp.float32),
+            dropout_rate=0.2,
+            dropout_key=jax.random.key(11),
+        ),
+    ),
+]
+FEATURE_IDS = [f for f, _ in FEATURES]
+assert len(set(FEATURE_IDS)) == len(FEATURE_IDS)
+
+
+def build_case(feature: str, dtype) -> Case:
+    """The case of a feature, with a fixed seed per feature (the same inputs for every implementation)."""
+    builder = dict(FEATURES)[feature]
+    return builder(np.random.default_rng(_seed(feature)), dtype)
+
+
+def _seed(name: str) -> int:
+    return sum(ord(c) * 31**i for i, c in enumerate(name)) % 2**32
+
+
+@functools.cache
+def reference_results(feature: str, dtype_name: str):
+    """float64 `(out, lse, grads, d_out)` of a feature case (shared by every implementation)."""
+    dtype = jnp.dtype(dtype_name)
+    case = build_case(feature, dtype)
+    kw = reference_kwargs(case)
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    bias, mask = kw.pop("bias", None), kw.pop("mask", None)
+    out, lse = reference_attention(q, k, v, bias, mask, **kw)
+    r = np.random.default_rng(_seed(feature) + 1)
+    d_out = normal(r, out.shape, dtype)
+    grads = None
+    if case.grad:
+        grads = reference_attention_vjp(q, k, v, bias, mask, d_out=to_f64(d_out), **kw)
+    return out, lse, grads, d_out
+
+
+def library_fwd_bwd(impl, case: Case):
+    """A jitted `(diff, rest, d_out) -> (out, lse, grads)` for one case (array arguments traced, not baked)."""
+
+    @jax.jit
+    def fwd_bwd(diff, rest, d_out):
+        f = lambda dd: call_attention(impl, {**rest, **dd}, case.static)
+        if not diff:
+            out, lse = f({})
+            return out, lse, {}
+        (out, lse), vjp = jax.vjp(f, diff)
+        (g,) = vjp((d_out, jnp.zeros_like(lse)))
+        return out, lse, g
+
+    diff = {n: case.arrays[n] for n in case.diff_names}
+    rest = {n: x for n, x in case.arrays.items() if n not in diff}
+    return lambda d_out: fwd_bwd(diff, rest, d_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("feature", FEATURE_IDS)
+def test_conformance(impl, feature, dtype):
+    case = build_case(feature, dtype)
+    ref_out, ref_lse, ref_grads, d_out = reference_results(feature, jnp.dtype(dtype).name)
+
+    run = library_fwd_bwd(impl, case)
+    out, lse, grads = run(d_out)
+    q = case.arrays["query"]
+    assert out.dtype == q.dtype, f"out dtype {out.dtype}, want query dtype {q.dtype}"
+    assert lse.dtype == jnp.float32
+    assert_out_close(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+
+    # rows with no visible key and no sinks: exactly 0 / -inf / zero gradient
+    empty = np.isneginf(ref_lse)
+    if empty.any():
+        assert (np.asarray(to_f64(out))[empty] == 0).all(), "out of a fully masked row is not exactly 0"
+        assert np.isneginf(np.asarray(lse)[empty]).all(), "lse of a fully masked row is not -inf"
+    for name in case.diff_names:
+        assert grads[name].dtype == case.arrays[name].dtype, f"d{name} dtype {grads[name].dtype}"
+        assert_finite(grads[name], f"d{name}")
+        assert_grad_close(grads[name], ref_grads[name], dtype, what=f"d{name}")
+    if "query" in grads and empty.any():
+        dq = np.asarray(to_f64(grads["query"]))
+        assert (dq[empty] == 0).all(), "query gradient of a fully masked row is not exactly 0"
+
+    # bitwise determinism of a re-run
+    out2, lse2, grads2 = run(d_out)
+    assert bitwise_equal(out, out2) and bitwise_equal(lse, lse2)
+    for name in grads:
+        assert bitwise_equal(grads[name], grads2[name]), f"d{name} differs between two runs"
