@@ -10,6 +10,7 @@ Layers, bottom up:
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -27,9 +28,16 @@ CACHE = GraphCache()
 """The process's graph cache (memory, plus disk under `ATTNLIB_CACHE_DIR`)."""
 
 
+GET_SECONDS: list[float] = []
+"""Seconds spent in each `get_entry` (graph set-up at trace time), for the benchmark."""
+
+
 def get_entry(spec: GraphSpec) -> GraphEntry:
     """The built graph of `spec`: cached in memory / on disk, else built now (about a second)."""
-    return CACHE.get(graphs.cache_key(spec, support.device()), lambda: graphs.build(spec))
+    start = time.perf_counter()
+    entry = CACHE.get(graphs.cache_key(spec, support.device()), lambda: graphs.build(spec))
+    GET_SECONDS.append(time.perf_counter() - start)
+    return entry
 
 
 def ffi_graph_call(spec: GraphSpec, entry: GraphEntry, *operands: jax.Array) -> tuple[jax.Array, ...]:

@@ -1,0 +1,247 @@
+"""H200 benchmark of attnlib's cuDNN path against jax.nn (cudnn and xla) and the raw cuDNN graph.
+
+Usage: python benchmarks/bench_cudnn.py [--json out.json] [--quick]
+
+Timing (as in shared/reference/benchmarking.md §5): wall clock under `jax.jit`, 2 warm-up calls, then 3 repetitions
+of a loop of 20 (forward) or 10 (forward+backward) calls ending in one `block_until_ready`; the best per-call mean is
+reported. The raw graph is the very blob attnlib embeds, deserialized by the cuDNN frontend's Python API and executed
+on the same device buffers (loop of 20 executes, then a device synchronize).
+
+FLOPs are exact (cuDNN-frontend convention, only unmasked scores counted): with `E` unmasked (query, key) pairs per
+batch row and head, forward = `2 E B N (H + Hv)`, forward+backward = `2 E B N (4 H + 3 Hv)`.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    b: int
+    t: int
+    n: int
+    k: int
+    h: int
+    hv: int
+    causal: bool
+    window: int | None = None  # left window (keys i-window..i), causal
+
+
+CASES = [
+    Case("MHA causal", 4, 4096, 32, 32, 128, 128, True),
+    Case("MHA full", 4, 4096, 32, 32, 128, 128, False),
+    Case("GQA 32/8 window 1024", 2, 8192, 32, 8, 128, 128, True, 1024),
+    Case("MLA 192/128 causal", 2, 4096, 32, 32, 192, 128, True),
+    Case("long causal", 1, 16384, 16, 16, 128, 128, True),
+    Case("d64 causal", 4, 4096, 32, 32, 64, 64, True),
+    Case("d256 causal", 4, 4096, 16, 16, 256, 256, True),
+]
+
+
+def unmasked_pairs(case: Case) -> int:
+    """Exact number of visible (query, key) pairs per batch row and head."""
+    s = case.t
+    if not case.causal:
+        return s * s
+    if case.window is None:
+        return s * (s + 1) // 2
+    i = np.arange(s)
+    return int(np.sum(np.minimum(i, case.window) + 1))
+
+
+def flops(case: Case) -> tuple[float, float]:
+    e = unmasked_pairs(case) * case.b * case.n
+    return 2.0 * e * (case.h + case.hv), 2.0 * e * (4 * case.h + 3 * case.hv)
+
+
+def best_per_call(fn, args, loop: int, reps: int = 3) -> float:
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(loop):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / loop)
+    return best
+
+
+def make_fns(case: Case, impl: str):
+    import attnlib
+
+    window = None if case.window is None else (case.window, 0)
+    if impl == "attnlib":
+        attend = lambda q, k, v: attnlib.attention(
+            q, k, v, is_causal=case.causal, local_window_size=window, implementation="cudnn"
+        )
+    else:
+        attend = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=case.causal, local_window_size=window, implementation=impl
+        )
+    fwd = jax.jit(attend)
+    fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
+    return fwd, fwd_bwd
+
+
+def inputs(case: Case):
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (case.b, case.t, case.n, case.h), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (case.b, case.t, case.k, case.h), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (case.b, case.t, case.k, case.hv), jnp.float32).astype(jnp.bfloat16)
+    return q, k, v
+
+
+def raw_graph_ms(case: Case, q, k, v) -> float | None:
+    """Forward graph blob executed directly by the frontend's Python API (no XLA)."""
+    import cudnn
+    from cuda.bindings import runtime as cudart
+
+    from attnlib._src.backends.cudnn import attention as cudnn_attention
+    from attnlib._src.backends.cudnn.graphs import Uid
+    from attnlib._src.config import AttentionConfig
+
+    config = AttentionConfig(
+        layout="dense", batch_shape=(case.b,), unbatched=False, q_len=case.t, kv_len=case.t, num_q_heads=case.n,
+        num_kv_heads=case.k, head_dim=case.h, value_head_dim=case.hv, dtype=np.dtype(jnp.bfloat16),
+        scale=1.0 / float(np.sqrt(case.h)), is_causal=case.causal, diagonal_alignment="top_left",
+        window=None if case.window is None else (case.window, 0), bias_shape=None, mask_shape=None,
+        has_q_lengths=False, has_kv_lengths=False, has_segments=False, max_segments_per_row=None,
+        num_sequences=None, max_seqlen_q=None, max_seqlen_kv=None, page_size=None, pages_per_seq=None,
+        num_pages=None, logits_soft_cap=None, has_sinks=False, dropout_rate=0.0, return_residual=False,
+        deterministic_backward=False,
+    )
+    plan = cudnn_attention.make_plan(config, case.b, case.t, None)
+    entry = cudnn_attention.get_entry(plan.fwd)
+    handle = cudnn.create_handle()
+    graph = cudnn.pygraph(handle=handle)
+    graph.deserialize(handle, entry.blob)
+    o = jnp.zeros((case.b, case.t, case.n, case.hv), jnp.bfloat16)
+    stats = jnp.zeros((case.b, case.n, case.t), jnp.float32)
+    ws = jnp.zeros((max(entry.workspace_bytes, 1),), jnp.uint8)
+    jax.block_until_ready((o, stats, ws))
+    ptr = lambda x: x.unsafe_buffer_pointer()
+    pack = {int(Uid.Q): ptr(q), int(Uid.K): ptr(k), int(Uid.V): ptr(v), int(Uid.O): ptr(o), int(Uid.STATS): ptr(stats)}
+    for _ in range(2):
+        graph.execute(pack, ptr(ws), handle=handle)
+    cudart.cudaDeviceSynchronize()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(20):
+            graph.execute(pack, ptr(ws), handle=handle)
+        cudart.cudaDeviceSynchronize()
+        best = min(best, (time.perf_counter() - start) / 20)
+    out_ref = jax.jit(make_fns(case, "attnlib")[0])(q, k, v)
+    max_diff = float(jnp.max(jnp.abs(out_ref.astype(jnp.float32) - o.astype(jnp.float32))))
+    assert max_diff == 0.0, f"raw graph output differs from attnlib's by {max_diff}"
+    return best * 1e3
+
+
+SETUP_SNIPPET = r"""
+import time, json, sys
+t0 = time.perf_counter()
+import jax, jax.numpy as jnp, attnlib
+jax.devices()
+from attnlib._src.backends.cudnn import attention as A
+q = jnp.zeros((2, 1024, 8, 128), jnp.bfloat16)
+f = jax.jit(jax.grad(lambda q: jnp.sum(attnlib.attention(q, q, q, is_causal=True, implementation="cudnn").astype(jnp.float32))))
+t1 = time.perf_counter()
+lowered = f.lower(q)
+t2 = time.perf_counter()
+compiled = lowered.compile()
+t3 = time.perf_counter()
+jax.block_until_ready(compiled(q))
+t4 = time.perf_counter()
+print(json.dumps({"trace_and_graphs_s": t2 - t1, "xla_compile_s": t3 - t2, "first_run_s": t4 - t3,
+                  "builds": A.CACHE.stats["builds"], "disk_hits": A.CACHE.stats["disk_hits"],
+                  "graph_get_s": A.GET_SECONDS}))
+"""
+
+
+def setup_times() -> dict:
+    """Graph set-up: a fresh process with an empty disk cache, then a fresh process with a warm one."""
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = dict(os.environ, ATTNLIB_CACHE_DIR=cache_dir, JAX_COMPILATION_CACHE_DIR="")
+        results = {}
+        for label in ("cold", "warm"):
+            out = subprocess.run([sys.executable, "-c", SETUP_SNIPPET], env=env, capture_output=True, text=True)
+            if out.returncode != 0:
+                results[label] = {"error": out.stderr[-2000:]}
+            else:
+                results[label] = json.loads(out.stdout.strip().splitlines()[-1])
+        return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default="bench_cudnn.json")
+    parser.add_argument("--quick", action="store_true", help="skip the xla baseline")
+    args = parser.parse_args()
+
+    import cudnn
+
+    device = jax.devices()[0]
+    meta = {
+        "device": device.device_kind, "jax": jax.__version__, "cudnn_frontend": cudnn.__version__,
+        "cudnn_backend": cudnn.backend_version(),
+    }
+    rows = []
+    for case in CASES:
+        q, k, v = inputs(case)
+        fwd_flops, fb_flops = flops(case)
+        row = {"case": case.name, "shape": dataclasses.asdict(case), "fwd_flops": fwd_flops, "fwd_bwd_flops": fb_flops}
+        impls = ["attnlib", "cudnn"] + ([] if args.quick else ["xla"])
+        for impl in impls:
+            try:
+                fwd, fwd_bwd = make_fns(case, impl)
+                loop_f, loop_b = (20, 10) if impl != "xla" else (3, 2)
+                row[f"{impl}_fwd_ms"] = best_per_call(fwd, (q, k, v), loop_f) * 1e3
+                row[f"{impl}_fwd_bwd_ms"] = best_per_call(fwd_bwd, (q, k, v), loop_b) * 1e3
+            except Exception as e:  # jax.nn cannot run MLA; xla may run out of memory
+                row[f"{impl}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        try:
+            row["raw_fwd_ms"] = raw_graph_ms(case, q, k, v)
+        except Exception as e:
+            row["raw_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del q, k, v
+
+    setup = setup_times()
+    with open(args.json, "w") as f:
+        json.dump({"meta": meta, "rows": rows, "setup": setup}, f, indent=1)
+
+    tf = lambda fl, ms: f"{fl / (ms * 1e-3) / 1e12:6.0f}" if ms else "     -"
+    ms = lambda x: f"{x:8.3f}" if x is not None else "       -"
+    print(f"\n{meta}")
+    print(f"{'case':22s} {'pass':7s} {'attnlib ms':>10s} {'TF/s':>6s} {'jax.nn ms':>10s} {'TF/s':>6s} {'ratio':>6s} "
+          f"{'xla ms':>9s} {'raw ms':>8s} {'vs raw':>7s}")
+    for row in rows:
+        for kind, fl in (("fwd", row["fwd_flops"]), ("fwd_bwd", row["fwd_bwd_flops"])):
+            a = row.get(f"attnlib_{kind}_ms")
+            c = row.get(f"cudnn_{kind}_ms")
+            x = row.get(f"xla_{kind}_ms")
+            raw = row.get("raw_fwd_ms") if kind == "fwd" else None
+            ratio = f"{c / a:6.3f}" if a and c else "     -"
+            vs_raw = f"{raw / a:7.3f}" if a and raw else "      -"
+            print(f"{row['case']:22s} {kind:7s} {ms(a)}   {tf(fl, a)} {ms(c)}   {tf(fl, c)} {ratio} {ms(x)} "
+                  f"{ms(raw)} {vs_raw}")
+    print("ratio = jax.nn cudnn time / attnlib time (>= 1 means attnlib is at least as fast); "
+          "vs raw = raw graph time / attnlib time.")
+    print(f"setup: {json.dumps(setup)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""GPU tests of `implementation="cudnn"`: every feature, forward and backward, against the `xla` reference.
+
+The reference is `attnlib.attention(..., implementation="xla")` evaluated in float32 (full-precision matmuls) on the
+same float16/bfloat16 values the cuDNN path gets. Tolerances follow from the dtype's machine epsilon `eps` (never tuned):
+- out: cuDNN rounds the probabilities and the output to the io dtype, `atol = 2 eps`, `rtol = eps`;
+- lse: logits and log-sum-exp run in float32 from rounded inputs, `atol = 2 eps`;
+- gradients: sums of products of rounded probabilities / `dS`, compared with `atol = 8 eps * max|expected|` plus
+  `rtol = eps`.
+Dropout uses cuDNN's own generator (a different mask than the xla path), so it is tested by extracting cuDNN's mask
+and checking forward and backward against a reference that applies that same mask, plus keep-rate statistics.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [jnp.bfloat16, jnp.float16]
+DTYPE_IDS = ["bf16", "f16"]
+
+
+def _eps(dtype) -> float:
+    return float(ml_dtypes.finfo(dtype).eps)
+
+
+def _assert_close(actual, expected, atol, rtol, what, scale_by_max=False):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32))
+    expected = np.asarray(jnp.asarray(expected, jnp.float32))
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert not np.isnan(actual).any(), f"{what}: NaN in the cuDNN result"
+    both_inf = np.isinf(actual) & np.isinf(expected) & (np.sign(actual) == np.sign(expected))
+    assert np.array_equal(np.isinf(actual), np.isinf(expected)) and both_inf.sum() == np.isinf(expected).sum(), (
+        f"{what}: infinities differ"
+    )
+    finite = ~np.isinf(expected)
+    a, e = actual[finite], expected[finite]
+    if scale_by_max and e.size:
+        atol = atol * max(float(np.max(np.abs(e))), 1e-30)
+    err = np.abs(a - e)
+    bound = atol + rtol * np.abs(e)
+    if err.size and not np.all(err <= bound):
+        i = int(np.argmax(err - bound))
+        raise AssertionError(
+            f"{what}: max |err| {err.max():.3g}; worst at flat index {i}: actual {a[i]:.6g}, expected {e[i]:.6g}, "
+            f"bound {bound[i]:.3g} (atol {atol:.3g}, rtol {rtol:.3g})"
+        )
+
+
+def _normal(key, shape, dtype, scale=1.0):
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _run(impl, q, k, v, kw, cotangent, lse_cotangent=None, diff_bias=False, diff_sinks=False):
+    """(out, lse, grads) of `attnlib.attention` with a random cotangent on `out` (and optionally on `lse`)."""
+    import attnlib
+
+    kw = dict(kw)
+    bias = kw.pop("bias", None)
+    sinks = kw.pop("sinks", None)
+
+    def f(q, k, v, bias, sinks):
+        return attnlib.attention(q, k, v, bias, sinks=sinks, implementation=impl, return_residual=True, **kw)
+
+    def loss(q, k, v, bias, sinks):
+        out, lse = f(q, k, v, bias, sinks)
+        total = jnp.sum(out.astype(jnp.float32) * cotangent)
+        if lse_cotangent is not None:
+            total = total + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * lse_cotangent)
+        return total
+
+    argnums = (0, 1, 2) + ((3,) if diff_bias else ()) + ((4,) if diff_sinks else ())
+    with jax.default_matmul_precision("highest"):
+        out, lse = jax.jit(f)(q, k, v, bias, sinks)
+        grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, bias, sinks)
+    return out, lse, grads
+
+
+def _upcast(x):
+    return None if x is None else jnp.asarray(x, jnp.float32)
+
+
+def _compare(q, k, v, kw, *, dtype, seed=0, lse_grad=False, names=("dq", "dk", "dv")):
+    e = _eps(dtype)
+    ko, kl = jax.random.split(jax.random.key(seed + 1000))
+    out_shape = q.shape[:-1] + (v.shape[-1],)
+    cot = jax.random.normal(ko, out_shape, jnp.float32)
+    lse_cot = jax.random.normal(kl, q.shape[:-1], jnp.float32) if lse_grad else None
+    diff_bias = kw.get("bias") is not None
+    diff_sinks = kw.get("sinks") is not None
+    out, lse, grads = _run("cudnn", q, k, v, kw, cot, lse_cot, diff_bias, diff_sinks)
+    ref_kw = {key: (_upcast(val) if key in ("bias",) else val) for key, val in kw.items()}
+    r_out, r_lse, r_grads = _run(
+        "xla", _upcast(q), _upcast(k), _upcast(v), ref_kw, cot, lse_cot, diff_bias, diff_sinks
+    )
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    _assert_close(out, r_out, 2 * e, e, "out")
+    _assert_close(lse, r_lse, 2 * e, 0.0, "lse")
+    names = names + (("dbias",) if diff_bias else ()) + (("dsinks",) if diff_sinks else ())
+    for name, g, rg in zip(names, grads, r_grads):
+        _assert_close(g, rg, 8 * e, e, name, scale_by_max=True)
+    return out, lse, grads
+
+
+def _qkv(seed, batch, t, s, n, kh, h, hv, dtype):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (
+        _normal(kq, batch + (t, n, h), dtype),
+        _normal(kk, batch + (s, kh, h), dtype),
+        _normal(kv, batch + (s, kh, hv), dtype),
+    )
+
+
+# (id, batch, T, S, N, K, H, Hv, kwargs)
+CASES = [
+    ("mha", (2,), 128, 128, 4, 4, 64, 64, {}),
+    ("mha_odd_lengths", (2,), 77, 131, 4, 4, 64, 64, {}),
+    ("gqa_causal", (2,), 96, 96, 8, 2, 64, 64, {"is_causal": True}),
+    ("mqa", (2,), 64, 80, 4, 1, 128, 128, {}),
+    ("mla_causal", (2,), 96, 96, 4, 4, 192, 128, {"is_causal": True}),
+    ("causal_bottom_right_t_lt_s", (2,), 48, 160, 4, 2, 64, 64, {"is_causal": True, "diagonal_alignment": "bottom_right"}),
+    ("causal_bottom_right_t_gt_s", (2,), 160, 48, 4, 2, 64, 64, {"is_causal": True, "diagonal_alignment": "bottom_right"}),
+    ("causal_top_left_t_gt_s", (2,), 160, 48, 4, 2, 64, 64, {"is_causal": True}),
+    ("window_causal", (2,), 128, 128, 4, 2, 64, 64, {"is_causal": True, "local_window_size": (31, 0)}),
+    ("window_two_sided", (2,), 128, 128, 4, 2, 64, 64, {"local_window_size": (16, 8)}),
+    ("window_bottom_right", (2,), 64, 128, 4, 2, 64, 64,
+     {"local_window_size": (20, 3), "diagonal_alignment": "bottom_right"}),
+    ("scale", (2,), 64, 64, 4, 4, 64, 64, {"scale": 0.3}),
+    ("batch_dims", (2, 3), 40, 56, 2, 2, 64, 64, {"is_causal": True}),
+    ("unbatched", (), 40, 56, 2, 2, 64, 64, {}),
+    ("d256", (1,), 64, 64, 2, 2, 256, 256, {"is_causal": True}),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference(case, dtype):
+    _, batch, t, s, n, kh, h, hv, kw = case
+    q, k, v = _qkv(1, batch, t, s, n, kh, h, hv, dtype)
+    _compare(q, k, v, kw, dtype=dtype)
+
+
+def _lengths(values):
+    return jnp.asarray(values, jnp.int32)
+
+
+PADDING_CASES = [
+    ("q_and_kv", {"query_seq_lengths": [100, 37], "key_value_seq_lengths": [120, 5]}),
+    ("kv_only_causal", {"key_value_seq_lengths": [128, 70], "is_causal": True}),
+    ("q_only", {"query_seq_lengths": [1, 128]}),
+    ("causal_bottom_right", {"query_seq_lengths": [60, 20], "key_value_seq_lengths": [128, 90],
+                             "is_causal": True, "diagonal_alignment": "bottom_right"}),
+    ("window", {"query_seq_lengths": [128, 64], "key_value_seq_lengths": [100, 128],
+                "is_causal": True, "local_window_size": (15, 0)}),
+    ("empty_sequence", {"query_seq_lengths": [128, 50], "key_value_seq_lengths": [0, 77]}),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", PADDING_CASES, ids=[c[0] for c in PADDING_CASES])
+def test_padding_lengths(case, dtype):
+    _, kw = case
+    kw = {key: (_lengths(val) if key.endswith("lengths") else val) for key, val in kw.items()}
+    q, k, v = _qkv(2, (2,), 128, 128, 4, 2, 64, 64, dtype)
+    out, lse, grads = _compare(q, k, v, kw, dtype=dtype)
+    if "query_seq_lengths" in kw:
+        ql = np.asarray(kw["query_seq_lengths"])
+        for b in range(2):
+            assert np.all(np.asarray(out[b, ql[b]:], np.float32) == 0)
+            assert np.all(np.isneginf(np.asarray(lse[b, ql[b]:])))
+            assert np.all(np.asarray(grads[0][b, ql[b]:], np.float32) == 0)
+
+
+BIAS_SHAPES = [("NTS", lambda B, N, T, S: (1, N, T, S)), ("BNTS", lambda B, N, T, S: (B, N, T, S)),
+               ("B1TS", lambda B, N, T, S: (B, 1, T, S)), ("TS", lambda B, N, T, S: (T, S)),
+               ("S", lambda B, N, T, S: (1, 1, 1, S))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", BIAS_SHAPES, ids=[b[0] for b in BIAS_SHAPES])
+def test_bias_and_dbias(shape, dtype):
+    B, T, S, N = 2, 96, 112, 4
+    q, k, v = _qkv(3, (B,), T, S, N, 2, 64, 64, dtype)
+    bias = _normal(jax.random.key(33), shape[1](B, N, T, S), dtype)
+    _compare(q, k, v, {"bias": bias, "is_causal": True}, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_bias_with_padding(dtype):
+    q, k, v = _qkv(4, (2,), 96, 96, 4, 4, 64, 64, dtype)
+    bias = _normal(jax.random.key(44), (1, 4, 96, 96), dtype)
+    kw = {"bias": bias, "query_seq_lengths": _lengths([96, 40]), "key_value_seq_lengths": _lengths([70, 96])}
+    _compare(q, k, v, kw, dtype=dtype)
+
+
+SINK_CASES = [
+    ("learnable", {}),
+    ("off_by_one", {"zero_sinks": True}),
+    ("padding_window", {"query_seq_lengths": [96, 30], "key_value_seq_lengths": [80, 96], "is_causal": True,
+                        "local_window_size": (20, 0)}),
+    ("gqa_causal", {"is_causal": True, "gqa": True}),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", SINK_CASES, ids=[c[0] for c in SINK_CASES])
+def test_sinks(case, dtype):
+    _, kw = case
+    kw = dict(kw)
+    zero = kw.pop("zero_sinks", False)
+    gqa = kw.pop("gqa", False)
+    kw = {key: (_lengths(val) if key.endswith("lengths") else val) for key, val in kw.items()}
+    q, k, v = _qkv(5, (2,), 96, 96, 4, 2 if gqa else 4, 64, 64, dtype)
+    sinks = jnp.zeros((4,), jnp.float32) if zero else jax.random.normal(jax.random.key(55), (4,), jnp.float32) + 1.0
+    kw["sinks"] = sinks
+    _compare(q, k, v, kw, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_lse_gradient(dtype):
+    q, k, v = _qkv(6, (2,), 64, 96, 4, 2, 64, 64, dtype)
+    kw = {"is_causal": True, "key_value_seq_lengths": _lengths([96, 50])}
+    _compare(q, k, v, kw, dtype=dtype, lse_grad=True)
+
+
+def test_deterministic_backward_is_bitwise_reproducible():
+    import attnlib
+
+    q, k, v = _qkv(7, (2,), 256, 256, 8, 2, 128, 128, jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = attnlib.attention(q, k, v, is_causal=True, implementation="cudnn", deterministic_backward=True)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    first = g(q, k, v)
+    for _ in range(3):
+        again = g(q, k, v)
+        for a, b in zip(first, again):
+            assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+    _compare(q, k, v, {"is_causal": True, "deterministic_backward": True}, dtype=jnp.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# dropout
+
+
+def _dropout_attention(q, k, v, key, rate, **kw):
+    import attnlib
+
+    return attnlib.attention(q, k, v, implementation="cudnn", dropout_rate=rate, dropout_key=key, **kw)
+
+
+def _extract_kept(key, rate, B, T, S, N, dtype):
+    """cuDNN's keep mask `[B, T, N, S]` (and probabilities), read off an identity value matrix."""
+    kq, kk = jax.random.split(jax.random.key(8))
+    q = _normal(kq, (B, T, N, 64), dtype)
+    k = _normal(kk, (B, S, N, 64), dtype)
+    eye = jnp.broadcast_to(jnp.eye(S, dtype=dtype)[None, :, None, :], (B, S, N, S))
+    p_drop = jax.jit(lambda q, k, v: _dropout_attention(q, k, v, key, rate))(q, k, eye)
+    return q, k, np.asarray(p_drop, np.float32) > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dropout_same_mask_forward_and_backward(dtype):
+    B, T, S, N, rate = 2, 64, 64, 2, 0.25
+    key = jax.random.key(123)
+    q, k, kept = _extract_kept(key, rate, B, T, S, N, dtype)
+    frac = kept.mean()
+    sigma = math.sqrt(rate * (1 - rate) / kept.size)
+    assert abs(frac - (1 - rate)) < 6 * sigma, f"kept fraction {frac:.4f} vs {1 - rate}"
+
+    v = _normal(jax.random.key(9), (B, S, N, 64), dtype)
+    cot = jax.random.normal(jax.random.key(10), (B, T, N, 64), jnp.float32)
+    mask = jnp.asarray(kept)  # [B, T, N, S]
+
+    def cudnn_loss(q, k, v):
+        return jnp.sum(_dropout_attention(q, k, v, key, rate).astype(jnp.float32) * cot)
+
+    def ref(q, k, v):
+        s = jnp.einsum("btnh,bsnh->btns", q, k, precision="highest") / math.sqrt(64)
+        p = jax.nn.softmax(s, axis=-1) * mask / (1 - rate)
+        return jnp.einsum("btns,bsnh->btnh", p, v, precision="highest")
+
+    out = jax.jit(lambda q, k, v: _dropout_attention(q, k, v, key, rate))(q, k, v)
+    e = _eps(dtype)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    _assert_close(out, ref(f32(q), f32(k), f32(v)), 2 * e / (1 - rate), e, "dropout out")
+    grads = jax.jit(jax.grad(cudnn_loss, argnums=(0, 1, 2)))(q, k, v)
+    r_grads = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) * cot), argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, r_grads):
+        _assert_close(g, rg, 8 * e / (1 - rate), e, f"dropout {name}", scale_by_max=True)
+
+
+def test_dropout_key_changes_mask_and_is_reproducible():
+    B, T, S, N = 1, 32, 64, 2
+    _, _, a = _extract_kept(jax.random.key(1), 0.5, B, T, S, N, jnp.bfloat16)
+    _, _, a2 = _extract_kept(jax.random.key(1), 0.5, B, T, S, N, jnp.bfloat16)
+    _, _, b = _extract_kept(jax.random.key(2), 0.5, B, T, S, N, jnp.bfloat16)
+    assert np.array_equal(a, a2)
+    assert not np.array_equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# transforms, lowering, errors
+
+
+def test_vmap_is_one_fused_call_and_matches():
+    import attnlib
+
+    q, k, v = _qkv(11, (3, 2), 64, 64, 4, 4, 64, 64, jnp.bfloat16)
+    f = lambda q, k, v: attnlib.attention(q, k, v, is_causal=True, implementation="cudnn")
+    batched = jax.jit(jax.vmap(f))
+    hlo = batched.lower(q, k, v).as_text()
+    assert hlo.count("custom_call @attnlib_cudnn_graph") == 1, hlo
+    assert "tensor<6x64x4x64xbf16>" in hlo
+    np.testing.assert_array_equal(np.asarray(batched(q, k, v), np.float32), np.asarray(jax.jit(f)(q, k, v), np.float32))
+    grad = jax.jit(jax.vmap(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)))))
+    hlo = grad.lower(q, k, v).as_text()
+    assert hlo.count("custom_call @attnlib_cudnn_graph") == 2, "one forward and one backward call"
+    g = grad(q, k, v)
+    g_ref = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32))))(q, k, v)
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), rtol=0, atol=0)
+
+
+def test_vmap_of_grad_with_bias_gives_per_example_dbias():
+    import attnlib
+
+    q, k, v = _qkv(12, (3, 2), 48, 48, 2, 2, 64, 64, jnp.bfloat16)
+    bias = _normal(jax.random.key(13), (1, 2, 48, 48), jnp.bfloat16)
+    loss = lambda q, k, v, b: jnp.sum(attnlib.attention(q, k, v, b, implementation="cudnn").astype(jnp.float32) ** 2)
+    per_example = jax.jit(jax.vmap(jax.grad(loss, argnums=3), in_axes=(0, 0, 0, None)))(q, k, v, bias)
+    one_by_one = jnp.stack([jax.jit(jax.grad(loss, argnums=3))(q[i], k[i], v[i], bias) for i in range(3)])
+    _assert_close(per_example, one_by_one, 2 * _eps(jnp.bfloat16), _eps(jnp.bfloat16), "dbias", scale_by_max=True)
+
+
+def test_jit_retrace_reuses_cached_graph():
+    import attnlib
+    from attnlib._src.backends.cudnn import attention as cudnn_attention
+
+    q, k, v = _qkv(14, (1,), 32, 32, 2, 2, 64, 64, jnp.bfloat16)
+    f = lambda q, k, v: attnlib.attention(q, k, v, implementation="cudnn")
+    jax.jit(f)(q, k, v).block_until_ready()
+    builds = cudnn_attention.CACHE.stats["builds"]
+    jax.jit(lambda q, k, v: f(q, k, v) * 1)(q, k, v).block_until_ready()
+    assert cudnn_attention.CACHE.stats["builds"] == builds
+
+
+def test_command_buffers_off_gives_same_result(tmp_path):
+    code = (
+        "import jax, jax.numpy as jnp, numpy as np, attnlib\n"
+        "q = (jax.random.normal(jax.random.key(0), (2, 64, 4, 64))).astype(jnp.bfloat16)\n"
+        "f = jax.jit(lambda q: attnlib.attention(q, q, q, is_causal=True, implementation='cudnn'))\n"
+        "f(q); np.save(r'%s', np.asarray(f(q), np.float32))\n"
+    )
+    results = []
+    for flag in ("1", "0"):
+        path = tmp_path / f"out{flag}.npy"
+        env = dict(os.environ, ATTNLIB_CUDNN_COMMAND_BUFFER=flag, ATTNLIB_CACHE_DIR=str(tmp_path / "cache"))
+        subprocess.run([sys.executable, "-c", code % path], check=True, env=env)
+        results.append(np.load(path))
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_decline_reasons_on_gpu():
+    import attnlib
+
+    q = jnp.zeros((1, 16, 2, 64), jnp.float32)
+    with pytest.raises(NotImplementedError, match="float32"):
+        attnlib.attention(q, q, q, implementation="cudnn")
+    q = jnp.zeros((1, 16, 2, 36), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="multiples of 8"):
+        attnlib.attention(q, q, q, implementation="cudnn")
+    q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="logits_soft_cap"):
+        attnlib.attention(q, q, q, implementation="cudnn", logits_soft_cap=30.0)
+
+
+def test_auto_dispatch_picks_cudnn():
+    import attnlib
+
+    q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+    assert attnlib.explain(q, q, q).implementation == "cudnn"
