@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds the native extension and runs the cuDNN GPU tests and benchmark on a GPU machine (the H200 device).
+# Usage: bash benchmarks/run_cudnn_h200.sh OUT_DIR [tests|bench|all] [pytest args...]
+set -uo pipefail
+out=${1:?output directory}; what=${2:-all}; shift 2 || true
+mkdir -p "$out"
+root=$(pwd)
+if [ ! -e attnlib/_attnlib_ffi*.so ] || [ native/src/cudnn_graph.cc -nt attnlib/_attnlib_ffi*.so ]; then
+  start=$(date +%s)
+  rm -rf /tmp/attnlib_wheel
+  if ! python3 -m pip wheel -v --no-build-isolation --no-deps . -w /tmp/attnlib_wheel > "$out/build.log" 2>&1; then
+    tail -40 "$out/build.log"; exit 1
+  fi
+  python3 - "$root" <<'PY'
+import glob, sys, zipfile
+z = zipfile.ZipFile(glob.glob("/tmp/attnlib_wheel/attnlib*.whl")[0])
+for name in z.namelist():
+    if "_attnlib_ffi" in name and name.endswith(".so"):
+        z.extract(name, sys.argv[1]); print("extracted", name)
+PY
+  echo "build: $(( $(date +%s) - start )) s"; grep "attnlib:" "$out/build.log" | head -8
+fi
+python3 -c "import attnlib._attnlib_ffi as m; print('extension FE version', m.frontend_version())" || exit 1
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  ATTNLIB_REQUIRE_GPU=1 ATTNLIB_CACHE_DIR=/tmp/attnlib_cache timeout 400 python3 -m pytest tests/test_cudnn_gpu.py \
+    -q -rfE --tb=short -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -60
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  ATTNLIB_CACHE_DIR=/tmp/attnlib_cache timeout 300 python3 benchmarks/bench_cudnn.py --json "$out/bench_cudnn.json" \
+    2>&1 | tee "$out/bench.log" | tail -30
+fi
