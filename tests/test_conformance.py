@@ -280,6 +280,7 @@ FEATURES: list[tuple[str, Callable]] = [
     ("softcap", lambda r, d: _base(r, d, logits_soft_cap=2.5)),
     ("softcap_bias", lambda r, d: _base(r, d, logits_soft_cap=3.0, bias=normal(r, (N, T, S), d, 2.0))),
     ("sinks", _sinks),
+    ("sinks_query_dtype", lambda r, d: _base(r, d, sinks=normal(r, (N,), d))),
     ("sinks_zero", lambda r, d: _base(r, d, sinks=jnp.zeros((N,), jnp.float32))),
     (
         "sinks_fully_masked",
@@ -398,3 +399,132 @@ def test_conformance(impl, feature, dtype):
     assert bitwise_equal(out, out2) and bitwise_equal(lse, lse2)
     for name in grads:
         assert bitwise_equal(grads[name], grads2[name]), f"d{name} differs between two runs"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# gradients through `lse` (return_residual): random cotangents on both outputs, including on -inf rows (whose
+# true gradient is 0: lse is constant there).
+
+LSE_GRAD_FEATURES = ["gqa", "causal_br_T>S", "sinks_fully_masked", "thd_causal_br_sinks", "softcap_bias", "dropout"]
+
+
+@pytest.mark.parametrize("feature", LSE_GRAD_FEATURES)
+def test_lse_cotangent(impl, feature):
+    dtype = jnp.float32
+    case = build_case(feature, dtype)
+    kw = reference_kwargs(case)
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    bias, mask = kw.pop("bias", None), kw.pop("mask", None)
+    out, lse = reference_attention(q, k, v, bias, mask, **kw)
+    r = np.random.default_rng(5)
+    d_out = normal(r, out.shape, dtype)
+    d_lse = normal(r, lse.shape, jnp.float32)
+    ref = reference_attention_vjp(q, k, v, bias, mask, d_out=to_f64(d_out), d_lse=to_f64(d_lse), **kw)
+
+    diff = {n: case.arrays[n] for n in case.diff_names}
+    rest = {n: x for n, x in case.arrays.items() if n not in diff}
+
+    @jax.jit
+    def grads(diff, rest):
+        _, vjp = jax.vjp(lambda dd: call_attention(impl, {**rest, **dd}, case.static), diff)
+        return vjp((d_out, d_lse))[0]
+
+    g = grads(diff, rest)
+    for name in case.diff_names:
+        assert_grad_close(g[name], ref[name], dtype, what=f"d{name}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# small hand-computed cases
+
+
+@pytest.mark.parametrize("impl_name", ["xla", "xla_chunked"])
+def test_hand_computed(impl_name):
+    # one query, two keys with logits 0 and 1 (scale 1): p = [1, e] / (1 + e)
+    q = jnp.asarray([[[1.0]]], jnp.float32)  # [T=1, N=1, H=1]
+    k = jnp.asarray([[[0.0]], [[1.0]]], jnp.float32)  # [S=2, K=1, H=1]
+    v = jnp.asarray([[[1.0, 0.0]], [[0.0, 1.0]]], jnp.float32)  # [S=2, K=1, Hv=2]
+    e = math.e
+    out, lse = attnlib.attention(q, k, v, scale=1.0, implementation=impl_name, return_residual=True)
+    np.testing.assert_allclose(np.asarray(out)[0, 0], [1 / (1 + e), e / (1 + e)], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse)[0, 0], math.log(1 + e), rtol=1e-6)
+    # off-by-one softmax (sink 0): p = [1, e] / (1 + 1 + e)
+    out, lse = attnlib.attention(
+        q, k, v, scale=1.0, sinks=jnp.zeros((1,), jnp.float32), implementation=impl_name, return_residual=True
+    )
+    np.testing.assert_allclose(np.asarray(out)[0, 0], [1 / (2 + e), e / (2 + e)], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse)[0, 0], math.log(2 + e), rtol=1e-6)
+    # sinks + a fully masked row: out = 0, lse = the sink alone
+    sink = jnp.asarray([0.75], jnp.float32)
+    out, lse = attnlib.attention(
+        q, k, v, jnp.zeros((1, 1, 2), jnp.float32), jnp.zeros((1, 1, 2), bool), scale=1.0, sinks=sink,
+        implementation=impl_name, return_residual=True,
+    )  # fmt: skip
+    assert (np.asarray(out) == 0).all()
+    np.testing.assert_allclose(np.asarray(lse)[0, 0], 0.75, rtol=1e-7)
+
+
+@pytest.mark.parametrize("impl_name", ["xla", "xla_chunked"])
+def test_return_residual_false_and_default_implementation(impl_name):
+    q, k, v = qkv(np.random.default_rng(1))
+    out = attnlib.attention(q, k, v, implementation=impl_name)
+    assert isinstance(out, jax.Array) and out.shape == (B, T, N, 8) and out.dtype == jnp.float32
+    ref, _ = reference_attention(to_f64(q), to_f64(k), to_f64(v))
+    assert_out_close(out, ref, jnp.float32)
+    # the default implementation (None) serves the same call with the same semantics
+    assert_out_close(attnlib.attention(q, k, v), ref, jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the reference's own analytic backward against central finite differences of its forward (float64, tiny shapes)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(is_causal=True, diagonal_alignment="bottom_right", logits_soft_cap=2.0, sinks=True, dropout=True,
+             key_value_seq_lengths=np.array([5, 2]), query_seq_lengths=np.array([3, 1])),
+        dict(local_window_size=(1, 0), sinks=True, q_segment_ids=np.array([[1, 1, 2], [0, 3, 3]]),
+             kv_segment_ids=np.array([[1, 2, 2, 2, 0], [3, 3, 3, 0, 0]]), is_causal=True),
+    ],
+    ids=["plain", "causal_br_cap_sinks_dropout_lengths", "segments_window_sinks"],
+)  # fmt: skip
+def test_reference_vjp_matches_finite_differences(options):
+    r = np.random.default_rng(0)
+    b, t, s, n, k, h, hv = 2, 3, 5, 4, 2, 3, 2
+    options = dict(options)
+    args = dict(
+        query=r.standard_normal((b, t, n, h)),
+        key=r.standard_normal((b, s, k, h)),
+        value=r.standard_normal((b, s, k, hv)),
+        bias=r.standard_normal((1, n, t, s)),
+    )
+    if options.pop("sinks", False):
+        args["sinks"] = r.standard_normal(n)
+    if options.pop("dropout", False):
+        options.update(dropout_rate=0.3, dropout_keep=r.random((b, n, t, s)) > 0.3)
+    d_out = r.standard_normal((b, t, n, hv))
+    d_lse = r.standard_normal((b, t, n))
+
+    def loss(a):
+        out, lse = reference_attention(a["query"], a["key"], a["value"], a["bias"], **options,
+                                       **({"sinks": a["sinks"]} if "sinks" in a else {}))  # fmt: skip
+        return (out * d_out).sum() + np.where(np.isfinite(lse), lse * d_lse, 0.0).sum()
+
+    grads = reference_attention_vjp(
+        args["query"], args["key"], args["value"], args["bias"], d_out=d_out, d_lse=d_lse, **options,
+        **({"sinks": args["sinks"]} if "sinks" in args else {}),
+    )  # fmt: skip
+    step = 1e-6
+    for name, x in args.items():
+        fd = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            plus, minus = dict(args), dict(args)
+            plus[name] = x.copy()
+            plus[name][idx] += step
+            minus[name] = x.copy()
+            minus[name][idx] -= step
+            fd[idx] = (loss(plus) - loss(minus)) / (2 * step)
+        # central differences in float64: truncation ~ step**2, rounding ~ 1e-16 / step -> ~1e-9 absolute
+        np.testing.assert_allclose(grads[name], fd, atol=1e-7, rtol=1e-6, err_msg=f"d{name}")
