@@ -16,13 +16,16 @@ def visible(
     """Bool `[B, T, S]`: query `i` may attend to key `j`.
 
     Args:
-        q_segment, q_position: int `[B, T]` sequence ids (0 = none) and aligned positions (see `positions.py`).
-        kv_segment, kv_position: int `[B, S]` sequence ids and positions.
+        q_segment, q_position: int `[B, T]` sequence ids (0 = none; None = one sequence per row) and aligned
+            positions (see `positions.py`).
+        kv_segment, kv_position: int `[B, S]` sequence ids (None with `q_segment`) and positions.
         is_causal: keys after the (aligned) query position are hidden.
         window: `(left, right)`: only keys at aligned offsets `-left … +right` are visible.
     """
-    qs = q_segment[:, :, None]
-    allowed = (qs != 0) & (qs == kv_segment[:, None, :])
+    allowed = jnp.ones((q_position.shape[0], q_position.shape[1], kv_position.shape[1]), bool)
+    if q_segment is not None:
+        qs = q_segment[:, :, None]
+        allowed = (qs != 0) & (qs == kv_segment[:, None, :])
     offset = kv_position[:, None, :] - q_position[:, :, None]
     if is_causal:
         allowed &= offset <= 0

@@ -18,16 +18,26 @@ class TokenPositions(NamedTuple):
     """Sequence ids and positions of query and key tokens.
 
     Attributes:
-        q_segment: int32 `[B, T]`, 0 = the query sees no key.
+        q_segment: int32 `[B, T]`, 0 = the query sees no key; None when every query and key belongs to one
+            sequence per row (no padding, segments or THD).
         q_position: int32 `[B, T]`, position within its sequence plus the alignment offset.
-        kv_segment: int32 `[B, S]`, 0 = no query sees the key.
+        kv_segment: int32 `[B, S]`, 0 = no query sees the key; None exactly when `q_segment` is.
         kv_position: int32 `[B, S]`, position within its sequence.
     """
 
-    q_segment: jax.Array
+    q_segment: jax.Array | None
     q_position: jax.Array
-    kv_segment: jax.Array
+    kv_segment: jax.Array | None
     kv_position: jax.Array
+
+    def with_segments(self) -> "TokenPositions":
+        """The same positions with explicit segment ids (all 1 when there was no sequence structure)."""
+        if self.q_segment is not None:
+            return self
+        return self._replace(
+            q_segment=jnp.ones(self.q_position.shape, jnp.int32),
+            kv_segment=jnp.ones(self.kv_position.shape, jnp.int32),
+        )
 
 
 def _prefix_ids(lengths: jax.Array | None, batch: int, length: int) -> jax.Array:
@@ -95,6 +105,10 @@ def dense_positions(
     if q_segment_ids is None:
         q_position = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), (batch, q_len))
         kv_position = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len))
+        if query_seq_lengths is None and key_value_seq_lengths is None:
+            if bottom_right:
+                q_position = q_position + (kv_len - q_len)
+            return TokenPositions(None, q_position, None, kv_position)
         if bottom_right:
             q_count = jnp.sum(q_ids, axis=1, keepdims=True)
             kv_count = jnp.sum(kv_ids, axis=1, keepdims=True)

@@ -66,7 +66,7 @@ def visible(
 ) -> jax.Array:
     """Bool `[B, 1|K, 1|G, T, s]` for keys `k_start : k_start + k_size` (`mask` already sliced to them)."""
     p = problem.positions
-    kv_segment = jax.lax.dynamic_slice_in_dim(p.kv_segment, k_start, k_size, axis=1)
+    kv_segment = None if p.kv_segment is None else jax.lax.dynamic_slice_in_dim(p.kv_segment, k_start, k_size, axis=1)
     kv_position = jax.lax.dynamic_slice_in_dim(p.kv_position, k_start, k_size, axis=1)
     allowed = masks.visible(
         p.q_segment, p.q_position, kv_segment, kv_position, is_causal=config.is_causal, window=config.window

@@ -16,13 +16,14 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
     s = scores.soft_cap(config, scores.raw_scores(config, q5, problem.key, problem.bias))  # [B, K, G, T, S]
     allowed = scores.visible(config, problem, 0, S, problem.mask)
 
-    row_max = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1)  # [B, K, G, T]
+    s = jnp.where(allowed, s, -jnp.inf)
+    row_max = jnp.max(s, axis=-1)  # [B, K, G, T]
     if problem.sinks is not None:
         sinks = scores.grouped_sinks(config, problem.sinks)
         row_max = jnp.maximum(row_max, sinks)
     # The softmax is invariant to the shift, so it carries no gradient; rows with nothing visible shift by 0.
     shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    unnormalised = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
+    unnormalised = jnp.exp(s - shift[..., None])
     denominator = jnp.sum(unnormalised, axis=-1)
     if problem.sinks is not None:
         denominator = denominator + jnp.exp(sinks - shift)
@@ -36,13 +37,13 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
         probs = jnp.where(keep, probs / (1.0 - config.dropout_rate), 0.0)
 
     out = jnp.einsum(
-        "bkgts,bskh->btkgh",
+        "bkgts,bskh->bkgth",
         probs.astype(problem.value.dtype),
         problem.value,
         preferred_element_type=jnp.float32,
         precision=scores.precision(problem.value.dtype),
     )
-    out = jnp.reshape(out, (B, T, N, -1)).astype(problem.query.dtype)
+    out = jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (B, T, N, -1)).astype(problem.query.dtype)
     lse = jnp.transpose(jnp.reshape(lse, (B, N, T)), (0, 2, 1))
     return out, lse
 

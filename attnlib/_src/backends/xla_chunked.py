@@ -35,7 +35,7 @@ def _pad_keys(problem: canonical.Problem, padded_len: int) -> canonical.Problem:
     pad_last = lambda x, value: x if x is None or x.shape[-1] == 1 else jnp.pad(
         x, [(0, 0)] * 3 + [(0, extra)], constant_values=value
     )
-    p = problem.positions
+    p = problem.positions.with_segments()
     positions = TokenPositions(p.q_segment, p.q_position, pad_tokens(p.kv_segment), pad_tokens(p.kv_position))
     return problem._replace(
         key=pad_tokens(problem.key),

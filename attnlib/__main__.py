@@ -1,0 +1,95 @@
+"""`python -m attnlib`: a self-check on this machine.
+
+Prints the platform, which implementations can run, and for each one that can: one causal attention call (forward
+and gradient) with its maximum error against a float64 NumPy reference and its time.
+"""
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attnlib
+from attnlib._src.config import IMPLEMENTATIONS
+
+
+def _reference(q, k, v, scale):
+    """float64 causal attention from the definition, `[B, T, N, H]` layout with GQA."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    s = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    T, S = s.shape[-2:]
+    s = np.where(np.tril(np.ones((T, S), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bnts,bsnh->btnh", p, v)
+
+
+def _time(fn, *args, repeats=5):
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attnlib", description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    print(f"attnlib {attnlib.__version__}, jax {jax.__version__}, devices: {jax.devices()}")
+    on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    keys = jax.random.split(jax.random.key(0), 4)
+    B, T, N, K, H = args.batch, args.length, args.heads, args.kv_heads, args.head_dim
+    q = jax.random.normal(keys[0], (B, T, N, H), dtype)
+    k = jax.random.normal(keys[1], (B, T, K, H), dtype)
+    v = jax.random.normal(keys[2], (B, T, K, H), dtype)
+    print(f"problem: B={B} T=S={T} N={N} K={K} H={H} {jnp.dtype(dtype).name}, causal")
+
+    explanation = attnlib.explain(q, k, v, is_causal=True)
+    print(f"implementation=None would run: {explanation.implementation}")
+    expected = _reference(q, k, v, 1.0 / np.sqrt(H))
+    failures = 0
+    for name in IMPLEMENTATIONS:
+        reason = attnlib.explain(q, k, v, is_causal=True, implementation=name).declined.get(name)
+        if reason is not None:
+            print(f"  {name:12s} unavailable: {reason}")
+            continue
+        forward = jax.jit(lambda q, k, v, name=name: attnlib.attention(q, k, v, is_causal=True, implementation=name))
+        grad = jax.jit(
+            jax.grad(
+                lambda q, k, v, name=name: attnlib.attention(q, k, v, is_causal=True, implementation=name)
+                .astype(jnp.float32)
+                .sum(),
+                argnums=(0, 1, 2),
+            )
+        )
+        out = np.asarray(forward(q, k, v), np.float64)
+        error = float(np.max(np.abs(out - expected)))
+        finite = all(bool(jnp.all(jnp.isfinite(g))) for g in grad(q, k, v))
+        tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+        ok = error <= tolerance and finite
+        failures += not ok
+        print(
+            f"  {name:12s} max|out - float64 ref| = {error:.2e} (tol {tolerance:.0e}), gradients finite: {finite}; "
+            f"forward {_time(forward, q, k, v) * 1e3:8.2f} ms, forward+backward {_time(grad, q, k, v) * 1e3:8.2f} ms"
+            f"  {'OK' if ok else 'FAIL'}"
+        )
+    print("self-check passed" if failures == 0 else f"self-check FAILED for {failures} implementation(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
