@@ -20,6 +20,9 @@ for name in z.namelist():
 PY
   echo "build: $(( $(date +%s) - start )) s"; grep "attnlib:" "$out/build.log" | head -8
 fi
+# attnlib's metadata (its __version__) from the wheel; the code itself is imported from this tree.
+python3 -m pip install -q --no-deps --no-index --target /tmp/attnlib_meta /tmp/attnlib_wheel/attnlib*.whl || exit 1
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/attnlib_meta"
 python3 -c "import attnlib._attnlib_ffi as m; print('extension FE version', m.frontend_version())" || exit 1
 if [ "$what" = tests ] || [ "$what" = all ]; then
   ATTNLIB_REQUIRE_GPU=1 ATTNLIB_CACHE_DIR=/tmp/attnlib_cache timeout 400 python3 -m pytest tests/test_cudnn_gpu.py \
