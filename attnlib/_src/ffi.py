@@ -43,9 +43,10 @@ def _load() -> tuple[types.ModuleType | None, str | None]:
         )
     # Command buffers (CUDA graphs) can be turned off for debugging: XLA then never captures the execute handler.
     command_buffer = os.environ.get("ATTNLIB_CUDNN_COMMAND_BUFFER", "1") != "0"
+    # The state type first: XLA refuses handlers whose types are not registered yet.
+    jax.ffi.register_ffi_type(STATE_TYPE, _attnlib_ffi.state_type(), platform="CUDA")
     for name, handlers in _attnlib_ffi.registrations(command_buffer).items():
         jax.ffi.register_ffi_target(name, handlers, platform="CUDA")
-    jax.ffi.register_ffi_type(STATE_TYPE, _attnlib_ffi.state_type(), platform="CUDA")
     return _attnlib_ffi, None
 
 
