@@ -8,7 +8,8 @@ root=$(pwd)
 if [ ! -e attnlib/_attnlib_ffi*.so ] || [ native/src/cudnn_graph.cc -nt attnlib/_attnlib_ffi*.so ]; then
   start=$(date +%s)
   rm -rf /tmp/attnlib_wheel
-  if ! python3 -m pip wheel -v --no-build-isolation --no-deps . -w /tmp/attnlib_wheel > "$out/build.log" 2>&1; then
+  if ! python3 -m pip wheel -v --no-build-isolation --no-deps \
+       -C cmake.build-type="${ATTNLIB_BUILD_TYPE:-Release}" . -w /tmp/attnlib_wheel > "$out/build.log" 2>&1; then
     tail -40 "$out/build.log"; exit 1
   fi
   python3 - "$root" <<'PY'
@@ -21,9 +22,13 @@ PY
   echo "build: $(( $(date +%s) - start )) s"; grep "attnlib:" "$out/build.log" | head -8
 fi
 # attnlib's metadata (its __version__) from the wheel; the code itself is imported from this tree.
-python3 -m pip install -q --no-deps --no-index --target /tmp/attnlib_meta /tmp/attnlib_wheel/attnlib*.whl || exit 1
+python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/attnlib_meta /tmp/attnlib_wheel/attnlib*.whl || exit 1
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/attnlib_meta"
 python3 -c "import attnlib._attnlib_ffi as m; print('extension FE version', m.frontend_version())" || exit 1
+if [ "$what" = smoke ]; then
+  timeout 200 cuda-gdb -q -batch -ex run -ex "bt 14" --args python3 benchmarks/smoke_cudnn.py 2>&1 \
+    | grep -v "^\[New Thread\|^\[Thread\|libthread_db\|^$\|Detaching" | tail -24 | cut -c1-300
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   ATTNLIB_REQUIRE_GPU=1 ATTNLIB_CACHE_DIR=/tmp/attnlib_cache timeout 400 python3 -m pytest tests/test_cudnn_gpu.py \
     -q -rfE --tb=short -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -60
