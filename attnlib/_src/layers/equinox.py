@@ -1,0 +1,535 @@
+"""Equinox layers: `MultiheadAttention` (a drop-in for `equinox.nn.MultiheadAttention`) and `DotProductAttention`.
+
+Imports Equinox; reached only through `attnlib.equinox`, never from `import attnlib`.
+"""
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jrandom
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, Shaped
+
+from . import _common
+
+
+_ProcessHeads = Callable[
+    [
+        Float[Array, "q_seq num_heads qk_size"],
+        Float[Array, "kv_seq num_kv_heads qk_size"],
+        Float[Array, "kv_seq num_kv_heads vo_size"],
+    ],
+    tuple[
+        Float[Array, "q_seq num_heads qk_size"],
+        Float[Array, "kv_seq num_kv_heads qk_size"],
+        Float[Array, "kv_seq num_kv_heads vo_size"],
+    ],
+]
+_Mask = Shaped[ArrayLike, "#q_seq #kv_seq"] | Shaped[ArrayLike, "#num_heads #q_seq #kv_seq"]
+
+
+def _default_dtype() -> Any:
+    # As `equinox._misc.default_floating_dtype` (private): float64 in JAX's x64 mode, else float32.
+    return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _dropout_plan(
+    dropout: eqx.nn.Dropout, key: PRNGKeyArray | None, inference: bool | None, layer: str
+) -> tuple[float, PRNGKeyArray | None]:
+    """`(dropout_rate, dropout_key)` for `attnlib.attention`, following `equinox.nn.Dropout.__call__`'s rules."""
+    if inference is None:
+        inference = dropout.inference
+    rate = _common.dropout_rate("dropout.p", dropout.p)
+    if rate == 0.0 or inference:
+        return 0.0, None
+    if key is None:
+        raise RuntimeError(
+            f"{layer} applies dropout (dropout.p={rate}, inference=False) and requires a PRNG `key`. Got key=None. "
+            "Pass `key=...`, or `inference=True` (or `equinox.nn.inference_mode`) to switch dropout off."
+        )
+    return rate, key
+
+
+@final
+class MultiheadAttention(eqx.Module):
+    r"""Multi-head attention: a drop-in for `equinox.nn.MultiheadAttention` computed by `attnlib.attention`.
+
+    $$\text{MultiheadAttention}(Q, K, V) = \sum_i \text{Attention}\left(QW^Q_i, KW^K_i, VW^V_i\right)W^O_i$$
+
+    Same constructor arguments, fields, parameter initialisation and unbatched `__call__` as
+    `equinox.nn.MultiheadAttention` (Equinox 0.13): weights copied from an Equinox layer (`equinox.tree_at`, or a
+    checkpoint read with `equinox.tree_deserialise_leaves`) give the same output. The attention itself is one
+    fused `attnlib.attention` call over all heads; under `jax.vmap` it becomes one batched call.
+
+    Extras, all keyword-only: `num_kv_heads` (grouped-query attention), `is_causal`, `local_window_size`,
+    `softmax_type` (`"vanilla"`, `"off_by_one"`, `"learnable"` with a trainable per-head `sinks` field),
+    `logits_soft_cap` and `implementation`.
+
+    !!! faq "Differences from `equinox.nn.MultiheadAttention`"
+
+        - A query row that may attend to no key (its mask row is all `False`) outputs zeros before the output
+          projection (so `output_proj`'s bias only); Equinox averages all values uniformly.
+        - Dropout draws its mask from attnlib's own generator (one `key` for all heads), so the dropped entries
+          differ from Equinox's for the same `key`; the rate, scaling and `inference` rules are the same.
+          `dropout.p` must be a concrete Python float (it is static to attnlib).
+        - `mask` may also have size-1 (broadcast) dimensions and any dtype (nonzero = may attend).
+        - The projected heads must be float16, bfloat16 or float32 (no float64).
+
+    !!! Example
+        ```python
+        mha = attnlib.equinox.MultiheadAttention(
+            num_heads=8, query_size=512, num_kv_heads=2, is_causal=True, local_window_size=(256, 0),
+            softmax_type="learnable", key=jax.random.key(0))
+        y = jax.vmap(mha)(x, x, x)  # x: [batch, seq, 512]
+        ```
+    """
+
+    query_proj: eqx.nn.Linear
+    key_proj: eqx.nn.Linear
+    value_proj: eqx.nn.Linear
+    output_proj: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+    sinks: Float[Array, " num_heads"] | None
+
+    num_heads: int = eqx.field(static=True)
+    query_size: int = eqx.field(static=True)
+    key_size: int = eqx.field(static=True)
+    value_size: int = eqx.field(static=True)
+    output_size: int = eqx.field(static=True)
+    qk_size: int = eqx.field(static=True)
+    vo_size: int = eqx.field(static=True)
+    use_query_bias: bool = eqx.field(static=True)
+    use_key_bias: bool = eqx.field(static=True)
+    use_value_bias: bool = eqx.field(static=True)
+    use_output_bias: bool = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    is_causal: bool = eqx.field(static=True)
+    local_window_size: int | tuple[int, int] | None = eqx.field(static=True)
+    softmax_type: str = eqx.field(static=True)
+    logits_soft_cap: float | None = eqx.field(static=True)
+    implementation: str | tuple[str, ...] | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_heads: int,
+        query_size: int,
+        key_size: int | None = None,
+        value_size: int | None = None,
+        output_size: int | None = None,
+        qk_size: int | None = None,
+        vo_size: int | None = None,
+        use_query_bias: bool = False,
+        use_key_bias: bool = False,
+        use_value_bias: bool = False,
+        use_output_bias: bool = False,
+        dropout_p: float = 0.0,
+        inference: bool = False,
+        dtype: Any = None,
+        *,
+        num_kv_heads: int | None = None,
+        is_causal: bool = False,
+        local_window_size: int | tuple[int, int] | None = None,
+        softmax_type: _common.SoftmaxType = "vanilla",
+        logits_soft_cap: float | None = None,
+        implementation: str | Sequence[str] | None = None,
+        key: PRNGKeyArray,
+    ):
+        r"""Builds the projections exactly as `equinox.nn.MultiheadAttention` does (same `key` → same weights).
+
+        Args:
+            num_heads: number of query heads $h$ (`N`).
+            query_size: input channels of the query.
+            key_size: input channels of the key. Defaults to `query_size`.
+            value_size: input channels of the value. Defaults to `query_size`.
+            output_size: output channels. Defaults to `query_size`.
+            qk_size: channels per head over which query and key are compared (`H`). Defaults to
+                `query_size // num_heads`.
+            vo_size: channels per head of the projected values (`Hv`). Defaults to `query_size // num_heads`.
+            use_query_bias: bias in the query projection. Defaults to False.
+            use_key_bias: bias in the key projection. Defaults to False.
+            use_value_bias: bias in the value projection. Defaults to False.
+            use_output_bias: bias in the output projection. Defaults to False.
+            dropout_p: dropout probability on the attention weights, in `[0, 1)`. Defaults to 0.
+            inference: if True, dropout is not applied (toggle with `equinox.nn.inference_mode` or override in
+                `__call__`). Defaults to False.
+            dtype: dtype of every parameter. Defaults to float32 (float64 in JAX's x64 mode, as Equinox; attnlib
+                then rejects the float64 heads at call time).
+            num_kv_heads: number of key/value heads `K` (grouped-query attention: `key_proj` and `value_proj`
+                produce `K` heads, and query head `n` uses key/value head `n // (N // K)`). Must divide
+                `num_heads`. Defaults to `num_heads`.
+            is_causal: causal mask (query `i` sees keys `j <= i`, top-left aligned). Defaults to False.
+            local_window_size: `w` or `(left, right)`: query `i` sees keys `i - left … i + right`. Defaults to None
+                (no window).
+            softmax_type: `"vanilla"`; `"off_by_one"` (a zero logit in every softmax denominator); or
+                `"learnable"` (a trainable per-head logit `sinks` `[num_heads]`, initialised to zeros). Defaults
+                to `"vanilla"`.
+            logits_soft_cap: `c` in `s <- c * tanh(s / c)`. Defaults to None (no cap).
+            implementation: as `attnlib.attention`'s `implementation`. Defaults to None (automatic).
+            key: PRNG key for the parameter initialisation. (Keyword only.)
+
+        Raises:
+            ValueError: an argument is invalid (the message names it and shows what was given).
+        """
+        # Checked here, before anything is built from them; `__check_init__` re-checks every field.
+        num_heads = _common.positive_int("num_heads", num_heads)
+        query_size = _common.positive_int("query_size", query_size)
+        dtype = _default_dtype() if dtype is None else dtype
+        qkey, kkey, vkey, okey = jrandom.split(key, 4)
+
+        key_size = query_size if key_size is None else key_size
+        value_size = query_size if value_size is None else value_size
+        qk_size = query_size // num_heads if qk_size is None else qk_size
+        vo_size = query_size // num_heads if vo_size is None else vo_size
+        output_size = query_size if output_size is None else output_size
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, size in (("key_size", key_size), ("value_size", value_size), ("output_size", output_size)):
+            _common.positive_int(name, size)
+        for name, size in (("qk_size", qk_size), ("vo_size", vo_size)):
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                raise ValueError(
+                    f"`{name}` must be a positive int (it defaults to query_size // num_heads = "
+                    f"{query_size} // {num_heads}). Got {name}={size!r}."
+                )
+        num_kv_heads = _common.num_kv_heads(num_kv_heads, num_heads)
+        _common.dropout_rate("dropout_p", dropout_p)
+
+        self.query_proj = eqx.nn.Linear(query_size, num_heads * qk_size, use_bias=use_query_bias, dtype=dtype, key=qkey)
+        self.key_proj = eqx.nn.Linear(key_size, num_kv_heads * qk_size, use_bias=use_key_bias, dtype=dtype, key=kkey)
+        self.value_proj = eqx.nn.Linear(
+            value_size, num_kv_heads * vo_size, use_bias=use_value_bias, dtype=dtype, key=vkey
+        )
+        self.output_proj = eqx.nn.Linear(
+            num_heads * vo_size, output_size, use_bias=use_output_bias, dtype=dtype, key=okey
+        )
+        self.dropout = eqx.nn.Dropout(dropout_p, inference=inference)
+        softmax_type = _common.softmax_type(softmax_type)
+        self.sinks = jnp.zeros((num_heads,), dtype) if softmax_type == "learnable" else None
+
+        self.num_heads = num_heads
+        self.query_size = query_size
+        self.key_size = key_size
+        self.value_size = value_size
+        self.output_size = output_size
+        self.qk_size = qk_size
+        self.vo_size = vo_size
+        self.use_query_bias = use_query_bias
+        self.use_key_bias = use_key_bias
+        self.use_value_bias = use_value_bias
+        self.use_output_bias = use_output_bias
+        self.num_kv_heads = num_kv_heads
+        self.is_causal = is_causal
+        self.local_window_size = _common.local_window_size(local_window_size)
+        self.softmax_type = softmax_type
+        self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
+        self.implementation = _common.implementation(implementation)
+
+    def __check_init__(self):
+        for name in ("num_heads", "query_size", "key_size", "value_size", "output_size", "qk_size", "vo_size"):
+            _common.positive_int(name, getattr(self, name))
+        for name in ("use_query_bias", "use_key_bias", "use_value_bias", "use_output_bias", "is_causal"):
+            _common.flag(name, getattr(self, name))
+        _common.num_kv_heads(self.num_kv_heads, self.num_heads)
+        _common.local_window_size(self.local_window_size)
+        _common.softmax_type(self.softmax_type)
+        _common.logits_soft_cap(self.logits_soft_cap)
+        _common.implementation(self.implementation)
+        _common.dropout_rate("dropout_p", self.dropout.p)
+        if (self.sinks is None) != (self.softmax_type != "learnable"):
+            raise ValueError(
+                f"`sinks` must be an array [num_heads] exactly when softmax_type='learnable'. "
+                f"Got softmax_type={self.softmax_type!r}, sinks={self.sinks!r}."
+            )
+
+    @jax.named_scope("attnlib.equinox.MultiheadAttention")
+    def __call__(
+        self,
+        query: Float[Array, "q_seq q_size"],
+        key_: Float[Array, "kv_seq k_size"],
+        value: Float[Array, "kv_seq v_size"],
+        mask: None | _Mask = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+        deterministic: bool | None = None,
+        process_heads: None | _ProcessHeads = None,
+    ) -> Float[Array, "q_seq o_size"]:
+        """Multi-head attention of one (unbatched) sequence; `jax.vmap` it over a batch.
+
+        Args:
+            query: `[q_seq, query_size]`.
+            key_: `[kv_seq, key_size]`.
+            value: `[kv_seq, value_size]`.
+            mask: `[q_seq, kv_seq]`, or per head `[num_heads, q_seq, kv_seq]` (size-1 dimensions broadcast);
+                `False` (zero) = may not attend. Combined with `is_causal` / `local_window_size`.
+            key: PRNG key for dropout; unused when `dropout.p == 0` or in inference. (Keyword only.)
+            inference: overrides `dropout.inference` when not None (True = no dropout). (Keyword only.)
+            deterministic: deprecated alias of `inference`. (Keyword only.)
+            process_heads: a function `(query_heads [q_seq, N, qk], key_heads [kv_seq, K, qk], value_heads
+                [kv_seq, K, vo]) -> (same shapes)`, applied after the projections (e.g. rotary embeddings).
+                (Keyword only.)
+
+        Returns:
+            `[q_seq, output_size]`.
+
+        Raises:
+            ValueError: a shape is invalid, or `process_heads` changes the shapes of the heads.
+            RuntimeError: dropout is active but `key` is None (as Equinox).
+        """
+        layer = "attnlib.equinox.MultiheadAttention"
+        if deterministic is not None:
+            inference = deterministic
+            warnings.warn(
+                "MultiheadAttention()(deterministic=...) is deprecated in favour of MultiheadAttention()(inference=...)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        for name, x, size, size_name in (
+            ("query", query, self.query_size, "query_size"),
+            ("key_", key_, self.key_size, "key_size"),
+            ("value", value, self.value_size, "value_size"),
+        ):
+            if jnp.ndim(x) != 2 or jnp.shape(x)[1] != size:
+                raise ValueError(
+                    f"`{name}` must be one unbatched sequence of shape (seq, {size_name})=(seq, {size}) "
+                    f"(use `jax.vmap` for a batch). Got {name}.shape={jnp.shape(x)}."
+                )
+        query_seq_length, kv_seq_length = query.shape[0], key_.shape[0]
+        if value.shape[0] != kv_seq_length:
+            raise ValueError(
+                f"`key_` and `value` must have the same sequence length. Got key_.shape={key_.shape}, "
+                f"value.shape={value.shape}."
+            )
+        mask = _common.bool_mask(mask)
+        if mask is not None and not (
+            mask.ndim in (2, 3)
+            and all(
+                d in (1, t)
+                for d, t in zip(mask.shape[::-1], (kv_seq_length, query_seq_length, self.num_heads), strict=False)
+            )
+        ):
+            raise ValueError(
+                "`mask` must have shape (q_seq, kv_seq)="
+                f"({query_seq_length}, {kv_seq_length}) or (num_heads, q_seq, kv_seq)=({self.num_heads}, "
+                f"{query_seq_length}, {kv_seq_length}) (size-1 dimensions broadcast). Got mask.shape={mask.shape}."
+            )
+
+        query_heads = self._project(self.query_proj, query, self.num_heads)
+        key_heads = self._project(self.key_proj, key_, self.num_kv_heads)
+        value_heads = self._project(self.value_proj, value, self.num_kv_heads)
+        if process_heads is not None:
+            shapes = (query_heads.shape, key_heads.shape, value_heads.shape)
+            query_heads, key_heads, value_heads = process_heads(query_heads, key_heads, value_heads)
+            new_shapes = (query_heads.shape, key_heads.shape, value_heads.shape)
+            if new_shapes != shapes:
+                raise ValueError(
+                    f"`process_heads` must not change the shapes of the heads. Got {shapes} -> {new_shapes}."
+                )
+        _common.attention_dtype(layer, query_heads)
+
+        rate, dropout_key = _dropout_plan(self.dropout, key, inference, layer)
+        attn = _common.attend(
+            query_heads,
+            key_heads,
+            value_heads,
+            mask=mask,
+            sinks=_common.sinks_for(self.softmax_type, self.sinks, self.num_heads, query_heads.dtype),
+            is_causal=self.is_causal,
+            local_window_size=self.local_window_size,
+            logits_soft_cap=self.logits_soft_cap,
+            dropout_rate=rate,
+            dropout_key=dropout_key,
+            implementation=self.implementation,
+        )
+        attn = attn.reshape(query_seq_length, -1)
+        return jax.vmap(self.output_proj)(attn)
+
+    def _project(self, proj: eqx.nn.Linear, x: Array, num_heads: int) -> Array:
+        seq_length, _ = x.shape
+        projection = jax.vmap(proj)(x)
+        return projection.reshape(seq_length, num_heads, -1)
+
+
+@final
+class DotProductAttention(eqx.Module):
+    r"""The attention core of `MultiheadAttention` without projections: `attnlib.attention` as an Equinox layer.
+
+    Holds the static options and, for `softmax_type="learnable"`, the trainable per-head `sinks`; every per-call
+    argument of `attnlib.attention` (bias, mask, padding lengths, segment ids, `cu_seqlens`, page tables) is a
+    `__call__` argument. Shapes are those of `attnlib.attention`: unbatched `[T, N, H]` (the Equinox convention,
+    `jax.vmap` for a batch) or batched `[*B, T, N, H]`; THD and paged layouts as there.
+
+    !!! Example
+        ```python
+        core = attnlib.equinox.DotProductAttention(num_heads=8, is_causal=True, softmax_type="learnable")
+        out = core(q, k, v)  # q: [T, 8, H], k: [S, K, H], v: [S, K, Hv] -> [T, 8, Hv]
+        ```
+    """
+
+    dropout: eqx.nn.Dropout
+    sinks: Float[Array, " num_heads"] | None
+
+    num_heads: int | None = eqx.field(static=True)
+    scale: float | None = eqx.field(static=True)
+    is_causal: bool = eqx.field(static=True)
+    local_window_size: int | tuple[int, int] | None = eqx.field(static=True)
+    softmax_type: str = eqx.field(static=True)
+    logits_soft_cap: float | None = eqx.field(static=True)
+    diagonal_alignment: str = eqx.field(static=True)
+    implementation: str | tuple[str, ...] | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_heads: int | None = None,
+        *,
+        scale: float | None = None,
+        is_causal: bool = False,
+        local_window_size: int | tuple[int, int] | None = None,
+        softmax_type: _common.SoftmaxType = "vanilla",
+        logits_soft_cap: float | None = None,
+        diagonal_alignment: str = "top_left",
+        dropout_p: float = 0.0,
+        inference: bool = False,
+        implementation: str | Sequence[str] | None = None,
+        dtype: Any = None,
+    ):
+        """Stores the options; creates `sinks` (zeros `[num_heads]`) for `softmax_type="learnable"`.
+
+        Args:
+            num_heads: number of query heads `N`; required for `softmax_type="learnable"` (the shape of `sinks`),
+                otherwise optional (when given, `__call__` checks it). Defaults to None.
+            scale: logit scale. Defaults to `1/sqrt(H)`.
+            is_causal: causal mask, aligned by `diagonal_alignment`. Defaults to False.
+            local_window_size: `w` or `(left, right)`. Defaults to None (no window).
+            softmax_type: `"vanilla"`, `"off_by_one"` or `"learnable"`. Defaults to `"vanilla"`.
+            logits_soft_cap: `c` in `s <- c * tanh(s / c)`. Defaults to None.
+            diagonal_alignment: `"top_left"` or `"bottom_right"` (decoding, chunked prefill). Defaults to
+                `"top_left"`.
+            dropout_p: dropout probability on the attention weights, in `[0, 1)`. Defaults to 0.
+            inference: if True, dropout is not applied. Defaults to False.
+            implementation: as `attnlib.attention`'s. Defaults to None (automatic).
+            dtype: dtype of `sinks`. Defaults to float32 (float64 in JAX's x64 mode).
+
+        Raises:
+            ValueError: an argument is invalid (the message names it and shows what was given).
+        """
+        softmax_type = _common.softmax_type(softmax_type)
+        if num_heads is not None:
+            num_heads = _common.positive_int("num_heads", num_heads)
+        elif softmax_type == "learnable":
+            raise ValueError(
+                "`num_heads` is required with softmax_type='learnable' (it is the shape of `sinks`). "
+                "Got num_heads=None."
+            )
+        _common.dropout_rate("dropout_p", dropout_p)
+        dtype = _default_dtype() if dtype is None else dtype
+        self.dropout = eqx.nn.Dropout(dropout_p, inference=inference)
+        self.sinks = jnp.zeros((num_heads,), dtype) if softmax_type == "learnable" else None
+        self.num_heads = num_heads
+        self.scale = _common.scale(scale)
+        self.is_causal = is_causal
+        self.local_window_size = _common.local_window_size(local_window_size)
+        self.softmax_type = softmax_type
+        self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
+        self.diagonal_alignment = _common.diagonal_alignment(diagonal_alignment)
+        self.implementation = _common.implementation(implementation)
+
+    def __check_init__(self):
+        if self.num_heads is not None:
+            _common.positive_int("num_heads", self.num_heads)
+        _common.flag("is_causal", self.is_causal)
+        _common.scale(self.scale)
+        _common.local_window_size(self.local_window_size)
+        _common.softmax_type(self.softmax_type)
+        _common.logits_soft_cap(self.logits_soft_cap)
+        _common.diagonal_alignment(self.diagonal_alignment)
+        _common.implementation(self.implementation)
+        _common.dropout_rate("dropout_p", self.dropout.p)
+
+    @jax.named_scope("attnlib.equinox.DotProductAttention")
+    def __call__(
+        self,
+        query: Float[Array, "*B T N H"],
+        key_: Float[Array, "*B S K H"],
+        value: Float[Array, "*B S K Hv"],
+        bias: Float[ArrayLike, "*#B #N #T #S"] | None = None,
+        mask: Shaped[ArrayLike, "*#B #N #T #S"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+        query_seq_lengths: Int[ArrayLike, " *B"] | None = None,
+        key_value_seq_lengths: Int[ArrayLike, " *B"] | None = None,
+        q_segment_ids: Int[ArrayLike, "*B T"] | None = None,
+        kv_segment_ids: Int[ArrayLike, "*B S"] | None = None,
+        max_segments_per_row: int | None = None,
+        cu_seqlens_q: Int[ArrayLike, " B+1"] | None = None,
+        cu_seqlens_kv: Int[ArrayLike, " B+1"] | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_kv: int | None = None,
+        page_table: Int[ArrayLike, "B pages_per_seq"] | None = None,
+        return_residual: bool = False,
+        deterministic_backward: bool = False,
+    ) -> Float[Array, "*B T N Hv"] | tuple[Float[Array, "*B T N Hv"], Float[Array, "*B T N"]]:
+        """`attnlib.attention(query, key_, value, bias, mask, ...)` with this layer's options and sinks.
+
+        Args:
+            query: `[*B, T, N, H]` (`[T, N, H]` unbatched or THD).
+            key_: `[*B, S, K, H]`; a page pool `[P, page_size, K, H]` with `page_table`.
+            value: `[*B, S, K, Hv]`; a page pool `[P, page_size, K, Hv]` with `page_table`.
+            bias: broadcastable to `[*B, N, T, S]`; added to the scaled logits.
+            mask: bool, broadcastable to `[*B, N, T, S]`; True = may attend.
+            key: PRNG key for dropout; unused when `dropout.p == 0` or in inference. (Keyword only.)
+            inference: overrides `dropout.inference` when not None. (Keyword only.)
+            query_seq_lengths, key_value_seq_lengths, q_segment_ids, kv_segment_ids, max_segments_per_row,
+                cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, page_table, return_residual,
+                deterministic_backward: as `attnlib.attention`. A paged decode step passes the page pools as
+                `key_` / `value` with `page_table` and `key_value_seq_lengths`.
+
+        Returns:
+            `out` `[*B, T, N, Hv]`, or `(out, lse)` with `return_residual=True`.
+
+        Raises:
+            ValueError, TypeError, NotImplementedError: as `attnlib.attention`; ValueError when `query` does not
+                have the `num_heads` heads the layer was built with.
+            RuntimeError: dropout is active but `key` is None (as `equinox.nn.Dropout`).
+        """
+        layer = "attnlib.equinox.DotProductAttention"
+        num_heads = jnp.shape(query)[-2] if jnp.ndim(query) >= 2 else None
+        if self.num_heads is not None and num_heads != self.num_heads:
+            raise ValueError(
+                f"`query` must have num_heads={self.num_heads} heads (axis -2 of [*B, T, N, H]), as this layer was "
+                f"built with. Got query.shape={jnp.shape(query)}."
+            )
+        rate, dropout_key = _dropout_plan(self.dropout, key, inference, layer)
+        return _common.attend(
+            query,
+            key_,
+            value,
+            bias,
+            mask,
+            sinks=None if num_heads is None else _common.sinks_for(
+                self.softmax_type, self.sinks, num_heads, jnp.result_type(query)
+            ),
+            dropout_rate=rate,
+            dropout_key=dropout_key,
+            implementation=self.implementation,
+            scale=self.scale,
+            is_causal=self.is_causal,
+            local_window_size=self.local_window_size,
+            logits_soft_cap=self.logits_soft_cap,
+            diagonal_alignment=self.diagonal_alignment,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            max_segments_per_row=max_segments_per_row,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            page_table=page_table,
+            return_residual=return_residual,
+            deterministic_backward=deterministic_backward,
+        )

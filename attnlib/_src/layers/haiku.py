@@ -1,0 +1,331 @@
+"""Haiku modules: `MultiHeadAttention` (a drop-in for `haiku.MultiHeadAttention`) and `DotProductAttention`.
+
+Imports Haiku; reached only through `attnlib.haiku`, never from `import attnlib`.
+"""
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from . import _common
+
+
+def _dropout(default: float, override: float | None, dropout_key: Any) -> tuple[float, Any]:
+    """`(dropout_rate, dropout_key)`: the call's rate (else the module's) and, when > 0, a key (else Haiku's)."""
+    rate = _common.dropout_rate("dropout_rate", default if override is None else override)
+    if rate == 0.0:
+        return 0.0, None
+    if dropout_key is None:
+        dropout_key = hk.next_rng_key()  # raises Haiku's own error when `apply` got no rng
+    return rate, dropout_key
+
+
+def _sinks(softmax_type: str, num_heads: int, dtype: Any) -> jax.Array | None:
+    """The sinks for a softmax type; `"learnable"` creates / reads the parameter `sinks` `[num_heads]` (zeros)."""
+    learned = None
+    if softmax_type == "learnable":
+        learned = hk.get_parameter("sinks", [num_heads], dtype, init=jnp.zeros)
+    return _common.sinks_for(softmax_type, learned, num_heads, dtype)
+
+
+class MultiHeadAttention(hk.Module):
+    """Multi-head attention: a drop-in for `haiku.MultiHeadAttention` computed by `attnlib.attention`.
+
+    Same constructor arguments, parameter names and shapes (`multi_head_attention/{query,key,value,linear}` with
+    `w` and `b`), parameter initialisation order and `__call__` as `haiku.MultiHeadAttention` (dm-haiku 0.0.17),
+    so existing checkpoints load unchanged. Broadcasts over leading batch dims.
+
+    Extras, all keyword-only: `num_kv_heads` (grouped-query attention: the `key` and `value` projections produce
+    `num_kv_heads` heads, nothing else changes), `is_causal`, `local_window_size`, `softmax_type` (`"vanilla"`,
+    `"off_by_one"`, `"learnable"` with a parameter `sinks` `[num_heads]` of this module, initialised to zeros),
+    `logits_soft_cap`, `dropout_rate` and `implementation`.
+
+    Glossary of shapes: `T` (`T'`) key/value (query) sequence length, `D` embedding size, `H` number of heads.
+
+    !!! faq "Differences from `haiku.MultiHeadAttention`"
+
+        - A query row that may attend to no key (its mask row is all zero) outputs zeros before the final
+          projection; Haiku averages all values uniformly.
+        - `mask` may have fewer dims than the logits `[..., H, T', T]` (it broadcasts); any dtype, nonzero = may
+          attend. `query`, `key` and `value` must have the same leading (batch) dims.
+        - Optional dropout on the attention weights (`dropout_rate`, default 0), drawing from `hk.next_rng_key()`.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        key_size: int,
+        w_init_scale: float | None = None,
+        *,
+        w_init: hk.initializers.Initializer | None = None,
+        with_bias: bool = True,
+        b_init: hk.initializers.Initializer | None = None,
+        value_size: int | None = None,
+        model_size: int | None = None,
+        name: str | None = None,
+        num_kv_heads: int | None = None,
+        is_causal: bool = False,
+        local_window_size: int | tuple[int, int] | None = None,
+        softmax_type: _common.SoftmaxType = "vanilla",
+        logits_soft_cap: float | None = None,
+        dropout_rate: float = 0.0,
+        implementation: str | Sequence[str] | None = None,
+    ):
+        """Initialises the module.
+
+        Args:
+            num_heads: number of independent attention heads (H).
+            key_size: the size of keys and queries used for attention, per head.
+            w_init_scale: DEPRECATED (as in Haiku). Please use `w_init` instead.
+            w_init: initialiser for the weights of the linear maps. Required unless `w_init_scale` is given.
+            with_bias: whether the linear projections add a bias. Defaults to True.
+            b_init: optional initialiser for the biases. Defaults to zeros.
+            value_size: size of the value projection per head. Defaults to `key_size`.
+            model_size: size of the output embedding (D'). Defaults to `key_size * num_heads`.
+            name: optional name for this module. Defaults to `"multi_head_attention"`.
+            num_kv_heads: number of key/value heads; must divide `num_heads`. Defaults to `num_heads`.
+            is_causal: causal mask (query `i` sees keys `j <= i`, top-left aligned). Defaults to False.
+            local_window_size: `w` or `(left, right)`: query `i` sees keys `i - left … i + right`. Defaults to None.
+            softmax_type: `"vanilla"`, `"off_by_one"` or `"learnable"`. Defaults to `"vanilla"`.
+            logits_soft_cap: `c` in `s <- c * tanh(s / c)`. Defaults to None.
+            dropout_rate: dropout probability on the attention weights, in `[0, 1)`; the key comes from
+                `hk.next_rng_key()`. Overridable per call. Defaults to 0.
+            implementation: as `attnlib.attention`'s `implementation`. Defaults to None (automatic).
+
+        Raises:
+            ValueError: an argument is invalid (the message names it and shows what was given), or neither or
+                both of `w_init` and `w_init_scale` are given (as Haiku).
+        """
+        super().__init__(name=name)
+        self.num_heads = _common.positive_int("num_heads", num_heads)
+        self.key_size = _common.positive_int("key_size", key_size)
+        self.value_size = _common.positive_int("value_size", value_size or key_size)
+        self.model_size = _common.positive_int("model_size", model_size or key_size * num_heads)
+        self.num_kv_heads = _common.num_kv_heads(num_heads if num_kv_heads is None else num_kv_heads, num_heads)
+        self.is_causal = _common.flag("is_causal", is_causal)
+        self.local_window_size = _common.local_window_size(local_window_size)
+        self.softmax_type = _common.softmax_type(softmax_type)
+        self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
+        self.dropout_rate = _common.dropout_rate("dropout_rate", dropout_rate)
+        self.implementation = _common.implementation(implementation)
+
+        # Backwards-compatibility for w_init_scale (as Haiku).
+        if w_init_scale is not None:
+            warnings.warn(
+                "w_init_scale is deprecated; please pass an explicit weight initialiser instead.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        if w_init and w_init_scale:
+            raise ValueError("Please provide only `w_init`, not `w_init_scale`.")
+        if w_init is None and w_init_scale is None:
+            raise ValueError(
+                "Please provide a weight initializer: `w_init`. `w_init` will become mandatory once `w_init_scale` "
+                "is fully deprecated. Got w_init=None, w_init_scale=None."
+            )
+        if w_init is None:
+            w_init = hk.initializers.VarianceScaling(w_init_scale)
+        self.w_init = w_init
+        self.with_bias = _common.flag("with_bias", with_bias)
+        self.b_init = b_init
+
+    def __call__(
+        self,
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        mask: jax.Array | None = None,
+        *,
+        dropout_rate: float | None = None,
+    ) -> jax.Array:
+        """Computes (optionally masked) multi-head attention with queries, keys and values.
+
+        Broadcasts over zero or more leading batch dims `...` (the same for all three inputs).
+
+        Args:
+            query: embeddings used to compute queries; shape `[..., T', D_q]`.
+            key: embeddings used to compute keys; shape `[..., T, D_k]`.
+            value: embeddings used to compute values; shape `[..., T, D_v]`.
+            mask: optional mask, broadcastable to `[..., H, T', T]` (Haiku: `[..., H=1, T', T]`); nonzero = may
+                attend. Combined with `is_causal` / `local_window_size`.
+            dropout_rate: overrides the module's `dropout_rate` for this call (e.g. 0 at evaluation). (Keyword
+                only.)
+
+        Returns:
+            `[..., T', D']`.
+        """
+        with jax.named_scope("attnlib.haiku.MultiHeadAttention"):
+            *leading_dims, sequence_length, _ = query.shape
+            projection = self._linear_projection
+
+            query_heads = projection(query, self.key_size, self.num_heads, "query")  # [T', H, Q=K]
+            key_heads = projection(key, self.key_size, self.num_kv_heads, "key")  # [T, H_kv, K]
+            value_heads = projection(value, self.value_size, self.num_kv_heads, "value")  # [T, H_kv, V]
+            _common.attention_dtype("attnlib.haiku.MultiHeadAttention", query_heads)
+
+            rate, dropout_key = _dropout(self.dropout_rate, dropout_rate, None)
+            attn = _common.attend(
+                query_heads,
+                key_heads,
+                value_heads,
+                mask=_common.bool_mask(mask),
+                sinks=_sinks(self.softmax_type, self.num_heads, query_heads.dtype),
+                is_causal=self.is_causal,
+                local_window_size=self.local_window_size,
+                logits_soft_cap=self.logits_soft_cap,
+                dropout_rate=rate,
+                dropout_key=dropout_key,
+                implementation=self.implementation,
+            )
+            attn = jnp.reshape(attn, (*leading_dims, sequence_length, -1))  # [T', H*V]
+
+            final_projection = hk.Linear(
+                self.model_size, w_init=self.w_init, with_bias=self.with_bias, b_init=self.b_init
+            )
+            return final_projection(attn)  # [T', D']
+
+    @hk.transparent
+    def _linear_projection(self, x: jax.Array, head_size: int, num_heads: int, name: str | None = None) -> jax.Array:
+        y = hk.Linear(
+            num_heads * head_size, w_init=self.w_init, with_bias=self.with_bias, b_init=self.b_init, name=name
+        )(x)
+        *leading_dims, _ = x.shape
+        return y.reshape((*leading_dims, num_heads, head_size))
+
+
+class DotProductAttention(hk.Module):
+    """The attention core without projections: `attnlib.attention` as a Haiku module.
+
+    Holds the static options; with `softmax_type="learnable"` it owns a parameter `sinks` `[N]` (zeros at init;
+    `N` read from `query` on the first call). Every per-call argument of `attnlib.attention` (bias, mask, padding
+    lengths, segment ids, `cu_seqlens`, page tables) is a `__call__` argument; shapes as there
+    (`[*B, T, N, H]`, unbatched, THD or paged).
+
+    !!! Example
+        ```python
+        def f(q, k, v):
+            return attnlib.haiku.DotProductAttention(is_causal=True, softmax_type="learnable")(q, k, v)
+        params = hk.transform(f).init(rng, q, k, v)  # {"dot_product_attention": {"sinks": [N]}}
+        ```
+    """
+
+    def __init__(
+        self,
+        *,
+        scale: float | None = None,
+        is_causal: bool = False,
+        local_window_size: int | tuple[int, int] | None = None,
+        softmax_type: _common.SoftmaxType = "vanilla",
+        logits_soft_cap: float | None = None,
+        diagonal_alignment: str = "top_left",
+        dropout_rate: float = 0.0,
+        implementation: str | Sequence[str] | None = None,
+        name: str | None = None,
+    ):
+        """Stores the options.
+
+        Args:
+            scale: logit scale. Defaults to `1/sqrt(H)`.
+            is_causal: causal mask, aligned by `diagonal_alignment`. Defaults to False.
+            local_window_size: `w` or `(left, right)`. Defaults to None (no window).
+            softmax_type: `"vanilla"`, `"off_by_one"` or `"learnable"`. Defaults to `"vanilla"`.
+            logits_soft_cap: `c` in `s <- c * tanh(s / c)`. Defaults to None.
+            diagonal_alignment: `"top_left"` or `"bottom_right"` (decoding, chunked prefill). Defaults to
+                `"top_left"`.
+            dropout_rate: dropout probability on the attention weights, in `[0, 1)`; overridable per call.
+                Defaults to 0.
+            implementation: as `attnlib.attention`'s. Defaults to None (automatic).
+            name: module name. Defaults to `"dot_product_attention"`.
+
+        Raises:
+            ValueError: an argument is invalid (the message names it and shows what was given).
+        """
+        super().__init__(name=name)
+        self.scale = _common.scale(scale)
+        self.is_causal = _common.flag("is_causal", is_causal)
+        self.local_window_size = _common.local_window_size(local_window_size)
+        self.softmax_type = _common.softmax_type(softmax_type)
+        self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
+        self.diagonal_alignment = _common.diagonal_alignment(diagonal_alignment)
+        self.dropout_rate = _common.dropout_rate("dropout_rate", dropout_rate)
+        self.implementation = _common.implementation(implementation)
+
+    def __call__(
+        self,
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        bias: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        *,
+        query_seq_lengths: jax.Array | None = None,
+        key_value_seq_lengths: jax.Array | None = None,
+        q_segment_ids: jax.Array | None = None,
+        kv_segment_ids: jax.Array | None = None,
+        max_segments_per_row: int | None = None,
+        cu_seqlens_q: jax.Array | None = None,
+        cu_seqlens_kv: jax.Array | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_kv: int | None = None,
+        page_table: jax.Array | None = None,
+        return_residual: bool = False,
+        deterministic_backward: bool = False,
+        dropout_rate: float | None = None,
+        dropout_key: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """`attnlib.attention(query, key, value, bias, mask, ...)` with this module's options and sinks.
+
+        Args:
+            query: `[*B, T, N, H]` (`[T, N, H]` unbatched or THD).
+            key: `[*B, S, K, H]`; a page pool `[P, page_size, K, H]` with `page_table`.
+            value: `[*B, S, K, Hv]`; a page pool `[P, page_size, K, Hv]` with `page_table`.
+            bias: broadcastable to `[*B, N, T, S]`.
+            mask: bool, broadcastable to `[*B, N, T, S]`; True = may attend.
+            query_seq_lengths, key_value_seq_lengths, q_segment_ids, kv_segment_ids, max_segments_per_row,
+                cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, page_table, return_residual,
+                deterministic_backward: as `attnlib.attention`. A paged decode step passes the page pools as
+                `key` / `value` with `page_table` and `key_value_seq_lengths`.
+            dropout_rate: overrides the module's `dropout_rate` for this call. (Keyword only.)
+            dropout_key: PRNG key for dropout. Defaults to `hk.next_rng_key()` when the rate is > 0.
+
+        Returns:
+            `out` `[*B, T, N, Hv]`, or `(out, lse)` with `return_residual=True`.
+
+        Raises:
+            ValueError, TypeError, NotImplementedError: as `attnlib.attention`.
+        """
+        with jax.named_scope("attnlib.haiku.DotProductAttention"):
+            rate, dropout_key = _dropout(self.dropout_rate, dropout_rate, dropout_key)
+            num_heads = jnp.shape(query)[-2]
+            return _common.attend(
+                query,
+                key,
+                value,
+                bias,
+                mask,
+                sinks=_sinks(self.softmax_type, num_heads, jnp.result_type(query)),
+                dropout_rate=rate,
+                dropout_key=dropout_key,
+                implementation=self.implementation,
+                scale=self.scale,
+                is_causal=self.is_causal,
+                local_window_size=self.local_window_size,
+                logits_soft_cap=self.logits_soft_cap,
+                diagonal_alignment=self.diagonal_alignment,
+                query_seq_lengths=query_seq_lengths,
+                key_value_seq_lengths=key_value_seq_lengths,
+                q_segment_ids=q_segment_ids,
+                kv_segment_ids=kv_segment_ids,
+                max_segments_per_row=max_segments_per_row,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_kv=cu_seqlens_kv,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_kv=max_seqlen_kv,
+                page_table=page_table,
+                return_residual=return_residual,
+                deterministic_backward=deterministic_backward,
+            )
