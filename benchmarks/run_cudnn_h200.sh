@@ -7,7 +7,10 @@ mkdir -p "$out"
 root=$(pwd)
 if [ ! -e attnlib/_attnlib_ffi*.so ] || [ native/src/cudnn_graph.cc -nt attnlib/_attnlib_ffi*.so ]; then
   start=$(date +%s)
-  rm -rf /tmp/attnlib_wheel
+  rm -rf /tmp/attnlib_wheel build/cp3*-linux_x86_64
+  # The device image's default /opt/gcc/bin/g++ links libstdc++ statically, and iostreams inside the cuDNN frontend
+  # then crash in the JAX process (measured). Use the system compiler, which links the process's libstdc++.so.
+  if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++; fi
   if ! python3 -m pip wheel -v --no-build-isolation --no-deps \
        -C cmake.build-type="${ATTNLIB_BUILD_TYPE:-Release}" . -w /tmp/attnlib_wheel > "$out/build.log" 2>&1; then
     tail -40 "$out/build.log"; exit 1
@@ -30,6 +33,8 @@ if [ "$what" = smoke ]; then
     | grep -v "^\[New Thread\|^\[Thread\|libthread_db\|^$\|Detaching" | tail -24 | cut -c1-300
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
+  ldd attnlib/_attnlib_ffi*.so | grep -q "libstdc++" || echo "WARNING: the extension links libstdc++ statically"
+  timeout 100 python3 benchmarks/smoke_cudnn.py || exit 1
   ATTNLIB_REQUIRE_GPU=1 ATTNLIB_CACHE_DIR=/tmp/attnlib_cache timeout 400 python3 -m pytest tests/test_cudnn_gpu.py \
     -q -rfE --tb=short -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -60
 fi
