@@ -10,7 +10,10 @@ if [ ! -e attnlib/_attnlib_ffi*.so ] || [ native/src/cudnn_graph.cc -nt attnlib/
   rm -rf /tmp/attnlib_wheel build/cp3*-linux_x86_64
   # The device image's default /opt/gcc/bin/g++ links libstdc++ statically, and iostreams inside the cuDNN frontend
   # then crash in the JAX process (measured). Use the system compiler, which links the process's libstdc++.so.
-  if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++; fi
+  for cxx in /usr/bin/g++-13 /usr/bin/g++; do
+    if [ -x "$cxx" ]; then export CXX=$cxx; break; fi
+  done
+  echo "compiler: ${CXX:-default}"; ls -la /usr/bin/g++* /opt/gcc/bin/g++ 2>/dev/null | head -5
   if ! python3 -m pip wheel -v --no-build-isolation --no-deps \
        -C cmake.build-type="${ATTNLIB_BUILD_TYPE:-Release}" . -w /tmp/attnlib_wheel > "$out/build.log" 2>&1; then
     tail -40 "$out/build.log"; exit 1
