@@ -1,14 +1,43 @@
 """`attnlib.attention`: the public function, and `attnlib.explain`."""
 
-from collections.abc import Sequence
+import functools
+import re
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, jaxtyped
+from beartype import BeartypeConf, beartype
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped, TypeCheckError, jaxtyped
 
 from . import dispatch, validation
+
+
+# Array shapes and dtypes are checked by `validation` (with attnlib's messages: shapes are documented in the
+# docstring); beartype checks the kinds of arguments. Ints pass where floats are annotated.
+_typechecker = beartype(conf=BeartypeConf(is_pep484_tower=True))
+
+
+def _concise_type_errors(fn: Callable) -> Callable:
+    """Re-raise jaxtyping/beartype parameter violations in attnlib's one-sentence style."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TypeCheckError as e:
+            text = str(e)
+            param = re.search(r"typechecking parameter '(\w+)'", text)
+            if param is None:
+                raise
+            expected = re.search(r"Expected type: (.*)", text)
+            actual = re.search(r"Actual value: (.*)", text)
+            raise TypeError(
+                f"`{param.group(1)}` must be {expected.group(1) if expected else 'of the annotated type'}. "
+                f"Got {actual.group(1) if actual else 'another type'}."
+            ) from None
+
+    return wrapper
 
 
 _ARRAY_ARGS = (
@@ -18,32 +47,33 @@ _ARRAY_ARGS = (
 
 
 @jax.named_scope("attnlib.attention")
-@jaxtyped(typechecker=beartype)
+@_concise_type_errors
+@jaxtyped(typechecker=_typechecker)
 def attention(
-    query: Float[ArrayLike, "..."],
-    key: Float[ArrayLike, "..."],
-    value: Float[ArrayLike, "..."],
-    bias: Float[ArrayLike, "..."] | None = None,
-    mask: Bool[ArrayLike, "..."] | None = None,
+    query: Shaped[ArrayLike, "..."],
+    key: Shaped[ArrayLike, "..."],
+    value: Shaped[ArrayLike, "..."],
+    bias: Shaped[ArrayLike, "..."] | None = None,
+    mask: Shaped[ArrayLike, "..."] | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
-    query_seq_lengths: Int[ArrayLike, "..."] | None = None,
-    key_value_seq_lengths: Int[ArrayLike, "..."] | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
+    query_seq_lengths: Shaped[ArrayLike, "..."] | None = None,
+    key_value_seq_lengths: Shaped[ArrayLike, "..."] | None = None,
+    local_window_size: int | Sequence[Any] | None = None,
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
     diagonal_alignment: Literal["top_left", "bottom_right"] | str = "top_left",
-    q_segment_ids: Int[ArrayLike, "..."] | None = None,
-    kv_segment_ids: Int[ArrayLike, "..."] | None = None,
+    q_segment_ids: Shaped[ArrayLike, "..."] | None = None,
+    kv_segment_ids: Shaped[ArrayLike, "..."] | None = None,
     max_segments_per_row: int | None = None,
-    cu_seqlens_q: Int[ArrayLike, "..."] | None = None,
-    cu_seqlens_kv: Int[ArrayLike, "..."] | None = None,
+    cu_seqlens_q: Shaped[ArrayLike, "..."] | None = None,
+    cu_seqlens_kv: Shaped[ArrayLike, "..."] | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_kv: int | None = None,
-    page_table: Int[ArrayLike, "..."] | None = None,
+    page_table: Shaped[ArrayLike, "..."] | None = None,
     logits_soft_cap: float | None = None,
-    sinks: Float[ArrayLike, "..."] | None = None,
+    sinks: Shaped[ArrayLike, "..."] | None = None,
     dropout_rate: float = 0.0,
     dropout_key: PRNGKeyArray | None = None,
     deterministic_backward: bool = False,
@@ -147,7 +177,8 @@ def attention(
 Shaped = ArrayLike | jax.ShapeDtypeStruct
 
 
-@beartype
+@_concise_type_errors
+@_typechecker
 def explain(
     query: Shaped,
     key: Shaped,

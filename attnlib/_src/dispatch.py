@@ -67,7 +67,8 @@ def explain_config(config: AttentionConfig, implementation: str | Sequence[str] 
     return Explanation(None, declined, names)
 
 
-_logged: set[str] = set()
+_logged: set[tuple[AttentionConfig, str]] = set()
+_MAX_LOGGED = 4096
 
 
 def _has_gpu() -> bool:
@@ -78,16 +79,21 @@ def _has_gpu() -> bool:
 
 
 def choose(config: AttentionConfig, implementation: str | Sequence[str] | None) -> Implementation:
-    """The implementation to run; logs each fallback once, raises `NotImplementedError` when none can serve."""
+    """The implementation to run; raises `NotImplementedError` when none can serve.
+
+    Each fallback is logged once per distinct configuration (eager loops would otherwise log every call).
+    """
     explanation = explain_config(config, implementation)
     if explanation.implementation is None:
         reasons = "; ".join(f"{n}: {r}" for n, r in explanation.declined.items())
         raise NotImplementedError(f"No requested attention implementation can serve this call. {reasons}")
     for name, reason in explanation.declined.items():
         message = f"attnlib.attention: {name} declined ({reason}); using {explanation.implementation}."
-        if message in _logged:
+        if (config, message) in _logged:
             continue
-        _logged.add(message)
+        if len(_logged) >= _MAX_LOGGED:
+            _logged.clear()
+        _logged.add((config, message))
         # A GPU machine falling back from cuDNN loses most of its speed: say so loudly. Elsewhere it is expected.
         level = logging.WARNING if name == "cudnn" and _has_gpu() else logging.INFO
         logger.log(level, message)
