@@ -280,7 +280,7 @@ def test_dropout_same_mask_forward_and_backward(dtype):
 
     v = _normal(jax.random.key(9), (B, S, N, 64), dtype)
     cot = jax.random.normal(jax.random.key(10), (B, T, N, 64), jnp.float32)
-    mask = jnp.asarray(kept)  # [B, T, N, S]
+    mask = jnp.asarray(kept, jnp.float32)  # [B, T, N, S], 1 = kept
 
     def cudnn_loss(q, k, v):
         return jnp.sum(_dropout_attention(q, k, v, key, rate).astype(jnp.float32) * cot)
