@@ -1,0 +1,141 @@
+"""CPU tests of the cuDNN support policy, the plan pinning and the blob guard (no GPU, no cuDNN import)."""
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from attnlib._src.backends.cudnn import graphs, support
+from attnlib._src.config import AttentionConfig
+
+
+H100 = ((9, 0), 91900)
+BASE = AttentionConfig(
+    layout="dense", batch_shape=(2,), unbatched=False, q_len=128, kv_len=128, num_q_heads=8, num_kv_heads=2,
+    head_dim=128, value_head_dim=128, dtype=np.dtype("float16"),
+    scale=0.125, is_causal=False, diagonal_alignment="top_left", window=None, bias_shape=None, mask_shape=None,
+    has_q_lengths=False, has_kv_lengths=False, has_segments=False, max_segments_per_row=None, num_sequences=None,
+    max_seqlen_q=None, max_seqlen_kv=None, page_size=None, pages_per_seq=None, num_pages=None, logits_soft_cap=None,
+    has_sinks=False, dropout_rate=0.0, return_residual=False, deterministic_backward=False,
+)
+
+
+def _config(**changes) -> AttentionConfig:
+    import jax.numpy as jnp
+
+    changes.setdefault("dtype", np.dtype(jnp.bfloat16))
+    return dataclasses.replace(BASE, **changes)
+
+
+def _reason(config, capability=H100[0], version=H100[1]):
+    return support.policy_reason(config, capability, version)
+
+
+SUPPORTED = [
+    ("plain", {}),
+    ("float16", {"dtype": np.dtype("float16")}),
+    ("causal_gqa", {"is_causal": True}),
+    ("mla", {"head_dim": 192, "value_head_dim": 128}),
+    ("d256", {"head_dim": 256, "value_head_dim": 256}),
+    ("window", {"window": (63, 0), "is_causal": True}),
+    ("two_sided_window", {"window": (16, 8)}),
+    ("padding", {"has_q_lengths": True, "has_kv_lengths": True}),
+    ("bias", {"bias_shape": (1, 8, 128, 128)}),
+    ("sinks", {"has_sinks": True}),
+    ("dropout", {"dropout_rate": 0.1}),
+    ("bottom_right_t_lt_s", {"is_causal": True, "diagonal_alignment": "bottom_right", "q_len": 64}),
+    ("bottom_right_t_gt_s_sliced", {"is_causal": True, "diagonal_alignment": "bottom_right", "kv_len": 64}),
+    ("bottom_right_square_with_bias", {"is_causal": True, "diagonal_alignment": "bottom_right",
+                                       "bias_shape": (128, 128)}),
+    ("deterministic", {"deterministic_backward": True}),
+]
+
+
+@pytest.mark.parametrize("changes", [c[1] for c in SUPPORTED], ids=[c[0] for c in SUPPORTED])
+def test_supported_on_hopper(changes):
+    assert _reason(_config(**changes)) is None
+
+
+DECLINED = [
+    ("thd", {"layout": "thd"}, "THD"),
+    ("paged", {"layout": "paged"}, "page_table"),
+    ("segments", {"has_segments": True}, "segment_ids"),
+    ("mask", {"mask_shape": (128, 128)}, "boolean `mask`"),
+    ("softcap", {"logits_soft_cap": 30.0}, "logits_soft_cap"),
+    ("float32", {"dtype": np.dtype("float32")}, "float32"),
+    ("head_dim_not_multiple_of_8", {"head_dim": 36, "value_head_dim": 36}, "multiples of 8"),
+    ("head_dim_above_256", {"head_dim": 320, "value_head_dim": 320}, "above 256"),
+    ("t1_s1", {"q_len": 1, "kv_len": 1}, "T = S = 1"),
+    ("sinks_decode", {"has_sinks": True, "q_len": 1}, "T = 1"),
+    ("bottom_right_bias", {"is_causal": True, "diagonal_alignment": "bottom_right", "q_len": 64,
+                           "bias_shape": (64, 128)}, "bias"),
+    ("bottom_right_dropout", {"is_causal": True, "diagonal_alignment": "bottom_right", "q_len": 64,
+                              "dropout_rate": 0.1}, "dropout"),
+    ("bottom_right_t_gt_s_padding", {"is_causal": True, "diagonal_alignment": "bottom_right", "kv_len": 64,
+                                     "has_kv_lengths": True}, "T > S"),
+    ("bottom_right_t_gt_s_right_window", {"window": (4, 4), "diagonal_alignment": "bottom_right", "kv_len": 64},
+     "T > S"),
+    ("window_t_gt_s", {"window": (4, 0), "kv_len": 64}, "local_window_size"),
+]
+
+
+@pytest.mark.parametrize("changes,match", [(c[1], c[2]) for c in DECLINED], ids=[c[0] for c in DECLINED])
+def test_declined_with_reason(changes, match):
+    reason = _reason(_config(**changes))
+    assert reason is not None and match in reason, reason
+    assert reason.startswith("cudnn: ") and reason.endswith(".")
+
+
+def test_architecture_and_version_limits():
+    assert "compute capability 8.0" in _reason(_config(), (7, 5))
+    assert "MLA" in _reason(_config(head_dim=192, value_head_dim=128), (8, 0))
+    assert "above 128" in _reason(_config(head_dim=256, value_head_dim=256), (8, 9))
+    assert _reason(_config(head_dim=192, value_head_dim=128), (10, 0)) is None
+    assert "9.23" in _reason(_config(head_dim=256, value_head_dim=256), (10, 0), 92200)
+    assert _reason(_config(head_dim=256, value_head_dim=256), (10, 0), 92300) is None
+    assert "9.13" in _reason(_config(has_sinks=True), (9, 0), 91200)
+    assert "cuDNN 9" in _reason(_config(), (9, 0), 8900)
+    assert "bias or dropout" in _reason(_config(deterministic_backward=True, dropout_rate=0.1), (10, 0), 91900)
+
+
+def test_decline_reason_on_this_machine_never_imports_cudnn():
+    code = (
+        "import sys, jax, jax.numpy as jnp, attnlib\n"
+        "q = jnp.zeros((2, 16, 4, 64), jnp.bfloat16)\n"
+        "e = attnlib.explain(q, q, q)\n"
+        "has_gpu = any(d.platform == 'gpu' for d in jax.devices())\n"
+        "assert has_gpu or 'cudnn' in e.declined, e\n"
+        "assert has_gpu or 'cudnn' not in sys.modules, 'the cuDNN frontend was imported on a CPU machine'\n"
+        "print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_backend_plan_index_skips_python_engines():
+    is_backend = lambda engine_id: 0 <= engine_id < 10000
+    assert graphs.backend_plan_index([5, 20001], is_backend) == 0
+    assert graphs.backend_plan_index([20001, 20002, 7], is_backend) == 2
+    assert graphs.backend_plan_index([20001, -1], is_backend) == 1
+    with pytest.raises(NotImplementedError, match="Python-engine"):
+        graphs.backend_plan_index([20001, 20002], is_backend)
+
+
+def test_python_engine_blob_is_rejected():
+    with pytest.raises(NotImplementedError, match="CUDNN_FE_PYPLAN"):
+        graphs.check_blob(b"CUDNN_FE_PYPLAN\0{...}")
+    graphs.check_blob(b"{U\x0cjson_version")
+
+
+def test_graph_spec_uid_tables():
+    spec = graphs.GraphSpec("bwd", "bfloat16", 2, 64, 96, 8, 2, 64, 32, 0.1, padding=True, bias_b=1, bias_n=8,
+                            dropout=0.1, sinks=True)
+    assert [int(u) for u in spec.in_uids()] == [1, 2, 3, 4, 6, 5, 10, 12, 13, 21, 22, 23]
+    assert [int(u) for u in spec.out_uids()] == [7, 8, 9, 11]
+    assert spec.zero_fill() == (3,)
+    assert spec.shape(graphs.Uid.V) == ((2, 96, 2, 32), "bfloat16")
+    assert spec.shape(graphs.Uid.STATS) == ((2, 8, 64), "float32")
+    dim, stride = graphs._layout(graphs.Uid.Q, spec)
+    assert dim == [2, 8, 64, 64] and stride == [64 * 8 * 64, 64, 8 * 64, 1]

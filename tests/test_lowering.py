@@ -1,0 +1,109 @@
+"""CPU test: the cuDNN path lowers (for CUDA) to one `attnlib_cudnn_graph` custom call with its attributes.
+
+Needs attnlib's native extension (compiled in CI from the header packages) but no GPU: a stand-in `GraphEntry`
+replaces the graph build, which needs a GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnlib._src import ffi
+
+
+pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None, reason=f"{ffi.unavailable_reason()}")
+
+
+def _fake_entries(monkeypatch):
+    from attnlib._src.backends.cudnn import attention, cache
+
+    def get_entry(spec):
+        return cache.GraphEntry(
+            blob=b"\x7bblob-" + spec.label.encode(), workspace_bytes=1 << 20,
+            in_uids=tuple(int(u) for u in spec.in_uids()), out_uids=tuple(int(u) for u in spec.out_uids()),
+            zero_fill=spec.zero_fill(), label=spec.label,
+        )
+
+    monkeypatch.setattr(attention, "get_entry", get_entry)
+    return attention
+
+
+def _lower(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_forward_lowers_to_one_custom_call_with_attributes(monkeypatch):
+    attention = _fake_entries(monkeypatch)
+    from attnlib._src.backends.cudnn.graphs import GraphSpec
+
+    spec = GraphSpec("fwd", "bfloat16", 2, 16, 24, 4, 2, 64, 32, 0.125, padding=True)
+    q = jax.ShapeDtypeStruct((2, 16, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 24, 2, 64), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 24, 2, 32), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+    text = _lower(lambda *a: attention.graph_call(spec)(*a), q, k, v, lengths, lengths)
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @attnlib_cudnn_graph" in line]
+    assert len(calls) == 1, text
+    call = calls[0]
+    blob = list(b"\x7bblob-" + spec.label.encode())
+    assert f"graph = dense<{blob}> : tensor<{len(blob)}xui8>".replace(" ", "") in call.replace(" ", "")
+    assert "in_uids = dense<[1, 2, 3, 12, 13]> : tensor<5xi64>" in call
+    assert "out_uids = dense<[4, 5]> : tensor<2xi64>" in call
+    assert "ws_bytes = 1048576 : i64" in call
+    assert f'label = "{spec.label}"' in call
+    assert "-> (tensor<2x16x4x32xbf16>, tensor<2x4x16xf32>, tensor<1048576xui8>)" in call
+
+
+def test_vmap_folds_into_one_bigger_call(monkeypatch):
+    attention = _fake_entries(monkeypatch)
+    from attnlib._src.backends.cudnn.graphs import GraphSpec
+
+    spec = GraphSpec("bwd", "float16", 2, 16, 16, 4, 4, 64, 64, 0.125, bias_b=1, bias_n=4)
+    x = jax.ShapeDtypeStruct((3, 2, 16, 4, 64), jnp.float16)
+    stats = jax.ShapeDtypeStruct((3, 2, 4, 16), jnp.float32)
+    bias = jax.ShapeDtypeStruct((1, 4, 16, 16), jnp.float16)
+    fn = jax.vmap(lambda q, k, v, o, do, st, b: attention.graph_call(spec)(q, k, v, o, do, st, b),
+                  in_axes=(0, 0, 0, 0, 0, 0, None))
+    text = _lower(fn, x, x, x, x, x, stats, bias)
+    assert text.count("stablehlo.custom_call @attnlib_cudnn_graph") == 1, text
+    call = next(line for line in text.splitlines() if "custom_call @attnlib_cudnn_graph" in line)
+    assert "tensor<6x16x4x64xf16>" in call and "tensor<6x4x16x16xf16>" in call, call  # batch 3*2, bias tiled
+
+
+def _ubjson(value) -> bytes:
+    """A minimal UBJSON encoder (objects, strings, small ints) matching nlohmann's output."""
+    if isinstance(value, dict):
+        out = b"{"
+        for key in sorted(value):
+            out += b"i" + bytes([len(key)]) + key.encode() + _ubjson(value[key])
+        return out + b"}"
+    if isinstance(value, str):
+        return b"S" + b"i" + bytes([len(value)]) + value.encode()
+    if isinstance(value, int):
+        for marker, size in ((b"i", 1), (b"I", 2), (b"l", 4), (b"L", 8)):
+            if -(1 << (8 * size - 1)) <= value < (1 << (8 * size - 1)):
+                return marker + int(value).to_bytes(size, "big", signed=True)
+    raise TypeError(value)
+
+
+def test_canonicalize_zeroes_the_graph_id():
+    ext = ffi.extension()
+    graph = {"json_version": "2.0", "cudnn_frontend_version": 13200, "cudnn_backend_version": "9.19.0", "gid": 0}
+    canonical = ext.canonicalize_graph(_ubjson(graph))
+    assert canonical == _ubjson(graph)  # already canonical: unchanged
+    for gid in (0, 7, 123456):
+        assert ext.canonicalize_graph(_ubjson({**graph, "gid": gid})) == canonical
+    assert ext.canonicalize_graph(_ubjson({**graph, "json_version": "2.1"})) != canonical
+    assert ext.graph_versions(canonical) == ("2.0", 13200, "9.19.0")
+    with pytest.raises(ValueError, match="not a serialized cuDNN graph"):
+        ext.canonicalize_graph(b"CUDNN_FE_PYPLAN\0")
+
+
+def test_extension_matches_the_frontend_package():
+    import importlib.metadata
+
+    code = ffi.extension().frontend_version()
+    assert f"{code // 10000}.{code // 100 % 100}.{code % 100}" == importlib.metadata.version("nvidia-cudnn-frontend")
+    assert ffi.extension().graph_json_version() == "2.0"
+    assert np.int64(code) == 13200
