@@ -576,9 +576,18 @@ def test_bad_call_arguments():
         layer(x, x, x[:5])
     with pytest.raises(ValueError, match="`process_heads` must not change the shapes of the heads"):
         layer(x, x, x, process_heads=lambda q, k, v: (q[:, :3], k, v))
-    traced_p = eqx.tree_at(lambda m: m.dropout.p, layer, 0.2)
+    dropping = eqx.tree_at(lambda m: m.dropout.p, layer, 0.2)
     with pytest.raises(ValueError, match=re.escape("`dropout.p` must be a concrete Python float")):
-        jax.jit(lambda m: m(x, x, x, key=jr.key(0)))(traced_p)
+        jax.jit(lambda m: m(x, x, x, key=jr.key(0), inference=False))(dropping)  # plain jax.jit traces `p`
+
+
+def test_plain_jax_jit_of_the_module_in_inference_mode_works_as_in_equinox():
+    # `jax.jit` (not `filter_jit`) traces the float `dropout.p`; with `inference=True` Equinox never reads it.
+    x = normal(np.random.default_rng(0), (T, 18))
+    theirs = eqx.nn.MultiheadAttention(6, 18, dropout_p=0.2, key=jr.key(0))
+    ours = _copy_weights(theirs, aeqx.MultiheadAttention(6, 18, dropout_p=0.2, key=jr.key(1)))
+    call = jax.jit(lambda m: m(x, x, x, inference=True))
+    assert_out_close(call(ours), call(theirs), F32)
 
 
 def test_no_warnings_in_normal_use():

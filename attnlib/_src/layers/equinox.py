@@ -42,8 +42,14 @@ def _dropout_plan(
     """`(dropout_rate, dropout_key)` for `attnlib.attention`, following `equinox.nn.Dropout.__call__`'s rules."""
     if inference is None:
         inference = dropout.inference
+    # Same order as Equinox: a Python zero rate or inference mode switches dropout off before the rate is read,
+    # so a model whose `dropout.p` is traced (plain `jax.jit`) still runs with `inference=True`.
+    if isinstance(dropout.p, (int, float)) and dropout.p == 0:
+        return 0.0, None
+    if inference:
+        return 0.0, None
     rate = _common.dropout_rate("dropout.p", dropout.p)
-    if rate == 0.0 or inference:
+    if rate == 0.0:
         return 0.0, None
     if key is None:
         raise RuntimeError(
