@@ -46,6 +46,9 @@ CASES = [
     Case("long causal", 1, 16384, 16, 16, 128, 128, True),
     Case("d64 causal", 4, 4096, 32, 32, 64, 64, True),
     Case("d256 causal", 4, 4096, 16, 16, 256, 256, True),
+    # Small shapes: launch- and host-overhead-bound (compare milliseconds, not TFLOP/s).
+    Case("small b2 s1024 d64", 2, 1024, 16, 16, 64, 64, True),
+    Case("small b8 s512 d128", 8, 512, 16, 16, 128, 128, True),
 ]
 
 
@@ -188,6 +191,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default="bench_cudnn.json")
     parser.add_argument("--quick", action="store_true", help="skip the xla baseline")
+    parser.add_argument("--cases", default="", help="only cases whose name contains this")
+    parser.add_argument("--no-setup", action="store_true", help="skip the set-up time measurement")
     args = parser.parse_args()
 
     import cudnn
@@ -199,6 +204,8 @@ def main() -> None:
     }
     rows = []
     for case in CASES:
+        if args.cases not in case.name:
+            continue
         q, k, v = inputs(case)
         fwd_flops, fb_flops = flops(case)
         row = {"case": case.name, "shape": dataclasses.asdict(case), "fwd_flops": fwd_flops, "fwd_bwd_flops": fb_flops}
@@ -219,7 +226,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del q, k, v
 
-    setup = setup_times()
+    setup = {} if args.no_setup else setup_times()
     with open(args.json, "w") as f:
         json.dump({"meta": meta, "rows": rows, "setup": setup}, f, indent=1)
 

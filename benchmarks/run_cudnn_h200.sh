@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the native extension and runs the cuDNN GPU tests and benchmark on a GPU machine (the H200 device).
-# Usage: bash benchmarks/run_cudnn_h200.sh OUT_DIR [tests|bench|all] [pytest args...]
+# Usage: bash benchmarks/run_cudnn_h200.sh OUT_DIR [tests|bench|all|smoke] [pytest or benchmark args...]
+# ATTNLIB_CXX=default keeps the image's compiler (to check the libstdc++ link guard); ATTNLIB_BUILD_TYPE sets the build.
 set -uo pipefail
 out=${1:?output directory}; what=${2:-all}; shift 2 || true
 mkdir -p "$out"
@@ -10,9 +11,11 @@ if [ ! -e attnlib/_attnlib_ffi*.so ] || [ native/src/cudnn_graph.cc -nt attnlib/
   rm -rf /tmp/attnlib_wheel build/cp3*-linux_x86_64
   # The device image's default /opt/gcc/bin/g++ links libstdc++ statically, and iostreams inside the cuDNN frontend
   # then crash in the JAX process (measured). Use the system compiler, which links the process's libstdc++.so.
-  for cxx in /usr/bin/g++-13 /usr/bin/g++; do
-    if [ -x "$cxx" ]; then export CXX=$cxx; break; fi
-  done
+  if [ "${ATTNLIB_CXX:-system}" = system ]; then
+    for cxx in /usr/bin/g++-13 /usr/bin/g++; do
+      if [ -x "$cxx" ]; then export CXX=$cxx; break; fi
+    done
+  fi
   echo "compiler: ${CXX:-default}"; ls -la /usr/bin/g++* /opt/gcc/bin/g++ 2>/dev/null | head -5
   if ! python3 -m pip wheel -v --no-build-isolation --no-deps \
        -C cmake.build-type="${ATTNLIB_BUILD_TYPE:-Release}" . -w /tmp/attnlib_wheel > "$out/build.log" 2>&1; then
@@ -35,13 +38,14 @@ if [ "$what" = smoke ]; then
   timeout 200 cuda-gdb -q -batch -ex run -ex "bt 14" --args python3 benchmarks/smoke_cudnn.py 2>&1 \
     | grep -v "^\[New Thread\|^\[Thread\|libthread_db\|^$\|Detaching" | tail -24 | cut -c1-300
 fi
+ldd attnlib/_attnlib_ffi*.so | grep "libstdc++" || echo "WARNING: the extension links libstdc++ statically"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  ldd attnlib/_attnlib_ffi*.so | grep -q "libstdc++" || echo "WARNING: the extension links libstdc++ statically"
   timeout 100 python3 benchmarks/smoke_cudnn.py || exit 1
   ATTNLIB_REQUIRE_GPU=1 ATTNLIB_CACHE_DIR=/tmp/attnlib_cache timeout 400 python3 -m pytest tests/test_cudnn_gpu.py \
     -q -rfE --tb=short -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -60
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
+  [ "$what" = bench ] && bench_args=("$@") || bench_args=()
   ATTNLIB_CACHE_DIR=/tmp/attnlib_cache timeout 300 python3 benchmarks/bench_cudnn.py --json "$out/bench_cudnn.json" \
-    2>&1 | tee "$out/bench.log" | tail -30
+    "${bench_args[@]}" 2>&1 | tee "$out/bench.log" | tail -30
 fi

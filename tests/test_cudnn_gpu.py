@@ -259,23 +259,30 @@ def _dropout_attention(q, k, v, key, rate, **kw):
     return attnlib.attention(q, k, v, implementation="cudnn", dropout_rate=rate, dropout_key=key, **kw)
 
 
-def _extract_kept(key, rate, B, T, S, N, dtype):
-    """cuDNN's keep mask `[B, T, N, S]` (and probabilities), read off an identity value matrix."""
+def _extract_kept(key, rate, B, T, S, N, dtype, **kw):
+    """cuDNN's keep mask `[B, T, N, S]` (and q, k), read off an identity value matrix.
+
+    Where the attention mask already hides a key the probability is 0 whatever the dropout mask says; the reference
+    multiplies those zeros by the extracted mask too, so the comparison stays exact.
+    """
     kq, kk = jax.random.split(jax.random.key(8))
     q = _normal(kq, (B, T, N, 64), dtype)
     k = _normal(kk, (B, S, N, 64), dtype)
     eye = jnp.broadcast_to(jnp.eye(S, dtype=dtype)[None, :, None, :], (B, S, N, S))
-    p_drop = jax.jit(lambda q, k, v: _dropout_attention(q, k, v, key, rate))(q, k, eye)
+    p_drop = jax.jit(lambda q, k, v: _dropout_attention(q, k, v, key, rate, **kw))(q, k, eye)
     return q, k, np.asarray(p_drop, np.float32) > 0
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_dropout_same_mask_forward_and_backward(dtype):
+def test_dropout_same_mask_forward_and_backward(dtype, causal):
     B, T, S, N, rate = 2, 64, 64, 2, 0.25
     key = jax.random.key(123)
-    q, k, kept = _extract_kept(key, rate, B, T, S, N, dtype)
-    frac = kept.mean()
-    sigma = math.sqrt(rate * (1 - rate) / kept.size)
+    q, k, kept = _extract_kept(key, rate, B, T, S, N, dtype, is_causal=causal)
+    visible = np.tril(np.ones((T, S), bool))[None, :, None, :] if causal else np.ones((1, T, 1, S), bool)
+    visible = np.broadcast_to(visible, kept.shape)
+    frac = kept[visible].mean()
+    sigma = math.sqrt(rate * (1 - rate) / visible.sum())
     assert abs(frac - (1 - rate)) < 6 * sigma, f"kept fraction {frac:.4f} vs {1 - rate}"
 
     v = _normal(jax.random.key(9), (B, S, N, 64), dtype)
@@ -283,14 +290,16 @@ def test_dropout_same_mask_forward_and_backward(dtype):
     mask = jnp.asarray(kept, jnp.float32)  # [B, T, N, S], 1 = kept
 
     def cudnn_loss(q, k, v):
-        return jnp.sum(_dropout_attention(q, k, v, key, rate).astype(jnp.float32) * cot)
+        return jnp.sum(_dropout_attention(q, k, v, key, rate, is_causal=causal).astype(jnp.float32) * cot)
 
     def ref(q, k, v):
         s = jnp.einsum("btnh,bsnh->btns", q, k, precision="highest") / math.sqrt(64)
+        if causal:
+            s = jnp.where(jnp.asarray(visible), s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1) * mask / (1 - rate)
         return jnp.einsum("btns,bsnh->btnh", p, v, precision="highest")
 
-    out = jax.jit(lambda q, k, v: _dropout_attention(q, k, v, key, rate))(q, k, v)
+    out = jax.jit(lambda q, k, v: _dropout_attention(q, k, v, key, rate, is_causal=causal))(q, k, v)
     e = _eps(dtype)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     _assert_close(out, ref(f32(q), f32(k), f32(v)), 2 * e / (1 - rate), e, "dropout out")
