@@ -4,6 +4,7 @@ import importlib.metadata
 
 from ._src.attention import attention as attention, explain as explain
 from ._src.dispatch import Explanation as Explanation
+from ._src.paged import PagedKVCache as PagedKVCache
 
 
 __version__ = importlib.metadata.version("attnlib")
