@@ -178,8 +178,9 @@ def test_padding_invariance(t, s, pad_t, pad_s, causal, bottom_right, impl, n, h
             lambda q, k, v, ql, kl: attnlib.attention(q, k, v, query_seq_lengths=ql, key_value_seq_lengths=kl,
                                                       implementation=impl[0], return_residual=True, **kw)
         )(q, k, v, lengths([t]), lengths([s]))  # fmt: skip
-        out0, lse0 = attnlib.attention(q[:, :t], k[:, :s], v[:, :s], implementation=impl[0], return_residual=True,
-                                       **kw)  # fmt: skip
+        out0, lse0 = jax.jit(
+            lambda q, k, v: attnlib.attention(q, k, v, implementation=impl[0], return_residual=True, **kw)
+        )(q[:, :t], k[:, :s], v[:, :s])
     np.testing.assert_allclose(np.asarray(out[:, :t]), np.asarray(out0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse[:, :t]), np.asarray(lse0), rtol=1e-5, atol=1e-5)
     assert (np.asarray(out[:, t:]) == 0).all() and np.isneginf(np.asarray(lse[:, t:])).all()
@@ -212,6 +213,7 @@ def packed_lengths(draw):
 
 def _separate_calls(q, k, v, q_lens, kv_lens, impl, kw):
     """Concatenated per-sequence dense calls: `[sum(q_lens), N, Hv]` outputs and `[sum(q_lens), N]` lse."""
+    f = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation=impl, return_residual=True, **kw))
     outs, lses = [], []
     qo = ko = 0
     for tq, tk in zip(q_lens, kv_lens, strict=True):
@@ -221,8 +223,7 @@ def _separate_calls(q, k, v, q_lens, kv_lens, impl, kw):
             outs.append(np.zeros((tq,) + q.shape[1:-1] + v.shape[-1:], np.float32))
             lses.append(np.full((tq, q.shape[1]), -np.inf, np.float32))
         else:
-            o, l = attnlib.attention(q[qo : qo + tq], k[ko : ko + tk], v[ko : ko + tk], implementation=impl,
-                                     return_residual=True, **kw)  # fmt: skip
+            o, l = f(q[qo : qo + tq], k[ko : ko + tk], v[ko : ko + tk])
             outs.append(np.asarray(o))
             lses.append(np.asarray(l))
         qo += tq
