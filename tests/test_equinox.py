@@ -132,15 +132,20 @@ def _parity_case(name):
 
 
 def _value_and_grads(layer, d_y, *inputs, **call):
-    """Jitted `(y, d layer, d inputs)` of `<d_y, layer(*inputs, **call)>` (one compile instead of many eager ops)."""
+    """`(y, d layer, d inputs)` of `<d_y, layer(*inputs, **call)>` in one jitted function (one compile instead of
+    many eager ops)."""
 
     @eqx.filter_jit
     def run(layer_and_inputs):
-        layer, *inputs = layer_and_inputs
-        return layer(*inputs, **call)
+        def loss(layer_and_inputs):
+            layer, *inputs = layer_and_inputs
+            y = layer(*inputs, **call)
+            return jnp.sum(y * d_y), y
 
-    y = run((layer, *inputs))
-    grads = eqx.filter_grad(lambda args: jnp.sum(run(args) * d_y))((layer, *inputs))
+        grads, y = eqx.filter_grad(loss, has_aux=True)(layer_and_inputs)
+        return y, grads
+
+    y, grads = run((layer, *inputs))
     return y, grads[0], grads[1:]
 
 
