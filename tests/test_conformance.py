@@ -222,7 +222,10 @@ FEATURES: list[tuple[str, Callable]] = [
     ("mla", lambda r, d: make_case(*qkv(r, hv=HV, dtype=d))),
     ("unbatched", lambda r, d: make_case(*qkv(r, batch=(), dtype=d))),
     ("batch_2x3", lambda r, d: make_case(*qkv(r, batch=(2, 3), t=5, s=7, dtype=d))),
+    ("empty_batch", lambda r, d: make_case(*qkv(r, batch=(0,), dtype=d))),
+    ("single_token", lambda r, d: make_case(*qkv(r, t=1, s=1, dtype=d), is_causal=True)),
     ("scale", lambda r, d: _base(r, d, scale=0.3)),
+    ("deterministic_backward", lambda r, d: _base(r, d, is_causal=True, deterministic_backward=True)),
     ("bias_BNTS", _bias((B, N, T, S))),
     ("bias_TS", _bias((T, S))),
     ("bias_N1S", _bias((N, 1, S))),
@@ -261,6 +264,7 @@ FEATURES: list[tuple[str, Callable]] = [
     ("segments_self", _segments_self),
     ("segments_self_causal_tl", lambda r, d: _segments_self(r, d, is_causal=True)),
     ("segments_cross", _segments_cross),
+    ("segments_cross_max_segments", lambda r, d: _segments_cross(r, d, max_segments_per_row=4)),
     ("segments_cross_causal_tl", lambda r, d: _segments_cross(r, d, is_causal=True)),
     (
         "segments_cross_causal_br",
@@ -401,6 +405,15 @@ def test_conformance(impl, feature, dtype):
         assert bitwise_equal(grads[name], grads2[name]), f"d{name} differs between two runs"
 
 
+F16_FEATURES = ["gqa", "causal_br_T>S", "sinks_fully_masked", "bias_BNTS"]
+
+
+@pytest.mark.parametrize("feature", F16_FEATURES)
+def test_conformance_float16(impl, feature):
+    # float16 is a supported dtype too (API §1); a smaller matrix than f32/bf16 to keep CPU CI fast
+    test_conformance(impl, feature, jnp.float16)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # gradients through `lse` (return_residual): random cotangents on both outputs, including on -inf rows (whose
 # true gradient is 0: lse is constant there).
@@ -528,3 +541,26 @@ def test_reference_vjp_matches_finite_differences(options):
             fd[idx] = (loss(plus) - loss(minus)) / (2 * step)
         # central differences in float64: truncation ~ step**2, rounding ~ 1e-16 / step -> ~1e-9 absolute
         np.testing.assert_allclose(grads[name], fd, atol=1e-7, rtol=1e-6, err_msg=f"d{name}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# zero-length sequences: either the natural result (T = 0: empty output; S = 0: every row has no visible key, so
+# out = 0 and lse = -inf, gradients 0) or a clear `ValueError` naming the argument -- never an internal error.
+
+
+@pytest.mark.parametrize("t,s", [(0, S), (T, 0)], ids=["T=0", "S=0"])
+def test_zero_length_sequences(impl, t, s):
+    q, k, v = qkv(np.random.default_rng(0), t=t, s=s, hv=HV)
+    try:
+        out, lse = call_attention(impl, dict(query=q, key=k, value=v), dict(is_causal=True))
+        grads = jax.grad(
+            lambda q, k, v: jnp.sum(call_attention(impl, dict(query=q, key=k, value=v), {}, False)),
+            argnums=(0, 1, 2),
+        )(q, k, v)
+    except ValueError as e:
+        assert "`query`" in str(e) or "`key`" in str(e), f"unclear error for T={t}, S={s}: {e}"
+        return
+    assert out.shape == (B, t, N, HV) and lse.shape == (B, t, N)
+    assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
+    for g, x in zip(grads, (q, k, v), strict=True):
+        assert g.shape == x.shape and (np.asarray(g) == 0).all()

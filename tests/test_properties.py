@@ -11,7 +11,6 @@ The default profile is derandomized (a fixed sequence of examples: CI never flak
 
 import contextlib
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,17 +24,8 @@ from helpers import assert_grad_close, assert_lse_close, assert_out_close, lengt
 from reference import reference_attention, reference_attention_vjp
 
 
-# no `explain` phase: it is slow on CPU and, under `filterwarnings=error`, trips a third-party DeprecationWarning
-# while reporting a failure
+# no `explain` phase: it re-runs a failing example many times, slow on CPU
 PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink]
-# Reporting a failure makes hypothesis import libcst (to write an explicit-example patch), whose import trips
-# mypy_extensions' DeprecationWarning; under `filterwarnings=error` that becomes a pytest INTERNALERROR that aborts
-# the whole session. Import it once here, with that warning silenced, so a failing property reports normally.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    with contextlib.suppress(ImportError):
-        import libcst.metadata  # noqa: F401
-
 settings.register_profile(
     "ci", deadline=None, derandomize=True, print_blob=True, phases=PHASES, suppress_health_check=[HealthCheck.too_slow]
 )

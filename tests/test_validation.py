@@ -364,11 +364,34 @@ def test_known_implementations_serve(implementation):
     assert out.shape == (B, T, N, HV)
 
 
-@pytest.mark.parametrize("implementation", ["flash", "XLA", ("xla", "triton")], ids=["flash", "case", "in_seq"])
+@pytest.mark.parametrize("implementation", ["flash", "XLA", ("xla", "triton"), ()],
+                         ids=["flash", "case", "in_seq", "empty"])  # fmt: skip
 def test_unknown_implementation(implementation):
     q, k, v = _inputs()
-    bad = implementation if isinstance(implementation, str) else implementation[1]
-    check_error(ValueError, "implementation", repr(bad), attnlib.attention, q, k, v, implementation=implementation)
+    bad = repr(implementation if isinstance(implementation, str) or not implementation else implementation[1])
+    check_error(ValueError, "implementation", bad, attnlib.attention, q, k, v, implementation=implementation)
+
+
+def test_no_requested_implementation_can_serve():
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("a GPU is present; cudnn may serve")
+    q, k, v = _inputs()
+    with pytest.raises(NotImplementedError, match=r"cudnn"):
+        attnlib.attention(q, k, v, implementation=("cudnn",))
+
+
+@pytest.mark.parametrize("value", [0, -2], ids=["zero", "negative"])
+def test_max_segments_per_row_not_positive(value):
+    q, k, v = _inputs()
+    check_error(ValueError, "max_segments_per_row", str(value), attn, q, k, v,
+                q_segment_ids=jnp.ones((B, T), jnp.int32), kv_segment_ids=jnp.ones((B, S), jnp.int32),
+                max_segments_per_row=value)  # fmt: skip
+
+
+def test_max_segments_per_row_without_segments():
+    q, k, v = _inputs()
+    check_error(ValueError, ["max_segments_per_row", "q_segment_ids"], "None", attn, q, k, v,
+                max_segments_per_row=3)  # fmt: skip
 
 
 def test_explicit_implementation_that_cannot_serve():
