@@ -16,8 +16,8 @@ Tolerances are derived from the machine epsilon of the dtype the library compute
 * Gradients are sums over T or S of products that are each rounded (cotangent, probabilities, `dp - D`
   cancellation), so elementwise relative error of a small entry is meaningless; they are compared with an absolute
   tolerance scaled by the largest entry of the reference gradient (`atol * max|expected|`) plus `rtol * |expected|`.
-  The scaled atol is 4x the output one: the softmax backward `p (dp - D)` loses up to ~2 digits... no: it loses
-  about log2(|dp|/|dp - D|) bits in the cancellation; 4x (2 extra bits) covers the rows of our ~N(0,1) inputs.
+  The scaled atol is 4x the output one: the softmax backward `p (dp - D)` loses about log2(|dp| / |dp - D|) bits in
+  the cancellation, and its sums run over T or S terms; 4x (2 extra bits) covers that for our ~N(0, 1) inputs.
 """
 
 import dataclasses

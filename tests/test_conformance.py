@@ -144,6 +144,14 @@ def _bias(shape):
     return lambda r, d: _base(r, d, bias=normal(r, shape, d))
 
 
+def _bias_neg_inf(r, d):
+    # an additive mask: -inf at ~30% of the entries, every row keeps at least one finite logit
+    bias = r.standard_normal((B, N, T, S)).astype(np.float32)
+    bias[r.random((B, N, T, S)) < 0.3] = -np.inf
+    bias[..., 0] = 0.0
+    return _base(r, d, bias=jnp.asarray(bias).astype(d))
+
+
 def _mask_full(r, d):
     m = r.random((B, N, T, S)) < 0.7
     m[0, 1, 2, :] = False  # one fully masked row
@@ -224,6 +232,32 @@ FEATURES: list[tuple[str, Callable]] = [
     ("batch_2x3", lambda r, d: make_case(*qkv(r, batch=(2, 3), t=5, s=7, dtype=d))),
     ("empty_batch", lambda r, d: make_case(*qkv(r, batch=(0,), dtype=d))),
     ("single_token", lambda r, d: make_case(*qkv(r, t=1, s=1, dtype=d), is_causal=True)),
+    (
+        "batch_2x3_bias_mask_lengths",
+        lambda r, d: make_case(
+            *qkv(r, batch=(2, 3), t=5, s=7, dtype=d),
+            bias=normal(r, (3, 1, 5, 7), d),
+            mask=jnp.asarray(r.random((2, 1, 1, 1, 7)) < 0.8),
+            query_seq_lengths=lengths([[5, 0, 3], [4, 5, 1]]),
+            key_value_seq_lengths=lengths([[7, 2, 6], [0, 7, 5]]),
+            is_causal=True,
+            diagonal_alignment="bottom_right",
+        ),
+    ),
+    (
+        "batch_2x3_segments",
+        lambda r, d: make_case(
+            *qkv(r, batch=(2, 3), t=5, s=7, dtype=d),
+            q_segment_ids=jnp.asarray(np.stack([np.stack([segment_ids_from_runs(runs, 5) for runs in row])
+                                                for row in [[[(1, 2), (2, 3)], [(1, 5)], [(4, 1)]],
+                                                            [[(2, 4)], [(1, 1), (3, 3)], []]]])),
+            kv_segment_ids=jnp.asarray(np.stack([np.stack([segment_ids_from_runs(runs, 7) for runs in row])
+                                                 for row in [[[(1, 3), (2, 4)], [(1, 6)], [(4, 7)]],
+                                                             [[(2, 2), (5, 2)], [(1, 3), (3, 3)], [(1, 7)]]]])),
+            is_causal=True,
+            diagonal_alignment="bottom_right",
+        ),
+    ),  # fmt: skip
     ("scale", lambda r, d: _base(r, d, scale=0.3)),
     ("deterministic_backward", lambda r, d: _base(r, d, is_causal=True, deterministic_backward=True)),
     ("bias_BNTS", _bias((B, N, T, S))),
@@ -231,6 +265,7 @@ FEATURES: list[tuple[str, Callable]] = [
     ("bias_N1S", _bias((N, 1, S))),
     ("bias_B11S", _bias((B, 1, 1, S))),
     ("bias_11T1", _bias((1, 1, T, 1))),
+    ("bias_neg_inf", _bias_neg_inf),
     ("mask_BNTS", _mask_full),
     ("mask_TS", _mask_ts),
     ("causal_tl_T<S", lambda r, d: _base(r, d, is_causal=True)),
@@ -279,7 +314,13 @@ FEATURES: list[tuple[str, Callable]] = [
     ("thd_causal_br_sinks", lambda r, d: _thd(r, d, is_causal=True, diagonal_alignment="bottom_right",
                                               sinks=normal(r, (N,), jnp.float32))),
     ("thd_window_maxseqlen", lambda r, d: _thd(r, d, local_window_size=(1, 1), max_seqlen_q=4, max_seqlen_kv=9)),
+    ("thd_dropout_bias", lambda r, d: _thd(r, d, is_causal=True, dropout_rate=0.3, dropout_key=jax.random.key(5),
+                                           bias=normal(r, (N, T, S), d))),
     ("paged", _paged),
+    ("paged_sinks_dropout_qlen", lambda r, d: _paged(r, d, is_causal=True, diagonal_alignment="bottom_right",
+                                                     sinks=normal(r, (N,), jnp.float32), dropout_rate=0.25,
+                                                     dropout_key=jax.random.key(9),
+                                                     query_seq_lengths=lengths([7, 3]))),
     ("paged_causal_br", lambda r, d: _paged(r, d, is_causal=True, diagonal_alignment="bottom_right")),
     ("softcap", lambda r, d: _base(r, d, logits_soft_cap=2.5)),
     ("softcap_bias", lambda r, d: _base(r, d, logits_soft_cap=3.0, bias=normal(r, (N, T, S), d, 2.0))),
@@ -302,6 +343,7 @@ FEATURES: list[tuple[str, Callable]] = [
         lambda r, d: make_case(*qkv(r, n=6, k=3, hv=HV, dtype=d), is_causal=True, diagonal_alignment="bottom_right",
                                sinks=normal(r, (6,), jnp.float32), logits_soft_cap=4.0),
     ),
+    ("segments_dropout", lambda r, d: _segments_cross(r, d, dropout_rate=0.4, dropout_key=jax.random.key(4))),
     ("segments_causal_sinks", lambda r, d: _segments_cross(r, d, is_causal=True, sinks=normal(r, (N,), jnp.float32))),
     (
         "everything",
@@ -564,3 +606,19 @@ def test_zero_length_sequences(impl, t, s):
     assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
     for g, x in zip(grads, (q, k, v), strict=True):
         assert g.shape == x.shape and (np.asarray(g) == 0).all()
+
+
+@pytest.mark.parametrize("impl_name", ["xla", "xla_chunked"])
+def test_large_logits_are_stable(impl_name):
+    # logits of magnitude ~500: the softmax must be evaluated stably (max subtraction), no overflow, no NaN.
+    # float32 logits carry an absolute error ~ eps * H * max|q_h k_h| * scale; out inherits it times max|v|.
+    q, k, v = qkv(np.random.default_rng(3), hv=HV)
+    scale = 60.0
+    out, lse = attnlib.attention(q, k, v, scale=scale, is_causal=True, implementation=impl_name,
+                                 return_residual=True)  # fmt: skip
+    ref_out, ref_lse = reference_attention(to_f64(q), to_f64(k), to_f64(v), scale=scale, is_causal=True)
+    logit_err = 8 * 1.2e-7 * 8 * scale * float(np.abs(to_f64(q)).max() * np.abs(to_f64(k)).max())
+    vmax = float(np.abs(to_f64(v)).max())
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref_out, atol=1e-5 + logit_err * vmax, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), ref_lse, atol=1e-5 + logit_err, rtol=1e-6)
+    assert np.abs(ref_lse).max() > 100  # the case is what it claims to be
