@@ -542,7 +542,6 @@ BAD_ARGS = [
     (dict(implementation="triton"), "`implementation` must be None, one of"),
     (dict(dropout_p=1.0), "`dropout_p` must be a float in [0, 1). Got dropout_p=1.0."),
     (dict(is_causal="yes"), "`is_causal` must be a bool. Got is_causal='yes'."),
-    (dict(use_query_bias=1), "`use_query_bias` must be a bool. Got use_query_bias=1."),
 ]  # fmt: skip
 
 
@@ -601,3 +600,52 @@ def test_no_warnings_in_normal_use():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layer(x, x, x)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GPU: the cuDNN path (skipped without a GPU and attnlib's native extension; ATTNLIB_REQUIRE_GPU=1 makes it fail)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_core_and_layer_under_vmap():
+    # bfloat16, head dims multiple of 8, no boolean mask: cuDNN serves causal + window + GQA + learnable sinks.
+    # Reference: the `xla` implementation in float32 at full matmul precision on the same bf16 values; tolerances
+    # from bf16's eps as in tests/test_cudnn_gpu.py (out: 2 eps + eps|e|; gradients 8 eps max|e| + eps|e|).
+    eps = 2.0**-7
+    r = np.random.default_rng(0)
+    q = normal(r, (3, 64, 4, 64), jnp.bfloat16)
+    k, v = normal(r, (3, 64, 2, 64), jnp.bfloat16), normal(r, (3, 64, 2, 64), jnp.bfloat16)
+    sinks = normal(r, (4,))
+    options = dict(is_causal=True, local_window_size=(16, 0), softmax_type="learnable")
+    core = eqx.tree_at(lambda m: m.sinks, aeqx.DotProductAttention(4, **options, implementation="cudnn"), sinks)
+    ref = eqx.tree_at(lambda m: m.sinks, aeqx.DotProductAttention(4, **options, implementation="xla"), sinks)
+    cot = normal(r, q.shape[:-1] + (64,))
+
+    def out_and_grads(core, q, k, v):
+        loss = lambda args: jnp.sum(jax.vmap(args[0])(*args[1:]).astype(F32) * cot)
+        return jax.vmap(core)(q, k, v), eqx.filter_grad(loss)((core, q, k, v))
+
+    hlo = jax.jit(lambda q, k, v: jax.vmap(core)(q, k, v)).lower(q, k, v).as_text()
+    assert hlo.count("custom_call @attnlib_cudnn_graph") == 1, "one fused call for the vmapped batch"
+    out, grads = eqx.filter_jit(out_and_grads)(core, q, k, v)
+    with jax.default_matmul_precision("highest"):
+        up = lambda x: x.astype(F32)
+        ref_out, ref_grads = eqx.filter_jit(out_and_grads)(ref, up(q), up(k), up(v))
+    out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out)
+    assert np.all(np.abs(out - ref_out) <= 2 * eps + eps * np.abs(ref_out)), np.abs(out - ref_out).max()
+    for a, e, what in zip(
+        (grads[0].sinks, *grads[1:]), (ref_grads[0].sinks, *ref_grads[1:]), ("sinks", "dq", "dk", "dv"), strict=True
+    ):
+        a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+        assert np.all(np.abs(a - e) <= 8 * eps * np.abs(e).max() + eps * np.abs(e)), (what, np.abs(a - e).max())
+
+    # the whole layer: one cuDNN call forward (and one backward) for the vmapped batch, sinks trained through it
+    layer = aeqx.MultiheadAttention(
+        4, 256, num_kv_heads=2, **options, dtype=jnp.bfloat16, implementation="cudnn", key=jr.key(0)
+    )
+    x = normal(r, (3, 64, 256), jnp.bfloat16)
+    loss = lambda m: jnp.sum(jax.vmap(m)(x, x, x).astype(F32) ** 2)
+    assert jax.jit(lambda: jax.vmap(layer)(x, x, x)).lower().as_text().count("custom_call @attnlib_cudnn_graph") == 1
+    assert eqx.filter_jit(eqx.filter_grad(loss)).lower(layer).as_text().count("custom_call @attnlib_cudnn_graph") == 2
+    g = eqx.filter_jit(eqx.filter_grad(loss))(layer)
+    assert np.isfinite(np.asarray(g.sinks, np.float32)).all() and np.abs(np.asarray(g.sinks, np.float32)).min() > 0

@@ -528,3 +528,59 @@ def test_bad_mask_names_the_argument():
     f = _transform(ahk.MultiHeadAttention, CONFIGS["default"])
     with pytest.raises(ValueError, match=re.escape("`mask` must be broadcastable to [*B, N, T, S]=(2, 6, 7, 11)")):
         f.init(jr.key(0), q, k, v, jnp.ones((2, 1, T, 5), bool))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GPU: the cuDNN path (skipped without a GPU and attnlib's native extension; ATTNLIB_REQUIRE_GPU=1 makes it fail)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_layer_matches_xla():
+    # bfloat16 heads of width 64, no boolean mask: cuDNN serves causal + window + GQA + learnable sinks. The
+    # reference is the same module with implementation="xla" evaluated in float32 at full matmul precision on the
+    # same (bf16-rounded) parameters and inputs; the comparison is on the attention core's output and the sinks
+    # gradient, read through `DotProductAttention` (tolerances from bf16's eps, as tests/test_cudnn_gpu.py).
+    eps = 2.0**-7
+    r = np.random.default_rng(0)
+    q = normal(r, (3, 64, 4, 64), jnp.bfloat16)
+    k, v = normal(r, (3, 64, 2, 64), jnp.bfloat16), normal(r, (3, 64, 2, 64), jnp.bfloat16)
+    cot = normal(r, q.shape[:-1] + (64,))
+    options = dict(is_causal=True, local_window_size=(16, 0), softmax_type="learnable")
+
+    def make(impl):
+        def f(q, k, v):
+            return ahk.DotProductAttention(**options, implementation=impl)(q, k, v)
+
+        return hk.transform(f)
+
+    params = {"dot_product_attention": {"sinks": normal(r, (4,))}}
+
+    def out_and_grads(f, params, q, k, v):
+        loss = lambda p: jnp.sum(f.apply(p, None, q, k, v).astype(F32) * cot)
+        return f.apply(params, None, q, k, v), jax.grad(loss)(params)
+
+    cudnn = make("cudnn")
+    hlo = jax.jit(jax.vmap(lambda q, k, v: cudnn.apply(params, None, q, k, v))).lower(q, k, v).as_text()
+    assert hlo.count("custom_call @attnlib_cudnn_graph") == 1, "one fused call for the vmapped batch"
+    out, grads = jax.jit(lambda p, q, k, v: out_and_grads(cudnn, p, q, k, v))(params, q, k, v)
+    with jax.default_matmul_precision("highest"):
+        up = lambda x: x.astype(F32)
+        ref_out, ref_grads = jax.jit(lambda p, q, k, v: out_and_grads(make("xla"), p, q, k, v))(
+            params, up(q), up(k), up(v)
+        )
+    out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out)
+    assert np.all(np.abs(out - ref_out) <= 2 * eps + eps * np.abs(ref_out)), np.abs(out - ref_out).max()
+    a = np.asarray(grads["dot_product_attention"]["sinks"])
+    e = np.asarray(ref_grads["dot_product_attention"]["sinks"])
+    assert np.all(np.abs(a - e) <= 8 * eps * np.abs(e).max() + eps * np.abs(e)), np.abs(a - e).max()
+
+    # the projection layer in bf16: one cuDNN call per direction for a batch with leading dims
+    mha = _transform(
+        ahk.MultiHeadAttention, dict(num_heads=4, key_size=64), num_kv_heads=2, **options, implementation="cudnn"
+    )
+    x = normal(r, (3, 64, 256), jnp.bfloat16)
+    mha_params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mha.init(jr.key(0), x, x, x))
+    loss = lambda p: jnp.sum(mha.apply(p, None, x, x, x).astype(F32) ** 2)
+    assert jax.jit(jax.grad(loss)).lower(mha_params).as_text().count("custom_call @attnlib_cudnn_graph") == 2
+    g = jax.jit(jax.grad(loss))(mha_params)["multi_head_attention"]["sinks"]
+    assert np.isfinite(np.asarray(g, np.float32)).all() and np.abs(np.asarray(g, np.float32)).min() > 0

@@ -235,8 +235,7 @@ class MultiheadAttention(eqx.Module):
     def __check_init__(self):
         for name in ("num_heads", "query_size", "key_size", "value_size", "output_size", "qk_size", "vo_size"):
             _common.positive_int(name, getattr(self, name))
-        for name in ("use_query_bias", "use_key_bias", "use_value_bias", "use_output_bias", "is_causal"):
-            _common.flag(name, getattr(self, name))
+        _common.flag("is_causal", self.is_causal)  # (Equinox's own `use_*_bias` flags stay unchecked, as there)
         _common.num_kv_heads(self.num_kv_heads, self.num_heads)
         _common.local_window_size(self.local_window_size)
         _common.softmax_type(self.softmax_type)

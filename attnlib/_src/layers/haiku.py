@@ -130,7 +130,7 @@ class MultiHeadAttention(hk.Module):
         if w_init is None:
             w_init = hk.initializers.VarianceScaling(w_init_scale)
         self.w_init = w_init
-        self.with_bias = _common.flag("with_bias", with_bias)
+        self.with_bias = with_bias
         self.b_init = b_init
 
     def __call__(
