@@ -1,0 +1,779 @@
+"""Context parallelism: attention over a sequence sharded across a mesh axis (`attnlib.context_parallel`).
+
+Called inside `shard_map`, each device holds `T / D` query tokens and `S / D` key/value tokens of every sequence
+(`D` = size of the mesh axis). Two strategies:
+
+- `"all_gather"`: keys/values (and key segment ids) are all-gathered once; each device attends its own queries.
+  Plain autodiff: the transpose of `all_gather` reduce-scatters dK/dV back to their owners.
+- `"ring"`: key/value blocks travel around the ring with `ppermute` (the next transfer is issued before the current
+  step's compute); a `custom_vjp` backward rings again, dK/dV accumulators travelling with their block and going
+  home at the end. The forward saves only local arrays, so memory per device is O(S / D).
+
+How masks become per-step work (the *plan*). Every local token has a global position fixed by the layout
+(contiguous shards, or the load-balanced "dual chunk" order of `reorder`). The causal / window rule is a band on
+`key_position - query_position`; since every layout is made of contiguous *chunks* of global positions, the
+plan uses interval arithmetic on chunks, at trace time, to decide for every (step, device, query chunk, key
+chunk) whether the pair is
+
+- empty: skipped (a ring step that no device needs is skipped altogether, transfers included, so windows cost
+  only the steps they reach);
+- fully visible: one `attnlib.attention` call with no mask;
+- a band that `attnlib.attention` can express natively (`is_causal`, `local_window_size`, `diagonal_alignment`
+  on the sub-block; padding lengths become local prefix lengths): one call with those flags;
+- anything else: one call with a small boolean `mask` `[T_chunk, S_chunk]` built from global positions.
+
+Packed rows (segment ids) always use the boolean-mask form, built from global segment ids and global positions
+(positions inside a segment are global position differences, exactly as in `attnlib.attention` where each
+segment is one contiguous run). Partial results `(out_i, lse_i)` merge exactly through `lse`; sinks enter once,
+in the final merge. Devices whose plan differs (the causal diagonal, load-balanced halves) pick their branch with
+`lax.switch` on `axis_index`.
+"""
+
+import dataclasses
+import functools
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .attention import attention as _attention
+
+
+_STRATEGIES = ("ring", "all_gather")
+
+# Options forwarded unchanged to every per-step `attnlib.attention` call.
+_FORWARDED = ("scale", "logits_soft_cap", "implementation", "deterministic_backward")
+# Options interpreted here.
+_HANDLED = (
+    "is_causal", "query_seq_lengths", "key_value_seq_lengths", "local_window_size", "return_residual",
+    "diagonal_alignment", "q_segment_ids", "kv_segment_ids", "max_segments_per_row", "sinks",
+)  # fmt: skip
+# Options of `attnlib.attention` that context parallelism cannot serve yet (checked for non-default values).
+_UNSUPPORTED = {
+    "bias": "a `bias` would have to be sharded along both sequence axes",
+    "mask": "a dense `mask` would have to be sharded along both sequence axes; use segment ids, lengths, "
+    "`is_causal` or `local_window_size`",
+    "dropout_rate": "dropout masks are indexed by local, not global, positions",
+    "dropout_key": "dropout masks are indexed by local, not global, positions",
+    "cu_seqlens_q": "the THD layout (`cu_seqlens_q`) is not sharded by context parallelism; use segment ids",
+    "cu_seqlens_kv": "the THD layout (`cu_seqlens_kv`) is not sharded by context parallelism; use segment ids",
+    "max_seqlen_q": "the THD layout (`max_seqlen_q`) is not sharded by context parallelism",
+    "max_seqlen_kv": "the THD layout (`max_seqlen_kv`) is not sharded by context parallelism",
+    "page_table": "paged key/value caches (`page_table`) are for decoding, not context parallelism",
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Load-balanced layout
+
+
+def _chunk_order(num_shards: int) -> np.ndarray:
+    """Global chunk index of each load-balanced slot: device r holds chunks r and 2D-1-r."""
+    D = num_shards
+    return np.array([c for r in range(D) for c in (r, 2 * D - 1 - r)], np.int32)
+
+
+def _permute_chunks(x: Any, num_shards: Any, axis: int, name: str, inverse: bool) -> jax.Array:
+    x = jnp.asarray(x)
+    if isinstance(num_shards, bool) or not isinstance(num_shards, numbers.Integral) or num_shards < 1:
+        raise ValueError(f"`num_shards` must be a positive Python int. Got {num_shards!r}.")
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"`axis` must be an int in [-{x.ndim}, {x.ndim}) for `x` of rank {x.ndim}. Got {axis!r}.")
+    ax = axis % x.ndim
+    L = x.shape[ax]
+    D = int(num_shards)
+    if L % (2 * D):
+        raise ValueError(
+            f"`{name}` splits the sequence axis into 2 * num_shards = {2 * D} equal chunks, so its length must be "
+            f"a multiple of {2 * D}. Got x.shape={tuple(x.shape)}, axis={axis}, num_shards={D}."
+        )
+    order = _chunk_order(D)
+    if inverse:
+        order = np.argsort(order).astype(np.int32)
+    chunks = jnp.reshape(x, x.shape[:ax] + (2 * D, L // (2 * D)) + x.shape[ax + 1 :])
+    return jnp.reshape(jnp.take(chunks, order, axis=ax), x.shape)
+
+
+def reorder(x: Any, num_shards: int, axis: int = -3) -> jax.Array:
+    """Global token order -> the load-balanced order that `attention(..., load_balanced=True)` expects.
+
+    The sequence is cut into `2 * num_shards` equal chunks and laid out so that shard `r` (the `r`-th contiguous
+    slice after sharding) holds chunks `r` and `2 * num_shards - 1 - r`: under a causal mask every shard then
+    has the same amount of work. With `num_shards=4` and 16 tokens the order is
+    `[0 1 | 14 15 | 2 3 | 12 13 | 4 5 | 10 11 | 6 7 | 8 9]`.
+
+    Args:
+        x: array whose axis `axis` is the sequence: `[*B, T, N, H]` with `axis=-3` (the default) for queries,
+            keys, values and outputs; `[*B, T]` with `axis=-1` for segment ids.
+        num_shards: the size `D` of the mesh axis the sequence will be sharded over.
+        axis: the sequence axis. Defaults to -3.
+
+    Returns:
+        `x` with its sequence axis permuted (same shape and dtype).
+
+    Raises:
+        ValueError: the sequence length is not a multiple of `2 * num_shards`, or `num_shards` / `axis` is
+            invalid.
+    """
+    return _permute_chunks(x, num_shards, axis, "reorder", inverse=False)
+
+
+def restore(x: Any, num_shards: int, axis: int = -3) -> jax.Array:
+    """The inverse of `reorder`: load-balanced order -> global token order.
+
+    Args:
+        x: array in the load-balanced order along `axis` (e.g. the output of `attention`).
+        num_shards: the `num_shards` given to `reorder`.
+        axis: the sequence axis. Defaults to -3 (`axis=-1` for segment ids and for `lse` `[*B, T, N]` use -2).
+
+    Returns:
+        `x` in global token order.
+
+    Raises:
+        ValueError: the sequence length is not a multiple of `2 * num_shards`, or `num_shards` / `axis` is
+            invalid.
+    """
+    return _permute_chunks(x, num_shards, axis, "restore", inverse=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The static plan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How global positions are laid out over the devices of the mesh axis."""
+
+    num_shards: int
+    local_len: int
+    load_balanced: bool
+
+    def chunks(self, shard: int) -> tuple[tuple[int, int, int], ...]:
+        """`(local_start, global_start, size)` of the contiguous global runs held by `shard`."""
+        D, L = self.num_shards, self.local_len
+        if not self.load_balanced:
+            return ((0, shard * L, L),)
+        C = L // 2
+        return ((0, shard * C, C), (C, (2 * D - 1 - shard) * C, C))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """Key `k` is visible to query `q` when `lo <= k - (q + shift) <= hi` (positions global)."""
+
+    lo: float
+    hi: float
+    shift: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    """One `attnlib.attention` call of a step: local query rows x local key columns.
+
+    `kind` is "full" (no mask), "native" (the flags below), or "mask" (boolean mask from global positions).
+    """
+
+    q_start: int
+    q_size: int
+    k_start: int
+    k_size: int
+    kind: str
+    is_causal: bool = False
+    window: tuple[int, int] | None = None
+    alignment: str = "top_left"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """A task on one device: the global starts of its query runs and of its key columns."""
+
+    task: _Task
+    q_globals: tuple[tuple[int, int], ...]  # (global_start, size) per contiguous query run
+    k_global: int
+
+
+def _native_form(n: int, m: int, d: int, rule: _Rule, allow_bottom_right: bool):
+    """Express the band on a contiguous `n x m` block with `key - query = local_offset + d` natively, or None."""
+    alignments = ("top_left", "bottom_right") if allow_bottom_right else ("top_left",)
+    for alignment in alignments:
+        sh = 0 if alignment == "top_left" else m - n
+        lo, hi = rule.lo - d - sh, rule.hi - d - sh  # band on kk - (qq + sh)
+        min_rel, max_rel = -(n - 1) - sh, (m - 1) - sh
+        left = None if lo <= min_rel else -lo
+        right = None if hi >= max_rel else hi
+        if (left is not None and left < 0) or (right is not None and right < 0):
+            continue
+        big = n + m
+        is_causal = right == 0
+        if left is None and right in (None, 0):
+            window = None
+        else:
+            window = (int(big if left is None else left), int(big if right is None else right))
+        return is_causal, window, alignment
+    return None
+
+
+def _classify(q_run, k_run, rule: _Rule, allow_bottom_right: bool) -> _Placed | None:
+    """The task for one contiguous query run against one contiguous key run, or None when nothing is visible."""
+    ql, qg, n = q_run
+    kl, kg, m = k_run
+    qa = qg + rule.shift  # aligned global start of the queries
+    if kg - (qa + n - 1) > rule.hi or kg + m - 1 - qa < rule.lo:
+        return None
+    # keep only the key columns that some query sees
+    first = max(kg, qa + rule.lo) if math.isfinite(rule.lo) else kg
+    last = min(kg + m - 1, qa + n - 1 + rule.hi) if math.isfinite(rule.hi) else kg + m - 1
+    first, last = int(first), int(last)
+    kl, kg, m = kl + (first - kg), first, last - first + 1
+    min_off, max_off = kg - (qa + n - 1), kg + m - 1 - qa
+    if rule.lo <= min_off and max_off <= rule.hi:
+        task = _Task(ql, n, kl, m, "full")
+    else:
+        native = _native_form(n, m, kg - qa, rule, allow_bottom_right)
+        if native is None:
+            task = _Task(ql, n, kl, m, "mask")
+        else:
+            is_causal, window, alignment = native
+            task = _Task(ql, n, kl, m, "native", is_causal, window, alignment)
+    return _Placed(task, ((qg, n),), kg)
+
+
+def _device_tasks(q_layout, k_layout, shard, block, rule, allow_bottom_right, segments) -> tuple[_Placed, ...]:
+    """Tasks of device `shard` when it holds key/value block `block`."""
+    placed = []
+    k_runs = k_layout.chunks(block)
+    per_k = {k: [] for k in range(len(k_runs))}
+    for q_run in q_layout.chunks(shard):
+        for i, k_run in enumerate(k_runs):
+            p = _classify(q_run, k_run, rule, allow_bottom_right)
+            if p is not None:
+                per_k[i].append(p)
+    q_runs = q_layout.chunks(shard)
+    for i in range(len(k_runs)):
+        ps = per_k[i]
+        # every query chunk sees the same key columns in full: one call with all local queries
+        if (
+            len(q_runs) > 1
+            and len(ps) == len(q_runs)
+            and all(p.task.kind == "full" for p in ps)
+            and len({(p.task.k_start, p.task.k_size) for p in ps}) == 1
+        ):
+            t = ps[0].task
+            task = _Task(0, q_layout.local_len, t.k_start, t.k_size, "full")
+            ps = [_Placed(task, tuple((g, n) for _, g, n in q_runs), ps[0].k_global)]
+        placed.extend(ps)
+    if segments:
+        placed = [
+            dataclasses.replace(p, task=_Task(p.task.q_start, p.task.q_size, p.task.k_start, p.task.k_size, "mask"))
+            for p in placed
+        ]
+    return tuple(placed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepPlan:
+    """The branches of one step and which branch each device takes."""
+
+    branches: tuple[tuple[_Task, ...], ...]
+    branch_of: tuple[int, ...]  # per device
+    q_globals: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]  # per device, per task
+    k_globals: tuple[tuple[int, ...], ...]  # per device, per task
+
+    @property
+    def empty(self) -> bool:
+        return all(len(b) == 0 for b in self.branches)
+
+
+def _step_plan(per_device: Sequence[tuple[_Placed, ...]]) -> _StepPlan:
+    branches: list[tuple[_Task, ...]] = []
+    branch_of = []
+    for placed in per_device:
+        sig = tuple(p.task for p in placed)
+        if sig not in branches:
+            branches.append(sig)
+        branch_of.append(branches.index(sig))
+    return _StepPlan(
+        tuple(branches),
+        tuple(branch_of),
+        tuple(tuple(p.q_globals for p in placed) for placed in per_device),
+        tuple(tuple(p.k_global for p in placed) for placed in per_device),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    steps: tuple[int, ...]  # ring offsets visited (all_gather: (0,))
+    step_plans: tuple[_StepPlan, ...]
+
+
+def _make_plan(strategy, D, q_layout, k_layout, rule, allow_bottom_right, segments) -> _Plan:
+    if strategy == "all_gather":
+        gathered = _Layout(1, k_layout.local_len * D, False)
+        per_device = [
+            _device_tasks(q_layout, gathered, r, 0, rule, allow_bottom_right, segments) for r in range(D)
+        ]
+        return _Plan((0,), (_step_plan(per_device),))
+    steps, plans = [], []
+    for idx in range(D):
+        per_device = [
+            _device_tasks(q_layout, k_layout, r, (r - idx) % D, rule, allow_bottom_right, segments)
+            for r in range(D)
+        ]
+        sp = _step_plan(per_device)
+        if not sp.empty:
+            steps.append(idx)
+            plans.append(sp)
+    return _Plan(tuple(steps), tuple(plans))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """Static options of one call (hashable: a `custom_vjp` non-differentiable argument)."""
+
+    axis_name: Any
+    num_shards: int
+    rule: _Rule
+    forwarded: tuple[tuple[str, Any], ...]
+    plan: _Plan
+
+
+def _merge(o, lse, o_i, lse_i):
+    """Exact merge of two partial softmax results; rows empty in both stay `(0, -inf)`; NaN-free gradients."""
+    m = jnp.maximum(lse, lse_i)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    a = jnp.exp(lse - m_safe)
+    b = jnp.exp(lse_i - m_safe)
+    total = a + b
+    has = total > 0
+    total_safe = jnp.where(has, total, 1.0)
+    o_new = (a[..., None] * o + b[..., None] * o_i) / total_safe[..., None]
+    lse_new = jnp.where(has, m_safe + jnp.log(total_safe), -jnp.inf)
+    return o_new, lse_new
+
+
+def _add_sinks(o, lse, sinks):
+    """The final merge with the sink logit (one extra denominator term with no value)."""
+    s = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :], lse.shape)
+    return _merge(o, lse, jnp.zeros_like(o), s)
+
+
+def _take(table, index):
+    return jnp.asarray(np.asarray(table, np.int32))[index]
+
+
+def _task_call(opts: _Options, task: _Task, qt, kt, vt, aux, q_pos, k_pos):
+    """Run one task: `(out [B, n, N, Hv], lse [B, n, N])` of `attnlib.attention` on the sub-block."""
+    kwargs = dict(opts.forwarded)
+    rule = opts.rule
+    q_len, kv_len = aux.get("q_len"), aux.get("kv_len")
+    if task.kind == "mask":
+        offset = k_pos[None, :] - (q_pos[:, None] + jnp.int32(rule.shift))
+        allowed = jnp.ones(offset.shape, bool)
+        if math.isfinite(rule.lo):
+            allowed &= offset >= jnp.int32(rule.lo)
+        if math.isfinite(rule.hi):
+            allowed &= offset <= jnp.int32(rule.hi)
+        allowed = allowed[None]  # [1, n, m]
+        if q_len is not None:
+            allowed = allowed & (q_pos[None, :] < q_len[:, None])[:, :, None]
+        if kv_len is not None:
+            allowed = allowed & (k_pos[None, :] < kv_len[:, None])[:, None, :]
+        q_seg = aux.get("q_seg")
+        if q_seg is not None:
+            qs = jax.lax.dynamic_slice_in_dim(q_seg, task.q_start, task.q_size, axis=1)
+            ks = jax.lax.dynamic_slice_in_dim(aux["kv_seg"], task.k_start, task.k_size, axis=1)
+            allowed = allowed & ((qs[:, :, None] != 0) & (qs[:, :, None] == ks[:, None, :]))
+        return _attention(qt, kt, vt, mask=allowed[:, None], return_residual=True, **kwargs)
+    if q_len is not None:
+        kwargs["query_seq_lengths"] = jnp.sum(
+            (q_pos[None, :] < q_len[:, None]).astype(jnp.int32), axis=1
+        )
+    if kv_len is not None:
+        kwargs["key_value_seq_lengths"] = jnp.sum(
+            (k_pos[None, :] < kv_len[:, None]).astype(jnp.int32), axis=1
+        )
+    if task.kind == "native":
+        kwargs.update(
+            is_causal=task.is_causal, local_window_size=task.window, diagonal_alignment=task.alignment
+        )
+    return _attention(qt, kt, vt, return_residual=True, **kwargs)
+
+
+def _slices(task, q, k, v):
+    qt = q[:, task.q_start : task.q_start + task.q_size]
+    kt = k[:, task.k_start : task.k_start + task.k_size]
+    vt = v[:, task.k_start : task.k_start + task.k_size]
+    return qt, kt, vt
+
+
+def _task_positions(sp: _StepPlan, b: int, i: int, task: _Task, index):
+    """Global positions of task `i` of branch `b`, for the running device (`index` = its axis index)."""
+    runs = sp.q_globals[sp.branch_of.index(b)][i]
+    # per-device tables; devices on other branches contribute unused zeros
+    q_tables = [
+        sp.q_globals[r][i] if sp.branch_of[r] == b else tuple((0, n) for _, n in runs) for r in range(len(sp.branch_of))
+    ]
+    parts = []
+    for j, (_, n) in enumerate(runs):
+        start = _take([t[j][0] for t in q_tables], index)
+        parts.append(start + jnp.arange(n, dtype=jnp.int32))
+    q_pos = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    k_start = _take([sp.k_globals[r][i] if sp.branch_of[r] == b else 0 for r in range(len(sp.branch_of))], index)
+    k_pos = k_start + jnp.arange(task.k_size, dtype=jnp.int32)
+    return q_pos, k_pos
+
+
+def _step_forward(opts: _Options, sp: _StepPlan, index, q, k, v, aux, o, lse):
+    """Merge this step's partial results into the running `(o, lse)` (float32, local query rows)."""
+
+    def branch(b, q, k, v, aux, o, lse):
+        for i, task in enumerate(sp.branches[b]):
+            q_pos, k_pos = _task_positions(sp, b, i, task, index)
+            o_i, lse_i = _task_call(opts, task, *_slices(task, q, k, v), aux, q_pos, k_pos)
+            rows = slice(task.q_start, task.q_start + task.q_size)
+            o_r, lse_r = _merge(o[:, rows], lse[:, rows], o_i.astype(jnp.float32), lse_i)
+            o = o.at[:, rows].set(o_r)
+            lse = lse.at[:, rows].set(lse_r)
+        return o, lse
+
+    if len(sp.branches) == 1:
+        return branch(0, q, k, v, aux, o, lse)
+    fns = [functools.partial(branch, b) for b in range(len(sp.branches))]
+    return jax.lax.switch(_take(sp.branch_of, index), fns, q, k, v, aux, o, lse)
+
+
+def _step_backward(opts: _Options, sp: _StepPlan, index, q, k, v, aux, O, L, dO, dL, dq, dk, dv):
+    """Add this step's gradient contributions, recomputing each task's `(out_i, lse_i)`.
+
+    With the global `O`, `L` (sinks included), the step's cotangents are `d out_i = w_i dO` and
+    `d lse_i = w_i (dO . (out_i - O) + dL)` with `w_i = exp(lse_i - L)` (0 where `L = -inf`).
+    """
+
+    def branch(b, q, k, v, aux, O, L, dO, dL, dq, dk, dv):
+        for i, task in enumerate(sp.branches[b]):
+            q_pos, k_pos = _task_positions(sp, b, i, task, index)
+            rows = slice(task.q_start, task.q_start + task.q_size)
+            cols = slice(task.k_start, task.k_start + task.k_size)
+            fn = lambda qt, kt, vt: _task_call(opts, task, qt, kt, vt, aux, q_pos, k_pos)  # noqa: B023
+            (o_i, lse_i), vjp = jax.vjp(fn, *_slices(task, q, k, v))
+            L_r = L[:, rows]
+            w = jnp.exp(lse_i - jnp.where(jnp.isfinite(L_r), L_r, 0.0))
+            dO_r = dO[:, rows]
+            d_o = (w[..., None] * dO_r).astype(o_i.dtype)
+            d_lse = w * (jnp.sum(dO_r * (o_i.astype(jnp.float32) - O[:, rows]), axis=-1) + dL[:, rows])
+            dqt, dkt, dvt = vjp((d_o, d_lse))
+            dq = dq.at[:, rows].add(dqt.astype(jnp.float32))
+            dk = dk.at[:, cols].add(dkt.astype(jnp.float32))
+            dv = dv.at[:, cols].add(dvt.astype(jnp.float32))
+        return dq, dk, dv
+
+    operands = (q, k, v, aux, O, L, dO, dL, dq, dk, dv)
+    if len(sp.branches) == 1:
+        return branch(0, *operands)
+    fns = [functools.partial(branch, b) for b in range(len(sp.branches))]
+    return jax.lax.switch(_take(sp.branch_of, index), fns, *operands)
+
+
+def _shift(x, delta: int, opts: _Options):
+    """Send every device's `x` to device `index + delta` (mod D)."""
+    D = opts.num_shards
+    perm = [(i, (i + delta) % D) for i in range(D)]
+    return jax.tree.map(lambda a: jax.lax.ppermute(a, opts.axis_name, perm), x)
+
+
+def _initial_state(q, v):
+    B, T, N, _ = q.shape
+    return jnp.zeros((B, T, N, v.shape[-1]), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
+
+
+def _ring_forward(opts: _Options, q, k, v, sinks, aux):
+    index = jax.lax.axis_index(opts.axis_name)
+    o, lse = _initial_state(q, v)
+    steps = opts.plan.steps
+    block = (k, v, aux.get("kv_seg"))
+    for s, idx in enumerate(steps):
+        nxt = _shift(block, steps[s + 1] - idx, opts) if s + 1 < len(steps) else None  # issued before compute
+        step_aux = {**aux, "kv_seg": block[2]}
+        o, lse = _step_forward(opts, opts.plan.step_plans[s], index, q, block[0], block[1], step_aux, o, lse)
+        block = nxt
+    if sinks is not None:
+        o, lse = _add_sinks(o, lse, sinks)
+    return o, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(opts: _Options, q, k, v, sinks, aux):
+    o, lse = _ring_forward(opts, q, k, v, sinks, aux)
+    return o.astype(q.dtype), lse
+
+
+def _ring_fwd(opts, q, k, v, sinks, aux):
+    o, lse = _ring_forward(opts, q, k, v, sinks, aux)
+    # Residuals are local: this device's queries, key/value block, output and lse (O(S / D) memory).
+    return (o.astype(q.dtype), lse), (q, k, v, sinks, aux, o, lse)
+
+
+def _ring_bwd(opts, residuals, cotangents):
+    q, k, v, sinks, aux, O, L = residuals
+    dO, dL = cotangents
+    dO = dO.astype(jnp.float32)
+    dL = dL.astype(jnp.float32)
+    index = jax.lax.axis_index(opts.axis_name)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    steps = opts.plan.steps
+    block = (k, v, aux.get("kv_seg"))
+    grads = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for s, idx in enumerate(steps):
+        last = s + 1 == len(steps)
+        nxt = None if last else _shift(block, steps[s + 1] - idx, opts)  # issued before compute
+        step_aux = {**aux, "kv_seg": block[2]}
+        dq, dk, dv = _step_backward(
+            opts, opts.plan.step_plans[s], index, q, block[0], block[1], step_aux, O, L, dO, dL, dq, *grads
+        )
+        # dK/dV accumulators travel with their block ...
+        grads = (dk, dv) if last else _shift((dk, dv), steps[s + 1] - idx, opts)
+        block = nxt
+    # ... and go home after the last step (the block held at offset `idx` belongs to device index - idx).
+    if steps and steps[-1] % opts.num_shards:
+        grads = _shift(grads, (opts.num_shards - steps[-1]) % opts.num_shards, opts)
+    d_sinks = None
+    if sinks is not None:
+        s_f = sinks.astype(jnp.float32)[None, None, :]
+        p_sink = jnp.exp(s_f - jnp.where(jnp.isfinite(L), L, jnp.inf))
+        local = jnp.sum(p_sink * (dL - jnp.sum(dO * O, axis=-1)), axis=(0, 1))
+        d_sinks = jax.lax.psum(local, opts.axis_name).astype(sinks.dtype)
+    return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype), d_sinks, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _all_gather(opts: _Options, q, k, v, sinks, aux, load_balanced: bool):
+    D = opts.num_shards
+    gather = lambda x: jax.lax.all_gather(x, opts.axis_name, axis=1, tiled=True)
+    k_all, v_all = gather(k), gather(v)
+    kv_seg = aux.get("kv_seg")
+    kv_seg_all = None if kv_seg is None else gather(kv_seg)
+    if load_balanced:
+        k_all, v_all = restore(k_all, D, axis=1), restore(v_all, D, axis=1)
+        kv_seg_all = None if kv_seg_all is None else restore(kv_seg_all, D, axis=1)
+    index = jax.lax.axis_index(opts.axis_name)
+    o, lse = _initial_state(q, v)
+    o, lse = _step_forward(
+        opts, opts.plan.step_plans[0], index, q, k_all, v_all, {**aux, "kv_seg": kv_seg_all}, o, lse
+    )
+    if sinks is not None:
+        o, lse = _add_sinks(o, lse, sinks)
+    return o.astype(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public entry point
+
+
+def _window(local_window_size: Any) -> tuple[int, int] | None:
+    is_count = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
+    if local_window_size is None:
+        return None
+    if is_count(local_window_size):
+        return int(local_window_size), int(local_window_size)
+    if isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 and all(
+        is_count(x) for x in local_window_size
+    ):
+        return int(local_window_size[0]), int(local_window_size[1])
+    raise ValueError(
+        "`local_window_size` must be a non-negative int or a pair (left, right) of non-negative ints. "
+        f"Got {local_window_size!r}."
+    )
+
+
+def _int_array(name: str, x: Any, shape: tuple[int, ...], meaning: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"`{name}` must have an integer dtype. Got {name}.dtype={x.dtype}.")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"`{name}` must have shape {meaning}={shape}. Got {name}.shape={tuple(x.shape)}.")
+    return x.astype(jnp.int32)
+
+
+def attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    axis_name: Any,
+    strategy: str = "ring",
+    load_balanced: bool = True,
+    **attention_kwargs: Any,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    r"""`attnlib.attention` over a sequence sharded across the mesh axis `axis_name`; call inside `shard_map`.
+
+    Each device holds `T_l = T / D` query tokens and `S_l = S / D` key/value tokens of every sequence (`D` =
+    size of `axis_name`): contiguous shards with `load_balanced=False`, the order of `reorder` with
+    `load_balanced=True`. The result on each device is its rows of `attnlib.attention` on the whole sequence
+    (in the same layout), forward and backward.
+
+    Shapes (local, per device): `B` batch, `T_l` local query length, `S_l` local key/value length, `N` query
+    heads, `K` key/value heads, `H` query/key head dim, `Hv` value head dim.
+
+    Args:
+        query: `[*B, T_l, N, H]`.
+        key: `[*B, S_l, K, H]`.
+        value: `[*B, S_l, K, Hv]`.
+        axis_name: the `shard_map` mesh axis the sequence axis is sharded over.
+        strategy: `"ring"` (key/value blocks circulate with `ppermute`; memory O(S / D) per device, forward and
+            backward) or `"all_gather"` (keys/values gathered once; memory O(S)). Defaults to `"ring"`.
+        load_balanced: the tokens are laid out with `reorder` (device `r` holds chunks `r` and `2D - 1 - r`), so
+            causal work is equal on every device. Needs `T_l` and `S_l` even. Defaults to True.
+        **attention_kwargs: options of `attnlib.attention`, with *global* meaning: `scale`, `is_causal`,
+            `local_window_size`, `diagonal_alignment` (`"bottom_right"` only without lengths or segment ids),
+            `query_seq_lengths` / `key_value_seq_lengths` (int `[*B]`, global valid lengths, replicated),
+            `q_segment_ids` `[*B, T_l]` / `kv_segment_ids` `[*B, S_l]` (global ids, sharded like the tokens),
+            `max_segments_per_row` (accepted; unused since segment steps use a mask), `logits_soft_cap`,
+            `sinks` `[N]` (replicated), `implementation`, `return_residual`, `deterministic_backward`.
+
+    Returns:
+        `out` `[*B, T_l, N, Hv]` in `query.dtype`; with `return_residual=True`, `(out, lse)` with the global
+        float32 `lse` `[*B, T_l, N]` (differentiable).
+
+    Raises:
+        ValueError: a shape or value is invalid (names the argument and shows what was given), or `axis_name` is
+            not a mesh axis bound by `shard_map`.
+        TypeError: an unknown option or a non-integer segment id / length array.
+        NotImplementedError: an option context parallelism cannot serve yet (`bias`, `mask`, dropout, THD
+            `cu_seqlens_*`, `page_table`, `diagonal_alignment="bottom_right"` with lengths or segment ids).
+
+    !!! Example
+        ```python
+        mesh = jax.make_mesh((8,), ("sp",))
+        spec = jax.P(None, "sp")
+        f = jax.shard_map(
+            lambda q, k, v: attnlib.context_parallel.attention(q, k, v, axis_name="sp", is_causal=True),
+            mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+        )
+        out = context_parallel.restore(f(*(context_parallel.reorder(x, 8) for x in (q, k, v))), 8)
+        ```
+    """
+    with jax.named_scope("attnlib.context_parallel.attention"):
+        return _attention_impl(query, key, value, axis_name, strategy, load_balanced, attention_kwargs)
+
+
+def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwargs):
+    for name in kwargs:
+        if name not in _FORWARDED and name not in _HANDLED and name not in _UNSUPPORTED:
+            raise TypeError(f"`attnlib.context_parallel.attention` got an unexpected keyword argument `{name}`.")
+    for name, why in _UNSUPPORTED.items():
+        value_ = kwargs.get(name)
+        if value_ is not None and not (name == "dropout_rate" and value_ == 0):
+            raise NotImplementedError(f"context parallelism does not support `{name}` yet: {why}.")
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {list(_STRATEGIES)}. Got {strategy!r}.")
+    if not isinstance(load_balanced, (bool, np.bool_)):
+        raise TypeError(f"`load_balanced` must be a Python bool. Got {load_balanced!r}.")
+    is_causal = kwargs.get("is_causal", False)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"`is_causal` must be a Python bool. Got {is_causal!r}.")
+    return_residual = bool(kwargs.get("return_residual", False))
+    try:
+        D = jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"`axis_name` must name a mesh axis bound by the enclosing `shard_map`. Got axis_name={axis_name!r}."
+        ) from None
+
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
+        raise ValueError(
+            "`query`, `key` and `value` must be `[*B, T_l, N, H]`, `[*B, S_l, K, H]`, `[*B, S_l, K, Hv]` with the "
+            f"same rank >= 3. Got query.shape={query.shape}, key.shape={key.shape}, value.shape={value.shape}."
+        )
+    batch_shape = query.shape[:-3]
+    if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape or key.shape[-3] != value.shape[-3]:
+        raise ValueError(
+            "`query`, `key` and `value` must share the batch dims and `key`, `value` the sequence length. "
+            f"Got query.shape={query.shape}, key.shape={key.shape}, value.shape={value.shape}."
+        )
+    T_l, S_l = query.shape[-3], key.shape[-3]
+    if load_balanced and (T_l % 2 or S_l % 2):
+        raise ValueError(
+            "With `load_balanced=True` each device holds two equal chunks, so the local query and key lengths "
+            f"must be even. Got query.shape={query.shape}, key.shape={key.shape} (local)."
+        )
+    T, S = T_l * D, S_l * D
+    B = math.prod(batch_shape)
+    flat = lambda x: jnp.reshape(x, (B,) + x.shape[len(batch_shape) :])
+
+    # Non-differentiable per-call arrays: `q_seg [B, T_l]`, `kv_seg [B, S_l]`, `q_len [B]`, `kv_len [B]`.
+    aux: dict[str, jax.Array] = {}
+    for name, meaning in (("query_seq_lengths", "q_len"), ("key_value_seq_lengths", "kv_len")):
+        if kwargs.get(name) is not None:
+            aux[meaning] = jnp.reshape(_int_array(name, kwargs[name], batch_shape, "[*B]"), (B,))
+    q_seg = kwargs.get("q_segment_ids")
+    kv_seg = kwargs.get("kv_segment_ids")
+    if kv_seg is not None and q_seg is None:
+        raise ValueError("`kv_segment_ids` requires `q_segment_ids`. Got q_segment_ids=None.")
+    if q_seg is not None:
+        aux["q_seg"] = flat(_int_array("q_segment_ids", q_seg, batch_shape + (T_l,), "[*B, T_l]"))
+        if kv_seg is None:
+            if T_l != S_l:
+                raise ValueError(
+                    "Without `kv_segment_ids`, keys reuse `q_segment_ids`, so S must equal T. "
+                    f"Got T_l={T_l}, S_l={S_l} (local)."
+                )
+            aux["kv_seg"] = aux["q_seg"]
+        else:
+            aux["kv_seg"] = flat(_int_array("kv_segment_ids", kv_seg, batch_shape + (S_l,), "[*B, S_l]"))
+    sinks = kwargs.get("sinks")
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if sinks.shape != (query.shape[-2],):
+            raise ValueError(
+                f"`sinks` must have shape [N]=({query.shape[-2]},). Got sinks.shape={tuple(sinks.shape)}."
+            )
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise TypeError(f"`sinks` must have a floating dtype. Got sinks.dtype={sinks.dtype}.")
+
+    alignment = kwargs.get("diagonal_alignment", "top_left")
+    if alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"`diagonal_alignment` must be 'top_left' or 'bottom_right'. Got {alignment!r}.")
+    dynamic_rows = q_seg is not None or "q_len" in aux or "kv_len" in aux
+    if alignment == "bottom_right" and dynamic_rows and (is_causal or kwargs.get("local_window_size") is not None):
+        raise NotImplementedError(
+            'context parallelism does not support `diagonal_alignment="bottom_right"` together with '
+            "`query_seq_lengths`, `key_value_seq_lengths` or segment ids yet: the diagonal would depend on "
+            "per-sequence lengths across shards."
+        )
+    window = _window(kwargs.get("local_window_size"))
+    lo = -window[0] if window is not None else -math.inf
+    hi = window[1] if window is not None else math.inf
+    if is_causal:
+        hi = min(hi, 0)
+    rule = _Rule(lo, hi, (S - T) if alignment == "bottom_right" else 0)
+
+    q_layout = _Layout(D, T_l, bool(load_balanced))
+    k_layout = _Layout(D, S_l, bool(load_balanced))
+    plan = _make_plan(
+        strategy, D, q_layout, k_layout, rule, allow_bottom_right=not dynamic_rows, segments=q_seg is not None
+    )
+    forwarded = tuple((name, kwargs[name]) for name in _FORWARDED if kwargs.get(name) is not None)
+    if "implementation" in dict(forwarded) and not isinstance(dict(forwarded)["implementation"], str):
+        forwarded = tuple((n, tuple(x) if n == "implementation" else x) for n, x in forwarded)
+    opts = _Options(axis_name, D, rule, forwarded, plan)
+
+    q, k, v = flat(query), flat(key), flat(value)
+    if strategy == "ring":
+        out, lse = _ring(opts, q, k, v, sinks, aux)
+    else:
+        out, lse = _all_gather(opts, q, k, v, sinks, aux, bool(load_balanced))
+    out = jnp.reshape(out, batch_shape + out.shape[1:])
+    if return_residual:
+        return out, jnp.reshape(lse, batch_shape + lse.shape[1:])
+    return out
