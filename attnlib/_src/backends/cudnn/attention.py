@@ -40,9 +40,14 @@ def get_entry(spec: GraphSpec) -> GraphEntry:
     return entry
 
 
-def ffi_graph_call(spec: GraphSpec, entry: GraphEntry, *operands: jax.Array) -> tuple[jax.Array, ...]:
-    """Run a built graph on `operands` (in `spec.in_uids()` order); returns the outputs in `spec.out_uids()` order."""
-    results = [jax.ShapeDtypeStruct(*spec.shape(uid)) for uid in spec.out_uids()]
+def ffi_graph_call(
+    spec: GraphSpec, entry: GraphEntry, *operands: jax.Array, tokens: tuple[int, int] | None = None
+) -> tuple[jax.Array, ...]:
+    """Run a built graph on `operands` (in `spec.in_uids()` order); returns the outputs in `spec.out_uids()` order.
+
+    `tokens` is the packed `(Tq, Tkv)` of a ragged graph's call (its results' leading dims).
+    """
+    results = [jax.ShapeDtypeStruct(*spec.shape(uid, tokens)) for uid in spec.out_uids()]
     results.append(jax.ShapeDtypeStruct((max(entry.workspace_bytes, 1),), jnp.uint8))
     call = jax.ffi.ffi_call(ffi.TARGET, results, vmap_method="sequential")
     outs = call(
@@ -311,11 +316,21 @@ def _bias_rank4(bias: jax.Array, batch_shape: tuple[int, ...], n: int, t: int, s
     return jnp.broadcast_to(x, (x.shape[0], heads, t, s)).astype(dtype)
 
 
-def attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
-    """`(out [*B, T, N, Hv], lse float32 [*B, T, N])` computed by cuDNN graphs."""
+def attention(
+    config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
+) -> tuple[jax.Array, jax.Array]:
+    """`(out [*B, T, N, Hv], lse float32 [*B, T, N])` computed by cuDNN graphs.
+
+    `explicit` (paged layouts only): the caller named cuDNN alone, so asking for a gradient raises instead of
+    differentiating the `xla` path.
+    """
     reason = support.decline_reason(config)
     if reason is not None:
         raise NotImplementedError(reason)
+    if config.layout != "dense" or config.has_segments:
+        from . import varlen
+
+        return varlen.attention(config, inputs, explicit=explicit)
     batch_shape = () if config.unbatched else config.batch_shape
     B, T, S, N = config.batch_size, config.q_len, config.kv_len, config.num_q_heads
     dtype = inputs.query.dtype

@@ -15,6 +15,14 @@ through the `in_uids`/`out_uids` attributes. Memory layouts are JAX's row-major 
 | dropout seed, offset | int32 `[1]` | `[1, 1, 1, 1]` |
 | sinks | float32 `[N]` | `[1, N, 1, 1]` |
 
+Ragged (THD) graphs (`GraphSpec.ragged`) bind packed token arrays instead: Q/dQ `[Tq, N, H]`, K/dK `[Tkv, K, H]`,
+V/dV `[Tkv, K, Hv]`, O/dO `[Tq, N, Hv]`, described to cuDNN as `[b, heads, t|s, dim]` (b = the bucketed sequence
+count, t/s = the bucketed per-sequence bound) with a ragged offset tensor each (INT64 `[b + 1]`, counted in elements,
+bound to int32 `[b + 1, 2]` little-endian (low, high) pairs because JAX runs without 64-bit integers). Stats stay
+padded `[b, N, t]` (the layout cuDNN 9.19's backward reads). Paged graphs (`GraphSpec.pages`) bind the key/value pools
+`[P, page_size, K, H|Hv]` as cuDNN containers `[P, K, page_size, H|Hv]` and the page table int32 `[b, pages_per_seq]`
+as `[b, 1, pages_per_seq, 1]` for keys and values.
+
 The plan is always a cuDNN *backend* plan (a Python-engine plan serializes to a blob C++ cannot read), and the blob
 is canonicalized (its process-global graph id zeroed) so equal specs give equal bytes in every process.
 """
@@ -50,9 +58,20 @@ class Uid(enum.IntEnum):
     DBIAS = 11
     SEQ_Q = 12
     SEQ_KV = 13
+    OFF_Q = 14
+    OFF_K = 15
+    OFF_V = 16
+    OFF_O = 17
+    PT_K = 19
+    PT_V = 20
     SEED = 21
     OFFSET = 22
     SINK = 23
+
+
+RAGGED_OFFSETS = {Uid.Q: Uid.OFF_Q, Uid.DQ: Uid.OFF_Q, Uid.K: Uid.OFF_K, Uid.DK: Uid.OFF_K, Uid.V: Uid.OFF_V,
+                  Uid.DV: Uid.OFF_V, Uid.O: Uid.OFF_O, Uid.DO: Uid.OFF_O}
+"""The ragged offset tensor of each packed tensor (gradients share their primal's offsets)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +91,13 @@ class GraphSpec:
         dropout: dropout probability (0 = off).
         sinks: per-head sink logits are an input.
         deterministic: deterministic backward algorithm.
+        ragged: THD layout: Q, K, V, O (and dO, dQ, dK, dV) are packed tokens with ragged element offsets; `b` is
+            the (bucketed) sequence count and `t`/`s` the (bucketed) bound of one sequence's length. Needs
+            `padding`.
+        t_total, s_total: ragged backward: token capacities given to cuDNN as `max_total_seq_len_q/kv` (0 = unset).
+        pages: paged KV: `(num_pages, page_size, pages_per_seq)` of the pools and page table (forward only;
+            `s = pages_per_seq * page_size`); empty = not paged.
+        stats: the forward writes Stats (lse); False only for paged inference without `return_residual`.
     """
 
     direction: Literal["fwd", "bwd"]
@@ -93,15 +119,25 @@ class GraphSpec:
     dropout: float = 0.0
     sinks: bool = False
     deterministic: bool = False
+    ragged: bool = False
+    t_total: int = 0
+    s_total: int = 0
+    pages: tuple[int, ...] = ()
+    stats: bool = True
 
     @property
     def label(self) -> str:
-        return f"sdpa_{self.direction}_b{self.b}_t{self.t}_s{self.s}_n{self.n}_k{self.k}_h{self.h}_hv{self.hv}"
+        kind = "thd_" if self.ragged else "paged_" if self.pages else ""
+        return f"sdpa_{kind}{self.direction}_b{self.b}_t{self.t}_s{self.s}_n{self.n}_k{self.k}_h{self.h}_hv{self.hv}"
 
     def in_uids(self) -> tuple[Uid, ...]:
         uids = [Uid.Q, Uid.K, Uid.V]
         if self.direction == "bwd":
             uids += [Uid.O, Uid.DO, Uid.STATS]
+        if self.ragged:
+            uids += [Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O]
+        if self.pages:
+            uids += [Uid.PT_K, Uid.PT_V]
         if self.bias_b:
             uids.append(Uid.BIAS)
         if self.padding:
@@ -114,17 +150,42 @@ class GraphSpec:
 
     def out_uids(self) -> tuple[Uid, ...]:
         if self.direction == "fwd":
-            return (Uid.O, Uid.STATS)
+            return (Uid.O, Uid.STATS) if self.stats else (Uid.O,)
         return (Uid.DQ, Uid.DK, Uid.DV) + ((Uid.DBIAS,) if self.bias_b else ())
 
     def zero_fill(self) -> tuple[int, ...]:
-        """Results cuDNN may leave partly unwritten: dBias with padding (entries past the lengths)."""
+        """Results cuDNN may leave partly unwritten: dBias with padding (entries past the lengths), and every packed
+        result of a ragged graph (rows outside every sequence are never written)."""
         outs = self.out_uids()
-        return tuple(i for i, u in enumerate(outs) if u == Uid.DBIAS and self.padding)
+        ragged = {Uid.O, Uid.DQ, Uid.DK, Uid.DV} if self.ragged else set()
+        return tuple(i for i, u in enumerate(outs) if (u == Uid.DBIAS and self.padding) or u in ragged)
 
-    def shape(self, uid: Uid) -> tuple[tuple[int, ...], str]:
-        """JAX shape and dtype of the array bound to `uid`."""
+    def shape(self, uid: Uid, tokens: tuple[int, int] | None = None) -> tuple[tuple[int, ...], str]:
+        """JAX shape and dtype of the array bound to `uid`.
+
+        Args:
+            uid: the tensor.
+            tokens: ragged graphs: the packed `(Tq, Tkv)` token counts of this call (the graph does not fix them).
+        """
         b, t, s, n, k, h, hv = self.b, self.t, self.s, self.n, self.k, self.h, self.hv
+        if self.ragged:
+            if tokens is None:
+                raise ValueError("ragged graphs need the packed token counts to shape their arrays")
+            tq, tkv = tokens
+            packed = {Uid.Q: (tq, n, h), Uid.DQ: (tq, n, h), Uid.K: (tkv, k, h), Uid.DK: (tkv, k, h),
+                      Uid.V: (tkv, k, hv), Uid.DV: (tkv, k, hv), Uid.O: (tq, n, hv), Uid.DO: (tq, n, hv)}
+            if uid in packed:
+                return packed[uid], self.dtype
+            if uid in (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O):
+                return (b + 1, 2), "int32"
+        if self.pages:
+            num_pages, page_size, pages_per_seq = self.pages
+            if uid == Uid.K:
+                return (num_pages, page_size, k, h), self.dtype
+            if uid == Uid.V:
+                return (num_pages, page_size, k, hv), self.dtype
+            if uid in (Uid.PT_K, Uid.PT_V):
+                return (b, pages_per_seq), "int32"
         return {
             Uid.Q: ((b, t, n, h), self.dtype),
             Uid.DQ: ((b, t, n, h), self.dtype),
@@ -152,6 +213,10 @@ def _layout(uid: Uid, spec: GraphSpec) -> tuple[list[int], list[int]]:
     def bthd(rows: int, heads: int, dim: int) -> tuple[list[int], list[int]]:
         return [b, heads, rows, dim], [rows * heads * dim, dim, heads * dim, 1]
 
+    if spec.pages and uid in (Uid.K, Uid.V):
+        num_pages, page_size, _ = spec.pages
+        dim = h if uid == Uid.K else hv
+        return [num_pages, k, page_size, dim], [page_size * k * dim, dim, k * dim, 1]
     if uid in (Uid.Q, Uid.DQ):
         return bthd(t, n, h)
     if uid in (Uid.K, Uid.DK):
@@ -170,6 +235,11 @@ def _layout(uid: Uid, spec: GraphSpec) -> tuple[list[int], list[int]]:
         return [1, 1, 1, 1], [1, 1, 1, 1]
     if uid == Uid.SINK:
         return [1, n, 1, 1], [n, 1, 1, 1]
+    if uid in (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O):
+        return [b + 1, 1, 1, 1], [1, 1, 1, 1]
+    if uid in (Uid.PT_K, Uid.PT_V):
+        pages_per_seq = spec.pages[2]
+        return [b, 1, pages_per_seq, 1], [pages_per_seq, pages_per_seq, 1, 1]
     raise ValueError(f"no layout for uid {uid!r}")
 
 
@@ -210,7 +280,17 @@ def _data_type(cudnn: Any, name: str) -> Any:
         "bfloat16": cudnn.data_type.BFLOAT16,
         "float32": cudnn.data_type.FLOAT,
         "int32": cudnn.data_type.INT32,
+        "int64": cudnn.data_type.INT64,
     }[name]
+
+
+def graph_data_type(uid: Uid, spec: GraphSpec) -> str:
+    """The cuDNN data type name of `uid` (ragged offsets are INT64 bound to int32 pairs)."""
+    if uid in (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O):
+        return "int64"
+    if spec.ragged:
+        return spec.shape(uid, (1, 1))[1]
+    return spec.shape(uid)[1]
 
 
 def build(spec: GraphSpec) -> GraphEntry:
@@ -233,10 +313,16 @@ def build(spec: GraphSpec) -> GraphEntry:
         handle=_handle(),
     )
     tensors = {}
-    for uid in spec.in_uids():
+    uids = spec.in_uids()
+    # Offsets first: the packed tensors refer to them.
+    for uid in sorted(uids, key=lambda u: u not in RAGGED_OFFSETS.values()):
         dim, stride = _layout(uid, spec)
+        extra = {}
+        if spec.ragged and uid in RAGGED_OFFSETS:
+            extra["ragged_offset"] = tensors[RAGGED_OFFSETS[uid]]
         tensors[uid] = graph.tensor(
-            dim=dim, stride=stride, data_type=_data_type(cudnn, spec.shape(uid)[1]), uid=int(uid), name=uid.name
+            dim=dim, stride=stride, data_type=_data_type(cudnn, graph_data_type(uid, spec)), uid=int(uid),
+            name=uid.name, **extra,
         )
 
     options: dict[str, Any] = {"attn_scale": float(spec.scale)}
@@ -256,18 +342,31 @@ def build(spec: GraphSpec) -> GraphEntry:
         options["dropout"] = (float(spec.dropout), tensors[Uid.SEED], tensors[Uid.OFFSET])
     if spec.sinks:
         options["sink_token"] = tensors[Uid.SINK]
+    if spec.pages:
+        options.update(
+            paged_attention_k_table=tensors[Uid.PT_K],
+            paged_attention_v_table=tensors[Uid.PT_V],
+            paged_attention_max_seq_len_kv=int(spec.s),
+        )
+    if spec.ragged and spec.direction == "bwd" and spec.t_total:
+        options.update(max_total_seq_len_q=int(spec.t_total), max_total_seq_len_kv=int(spec.s_total))
 
     def set_output(t: Any, uid: Uid) -> None:
         dim, stride = _layout(uid, spec)
         t.set_output(True).set_dim(dim).set_stride(stride).set_uid(int(uid)).set_data_type(
-            _data_type(cudnn, spec.shape(uid)[1])
+            _data_type(cudnn, graph_data_type(uid, spec))
         )
+        if spec.ragged and uid in RAGGED_OFFSETS:
+            t.set_ragged_offset(tensors[RAGGED_OFFSETS[uid]])
 
     try:
         if spec.direction == "fwd":
-            o, stats = graph.sdpa(tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], generate_stats=True, name="sdpa", **options)
+            o, stats = graph.sdpa(
+                tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], generate_stats=spec.stats, name="sdpa", **options
+            )
             set_output(o, Uid.O)
-            set_output(stats, Uid.STATS)
+            if spec.stats:
+                set_output(stats, Uid.STATS)
         else:
             if spec.bias_b:
                 dim, stride = _layout(Uid.DBIAS, spec)

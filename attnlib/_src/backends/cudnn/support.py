@@ -97,6 +97,84 @@ def effective_right(config: AttentionConfig) -> int | None:
     return right
 
 
+MAX_OFFSET = 2**31
+"""Ragged offsets are computed in int32 (JAX runs without 64-bit integers): element offsets must stay below this."""
+
+
+def is_ragged(config: AttentionConfig) -> bool:
+    """THD, or packed rows (segment ids) mapped to THD."""
+    return config.layout == "thd" or (config.layout == "dense" and config.has_segments)
+
+
+def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_version: int) -> str | None:
+    """The limits specific to THD, packed rows and paged caches (None for a plain dense call)."""
+    sm = f"sm_{capability[0]}{capability[1]}"
+    left = None if config.window is None else config.window[0]
+    right = effective_right(config)
+    masked = left is not None or right is not None
+    if config.layout == "paged":
+        if config.page_size is None or config.pages_per_seq is None or config.num_pages is None:
+            return "cudnn: a paged call needs `page_table` geometry (page size, pages per sequence, pool size)."
+        if not config.has_kv_lengths:
+            return "cudnn: `page_table` needs `key_value_seq_lengths` (cuDNN's paged attention uses a padding mask)."
+        if cudnn_version < 90500:
+            return f"cudnn: paged key/value caches need cuDNN 9.5 or newer; found {version_string(cudnn_version)}."
+        if max(config.head_dim, config.value_head_dim) > 128 and cudnn_version < 91000:
+            return "cudnn: paged key/value caches with head dims above 128 need cuDNN 9.10 or newer."
+        if config.has_bias:
+            return "cudnn: a `bias` with a paged key/value cache (`page_table`) is not supported."
+        if config.dropout_rate > 0:
+            return "cudnn: dropout with a paged key/value cache (`page_table`) is not supported (inference only)."
+        if config.has_sinks:
+            return (
+                "cudnn: `sinks` with a paged key/value cache (`page_table`) are not supported (cuDNN rejects sinks "
+                "for single-query decode, and attnlib does not wire them for paged prefill)."
+            )
+        if config.q_len > config.kv_len:
+            return (
+                f"cudnn: a paged call needs T <= pages_per_seq * page_size (cuDNN's max query length <= max key "
+                f"length); got T={config.q_len}, pages_per_seq * page_size={config.kv_len}."
+            )
+        return None
+    if not is_ragged(config):
+        return None
+    what = "THD (`cu_seqlens_q`)" if config.layout == "thd" else "packed rows (`q_segment_ids`/`kv_segment_ids`)"
+    if config.layout == "thd" and config.num_sequences is None:
+        return "cudnn: a THD call needs `cu_seqlens_q` (the number of sequences is unknown)."
+    if config.layout == "dense" and config.max_segments_per_row is None:
+        return (
+            "cudnn: packed rows (`q_segment_ids`/`kv_segment_ids`) need `max_segments_per_row`, the static bound "
+            "on segments per row that sizes cuDNN's ragged batch."
+        )
+    if cudnn_version < 90600:
+        return f"cudnn: {what} needs cuDNN 9.6 or newer (64-bit ragged offsets, GQA backward); found " + (
+            f"{version_string(cudnn_version)}."
+        )
+    if capability < (9, 0) and cudnn_version < 91801:
+        return f"cudnn: {what} needs compute capability 9.0 or newer before cuDNN 9.18.1; the GPU is {sm}."
+    if config.has_bias:
+        return f"cudnn: a `bias` with {what} is not supported."
+    if config.diagonal_alignment == "bottom_right" and masked:
+        if right is None or right > 0:
+            return (
+                f"cudnn: `diagonal_alignment='bottom_right'` with {what} needs causal masking or a window with "
+                f"right <= 0 (queries that see no key are then sliced off per sequence); got window={config.window}."
+            )
+        if config.dropout_rate > 0:
+            return "cudnn: `diagonal_alignment='bottom_right'` with dropout is not supported by cuDNN."
+    if config.deterministic_backward and capability[0] in (8, 12):
+        return f"cudnn: `deterministic_backward` with {what} is not supported on {sm}."
+    width = max(config.head_dim, config.value_head_dim)
+    q_tokens = config.q_len * config.batch_size
+    kv_tokens = config.kv_len * config.batch_size
+    if q_tokens * config.num_q_heads * width >= MAX_OFFSET or kv_tokens * config.num_kv_heads * width >= MAX_OFFSET:
+        return (
+            f"cudnn: {what} with more than 2**31 elements per packed tensor is not supported (attnlib computes "
+            f"ragged offsets in int32); got {q_tokens} query and {kv_tokens} key tokens."
+        )
+    return None
+
+
 def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_version: int) -> str | None:
     """Why cuDNN cannot serve `config` on a GPU of `capability` with cuDNN `cudnn_version`, or None if it can."""
     T, S, H, Hv = config.q_len, config.kv_len, config.head_dim, config.value_head_dim
@@ -104,12 +182,9 @@ def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_ve
     bottom_right = _bottom_right(config)
     sm = f"sm_{capability[0]}{capability[1]}"
 
-    if config.layout == "thd":
-        return "cudnn: THD layouts (`cu_seqlens_q`/`cu_seqlens_kv`) are not supported yet; only dense `[*B, T, N, H]`."
-    if config.layout == "paged":
-        return "cudnn: paged key/value caches (`page_table`) are not supported yet; only dense `[*B, S, K, H]`."
-    if config.has_segments:
-        return "cudnn: packed rows (`q_segment_ids`/`kv_segment_ids`) are not supported yet."
+    layout_reason = _layout_reason(config, capability, cudnn_version)
+    if layout_reason is not None:
+        return layout_reason
     if config.has_mask:
         return (
             "cudnn: a boolean `mask` is not supported; express padding with `query_seq_lengths`/"
@@ -144,13 +219,16 @@ def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_ve
             return f"cudnn: H != Hv (MLA) needs compute capability 9.0 or newer; the GPU is {sm}."
         if H > 128:
             return f"cudnn: head dims above 128 need compute capability 9.0 or newer; got H={H} on {sm}."
+    if config.has_sinks and cudnn_version < 91300:
+        return f"cudnn: `sinks` need cuDNN 9.13 or newer; found {version_string(cudnn_version)}."
+    if is_ragged(config) or config.layout == "paged":
+        # Graph dims are bucketed (ragged) or fixed by the pools (paged): the dense T/S limits below do not apply;
+        # `_layout_reason` checked what does.
+        return None
     if T == 1 and S == 1:
         return "cudnn: T = S = 1 is not supported by cuDNN's backward."
-    if config.has_sinks:
-        if cudnn_version < 91300:
-            return f"cudnn: `sinks` need cuDNN 9.13 or newer; found {version_string(cudnn_version)}."
-        if T == 1:
-            return "cudnn: `sinks` with a single query (T = 1) are not supported by cuDNN."
+    if config.has_sinks and T == 1:
+        return "cudnn: `sinks` with a single query (T = 1) are not supported by cuDNN."
     if bottom_right:
         if T > S:
             if padded:
@@ -182,8 +260,6 @@ def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_ve
 
 def decline_reason(config: AttentionConfig) -> str | None:
     """Why the cuDNN implementation cannot serve `config` in this process, or None if it can."""
-    if config.layout != "dense":
-        return policy_reason(config, (9, 0), 91900)
     reason = ffi.unavailable_reason()
     if reason is not None:
         return f"cudnn: {reason}"

@@ -1,0 +1,407 @@
+"""cuDNN attention for THD (`cu_seqlens_*`), packed rows (`*_segment_ids`) and paged key/value caches.
+
+THD and packed rows run cuDNN's ragged graphs (`ragged.py` builds the sequence metadata on device): forward and
+backward, with graph dims bucketed so that changing lengths reuse a few graphs. Rows cuDNN does not own (past
+`cu_seqlens_q[-1]`, segment id 0, rows that see no key, rows cuDNN leaves unwritten) are exactly 0 in the output and
+the gradients and get `lse = -inf` (the sink logit with `sinks`).
+
+Sinks and the ragged backward: cuDNN needs 9.26 for a ragged backward with a sink token. attnlib does not need it:
+the forward's Stats already include the sink in the softmax denominator, so a backward graph *without* the sink,
+fed those Stats, recomputes exactly the probabilities of the forward (`p = exp(s - lse)`), and `dS = p (dP - D)` with
+`D = rowsum(dO * O)` is the sink softmax's gradient because the sink carries no value. The sink's own gradient,
+`-sum_i p_sink,i * rowsum(dO_i * O_i)`, is computed in JAX.
+
+Paged caches run cuDNN's paged forward (decode and chunked prefill). cuDNN has no paged backward, so:
+- `implementation="cudnn"` (named alone) raises `NotImplementedError` from the backward rule when a gradient is
+  taken;
+- `implementation=None` (cuDNN picked automatically) runs the forward on cuDNN and differentiates the `xla` path in
+  the backward rule (it recomputes the attention in plain JAX), so `jax.grad` works as on every other path.
+A backward rule is the only place that knows a gradient was asked for; dispatch cannot know it when it picks.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ... import dropout as dropout_lib
+from ...config import AttentionConfig, AttentionInputs
+from .. import xla as xla_backend
+from . import attention as dense, ragged, support
+from .graphs import GraphSpec, Uid
+
+
+def _call(spec: GraphSpec, operands: list[jax.Array], tokens: tuple[int, int] | None) -> tuple[jax.Array, ...]:
+    """Run the graph of `spec` (built or fetched from the cache) on `operands`, in `spec.in_uids()` order."""
+    return dense.ffi_graph_call(spec, dense.get_entry(spec), *operands, tokens=tokens)
+
+
+def _graph_outputs(spec: GraphSpec, values: dict[Uid, Any], tokens: tuple[int, int] | None) -> tuple[jax.Array, ...]:
+    return _call(spec, [values[uid] for uid in spec.in_uids()], tokens)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# THD and packed rows
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedPlan:
+    """Static description of one ragged problem.
+
+    Attributes:
+        fwd, bwd: the graph specs (bucketed dims).
+        tokens: packed `(Tq, Tkv)`.
+        left, right: visible key offsets around a query's aligned diagonal (None = unbounded).
+        bottom_right: bottom-right diagonal per sequence.
+        config: the call's configuration (for the reference that differentiates `lse`).
+    """
+
+    fwd: GraphSpec
+    bwd: GraphSpec
+    tokens: tuple[int, int]
+    left: int | None
+    right: int | None
+    bottom_right: bool
+    config: AttentionConfig
+
+
+def _offsets(spec: GraphSpec, batch: ragged.RaggedBatch) -> dict[Uid, jax.Array]:
+    return {
+        Uid.OFF_Q: ragged.element_offsets(batch.off_q, spec.n, spec.h),
+        Uid.OFF_K: ragged.element_offsets(batch.off_kv, spec.k, spec.h),
+        Uid.OFF_V: ragged.element_offsets(batch.off_kv, spec.k, spec.hv),
+        Uid.OFF_O: ragged.element_offsets(batch.off_q, spec.n, spec.hv),
+    }
+
+
+def _seeds(seeds: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+    return (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
+
+
+def _token_rows(plan: RaggedPlan, batch: ragged.RaggedBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(rows valid `[Bc, t]`, query tokens valid `[Tq]`, flat index of each token's stats row)."""
+    t = plan.fwd.t
+    valid_rows = ragged.rows_valid(
+        batch.seq_q, batch.seq_kv, t, left=plan.left, right=plan.right, bottom_right=plan.bottom_right
+    )
+    seq = jnp.clip(batch.tok_seq, 0, plan.fwd.b - 1)
+    pos = jnp.clip(batch.tok_pos, 0, t - 1)
+    inside = (batch.tok_seq >= 0) & (batch.tok_pos >= 0) & (batch.tok_pos < t)
+    tok_valid = inside & valid_rows[seq, pos] & ~batch.q_nan
+    return valid_rows, tok_valid, seq * t + pos
+
+
+def _empty_lse(shape: tuple[int, ...], sinks: jax.Array | None) -> jax.Array:
+    if sinks is None:
+        return jnp.full(shape, -jnp.inf, jnp.float32)
+    return jnp.broadcast_to(sinks.astype(jnp.float32), shape)
+
+
+def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
+    spec = plan.fwd
+    seed, offset = _seeds(seeds)
+    values = {
+        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.SEQ_Q: batch.seq_q, Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed,
+        Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
+    }  # fmt: skip
+    out, stats = _graph_outputs(spec, values, plan.tokens)
+    valid_rows, tok_valid, index = _token_rows(plan, batch)
+    # Rows that see no key: finite stats make the backward's probabilities exactly zero there.
+    stats = jnp.where(valid_rows[:, None, :], stats, 0.0)
+    out = jnp.where(tok_valid[:, None, None], out, jnp.zeros((), out.dtype))
+    flat = jnp.reshape(jnp.transpose(stats, (0, 2, 1)), (-1, spec.n))  # [Bc * t, N]
+    lse = jnp.where(tok_valid[:, None], jnp.take(flat, index, axis=0), _empty_lse((plan.tokens[0], spec.n), sinks))
+    return out, lse, stats, tok_valid
+
+
+def _nan_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+    shape = (rows.shape[0],) + (1,) * (x.ndim - 1)
+    return jnp.where(jnp.reshape(rows, shape), jnp.full((), jnp.nan, x.dtype), x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged_sdpa(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference):
+    out, lse, _, _ = _ragged_forward(plan, q, k, v, sinks, seeds, batch)
+    return _nan_rows(out, batch.q_nan), _nan_rows(lse, batch.q_nan)
+
+
+def _unwrap(tree):
+    is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+    return jax.tree.map(lambda x: x.value if is_primal(x) else x, tree, is_leaf=is_primal)
+
+
+def _ragged_sdpa_fwd(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference):
+    q, k, v, sinks, seeds, batch, reference = _unwrap((q, k, v, sinks, seeds, batch, reference))
+    out, lse, stats, tok_valid = _ragged_forward(plan, q, k, v, sinks, seeds, batch)
+    residuals = (q, k, v, sinks, seeds, batch, reference, out, lse, stats, tok_valid)
+    return (_nan_rows(out, batch.q_nan), _nan_rows(lse, batch.q_nan)), residuals
+
+
+def _reference_lse(plan: RaggedPlan, q, k, v, sinks, reference: dict[str, Any]) -> jax.Array:
+    """float32 lse `[Tq, N]` of the `xla` path (differentiated only for gradients flowing into lse)."""
+    config = dataclasses.replace(plan.config, dropout_rate=0.0)  # the lse does not depend on dropout
+    shape = lambda x, n: x if config.layout == "thd" else jnp.reshape(x, config.batch_shape + (n,) + x.shape[1:])
+    inputs = AttentionInputs(
+        query=shape(q, config.q_len), key=shape(k, config.kv_len), value=shape(v, config.kv_len), sinks=sinks,
+        **reference,
+    )  # fmt: skip
+    _, lse = xla_backend.IMPLEMENTATION.attention(config, inputs)
+    return jnp.reshape(lse, (-1, plan.fwd.n))
+
+
+def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
+    q, k, v, sinks, seeds, batch, reference, out, lse, stats, tok_valid = residuals
+    d_out, d_lse = cotangents
+    if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+        d_out = jnp.zeros(out.shape, out.dtype)
+    d_out = jnp.where(tok_valid[:, None, None], d_out.astype(out.dtype), jnp.zeros((), out.dtype))
+    spec = plan.bwd
+    seed, offset = _seeds(seeds)
+    values = {
+        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.SEQ_Q: batch.seq_q,
+        Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
+    }  # fmt: skip
+    dq, dk, dv = _graph_outputs(spec, values, plan.tokens)[:3]
+    zero = lambda x: jnp.zeros((), x.dtype)
+    dq = jnp.where(tok_valid[:, None, None], dq, zero(dq))
+    dk = jnp.where(batch.kv_in[:, None, None], dk, zero(dk))
+    dv = jnp.where(batch.kv_in[:, None, None], dv, zero(dv))
+    dsinks = None
+    if sinks is not None:
+        row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [Tq, N]
+        p_sink = jnp.where(tok_valid[:, None], jnp.exp(sinks.astype(jnp.float32)[None, :] - lse), 0.0)
+        dsinks = -jnp.sum(row * p_sink, axis=0).astype(sinks.dtype)
+    if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
+        # Rows that see no key have lse = sink (with sinks): their cotangent reaches the sinks through the reference.
+        d_lse = jnp.where(batch.q_nan[:, None], 0.0, d_lse.astype(jnp.float32))
+        _, vjp = jax.vjp(lambda *a: _reference_lse(plan, *a, reference), q, k, v, sinks)
+        extra = vjp(d_lse)
+        dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
+        if sinks is not None:
+            dsinks = dsinks + extra[3].astype(dsinks.dtype)
+    dq = _nan_rows(dq, batch.q_nan)
+    dk = _nan_rows(dk, batch.kv_nan)
+    dv = _nan_rows(dv, batch.kv_nan)
+    none = lambda tree: jax.tree.map(lambda _: None, tree)
+    return dq, dk, dv, dsinks, none(seeds), none(batch), none(reference)
+
+
+_ragged_sdpa.defvjp(_ragged_sdpa_fwd, _ragged_sdpa_bwd, symbolic_zeros=True)
+
+
+def make_ragged_plan(
+    config: AttentionConfig, num_sequences: int, bounds: tuple[int, int], tokens: tuple[int, int]
+) -> RaggedPlan:
+    """The bucketed graphs of a ragged problem with `num_sequences` sequences of at most `bounds` rows."""
+    left = None if config.window is None else config.window[0]
+    right = support.effective_right(config)
+    bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
+    common = dict(
+        dtype=np.dtype(config.dtype).name,
+        b=ragged.bucket_sequences(num_sequences),
+        t=ragged.bucket_length(bounds[0]),
+        s=ragged.bucket_length(bounds[1]),
+        n=config.num_q_heads, k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim,
+        scale=float(config.scale),
+        alignment="bottom_right" if bottom_right else "top_left",
+        left_bound=None if left is None else left + 1,
+        right_bound=right,
+        padding=True,
+        dropout=float(config.dropout_rate),
+        ragged=True,
+    )  # fmt: skip
+    fwd = GraphSpec(direction="fwd", sinks=config.has_sinks, **common)
+    # No sink in the backward graph: the forward's stats carry it (see the module docstring).
+    bwd = GraphSpec(
+        direction="bwd", deterministic=config.deterministic_backward, t_total=ragged.bucket_tokens(tokens[0]),
+        s_total=ragged.bucket_tokens(tokens[1]), **common,
+    )  # fmt: skip
+    return RaggedPlan(fwd, bwd, tokens, left, right, bottom_right, config)
+
+
+def _slice_right(config: AttentionConfig) -> int | None:
+    right = support.effective_right(config)
+    masked = right is not None or config.window is not None
+    if config.diagonal_alignment == "bottom_right" and masked and right is not None and right <= 0:
+        return right
+    return None
+
+
+def _ragged_attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+    N, Hv = config.num_q_heads, config.value_head_dim
+    dtype = inputs.query.dtype
+    sinks = None if inputs.sinks is None else inputs.sinks.astype(jnp.float32)
+    seeds = None
+    if config.dropout_rate > 0:
+        seeds = jax.lax.bitcast_convert_type(dropout_lib.dropout_seeds(inputs.dropout_key), jnp.int32)
+    slice_right = _slice_right(config)
+    if config.layout == "thd":
+        q, k, v = inputs.query, inputs.key, inputs.value
+        cu_q = inputs.cu_seqlens_q
+        cu_kv = cu_q if inputs.cu_seqlens_kv is None else inputs.cu_seqlens_kv
+        num = int(cu_q.shape[0]) - 1
+        bounds = (config.max_seqlen_q or config.q_len, config.max_seqlen_kv or config.kv_len)
+        reference = {"cu_seqlens_q": inputs.cu_seqlens_q, "cu_seqlens_kv": inputs.cu_seqlens_kv}
+        out_shape = (config.q_len, N, Hv)
+        lse_shape = (config.q_len, N)
+    else:
+        B, T, S = config.batch_size, config.q_len, config.kv_len
+        q = jnp.reshape(inputs.query, (B * T, N, config.head_dim))
+        k = jnp.reshape(inputs.key, (B * S, config.num_kv_heads, config.head_dim))
+        v = jnp.reshape(inputs.value, (B * S, config.num_kv_heads, Hv))
+        num = B * config.max_segments_per_row
+        bounds = (T, S)
+        reference = {
+            "q_segment_ids": inputs.q_segment_ids, "kv_segment_ids": inputs.kv_segment_ids,
+            "query_seq_lengths": inputs.query_seq_lengths, "key_value_seq_lengths": inputs.key_value_seq_lengths,
+        }  # fmt: skip
+        out_shape = config.batch_shape + (T, N, Hv)
+        lse_shape = config.batch_shape + (T, N)
+    tokens = (int(q.shape[0]), int(k.shape[0]))
+    if tokens[0] == 0 or tokens[1] == 0:
+        return jnp.zeros(out_shape, dtype), _empty_lse(lse_shape, sinks)
+    plan = make_ragged_plan(config, num, bounds, tokens)
+    if config.layout == "thd":
+        batch = ragged.thd_batch(
+            cu_q, cu_kv, tokens[0], tokens[1], num_buckets=plan.fwd.b, t_bound=plan.fwd.t, s_bound=plan.fwd.s,
+            slice_right=slice_right,
+        )  # fmt: skip
+    else:
+        batch = ragged.segment_batch(*_segment_ids(config, inputs), max_segments=config.max_segments_per_row,
+                                     num_buckets=plan.fwd.b, t_bound=plan.fwd.t, s_bound=plan.fwd.s,
+                                     slice_right=slice_right)  # fmt: skip
+    out, lse = _ragged_sdpa(plan, q, k, v, sinks, seeds, batch, reference)
+    return jnp.reshape(out.astype(dtype), out_shape), jnp.reshape(lse, lse_shape)
+
+
+def _segment_ids(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+    """`[B, T]` / `[B, S]` segment ids combined with the padding lengths (as `positions.dense_positions` does)."""
+    B, T, S = config.batch_size, config.q_len, config.kv_len
+    flat = lambda x, n: jnp.reshape(x, (B, n)).astype(jnp.int32)
+    q_ids = flat(inputs.q_segment_ids, T)
+    kv_ids = q_ids if inputs.kv_segment_ids is None else flat(inputs.kv_segment_ids, S)
+    if inputs.query_seq_lengths is not None:
+        lengths = jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32)
+        q_ids = jnp.where(jnp.arange(T)[None, :] < lengths[:, None], q_ids, 0)
+    if inputs.key_value_seq_lengths is not None:
+        lengths = jnp.reshape(inputs.key_value_seq_lengths, (B,)).astype(jnp.int32)
+        kv_ids = jnp.where(jnp.arange(S)[None, :] < lengths[:, None], kv_ids, 0)
+    return q_ids, kv_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Paged key/value caches (forward only)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedPlan:
+    """Static description of one paged problem.
+
+    Attributes:
+        fwd: the forward graph spec.
+        left, right, bottom_right: the mask, as in `RaggedPlan`.
+        explicit: cuDNN was named alone: a gradient raises instead of falling back to the `xla` path.
+        config: the call's configuration (for the fallback backward).
+    """
+
+    fwd: GraphSpec
+    left: int | None
+    right: int | None
+    bottom_right: bool
+    explicit: bool
+    config: AttentionConfig
+
+
+def _paged_forward(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv):
+    spec = plan.fwd
+    values = {
+        Uid.Q: q, Uid.K: k_pages, Uid.V: v_pages, Uid.SEQ_Q: seq_q, Uid.SEQ_KV: seq_kv,
+        Uid.PT_K: page_table, Uid.PT_V: page_table,
+    }  # fmt: skip
+    outputs = _graph_outputs(spec, values, None)
+    valid = ragged.rows_valid(seq_q, seq_kv, spec.t, left=plan.left, right=plan.right, bottom_right=plan.bottom_right)
+    out = jnp.where(valid[:, :, None, None], outputs[0], jnp.zeros((), outputs[0].dtype))
+    if spec.stats:
+        lse = jnp.where(valid[:, :, None], jnp.transpose(outputs[1], (0, 2, 1)), -jnp.inf)
+    else:  # return_residual=False: the caller drops lse
+        lse = jnp.full((spec.b, spec.t, spec.n), -jnp.inf, jnp.float32)
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _paged_sdpa(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv, reference):
+    return _paged_forward(plan, q, k_pages, v_pages, page_table, seq_q, seq_kv)
+
+
+def _paged_sdpa_fwd(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv, reference):
+    args = _unwrap((q, k_pages, v_pages, page_table, seq_q, seq_kv, reference))
+    return _paged_forward(plan, *args[:6]), args
+
+
+def _paged_sdpa_bwd(plan: PagedPlan, residuals, cotangents):
+    q, k_pages, v_pages, page_table, seq_q, seq_kv, reference = residuals
+    if plan.explicit:
+        raise NotImplementedError(
+            "cudnn: gradients of paged key/value attention (`page_table`) are not supported: cuDNN's paged "
+            "attention is forward only. Use implementation=None (cuDNN forward, `xla` backward) or "
+            "implementation='xla' to differentiate it."
+        )
+    d_out, d_lse = cotangents
+    d_out = jnp.zeros(q.shape[:-1] + (v_pages.shape[-1],), q.dtype) if isinstance(
+        d_out, jax.custom_derivatives.SymbolicZero) else d_out  # fmt: skip
+    d_lse = jnp.zeros(q.shape[:-1], jnp.float32) if isinstance(
+        d_lse, jax.custom_derivatives.SymbolicZero) else d_lse  # fmt: skip
+
+    def xla_attention(q, k_pages, v_pages):
+        inputs = AttentionInputs(query=q, key=k_pages, value=v_pages, page_table=page_table, **reference)
+        return xla_backend.IMPLEMENTATION.attention(plan.config, inputs)
+
+    _, vjp = jax.vjp(xla_attention, q, k_pages, v_pages)
+    finite_lse = jnp.where(jnp.isfinite(d_lse), d_lse, 0.0).astype(jnp.float32)
+    dq, dk, dv = vjp((d_out.astype(q.dtype), finite_lse))
+    return dq, dk, dv, None, None, None, jax.tree.map(lambda _: None, reference)
+
+
+_paged_sdpa.defvjp(_paged_sdpa_fwd, _paged_sdpa_bwd, symbolic_zeros=True)
+
+
+def _paged_attention(
+    config: AttentionConfig, inputs: AttentionInputs, explicit: bool
+) -> tuple[jax.Array, jax.Array]:
+    B, T, N = config.batch_size, config.q_len, config.num_q_heads
+    q = jnp.reshape(inputs.query, (B, T, N, config.head_dim))
+    seq_kv = jnp.minimum(jnp.reshape(inputs.key_value_seq_lengths, (B,)).astype(jnp.int32), config.kv_len)
+    if inputs.query_seq_lengths is None:
+        seq_q = jnp.full((B,), T, jnp.int32)
+    else:
+        seq_q = jnp.minimum(jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32), T)
+    left = None if config.window is None else config.window[0]
+    right = support.effective_right(config)
+    bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
+    band_left, band_right = left, right
+    if T == 1 and bottom_right and left is None and right is not None and right >= 0:
+        band_right = None  # decode: the single query is the last position and sees every cached key anyway
+    spec = GraphSpec(
+        direction="fwd", dtype=np.dtype(config.dtype).name, b=B, t=T, s=config.kv_len, n=N,
+        k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim, scale=float(config.scale),
+        alignment="bottom_right" if bottom_right and (band_left is not None or band_right is not None) else "top_left",
+        left_bound=None if band_left is None else band_left + 1, right_bound=band_right, padding=True,
+        pages=(config.num_pages, config.page_size, config.pages_per_seq), stats=config.return_residual,
+    )  # fmt: skip
+    plan = PagedPlan(spec, left, right, bottom_right, explicit, config)
+    reference = {"key_value_seq_lengths": inputs.key_value_seq_lengths, "query_seq_lengths": inputs.query_seq_lengths}
+    page_table = inputs.page_table.astype(jnp.int32)
+    out, lse = _paged_sdpa(plan, q, inputs.key, inputs.value, page_table, seq_q, seq_kv, reference)
+    return jnp.reshape(out, config.batch_shape + (T, N, config.value_head_dim)), jnp.reshape(
+        lse, config.batch_shape + (T, N)
+    )
+
+
+def attention(config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool) -> tuple[jax.Array, jax.Array]:
+    """`(out, lse)` for a THD, packed-row or paged call (see the module docstring)."""
+    if config.layout == "paged":
+        return _paged_attention(config, inputs, explicit)
+    return _ragged_attention(config, inputs)
