@@ -591,3 +591,61 @@ def test_paged_cache_decoding_matches_dense_causal(emulated):
                               is_causal=True, implementation="xla")  # fmt: skip
     e = _eps(jnp.bfloat16)
     _close(jnp.concatenate(outs, axis=1), dense, 2 * e, e, "decode vs dense causal")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CUDA lowering (no GPU: a stand-in graph entry)
+
+
+@pytest.fixture
+def fake_entries(monkeypatch):
+    from attnlib._src.backends.cudnn import attention as cudnn_attention, cache
+
+    def get_entry(spec):
+        return cache.GraphEntry(
+            blob=b"{blob-" + spec.label.encode(), workspace_bytes=4096,
+            in_uids=tuple(int(u) for u in spec.in_uids()), out_uids=tuple(int(u) for u in spec.out_uids()),
+            zero_fill=spec.zero_fill(), label=spec.label,
+        )  # fmt: skip
+
+    monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
+    monkeypatch.setattr(cudnn_attention, "get_entry", get_entry)
+
+
+def _custom_calls(fn, *args):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return [line for line in text.splitlines() if "stablehlo.custom_call @attnlib_cudnn_graph" in line]
+
+
+def test_thd_lowers_to_forward_and_backward_graph_calls(fake_entries):
+    q = jax.ShapeDtypeStruct((1000, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1500, 2, 128), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((6,), jnp.int32)
+    loss = lambda q, k, v, cu_q, cu_kv: jnp.sum(attnlib.attention(
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, is_causal=True, implementation="cudnn",
+        max_seqlen_q=300, max_seqlen_kv=600).astype(jnp.float32))  # fmt: skip
+    fwd = _custom_calls(loss, q, kv, kv, cu, cu)
+    assert len(fwd) == 1
+    assert "in_uids = dense<[1, 2, 3, 14, 15, 16, 17, 12, 13]>" in fwd[0]
+    assert "zero_fill = dense<0>" in fwd[0]
+    # operands: packed q/k/v, four [b+1, 2] offset pairs (b = 8), lengths [8]; results O [Tq, N, Hv], stats
+    assert "(tensor<1000x8x128xbf16>, tensor<1500x2x128xbf16>, tensor<1500x2x128xbf16>, tensor<9x2xi32>" in fwd[0]
+    assert "-> (tensor<1000x8x128xbf16>, tensor<8x8x512xf32>, tensor<4096xui8>)" in fwd[0]
+    both = _custom_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, cu, cu)
+    assert len(both) == 2
+    bwd = next(c for c in both if "sdpa_thd_bwd" in c)
+    assert "-> (tensor<1000x8x128xbf16>, tensor<1500x2x128xbf16>, tensor<1500x2x128xbf16>, tensor<4096xui8>)" in bwd
+    assert "zero_fill = dense<[0, 1, 2]>" in bwd
+
+
+def test_paged_decode_lowers_to_one_graph_call(fake_entries):
+    q = jax.ShapeDtypeStruct((64, 1, 64, 128), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((8192, 64, 8, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((64, 128), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((64,), jnp.int32)
+    f = lambda q, k, v, t, n: attnlib.attention(q, k, v, page_table=t, key_value_seq_lengths=n, is_causal=True,
+                                                diagonal_alignment="bottom_right", implementation="cudnn")
+    calls = _custom_calls(f, q, pool, pool, table, lengths)
+    assert len(calls) == 1 and "sdpa_paged_fwd_b64_t1_s8192" in calls[0]
+    assert "in_uids = dense<[1, 2, 3, 19, 20, 12, 13]>" in calls[0]
+    assert "-> (tensor<64x1x64x128xbf16>, tensor<4096xui8>)" in calls[0]  # no stats without return_residual
