@@ -1,0 +1,210 @@
+"""H200 benchmark of attnlib's cuDNN THD and paged paths (issue 4).
+
+Usage: python benchmarks/bench_cudnn_ragged.py [--json out.json] [--table out.txt]
+
+1. Packed training batch: sequence lengths drawn uniformly from 64..4096 until 32768 tokens (the last one cut to
+   fit), causal, GQA 32/8, d128, bf16. THD (`cu_seqlens_q`, `max_seqlen_q=4096`) against the same data padded to a
+   dense `[B, max_len]` batch with `query_seq_lengths`/`key_value_seq_lengths` (attnlib's cuDNN and
+   `jax.nn.dot_product_attention(implementation="cudnn")`), and a dense reference of the same token count
+   (b8 t4096 causal, attnlib cuDNN). TFLOP/s count only real work: with `E` visible (query, key) pairs summed over
+   the real sequences, forward = `2 E N (H + Hv)`, forward+backward = `2 E N (4 H + 3 Hv)` (bench_cudnn.py's
+   convention), whatever padding each variant computes.
+2. Paged decode: B = 64, context 8192, page 64, GQA 64/8, d128, bf16, a random page table. Bandwidth = the K and V
+   bytes of the cached tokens (`B * ctx * K * (H + Hv) * 2`) per second, against the 4.3 TB/s device-to-device copy
+   measured on the card (KINDS.md).
+3. Graph builds: 200 training steps with fresh random lengths (the sequence count changes every step); each new
+   input shape is traced and lowered forward+backward (what `jax.jit` does), counting cuDNN graphs built.
+
+Timing as bench_cudnn.py: wall clock under `jax.jit`, 2 warm-up calls, best of 3 loops of 20 (forward) or 10
+(forward+backward) calls ending in one `block_until_ready`.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cudnn import best_per_call  # noqa: E402
+
+
+N, K, H, HV = 32, 8, 128, 128
+TOKENS, MAX_LEN = 32768, 4096
+COPY_BW = 4.3e12
+
+
+def draw_lengths(rng: np.random.Generator) -> list[int]:
+    lengths, total = [], 0
+    while total < TOKENS:
+        n = int(min(rng.integers(64, MAX_LEN + 1), TOKENS - total))
+        lengths.append(n)
+        total += n
+    return lengths
+
+
+def causal_pairs(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+def flops(lengths) -> tuple[float, float]:
+    e = sum(causal_pairs(n) for n in lengths) * N
+    return 2.0 * e * (H + HV), 2.0 * e * (4 * H + 3 * HV)
+
+
+def _grad(f):
+    return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
+
+
+def packed_batch(results: dict, rows: list) -> None:
+    import attnlib
+
+    lengths = draw_lengths(np.random.default_rng(0))
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (TOKENS, N, H), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(ks[1], (TOKENS, K, H), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (TOKENS, K, HV), jnp.float32).astype(jnp.bfloat16)
+    fwd_flops, fwd_bwd_flops = flops(lengths)
+
+    thd = lambda q, k, v: attnlib.attention(q, k, v, cu_seqlens_q=cu, is_causal=True, max_seqlen_q=MAX_LEN,
+                                            max_seqlen_kv=MAX_LEN, implementation="cudnn")  # fmt: skip
+    # The same data padded to [B, max_len].
+    B, T = len(lengths), max(lengths)
+    index = np.full((B, T), TOKENS, np.int64)
+    for b, (start, n) in enumerate(zip(np.asarray(cu[:-1]), lengths)):
+        index[b, :n] = start + np.arange(n)
+    pad = lambda x: jnp.take(jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)]), jnp.asarray(index), 0)
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    seq = jnp.asarray(lengths, jnp.int32)
+    padded_attnlib = lambda q, k, v: attnlib.attention(q, k, v, is_causal=True, query_seq_lengths=seq,
+                                                       key_value_seq_lengths=seq, implementation="cudnn")
+    padded_jax = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=seq,
+                                                              key_value_seq_lengths=seq, implementation="cudnn")
+    # Dense reference with the same token count.
+    qd, kd, vd = (jnp.reshape(x, (8, MAX_LEN) + x.shape[1:]) for x in (q, k, v))
+    dense = lambda q, k, v: attnlib.attention(q, k, v, is_causal=True, implementation="cudnn")
+    dense_fwd, dense_fwd_bwd = flops([MAX_LEN] * 8)
+
+    variants = [
+        ("THD attnlib cudnn", thd, (q, k, v), fwd_flops, fwd_bwd_flops),
+        (f"padded B={B} T={T} attnlib cudnn", padded_attnlib, (qp, kp, vp), fwd_flops, fwd_bwd_flops),
+        (f"padded B={B} T={T} jax.nn cudnn", padded_jax, (qp, kp, vp), fwd_flops, fwd_bwd_flops),
+        ("dense b8 t4096 attnlib cudnn (reference)", dense, (qd, kd, vd), dense_fwd, dense_fwd_bwd),
+    ]
+    measured = {}
+    for name, f, args, ff, fbf in variants:
+        entry = {}
+        for mode, fn, loop, work in (("fwd", jax.jit(f), 20, ff), ("fwd_bwd", _grad(f), 10, fbf)):
+            try:
+                ms = best_per_call(fn, args, loop) * 1e3
+                entry[mode] = {"ms": ms, "tflops": work / ms / 1e9}
+            except Exception as e:  # reported, never hidden
+                entry[mode] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        measured[name] = entry
+    results["packed"] = {"lengths": lengths, "num_sequences": B, "max_len": T, "real_tokens": int(sum(lengths)),
+                         "fwd_flops": fwd_flops, "fwd_bwd_flops": fwd_bwd_flops, "variants": measured}  # fmt: skip
+    thd_entry = measured["THD attnlib cudnn"]
+    for name, entry in measured.items():
+        for mode in ("fwd", "fwd_bwd"):
+            m = entry[mode]
+            if "error" in m:
+                rows.append(f"{name:<44} {mode:<8} ERROR {m['error']}")
+                continue
+            speedup = m["ms"] / thd_entry[mode]["ms"] if "ms" in thd_entry[mode] else float("nan")
+            rows.append(f"{name:<44} {mode:<8} {m['ms']:9.3f} {m['tflops']:8.1f} {speedup:10.2f}")
+
+
+def paged_decode(results: dict, rows: list) -> None:
+    import attnlib
+
+    B, ctx, page, n, kh = 64, 8192, 64, 64, 8
+    pps = ctx // page
+    P = B * pps
+    rng = np.random.default_rng(1)
+    table = jnp.asarray(rng.permutation(P).reshape(B, pps).astype(np.int32))
+    ks = jax.random.split(jax.random.key(1), 3)
+    kpool = jax.random.normal(ks[0], (P, page, kh, H), jnp.float32).astype(jnp.bfloat16)
+    vpool = jax.random.normal(ks[1], (P, page, kh, HV), jnp.float32).astype(jnp.bfloat16)
+    q = jax.random.normal(ks[2], (B, 1, n, H), jnp.float32).astype(jnp.bfloat16)
+    lengths = jnp.full((B,), ctx, jnp.int32)
+    f = jax.jit(lambda q, kp, vp: attnlib.attention(q, kp, vp, page_table=table, key_value_seq_lengths=lengths,
+                                                    is_causal=True, diagonal_alignment="bottom_right",
+                                                    implementation="cudnn"))  # fmt: skip
+    ms = best_per_call(f, (q, kpool, vpool), 20) * 1e3
+    kv_bytes = B * ctx * kh * (H + HV) * 2
+    bw = kv_bytes / (ms * 1e-3)
+    results["paged_decode"] = {"B": B, "context": ctx, "page": page, "N": n, "K": kh, "ms": ms,
+                               "kv_bytes": kv_bytes, "bytes_per_s": bw, "fraction_of_copy_bw": bw / COPY_BW}
+    rows.append(f"paged decode B64 ctx8192 page64 GQA64/8: {ms:.3f} ms, KV {kv_bytes / 1e9:.2f} GB, "
+                f"{bw / 1e12:.2f} TB/s = {100 * bw / COPY_BW:.0f} % of the 4.3 TB/s copy bandwidth")
+
+
+def graph_builds(results: dict, rows: list) -> None:
+    import attnlib
+    from attnlib._src.backends.cudnn import attention as cudnn_attention
+
+    rng = np.random.default_rng(2)
+    q = jax.ShapeDtypeStruct((TOKENS, N, H), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((TOKENS, K, H), jnp.bfloat16)
+
+    def loss(q, k, v, cu):
+        return jnp.sum(attnlib.attention(q, k, v, cu_seqlens_q=cu, is_causal=True, max_seqlen_q=MAX_LEN,
+                                         max_seqlen_kv=MAX_LEN, implementation="cudnn").astype(jnp.float32))
+
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    cudnn_attention.CACHE.clear_memory()  # count every graph this loop needs: built now or read from disk
+    builds0 = cudnn_attention.CACHE.stats["builds"]
+    disk0 = cudnn_attention.CACHE.stats["disk_hits"]
+    shapes, start = set(), time.perf_counter()
+    counts = []
+    for _ in range(200):
+        n = len(draw_lengths(rng))
+        counts.append(n)
+        if n not in shapes:  # jax.jit traces once per input shape
+            shapes.add(n)
+            jax.jit(step).lower(q, kv, kv, jax.ShapeDtypeStruct((n + 1,), jnp.int32))
+    seconds = time.perf_counter() - start
+    built = cudnn_attention.CACHE.stats["builds"] - builds0
+    disk = cudnn_attention.CACHE.stats["disk_hits"] - disk0
+    results["graph_builds"] = {"steps": 200, "sequence_counts": sorted(set(counts)), "traced_shapes": len(shapes),
+                               "graphs_built": built, "graphs_from_disk": disk, "seconds": seconds}  # fmt: skip
+    rows.append(f"200 steps, sequence counts {min(counts)}..{max(counts)} ({len(shapes)} distinct shapes traced): "
+                f"{built} cuDNN graphs built, {disk} read from the disk cache (fwd+bwd), {seconds:.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--table")
+    args = parser.parse_args()
+    from attnlib._src.backends.cudnn import support
+
+    dev = support.device()
+    results = {"device": dev.name, "jax": jax.__version__, "cudnn_backend": dev.cudnn_version}
+    rows = [f"{results}", f"{'variant':<44} {'pass':<8} {'ms':>9} {'TF/s':>8} {'THD spd':>10}"]
+    for part in (packed_batch, paged_decode, graph_builds):
+        try:
+            part(results, rows)
+        except Exception as e:  # one failing part must not hide the others
+            rows.append(f"{part.__name__}: ERROR {type(e).__name__}: {str(e)[:400]}")
+            results[part.__name__] = {"error": f"{type(e).__name__}: {e}"}
+        print("\n".join(rows), flush=True)
+        print("-" * 40, flush=True)
+    rows.append("TF/s on real tokens only; THD spd = variant time / THD time (> 1: THD is faster).")
+    table = "\n".join(rows)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
