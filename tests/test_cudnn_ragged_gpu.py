@@ -161,12 +161,14 @@ def test_bucket_boundaries_and_graph_reuse():
         out, lse, grads = dense._compare(q, k, v, kw, dtype=jnp.bfloat16)
         _check_padding_rows(out, lse, grads, int(sum(lengths)))
 
+    # Graphs fetched from outside memory (built now, or read from a disk cache another test process filled).
+    loaded = lambda: cudnn_attention.CACHE.stats["builds"] + cudnn_attention.CACHE.stats["disk_hits"]
     run([128, 1, 2, 3, 4, 5, 6, 7], 300)  # 8 sequences: bucket 8
-    builds = cudnn_attention.CACHE.stats["builds"]
+    before = loaded()
     run([5, 128, 9, 9, 9, 9, 9, 100], 300)  # other lengths, same bucket: no new graph
-    assert cudnn_attention.CACHE.stats["builds"] == builds
+    assert loaded() == before
     run([128, 1, 2, 3, 4, 5, 6, 7, 8], 300)  # 9 sequences: bucket 16, new graphs
-    assert cudnn_attention.CACHE.stats["builds"] > builds
+    assert loaded() == before + 2  # forward and backward
     q = jnp.zeros((300, 4, 64), jnp.bfloat16)
     # a sequence longer than the bucketed bound (128) is NaN, never wrong numbers
     out = attnlib.attention(q, q, q, cu_seqlens_q=_cu([20, 200, 10]), max_seqlen_q=100, implementation="cudnn")
