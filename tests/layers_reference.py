@@ -6,7 +6,6 @@ parameters follow by the chain rule through `reference_attention_vjp`.
 """
 
 import numpy as np
-
 from reference import reference_attention, reference_attention_vjp
 
 

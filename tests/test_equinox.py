@@ -17,13 +17,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-
-import attnlib
-import attnlib.equinox as aeqx
-
 from helpers import assert_grad_close, assert_out_close, normal
 from layers_reference import reference_mha
 from reference import reference_attention, reference_attention_vjp
+
+import attnlib.equinox as aeqx
 
 
 T, S = 7, 11
@@ -213,7 +211,6 @@ def test_integer_mask_means_nonzero_may_attend():
 
 
 EXTRAS = {
-    "gqa_causal": (dict(num_kv_heads=2, is_causal=True), {}),
     "window_softcap_mask": (dict(local_window_size=(3, 1), logits_soft_cap=2.0), dict(mask="2d")),
     "off_by_one": (dict(softmax_type="off_by_one", is_causal=True), {}),
     "learnable_all": (
@@ -592,6 +589,22 @@ def test_plain_jax_jit_of_the_module_in_inference_mode_works_as_in_equinox():
     ours = _copy_weights(theirs, aeqx.MultiheadAttention(6, 18, dropout_p=0.2, key=jr.key(1)))
     call = jax.jit(lambda m: m(x, x, x, inference=True))
     assert_out_close(call(ours), call(theirs), F32)
+
+
+def test_x64_default_float64_parameters_get_a_clear_error():
+    code = (
+        "import jax, jax.numpy as jnp, attnlib.equinox as a\n"
+        "m = a.MultiheadAttention(2, 8, key=jax.random.key(0))\n"
+        "x = jnp.ones((3, 8))\n"
+        "try:\n    m(x, x, x)\nexcept TypeError as e:\n    print(e)\n"
+        "m = a.MultiheadAttention(2, 8, dtype=jnp.float32, key=jax.random.key(0))\n"
+        "print(m(x.astype(jnp.float32), x.astype(jnp.float32), x.astype(jnp.float32)).dtype)\n"
+    )
+    env = dict(__import__("os").environ, JAX_ENABLE_X64="1")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    lines = result.stdout.strip().splitlines()
+    assert "pass `dtype=jnp.float32`" in lines[0] and "Got heads.dtype=float64." in lines[0], result.stdout
+    assert lines[1] == "float32"
 
 
 def test_no_warnings_in_normal_use():
