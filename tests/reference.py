@@ -22,7 +22,7 @@ Backward (analytic softmax backward, derived in `reference_attention_vjp`):
     dbias[b, n, i, j] = ds_j;  dq_i = scale sum_j ds_j k_j;  dk_j += scale ds_j q_i;  dv_j += p_j keep_j/(1-rate) dO_i
     dsink_n += p_sink (dlse_i - D),  p_sink = exp(sink_n - lse)
 
-`tests/test_reference.py`-style self-checks (central finite differences of the forward) live in
+The analytic backward is itself checked against central finite differences of the forward in
 `tests/test_conformance.py::test_reference_vjp_matches_finite_differences`.
 """
 

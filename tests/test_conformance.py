@@ -413,9 +413,27 @@ def library_fwd_bwd(impl, case: Case):
     return lambda d_out: fwd_bwd(diff, rest, d_out)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("feature", FEATURE_IDS)
-def test_conformance(impl, feature, dtype):
+def _conformance_params():
+    # every feature on xla and on multi-block xla_chunked in both dtypes; xla_chunked with its default (single, for
+    # these sizes) key block in float32 only: its block logic is dtype-independent and CPU CI time is bounded.
+    params = []
+    for feature in FEATURE_IDS:
+        for dtype, dtype_id in zip(DTYPES, DTYPE_IDS, strict=True):
+            for spec, impl_id in zip(IMPLS, IMPL_IDS, strict=True):
+                if spec == ("xla_chunked", None) and dtype != jnp.float32:
+                    continue
+                params.append(pytest.param(spec, feature, dtype, id=f"{impl_id}-{feature}-{dtype_id}"))
+    return params
+
+
+@pytest.mark.parametrize("impl_spec,feature,dtype", _conformance_params())
+def test_conformance(impl_spec, feature, dtype, monkeypatch):
+    impl, block_k = impl_spec
+    set_block_k(monkeypatch, block_k)
+    check_conformance(impl, feature, dtype)
+
+
+def check_conformance(impl, feature, dtype):
     case = build_case(feature, dtype)
     ref_out, ref_lse, ref_grads, d_out = reference_results(feature, jnp.dtype(dtype).name)
 
@@ -453,7 +471,7 @@ F16_FEATURES = ["gqa", "causal_br_T>S", "sinks_fully_masked", "bias_BNTS"]
 @pytest.mark.parametrize("feature", F16_FEATURES)
 def test_conformance_float16(impl, feature):
     # float16 is a supported dtype too (API §1); a smaller matrix than f32/bf16 to keep CPU CI fast
-    test_conformance(impl, feature, jnp.float16)
+    check_conformance(impl, feature, jnp.float16)
 
 
 # ------------------------------------------------------------------------------------------------------------------
