@@ -228,23 +228,18 @@ def _full_sequence_buffers(text: str, S: int, full_kv_elements: int) -> list[tup
 
 @pytest.mark.parametrize("load_balanced", [False, True], ids=["contiguous", "lb"])
 def test_ring_never_materialises_the_full_sequence(load_balanced):
-    S = 80  # no other dim of the problem (2, 4, 2, 8, local 10, chunks 5) divides into or equals it
-    full_kv = 2 * S * 2 * 8
+    """Forward + backward per-device programs on 4 devices: ring buffers are O(S / D), all_gather's are not."""
+    D, S = 4, 48  # no other dim of the problem (2, 4, 2, 8, local 12, chunks 6) equals S
+    full_kv = 2 * S * 2 * 8  # elements of the whole key array; local scores are 2*4*12*12 < full_kv
     kwargs = {"is_causal": True}
-    ring = _compiled_grad("ring", load_balanced, kwargs, S=S).as_text()
-    gathered = _compiled_grad("all_gather", load_balanced, kwargs, S=S).as_text()
+    ring = _compiled_grad("ring", load_balanced, kwargs, D=D, S=S)
+    gathered = _compiled_grad("all_gather", load_balanced, kwargs, D=D, S=S)
     # the inspection does see full-sequence buffers where they exist (all_gather) ...
-    assert _full_sequence_buffers(gathered, S, full_kv), "the check cannot see the all-gathered keys"
-    # ... and the ring program (forward and backward) has none: every buffer is O(S / D)
-    assert _buffers(ring), "no buffer shapes parsed from the compiled program"
-    assert _full_sequence_buffers(ring, S, full_kv) == []
-
-
-def test_ring_memory_is_smaller_than_all_gather():
-    kwargs = {"is_causal": True}
-    ring = _compiled_grad("ring", True, kwargs, S=160).memory_analysis()
-    gathered = _compiled_grad("all_gather", True, kwargs, S=160).memory_analysis()
-    assert ring.temp_size_in_bytes < gathered.temp_size_in_bytes
+    assert _full_sequence_buffers(gathered.as_text(), S, full_kv), "the check cannot see the all-gathered keys"
+    # ... and the ring program has none
+    assert _buffers(ring.as_text()), "no buffer shapes parsed from the compiled program"
+    assert _full_sequence_buffers(ring.as_text(), S, full_kv) == []
+    assert ring.memory_analysis().temp_size_in_bytes < gathered.memory_analysis().temp_size_in_bytes
 
 
 def _collective_permutes(text: str) -> int:

@@ -189,89 +189,166 @@ class _Task:
 
 @dataclasses.dataclass(frozen=True)
 class _Placed:
-    """A task on one device: the global starts of its query runs and of its key columns."""
+    """A task on one device: the `(global_start, size)` of each contiguous run of its query rows and key columns."""
 
     task: _Task
-    q_globals: tuple[tuple[int, int], ...]  # (global_start, size) per contiguous query run
-    k_global: int
+    q_globals: tuple[tuple[int, int], ...]
+    k_globals: tuple[tuple[int, int], ...]
 
 
-def _native_form(n: int, m: int, d: int, rule: _Rule, allow_bottom_right: bool):
-    """Express the band on a contiguous `n x m` block with `key - query = local_offset + d` natively, or None."""
-    alignments = ("top_left", "bottom_right") if allow_bottom_right else ("top_left",)
-    for alignment in alignments:
-        sh = 0 if alignment == "top_left" else m - n
-        lo, hi = rule.lo - d - sh, rule.hi - d - sh  # band on kk - (qq + sh)
-        min_rel, max_rel = -(n - 1) - sh, (m - 1) - sh
-        left = None if lo <= min_rel else -lo
-        right = None if hi >= max_rel else hi
-        if (left is not None and left < 0) or (right is not None and right < 0):
-            continue
-        big = n + m
-        is_causal = right == 0
-        if left is None and right in (None, 0):
-            window = None
-        else:
-            window = (int(big if left is None else left), int(big if right is None else right))
-        return is_causal, window, alignment
+# A run is `(local_start, global_start, size)`: `size` tokens, local and global indices both contiguous. A task's
+# rows (columns) are one or two runs adjacent in local memory; global positions increase from run to run.
+
+
+def _band(q_run, k_run, rule: _Rule, nlo: float, nhi: float, dl: int):
+    """The visible set of a run pair as a closed interval of `x = kk - qq` (local offsets in the pair), or None.
+
+    Args:
+        q_run, k_run: the runs.
+        rule, nlo, nhi, dl: with `rule`, use the global positions; otherwise the native band `[nlo, nhi]` on
+            `x + dl` (`dl` = the pair's offset in the task's local coordinates, alignment shift included).
+    """
+    _, qg, n = q_run
+    _, kg, m = k_run
+    if rule is not None:
+        d = kg - (qg + rule.shift)
+        a, b = rule.lo - d, rule.hi - d
+    else:
+        a, b = nlo - dl, nhi - dl
+    a, b = max(a, -(n - 1)), min(b, m - 1)
+    return (int(a), int(b)) if a <= b else None
+
+
+def _trim(q_runs, k_runs, rule: _Rule):
+    """Drop the key columns at the two ends of `k_runs` that no query of `q_runs` sees (None: nothing visible)."""
+    seen = []  # per key run: (first, last) visible offset within the run, over all query runs, or None
+    for _, kg, m in k_runs:
+        first, last = m, -1
+        for _, qg, n in q_runs:
+            qa = qg + rule.shift
+            f = max(kg, qa + rule.lo) if math.isfinite(rule.lo) else kg
+            l = min(kg + m - 1, qa + n - 1 + rule.hi) if math.isfinite(rule.hi) else kg + m - 1
+            if f <= l:
+                first, last = min(first, int(f - kg)), max(last, int(l - kg))
+        seen.append((first, last) if last >= 0 else None)
+    keep = [j for j, v in enumerate(seen) if v is not None]
+    if not keep:
+        return None
+    runs = list(k_runs[keep[0] : keep[-1] + 1])
+    (kl, kg, m), first = runs[0], seen[keep[0]][0]
+    runs[0] = (kl + first, kg + first, m - first)
+    (kl, kg, m), last = runs[-1], seen[keep[-1]][1]
+    cut = first if len(runs) == 1 else 0  # the run's start moved already
+    runs[-1] = (kl, kg, last - cut + 1)
+    return tuple(runs)
+
+
+def _native_candidates(q_runs, k_runs, rule: _Rule, allow_bottom_right: bool):
+    """`(is_causal, window, alignment)` forms of `attnlib.attention` that may reproduce the rule on the block."""
+    n_tot = sum(r[2] for r in q_runs)
+    m_tot = sum(r[2] for r in k_runs)
+    big = n_tot + m_tot
+    q0, k0 = q_runs[0][0], k_runs[0][0]
+    out = []
+    for alignment in ("top_left", "bottom_right") if allow_bottom_right else ("top_left",):
+        sh = 0 if alignment == "top_left" else m_tot - n_tot
+        for ql, qg, n in q_runs:
+            for kl, kg, m in k_runs:
+                d = kg - (qg + rule.shift)
+                dl = (kl - k0) - (ql - q0) - sh
+                nlo, nhi = rule.lo - d + dl, rule.hi - d + dl  # the pair's band in native coordinates
+                for lo_opt in {nlo, -math.inf}:
+                    for hi_opt in {nhi, math.inf}:
+                        left = None if lo_opt == -math.inf else -lo_opt
+                        right = None if hi_opt == math.inf else hi_opt
+                        if (left is not None and left < 0) or (right is not None and right < 0):
+                            continue
+                        is_causal = right == 0
+                        window = None
+                        if not (left is None and right in (None, 0)):
+                            window = (int(big if left is None else left), int(big if right is None else right))
+                        out.append((is_causal, window, alignment))
+    # prefer plain causal, then top-left, then narrower descriptions
+    return sorted(set(out), key=lambda c: (c[1] is not None, c[2] != "top_left", str(c)))
+
+
+def _native_bounds(is_causal, window):
+    nlo = -window[0] if window is not None else -math.inf
+    nhi = window[1] if window is not None else math.inf
+    return nlo, (min(nhi, 0) if is_causal else nhi)
+
+
+def _form(q_runs, k_runs, rule: _Rule, allow_bottom_right: bool):
+    """"full", a native `(is_causal, window, alignment)`, or None when the block needs an explicit mask."""
+    pairs = [(qr, kr) for qr in q_runs for kr in k_runs]
+    exact = [_band(qr, kr, rule, 0, 0, 0) for qr, kr in pairs]
+    if all(e == (-(qr[2] - 1), kr[2] - 1) for e, (qr, kr) in zip(exact, pairs, strict=True)):
+        return "full"
+    n_tot = sum(r[2] for r in q_runs)
+    m_tot = sum(r[2] for r in k_runs)
+    q0, k0 = q_runs[0][0], k_runs[0][0]
+    for cand in _native_candidates(q_runs, k_runs, rule, allow_bottom_right):
+        is_causal, window, alignment = cand
+        sh = 0 if alignment == "top_left" else m_tot - n_tot
+        nlo, nhi = _native_bounds(is_causal, window)
+        if all(
+            _band(qr, kr, None, nlo, nhi, (kr[0] - k0) - (qr[0] - q0) - sh) == e
+            for e, (qr, kr) in zip(exact, pairs, strict=True)
+        ):
+            return cand
     return None
 
 
-def _classify(q_run, k_run, rule: _Rule, allow_bottom_right: bool) -> _Placed | None:
-    """The task for one contiguous query run against one contiguous key run, or None when nothing is visible."""
-    ql, qg, n = q_run
-    kl, kg, m = k_run
-    qa = qg + rule.shift  # aligned global start of the queries
-    if kg - (qa + n - 1) > rule.hi or kg + m - 1 - qa < rule.lo:
-        return None
-    # keep only the key columns that some query sees
-    first = max(kg, qa + rule.lo) if math.isfinite(rule.lo) else kg
-    last = min(kg + m - 1, qa + n - 1 + rule.hi) if math.isfinite(rule.hi) else kg + m - 1
-    first, last = int(first), int(last)
-    kl, kg, m = kl + (first - kg), first, last - first + 1
-    min_off, max_off = kg - (qa + n - 1), kg + m - 1 - qa
-    if rule.lo <= min_off and max_off <= rule.hi:
-        task = _Task(ql, n, kl, m, "full")
+def _make_task(q_runs, k_runs, form) -> _Placed:
+    q_start, k_start = q_runs[0][0], k_runs[0][0]
+    q_size, k_size = sum(r[2] for r in q_runs), sum(r[2] for r in k_runs)
+    if form == "full":
+        task = _Task(q_start, q_size, k_start, k_size, "full")
+    elif form is None or form == "mask":
+        task = _Task(q_start, q_size, k_start, k_size, "mask")
     else:
-        native = _native_form(n, m, kg - qa, rule, allow_bottom_right)
-        if native is None:
-            task = _Task(ql, n, kl, m, "mask")
-        else:
-            is_causal, window, alignment = native
-            task = _Task(ql, n, kl, m, "native", is_causal, window, alignment)
-    return _Placed(task, ((qg, n),), kg)
+        task = _Task(q_start, q_size, k_start, k_size, "native", *form)
+    return _Placed(task, tuple((g, n) for _, g, n in q_runs), tuple((g, m) for _, g, m in k_runs))
 
 
 def _device_tasks(q_layout, k_layout, shard, block, rule, allow_bottom_right, segments) -> tuple[_Placed, ...]:
-    """Tasks of device `shard` when it holds key/value block `block`."""
-    placed = []
-    k_runs = k_layout.chunks(block)
-    per_k = {k: [] for k in range(len(k_runs))}
-    for q_run in q_layout.chunks(shard):
-        for i, k_run in enumerate(k_runs):
-            p = _classify(q_run, k_run, rule, allow_bottom_right)
-            if p is not None:
-                per_k[i].append(p)
-    q_runs = q_layout.chunks(shard)
-    for i in range(len(k_runs)):
-        ps = per_k[i]
-        # every query chunk sees the same key columns in full: one call with all local queries
-        if (
-            len(q_runs) > 1
-            and len(ps) == len(q_runs)
-            and all(p.task.kind == "full" for p in ps)
-            and len({(p.task.k_start, p.task.k_size) for p in ps}) == 1
-        ):
-            t = ps[0].task
-            task = _Task(0, q_layout.local_len, t.k_start, t.k_size, "full")
-            ps = [_Placed(task, tuple((g, n) for _, g, n in q_runs), ps[0].k_global)]
-        placed.extend(ps)
-    if segments:
-        placed = [
-            dataclasses.replace(p, task=_Task(p.task.q_start, p.task.q_size, p.task.k_start, p.task.k_size, "mask"))
-            for p in placed
-        ]
-    return tuple(placed)
+    """Tasks of device `shard` when it holds key/value block `block`.
+
+    Per query run: its visible key runs in one call when that block is fully visible or native (or, with segment
+    ids, one mask call), else one call per (query run, key run) pair (fully visible, native, or an explicit mask),
+    key columns that no query sees trimmed off. Then all query runs in a single call instead, when that is fully
+    visible or native (or masked, with segments) and computes no more score entries than the per-run calls: the
+    plan minimises computed entries first (right on every implementation), calls second.
+    """
+    q_all, k_all = q_layout.chunks(shard), k_layout.chunks(block)
+    visible = {
+        (i, j): _band(qr, kr, rule, 0, 0, 0) is not None for i, qr in enumerate(q_all) for j, kr in enumerate(k_all)
+    }
+    fine: list[_Placed] = []
+    for i, qr in enumerate(q_all):
+        kr_vis = tuple(kr for j, kr in enumerate(k_all) if visible[i, j])
+        if not kr_vis:
+            continue
+        ks = _trim((qr,), kr_vis, rule)
+        form = "mask" if segments else _form((qr,), ks, rule, allow_bottom_right)
+        if form is not None:
+            fine.append(_make_task((qr,), ks, form))
+            continue
+        for kr in kr_vis:
+            ks = _trim((qr,), (kr,), rule)
+            fine.append(_make_task((qr,), ks, _form((qr,), ks, rule, allow_bottom_right)))
+    if not fine:
+        return ()
+    qs = tuple(qr for i, qr in enumerate(q_all) if any(visible[i, j] for j in range(len(k_all))))
+    if len(qs) > 1:
+        ks = _trim(qs, k_all, rule)
+        form = "mask" if segments else _form(qs, ks, rule, allow_bottom_right)
+        area = lambda t: t.task.q_size * t.task.k_size
+        if form is not None:
+            coarse = _make_task(qs, ks, form)
+            if area(coarse) <= sum(area(t) for t in fine):
+                return (coarse,)
+    return tuple(fine)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +358,7 @@ class _StepPlan:
     branches: tuple[tuple[_Task, ...], ...]
     branch_of: tuple[int, ...]  # per device
     q_globals: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]  # per device, per task
-    k_globals: tuple[tuple[int, ...], ...]  # per device, per task
+    k_globals: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]  # per device, per task
 
     @property
     def empty(self) -> bool:
@@ -291,16 +368,19 @@ class _StepPlan:
 def _step_plan(per_device: Sequence[tuple[_Placed, ...]]) -> _StepPlan:
     branches: list[tuple[_Task, ...]] = []
     branch_of = []
+    signatures: list[tuple] = []
     for placed in per_device:
-        sig = tuple(p.task for p in placed)
-        if sig not in branches:
-            branches.append(sig)
-        branch_of.append(branches.index(sig))
+        # devices share a branch when their calls have the same static shapes and flags
+        sig = tuple((p.task, tuple(n for _, n in p.q_globals), tuple(m for _, m in p.k_globals)) for p in placed)
+        if sig not in signatures:
+            signatures.append(sig)
+            branches.append(tuple(p.task for p in placed))
+        branch_of.append(signatures.index(sig))
     return _StepPlan(
         tuple(branches),
         tuple(branch_of),
         tuple(tuple(p.q_globals for p in placed) for placed in per_device),
-        tuple(tuple(p.k_global for p in placed) for placed in per_device),
+        tuple(tuple(p.k_globals for p in placed) for placed in per_device),
     )
 
 
@@ -414,20 +494,24 @@ def _slices(task, q, k, v):
     return qt, kt, vt
 
 
-def _task_positions(sp: _StepPlan, b: int, i: int, task: _Task, index):
-    """Global positions of task `i` of branch `b`, for the running device (`index` = its axis index)."""
-    runs = sp.q_globals[sp.branch_of.index(b)][i]
-    # per-device tables; devices on other branches contribute unused zeros
-    q_tables = [
-        sp.q_globals[r][i] if sp.branch_of[r] == b else tuple((0, n) for _, n in runs) for r in range(len(sp.branch_of))
-    ]
+def _run_positions(tables, index):
+    """int32 global positions of concatenated runs; `tables[r]` = the runs `((start, size), ...)` of device r."""
+    sizes = [n for _, n in next(t for t in tables if t is not None)]
     parts = []
-    for j, (_, n) in enumerate(runs):
-        start = _take([t[j][0] for t in q_tables], index)
+    for j, n in enumerate(sizes):
+        start = _take([0 if t is None else t[j][0] for t in tables], index)
         parts.append(start + jnp.arange(n, dtype=jnp.int32))
-    q_pos = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    k_start = _take([sp.k_globals[r][i] if sp.branch_of[r] == b else 0 for r in range(len(sp.branch_of))], index)
-    k_pos = k_start + jnp.arange(task.k_size, dtype=jnp.int32)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def _task_positions(sp: _StepPlan, b: int, i: int, index):
+    """Global positions of the rows and columns of task `i` of branch `b` on the running device.
+
+    The starts come from per-device tables indexed by `index` (devices on other branches hold unused zeros).
+    """
+    on_b = [sp.branch_of[r] == b for r in range(len(sp.branch_of))]
+    q_pos = _run_positions([sp.q_globals[r][i] if on_b[r] else None for r in range(len(on_b))], index)
+    k_pos = _run_positions([sp.k_globals[r][i] if on_b[r] else None for r in range(len(on_b))], index)
     return q_pos, k_pos
 
 
@@ -436,7 +520,7 @@ def _step_forward(opts: _Options, sp: _StepPlan, index, q, k, v, aux, o, lse):
 
     def branch(b, q, k, v, aux, o, lse):
         for i, task in enumerate(sp.branches[b]):
-            q_pos, k_pos = _task_positions(sp, b, i, task, index)
+            q_pos, k_pos = _task_positions(sp, b, i, index)
             o_i, lse_i = _task_call(opts, task, *_slices(task, q, k, v), aux, q_pos, k_pos)
             rows = slice(task.q_start, task.q_start + task.q_size)
             o_r, lse_r = _merge(o[:, rows], lse[:, rows], o_i.astype(jnp.float32), lse_i)
@@ -459,7 +543,7 @@ def _step_backward(opts: _Options, sp: _StepPlan, index, q, k, v, aux, O, L, dO,
 
     def branch(b, q, k, v, aux, O, L, dO, dL, dq, dk, dv):
         for i, task in enumerate(sp.branches[b]):
-            q_pos, k_pos = _task_positions(sp, b, i, task, index)
+            q_pos, k_pos = _task_positions(sp, b, i, index)
             rows = slice(task.q_start, task.q_start + task.q_size)
             cols = slice(task.k_start, task.k_start + task.k_size)
             fn = lambda qt, kt, vt: _task_call(opts, task, qt, kt, vt, aux, q_pos, k_pos)  # noqa: B023
@@ -653,13 +737,15 @@ def attention(
 
     !!! Example
         ```python
-        mesh = jax.make_mesh((8,), ("sp",))
-        spec = jax.P(None, "sp")
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("sp",))
+        spec = jax.sharding.PartitionSpec(None, "sp")
         f = jax.shard_map(
             lambda q, k, v: attnlib.context_parallel.attention(q, k, v, axis_name="sp", is_causal=True),
             mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
         )
-        out = context_parallel.restore(f(*(context_parallel.reorder(x, 8) for x in (q, k, v))), 8)
+        out = attnlib.context_parallel.restore(
+            f(*(attnlib.context_parallel.reorder(x, 8) for x in (q, k, v))), 8
+        )
         ```
     """
     with jax.named_scope("attnlib.context_parallel.attention"):
