@@ -2,7 +2,7 @@
 # Builds the native extension and runs the cuDNN GPU tests and benchmark on a GPU machine (the H200 device).
 # Usage: bash benchmarks/run_cudnn_h200.sh OUT_DIR [tests|bench|all|smoke|ragged] [pytest or benchmark args...]
 # ragged: the dense and ragged/paged GPU tests in parallel (pytest-xdist, ATTNLIB_WORKERS, default 8; extra args go
-# to pytest), then benchmarks/bench_cudnn_ragged.py.
+# to pytest; pytest-benchmark is disabled, it aborts the session under xdist), then benchmarks/bench_cudnn_ragged.py.
 # ATTNLIB_CXX=default keeps the image's compiler (to check the libstdc++ link guard); ATTNLIB_BUILD_TYPE sets the build.
 set -uo pipefail
 out=${1:?output directory}; what=${2:-all}; shift 2 || true
@@ -54,7 +54,7 @@ fi
 if [ "$what" = ragged ]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false ATTNLIB_REQUIRE_GPU=1 ATTNLIB_CACHE_DIR=/tmp/attnlib_cache \
     timeout "${ATTNLIB_TEST_TIMEOUT:-400}" python3 -m pytest tests/test_cudnn_ragged_gpu.py tests/test_cudnn_gpu.py \
-    -v -rfE --tb=short -p no:cacheprovider -n "${ATTNLIB_WORKERS:-8}" "$@" 2>&1 | tee "$out/gpu_tests.log" \
+    -v -rfE --tb=short -p no:cacheprovider -p no:benchmark -n "${ATTNLIB_WORKERS:-8}" "$@" 2>&1 | tee "$out/gpu_tests.log" \
     | grep -v " PASSED " | tail -120
   grep -c " PASSED " "$out/gpu_tests.log"
   ATTNLIB_CACHE_DIR=/tmp/attnlib_cache timeout "${ATTNLIB_BENCH_TIMEOUT:-300}" python3 benchmarks/bench_cudnn_ragged.py \
