@@ -1,6 +1,7 @@
 """`attnlib.attention`: the public function, and `attnlib.explain`."""
 
 import functools
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -28,14 +29,13 @@ def _concise_type_errors(fn: Callable) -> Callable:
         except TypeCheckError as e:
             text = str(e)
             param = re.search(r"typechecking parameter '(\w+)'", text)
-            if param is None:
+            if param is None or f"parameters of {fn.__module__}.{fn.__qualname__}." not in text:
                 raise
             expected = re.search(r"Expected type: (.*)", text)
             actual = re.search(r"Actual value: (.*)", text)
-            raise TypeError(
-                f"`{param.group(1)}` must be {expected.group(1) if expected else 'of the annotated type'}. "
-                f"Got {actual.group(1) if actual else 'another type'}."
-            ) from None
+            expected_text = expected.group(1).rstrip(".") if expected else "of the annotated type"
+            actual_text = actual.group(1).rstrip(".") if actual else "another type"
+            raise TypeError(f"`{param.group(1)}` must be {expected_text}. Got {actual_text}.") from None
 
     return wrapper
 
@@ -56,25 +56,25 @@ def attention(
     bias: Shaped[ArrayLike, "..."] | None = None,
     mask: Shaped[ArrayLike, "..."] | None = None,
     *,
-    scale: float | None = None,
+    scale: numbers.Real | None = None,
     is_causal: bool = False,
     query_seq_lengths: Shaped[ArrayLike, "..."] | None = None,
     key_value_seq_lengths: Shaped[ArrayLike, "..."] | None = None,
-    local_window_size: int | Sequence[Any] | None = None,
+    local_window_size: numbers.Integral | Sequence[Any] | None = None,
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
     diagonal_alignment: Literal["top_left", "bottom_right"] | str = "top_left",
     q_segment_ids: Shaped[ArrayLike, "..."] | None = None,
     kv_segment_ids: Shaped[ArrayLike, "..."] | None = None,
-    max_segments_per_row: int | None = None,
+    max_segments_per_row: numbers.Integral | None = None,
     cu_seqlens_q: Shaped[ArrayLike, "..."] | None = None,
     cu_seqlens_kv: Shaped[ArrayLike, "..."] | None = None,
-    max_seqlen_q: int | None = None,
-    max_seqlen_kv: int | None = None,
+    max_seqlen_q: numbers.Integral | None = None,
+    max_seqlen_kv: numbers.Integral | None = None,
     page_table: Shaped[ArrayLike, "..."] | None = None,
-    logits_soft_cap: float | None = None,
+    logits_soft_cap: numbers.Real | None = None,
     sinks: Shaped[ArrayLike, "..."] | None = None,
-    dropout_rate: float = 0.0,
+    dropout_rate: numbers.Real = 0.0,
     dropout_key: PRNGKeyArray | None = None,
     deterministic_backward: bool = False,
 ) -> Float[Array, "..."] | tuple[Float[Array, "..."], Float[Array, "..."]]:

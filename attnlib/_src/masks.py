@@ -5,9 +5,9 @@ import jax.numpy as jnp
 
 
 def visible(
-    q_segment: jax.Array,
+    q_segment: jax.Array | None,
     q_position: jax.Array,
-    kv_segment: jax.Array,
+    kv_segment: jax.Array | None,
     kv_position: jax.Array,
     *,
     is_causal: bool,

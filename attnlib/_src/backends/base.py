@@ -1,12 +1,13 @@
 """What every implementation provides to dispatch."""
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import jax
 
 from ..config import AttentionConfig, AttentionInputs
 
 
+@runtime_checkable
 class Implementation(Protocol):
     """One attention implementation.
 
