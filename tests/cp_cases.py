@@ -69,6 +69,8 @@ CASES = {
         Case("lengths", {"is_causal": True}, lengths=True),
         Case("sinks_softcap", {"is_causal": True, "logits_soft_cap": 3.0}, sinks=True),
         Case("bottom_right_cross", {"is_causal": True, "diagonal_alignment": "bottom_right"}, T=32, S=48),
+        # more queries than keys: on the first ring step some devices have nothing to compute
+        Case("bottom_right_more_queries", {"is_causal": True, "diagonal_alignment": "bottom_right"}, T=48, S=32),
         Case(
             "everything",
             {"is_causal": True, "local_window_size": (13, 0)},
@@ -149,14 +151,24 @@ def reference(case: Case, x: dict):
     return out, lse, grads
 
 
-def context_parallel(case: Case, x: dict, num_devices: int, strategy: str, load_balanced: bool):
+def context_parallel(
+    case: Case, x: dict, num_devices: int, strategy: str, load_balanced: bool, data_parallel: int = 1
+):
+    """Run the case on `num_devices` sequence shards (times `data_parallel` batch shards over axis "dp")."""
     D = num_devices
     lay = lambda k, a: cp.reorder(a, D, SEQ_AXIS[k]) if load_balanced and k in SEQ_AXIS else a
     back = lambda k, a: cp.restore(a, D, SEQ_AXIS[k]) if load_balanced and k in SEQ_AXIS else a
     x = {k: lay(k, a) for k, a in x.items()}
     diff = {k: x[k] for k in DIFF if k in x}
     rest = {k: v for k, v in x.items() if k not in diff}
-    spec = lambda k: P() if k in REPLICATED else P(*([None] * (x[k].ndim + SEQ_AXIS[k])), AXIS)
+    dp = "dp" if data_parallel > 1 else None
+    batch = lambda k: P(dp) if k in ("query_seq_lengths", "key_value_seq_lengths") else P()
+    spec = lambda k: batch(k) if k in REPLICATED else P(dp, *([None] * (x[k].ndim + SEQ_AXIS[k] - 1)), AXIS)
+    if data_parallel > 1:
+        devices = np.array(jax.devices()[: D * data_parallel]).reshape(data_parallel, D)
+        mesh = jax.sharding.Mesh(devices, ("dp", AXIS))
+    else:
+        mesh = mesh_of(D)
 
     def body(diff, extra):
         return cp.attention(
@@ -167,10 +179,10 @@ def context_parallel(case: Case, x: dict, num_devices: int, strategy: str, load_
 
     def fn(diff, rest):
         extra = {k: v for k, v in rest.items() if not k.startswith("d_")}
-        out_specs = (spec("query"), P(None, AXIS, None)) if case.return_residual else spec("query")
+        out_specs = (spec("query"), P(dp, AXIS, None)) if case.return_residual else spec("query")
         sharded = jax.shard_map(
             body,
-            mesh=mesh_of(D),
+            mesh=mesh,
             in_specs=({k: spec(k) for k in diff}, {k: spec(k) for k in extra}),
             out_specs=out_specs,
         )
@@ -202,6 +214,18 @@ def test_matches_single_device(num_devices, strategy, load_balanced, name):
         # the row with no valid query: exact zeros, forward and backward
         assert np.all(np.asarray(out[1]) == 0.0)
         assert np.all(np.asarray(grads["query"][1]) == 0.0)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_batch_and_sequence_sharded(strategy):
+    """A 2 x 4 mesh: batch over "dp", sequence over "sp" (load-balanced); sinks replicated over both."""
+    case = CASES["everything"]
+    out_ref, lse_ref, grads_ref = reference_of(case.name)
+    out, lse, grads = context_parallel(case, make_inputs(case), 4, strategy, True, data_parallel=2)
+    assert_out_close(out, out_ref, jnp.float32)
+    assert_lse_close(lse, lse_ref, jnp.float32)
+    for k in grads_ref:
+        assert_grad_close(grads[k], grads_ref[k], jnp.float32, what=f"d{k}")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -11,22 +11,22 @@ Called inside `shard_map`, each device holds `T / D` query tokens and `S / D` ke
 
 How masks become per-step work (the *plan*). Every local token has a global position fixed by the layout
 (contiguous shards, or the load-balanced "dual chunk" order of `reorder`). The causal / window rule is a band on
-`key_position - query_position`; since every layout is made of contiguous *chunks* of global positions, the
-plan uses interval arithmetic on chunks, at trace time, to decide for every (step, device, query chunk, key
-chunk) whether the pair is
+`key_position - query_position`; since every layout is made of contiguous *chunks* of global positions, the plan
+uses interval arithmetic on chunks, at trace time, to turn every (step, device) into a few `attnlib.attention`
+calls on sub-blocks, each
 
-- empty: skipped (a ring step that no device needs is skipped altogether, transfers included, so windows cost
-  only the steps they reach);
-- fully visible: one `attnlib.attention` call with no mask;
-- a band that `attnlib.attention` can express natively (`is_causal`, `local_window_size`, `diagonal_alignment`
-  on the sub-block; padding lengths become local prefix lengths): one call with those flags;
-- anything else: one call with a small boolean `mask` `[T_chunk, S_chunk]` built from global positions.
+- fully visible: no mask;
+- a band that `attnlib.attention` expresses natively on the sub-block (`is_causal`, `local_window_size`,
+  `diagonal_alignment`; padding lengths become local prefix lengths): those flags;
+- anything else: a small boolean `mask` `[T_sub, S_sub]` built from global positions.
 
-Packed rows (segment ids) always use the boolean-mask form, built from global segment ids and global positions
-(positions inside a segment are global position differences, exactly as in `attnlib.attention` where each
-segment is one contiguous run). Partial results `(out_i, lse_i)` merge exactly through `lse`; sinks enter once,
-in the final merge. Devices whose plan differs (the causal diagonal, load-balanced halves) pick their branch with
-`lax.switch` on `axis_index`.
+Empty chunk pairs are skipped, key columns no query sees are trimmed, and a ring step that no device needs is
+dropped, transfers included (windows cost only the steps they reach). Chunks are combined into one call when that
+computes no more score entries than separate calls. Packed rows (segment ids) always use the boolean-mask form,
+built from global segment ids and global positions (within one contiguous segment, differences of in-segment
+positions are differences of global positions). Partial results `(out_i, lse_i)` merge exactly through `lse`;
+sinks enter once, in the final merge. Devices whose plans differ (the causal diagonal, load-balanced halves) pick
+their branch with `lax.switch` on `axis_index`.
 """
 
 import dataclasses
@@ -573,14 +573,41 @@ def _shift(x, delta: int, opts: _Options):
     return jax.tree.map(lambda a: jax.lax.ppermute(a, opts.axis_name, perm), x)
 
 
-def _initial_state(q, v):
+def _varying_axes(x) -> frozenset | None:
+    """The manual mesh axes `x` varies over inside `shard_map` (None when this JAX does not say)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    vma = getattr(aval, "vma", None)  # older JAX
+    return None if vma is None else frozenset(vma)
+
+
+def _vma(*trees, axis_name) -> tuple:
+    """The mesh axes the arrays of `trees` vary over, plus `axis_name`."""
+    names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+    for leaf in jax.tree.leaves(trees):
+        names |= _varying_axes(leaf) or set()
+    return tuple(sorted(names, key=str))
+
+
+def _varying(x, names: tuple):
+    """`x` typed as varying over `names`, so states of steps and switch branches that skip all work keep one type."""
+    have = _varying_axes(x)
+    missing = () if have is None else tuple(n for n in names if n not in have)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _initial_state(q, v, names):
     B, T, N, _ = q.shape
-    return jnp.zeros((B, T, N, v.shape[-1]), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
+    o = jnp.zeros((B, T, N, v.shape[-1]), jnp.float32)
+    lse = jnp.full((B, T, N), -jnp.inf, jnp.float32)
+    return _varying(o, names), _varying(lse, names)
 
 
 def _ring_forward(opts: _Options, q, k, v, sinks, aux):
     index = jax.lax.axis_index(opts.axis_name)
-    o, lse = _initial_state(q, v)
+    o, lse = _initial_state(q, v, _vma(q, k, v, aux, axis_name=opts.axis_name))
     steps = opts.plan.steps
     block = (k, v, aux.get("kv_seg"))
     for s, idx in enumerate(steps):
@@ -611,10 +638,11 @@ def _ring_bwd(opts, residuals, cotangents):
     dO = dO.astype(jnp.float32)
     dL = dL.astype(jnp.float32)
     index = jax.lax.axis_index(opts.axis_name)
-    dq = jnp.zeros(q.shape, jnp.float32)
+    names = _vma(q, k, v, aux, O, L, dO, dL, axis_name=opts.axis_name)
+    dq = _varying(jnp.zeros(q.shape, jnp.float32), names)
     steps = opts.plan.steps
     block = (k, v, aux.get("kv_seg"))
-    grads = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    grads = (_varying(jnp.zeros(k.shape, jnp.float32), names), _varying(jnp.zeros(v.shape, jnp.float32), names))
     for s, idx in enumerate(steps):
         last = s + 1 == len(steps)
         nxt = None if last else _shift(block, steps[s + 1] - idx, opts)  # issued before compute
@@ -633,7 +661,10 @@ def _ring_bwd(opts, residuals, cotangents):
         s_f = sinks.astype(jnp.float32)[None, None, :]
         p_sink = jnp.exp(s_f - jnp.where(jnp.isfinite(L), L, jnp.inf))
         local = jnp.sum(p_sink * (dL - jnp.sum(dO * O, axis=-1)), axis=(0, 1))
-        d_sinks = jax.lax.psum(local, opts.axis_name).astype(sinks.dtype)
+        # the replicated sinks get the sum over every mesh axis their cotangent varies over (sequence, batch, ...)
+        have, want = _varying_axes(local), _varying_axes(sinks)
+        axes = (opts.axis_name,) if have is None or want is None else tuple(sorted(have - want, key=str))
+        d_sinks = (jax.lax.psum(local, axes) if axes else local).astype(sinks.dtype)
     return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype), d_sinks, None
 
 
@@ -650,7 +681,7 @@ def _all_gather(opts: _Options, q, k, v, sinks, aux, load_balanced: bool):
         k_all, v_all = restore(k_all, D, axis=1), restore(v_all, D, axis=1)
         kv_seg_all = None if kv_seg_all is None else restore(kv_seg_all, D, axis=1)
     index = jax.lax.axis_index(opts.axis_name)
-    o, lse = _initial_state(q, v)
+    o, lse = _initial_state(q, v, _vma(q, k_all, v_all, aux, axis_name=opts.axis_name))
     o, lse = _step_forward(
         opts, opts.plan.step_plans[0], index, q, k_all, v_all, {**aux, "kv_seg": kv_seg_all}, o, lse
     )
