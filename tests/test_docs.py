@@ -80,7 +80,9 @@ def test_notebook_committed_executed(path):
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert code, f"{path.name} has no code cells"
     unexecuted = [i for i, c in enumerate(code) if c.get("execution_count") is None]
-    assert not unexecuted, f"{path.name}: code cells {unexecuted} have no outputs; run `python3 notebooks/run.py --write`"
+    assert not unexecuted, (
+        f"{path.name}: code cells {unexecuted} have no outputs; run `python3 notebooks/run.py --write`"
+    )
     counts = [c["execution_count"] for c in code]
     assert counts == list(range(1, len(code) + 1)), f"{path.name} was not executed top to bottom: {counts}"
     errors = [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
