@@ -62,12 +62,11 @@ CASES = {
     for c in [
         Case("noncausal_mha", {}, N=2, K=2),
         Case("causal", {"is_causal": True}),
-        Case("causal_gqa_mla", {"is_causal": True}, N=4, K=1, Hv=4),
+        Case("gqa_mla_sinks_softcap", {"is_causal": True, "logits_soft_cap": 3.0}, N=4, K=1, Hv=4, sinks=True),
         Case("window_causal", {"is_causal": True, "local_window_size": (9, 0)}),
         Case("window_two_sided", {"local_window_size": (5, 3)}),
         Case("segments", {"is_causal": True}, segments=True),
         Case("lengths", {"is_causal": True}, lengths=True),
-        Case("sinks_softcap", {"is_causal": True, "logits_soft_cap": 3.0}, sinks=True),
         Case("bottom_right_cross", {"is_causal": True, "diagonal_alignment": "bottom_right"}, T=32, S=48),
         # more queries than keys: on the first ring step some devices have nothing to compute
         Case("bottom_right_more_queries", {"is_causal": True, "diagonal_alignment": "bottom_right"}, T=48, S=32),
