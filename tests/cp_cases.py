@@ -120,7 +120,7 @@ def loss_and_outputs(fn, diff, rest, case):
     def loss(diff):
         res = fn(diff, rest)
         out, lse = res if case.return_residual else (res, None)
-        total = jnp.sum(out * rest["d_out"])
+        total = jnp.sum(out.astype(jnp.float32) * rest["d_out"])
         if lse is not None:
             total = total + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * rest["d_lse"])
         return total, (out, lse)
@@ -225,6 +225,21 @@ def test_batch_and_sequence_sharded(strategy):
     assert_lse_close(lse, lse_ref, jnp.float32)
     for k in grads_ref:
         assert_grad_close(grads[k], grads_ref[k], jnp.float32, what=f"d{k}")
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_bfloat16(strategy):
+    """bfloat16 inputs: output in bfloat16, float32 `lse`, within the project's bfloat16 tolerances."""
+    case = CASES["everything"]
+    x = {k: a.astype(jnp.bfloat16) if k in ("query", "key", "value") else a for k, a in make_inputs(case).items()}
+    out_ref, lse_ref, grads_ref = reference(case, x)
+    out, lse, grads = context_parallel(case, x, 4, strategy, True)
+    assert out.dtype == jnp.bfloat16
+    assert_out_close(out, out_ref, jnp.bfloat16)
+    assert_lse_close(lse, lse_ref, jnp.bfloat16)
+    for k in grads_ref:
+        assert grads[k].dtype == grads_ref[k].dtype
+        assert_grad_close(grads[k], grads_ref[k], jnp.bfloat16, what=f"d{k}")
 
 
 # ------------------------------------------------------------------------------------------------------------------
