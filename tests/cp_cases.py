@@ -286,10 +286,19 @@ def test_ring_never_materialises_the_full_sequence(load_balanced):
     assert _buffers(ring.as_text()), "no buffer shapes parsed from the compiled program"
     assert _full_sequence_buffers(ring.as_text(), S, full_kv) == []
     assert ring.memory_analysis().temp_size_in_bytes < gathered.memory_analysis().temp_size_in_bytes
+    # all_gather: K and V gathered, dK and dV reduce-scattered back (the transpose of all_gather); ring: neither
+    assert _collectives(gathered.as_text(), "all-gather") == 2
+    assert _collectives(gathered.as_text(), "reduce-scatter") == 2
+    assert _collectives(ring.as_text(), "all-gather") == _collectives(ring.as_text(), "reduce-scatter") == 0
+    assert _collectives(ring.as_text(), "collective-permute") > 0
+
+
+def _collectives(text: str, op: str) -> int:
+    return len(re.findall(rf"= \S+ {op}(?:-start)?\(", text))
 
 
 def _collective_permutes(text: str) -> int:
-    return len(re.findall(r"= \S+ collective-permute(?:-start)?\(", text))
+    return _collectives(text, "collective-permute")
 
 
 def test_ring_skips_steps_outside_the_window():
