@@ -20,31 +20,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import attnlib
-from attnlib._src.dropout import dropout_keep_mask
-
 from helpers import (
-    DTYPE_IDS,
-    DTYPES,
-    HV,
-    B,
-    K,
-    N,
-    S,
-    T,
     assert_finite,
     assert_grad_close,
     assert_lse_close,
     assert_out_close,
+    B,
     bitwise_equal,
+    DTYPE_IDS,
+    DTYPES,
+    HV,
+    K,
     lengths,
+    N,
     normal,
     qkv,
+    S,
     segment_ids_from_runs,
+    T,
     to_f64,
 )
 from reference import reference_attention, reference_attention_vjp
+
+import attnlib
+from attnlib._src.dropout import dropout_keep_mask
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -215,7 +214,8 @@ def _paged(r, d, **kw):
     q = normal(r, (B, t, N, 8), d)
     k = normal(r, (num_pages, page_size, K, 8), d)
     v = normal(r, (num_pages, page_size, K, HV), d)
-    table = lengths([[5, 1, 7], [2, 8, 0]])
+    table = lengths([[5, 1, 7], [2, 8, 0]])  # unordered pages; sequence 1 uses page 0 last
+    assert table.shape == (B, pages_per_seq)
     return make_case(q, k, v, page_table=table, key_value_seq_lengths=lengths([10, 7]), grad=False, **kw)
 
 

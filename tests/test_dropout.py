@@ -12,12 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import HV, lengths, N, normal, qkv, S, T, to_f64
+from reference import reference_attention
 
 import attnlib
 from attnlib._src.dropout import dropout_keep_mask
-
-from helpers import HV, N, S, T, lengths, normal, qkv, to_f64
-from reference import reference_attention
 
 
 IMPLS = [("xla", None), ("xla_chunked", 5)]

@@ -16,12 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from helpers import (
+    assert_grad_close,
+    assert_lse_close,
+    assert_out_close,
+    lengths,
+    normal,
+    to_f64,
+)
+from hypothesis import given, HealthCheck, Phase, settings, strategies as st
+from reference import reference_attention, reference_attention_vjp
 
 import attnlib
-
-from helpers import assert_grad_close, assert_lse_close, assert_out_close, lengths, normal, to_f64
-from reference import reference_attention, reference_attention_vjp
 
 
 # no `explain` phase: it re-runs a failing example many times, slow on CPU

@@ -11,11 +11,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import (
+    assert_grad_close,
+    assert_out_close,
+    HV,
+    lengths,
+    N,
+    normal,
+    qkv,
+    S,
+    segment_ids_from_runs,
+    T,
+    to_f64,
+)
+from reference import reference_attention, reference_attention_vjp
 
 import attnlib
-
-from helpers import HV, N, S, T, assert_grad_close, assert_out_close, lengths, normal, qkv, segment_ids_from_runs, to_f64
-from reference import reference_attention, reference_attention_vjp
 
 
 IMPLS = [("xla", None), ("xla_chunked", 5)]

@@ -12,10 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import B, H, HV, K, lengths, N, normal, qkv, S, T
 
 import attnlib
-
-from helpers import B, H, HV, K, N, S, T, lengths, normal, qkv
 
 
 def _inputs():
