@@ -5,6 +5,7 @@ dense `[B, S, K, H]` rows. Bias and mask become rank 4 `[B|1, N|1, T|1, S|1]`. S
 `TokenPositions`.
 """
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -45,7 +46,7 @@ def _to_rank4(x: jax.Array, batch_shape: tuple[int, ...]) -> jax.Array:
     if all(d == 1 for d in x.shape[:nb]):
         return jnp.reshape(x, (1,) + x.shape[nb:])
     x = jnp.broadcast_to(x, batch_shape + x.shape[nb:])
-    return jnp.reshape(x, (-1,) + x.shape[nb:])
+    return jnp.reshape(x, (math.prod(batch_shape),) + x.shape[nb:])
 
 
 def canonicalize(config: AttentionConfig, inputs: AttentionInputs) -> Problem:

@@ -17,7 +17,7 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
     allowed = scores.visible(config, problem, 0, S, problem.mask)
 
     s = jnp.where(allowed, s, -jnp.inf)
-    row_max = jnp.max(s, axis=-1)  # [B, K, G, T]
+    row_max = jnp.max(s, axis=-1, initial=-jnp.inf)  # [B, K, G, T]
     if problem.sinks is not None:
         sinks = scores.grouped_sinks(config, problem.sinks)
         row_max = jnp.maximum(row_max, sinks)
@@ -43,7 +43,8 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
         preferred_element_type=jnp.float32,
         precision=scores.precision(problem.value.dtype),
     )
-    out = jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (B, T, N, -1)).astype(problem.query.dtype)
+    out = jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (B, T, N, config.value_head_dim))
+    out = out.astype(problem.query.dtype)
     lse = jnp.transpose(jnp.reshape(lse, (B, N, T)), (0, 2, 1))
     return out, lse
 

@@ -130,7 +130,7 @@ def _backward(config: AttentionConfig, block: int, problem: canonical.Problem, o
     K, G = config.num_kv_heads, config.group_size
     q5 = scores.grouped_query(config, problem.query)
     to_kgt = lambda x: jnp.transpose(jnp.reshape(x, (B, T, K, G)), (0, 2, 3, 1))
-    do5 = jnp.reshape(d_out, (B, T, K, G, -1))
+    do5 = jnp.reshape(d_out, (B, T, K, G, config.value_head_dim))
     # D = rowsum(dO * O): the softmax Jacobian's diagonal correction; d_lse enters every score with weight p.
     correction = to_kgt(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1))
     correction = correction - d_lse.astype(jnp.float32)
@@ -225,7 +225,8 @@ def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int | N
     B, T, N, _ = problem.query.shape
     S = problem.key.shape[1]
     block = max(1, min(block_k or DEFAULT_BLOCK_K, S))
-    padded = _pad_keys(problem, -(-S // block) * block)
+    # At least one block: with S = 0 a single invisible padding key gives every row out 0 and lse -inf.
+    padded = _pad_keys(problem, max(1, -(-S // block)) * block)
     out, lse = _chunked(
         config, block, padded.query, padded.key, padded.value, padded.bias, padded.sinks, padded.mask,
         padded.dropout_seeds, padded.positions,
