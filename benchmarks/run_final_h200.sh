@@ -28,6 +28,6 @@ tests=(
   "$g::test_vmap_is_one_fused_call_and_matches"
   "tests/test_equinox.py::test_gpu_cudnn_core_and_layer_under_vmap" "tests/test_haiku.py::test_gpu_cudnn_layer_matches_xla"
 )
-ATTNLIB_REQUIRE_GPU=1 ATTNLIB_CACHE_DIR=/tmp/attnlib_cache timeout "$seconds" python3 -m pytest -p no:benchmark \
+XLA_PYTHON_CLIENT_PREALLOCATE=false ATTNLIB_REQUIRE_GPU=1 ATTNLIB_CACHE_DIR=/tmp/attnlib_cache timeout "$seconds" python3 -m pytest -p no:benchmark \
   -p no:cacheprovider -n 8 --dist load -v -rfE --tb=short "${tests[@]}" 2>&1 | tee "$out/gpu_tests.log" \
   | grep -E "PASSED|FAILED|ERROR|passed|failed|error" | tail -45
