@@ -7,6 +7,7 @@ set -uo pipefail
 out=${1:?output directory}; seconds=${2:-140}
 bash benchmarks/run_cudnn_h200.sh "$out" build > "$out/build_summary.log" 2>&1 || { tail -20 "$out/build_summary.log"; exit 1; }
 tail -3 "$out/build_summary.log"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/attnlib_meta"  # attnlib's metadata, installed by the build step
 timeout 60 python3 -m attnlib 2>&1 | tee "$out/selfcheck.log"
 g=tests/test_cudnn_gpu.py; r=tests/test_cudnn_ragged_gpu.py; c=tests/test_context_parallel_gpu.py
 tests=(
