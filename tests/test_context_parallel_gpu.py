@@ -55,7 +55,8 @@ def _sharded(strategy, load_balanced, options):
 def test_per_step_runs_on_cudnn_and_matches_reference(strategy, load_balanced, options):
     q, k, v, sinks = _inputs()
     run = _sharded(strategy, load_balanced, options)
-    loss = lambda q, k, v, s, f: jnp.sum(f(q, k, v, s).astype(jnp.float32) * jnp.cos(jnp.arange(H) * 0.3))
+    weights = jnp.cos(jnp.arange(H, dtype=jnp.float32) * 0.3)[None, None, None, :]
+    loss = lambda q, k, v, s, f: jnp.sum(f(q, k, v, s).astype(jnp.float32) * weights)
     reference = lambda q, k, v, s: attnlib.attention(q, k, v, sinks=s, implementation="xla", **options)
 
     hlo = jax.jit(jax.grad(lambda *a: loss(*a, run), argnums=(0, 1, 2, 3))).lower(q, k, v, sinks).as_text()

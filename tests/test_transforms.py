@@ -282,3 +282,32 @@ def test_vmap_over_thd(impl):
         o, l = single(q[i], k[i], v[i], cu_q[i], cu_kv[i])
         np.testing.assert_allclose(np.asarray(out[i]), np.asarray(o), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(np.isneginf(np.asarray(lse[i])), np.isneginf(np.asarray(l)))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked"])
+def test_shard_map_with_varying_inputs(implementation):
+    """Inside `shard_map` the inputs vary over the mesh axis; loop carries must vary with them (fwd and bwd)."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("b",))
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (2, 11, 4, 8))
+    k = jax.random.normal(keys[1], (2, 13, 2, 8))
+    v = jax.random.normal(keys[2], (2, 13, 2, 8))
+    seg_q = jnp.array([[1] * 5 + [2] * 6, [3] * 11])
+    seg_k = jnp.array([[1] * 6 + [2] * 7, [3] * 9 + [0] * 4])
+    options = dict(
+        is_causal=True, diagonal_alignment="bottom_right", sinks=jnp.zeros((4,)), implementation=implementation
+    )
+
+    def local(q, k, v, seg_q, seg_k):
+        return attnlib.attention(q, k, v, q_segment_ids=seg_q, kv_segment_ids=seg_k, **options)
+
+    spec = P("b")
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, seg_q, seg_k) ** 2)
+    out, grads = jax.jit(jax.value_and_grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v)
+    expected, expected_grads = jax.jit(jax.value_and_grad(loss(local), argnums=(0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -13,6 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from . import varying
+
 
 class TokenPositions(NamedTuple):
     """Sequence ids and positions of query and key tokens.
@@ -78,7 +80,8 @@ def _count_matching(q_ids: jax.Array, kv_ids: jax.Array, chunk: int = 1024) -> j
         block = jax.lax.dynamic_slice_in_dim(padded, c * chunk, chunk, axis=1)
         return total + jnp.sum(q_ids[:, :, None] == block[:, None, :], axis=-1, dtype=jnp.int32)
 
-    return jax.lax.fori_loop(0, num_chunks, body, jnp.zeros(q_ids.shape, jnp.int32))
+    init = varying.like_inputs(jnp.zeros(q_ids.shape, jnp.int32), q_ids, kv_ids)
+    return jax.lax.fori_loop(0, num_chunks, body, init)
 
 
 def dense_positions(

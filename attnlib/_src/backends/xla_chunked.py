@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .. import canonical
+from .. import canonical, varying
 from ..config import AttentionConfig, AttentionInputs
 from ..positions import TokenPositions
 from . import scores
@@ -101,7 +101,7 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem):
         jnp.zeros((B, K, G, T), jnp.float32),
         jnp.zeros((B, K, G, T, Hv), jnp.float32),
     )
-    row_max, denominator, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    row_max, denominator, acc = jax.lax.fori_loop(0, num_blocks, body, varying.like_inputs(init, problem))
 
     if problem.sinks is not None:
         sinks = scores.grouped_sinks(config, problem.sinks)
@@ -181,6 +181,7 @@ def _backward(config: AttentionConfig, block: int, problem: canonical.Problem, o
         jnp.zeros(problem.value.shape, jnp.float32),
         None if bias is None else jnp.zeros(bias.shape, jnp.float32),
     )
+    init = varying.like_inputs(init, problem, out, lse, d_out, d_lse)
     dq, dk, dv, dbias = jax.lax.fori_loop(0, S // block, body, init)
 
     d_sinks = None
@@ -227,9 +228,13 @@ def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int | N
     block = max(1, min(block_k or DEFAULT_BLOCK_K, S))
     # At least one block: with S = 0 a single invisible padding key gives every row out 0 and lse -inf.
     padded = _pad_keys(problem, max(1, -(-S // block)) * block)
+    # Inside shard_map, differentiable inputs must vary like the rest so their cotangents (reduced by JAX where an
+    # input was replicated) match the custom_vjp's types.
+    query, key, value, bias, sinks = varying.like_inputs(
+        (padded.query, padded.key, padded.value, padded.bias, padded.sinks), padded
+    )
     out, lse = _chunked(
-        config, block, padded.query, padded.key, padded.value, padded.bias, padded.sinks, padded.mask,
-        padded.dropout_seeds, padded.positions,
+        config, block, query, key, value, bias, sinks, padded.mask, padded.dropout_seeds, padded.positions
     )
     # [B, K, G, T] -> [B, T, N]
     lse = jnp.reshape(jnp.transpose(lse, (0, 3, 1, 2)), (B, T, N))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import dropout as dropout_lib, ffi
+from ... import dropout as dropout_lib, ffi, varying
 from ...config import AttentionConfig, AttentionInputs
 from . import graphs, support
 from .cache import GraphCache, GraphEntry
@@ -367,6 +367,8 @@ def attention(
         seeds = jax.lax.bitcast_convert_type(dropout_lib.dropout_seeds(inputs.dropout_key), jnp.int32)
 
     plan = make_plan(config, B, t, None if bias is None else (bias.shape[0], bias.shape[1]))
+    # Inside shard_map: differentiable inputs vary like the rest, so custom_vjp cotangent types match.
+    q, k, v, bias, sinks = varying.like_inputs((q, k, v, bias, sinks), (q, k, v, bias, sinks, seq_q, seq_kv, seeds))
     out, lse = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds)
     if skip:
         out = jnp.concatenate([jnp.zeros((B, skip) + out.shape[2:], out.dtype), out], axis=1)

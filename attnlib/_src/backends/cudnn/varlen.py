@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import dropout as dropout_lib
+from ... import dropout as dropout_lib, varying
 from ...config import AttentionConfig, AttentionInputs
 from .. import xla as xla_backend
 from . import attention as dense, ragged, support
@@ -273,6 +273,7 @@ def _ragged_attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple
         batch = ragged.segment_batch(*_segment_ids(config, inputs), max_segments=config.max_segments_per_row,
                                      num_buckets=plan.fwd.b, t_bound=plan.fwd.t, s_bound=plan.fwd.s,
                                      slice_right=slice_right)  # fmt: skip
+    q, k, v, sinks = varying.like_inputs((q, k, v, sinks), (q, k, v, sinks, seeds, batch))
     out, lse = _ragged_sdpa(plan, q, k, v, sinks, seeds, batch, reference)
     return jnp.reshape(out.astype(dtype), out_shape), jnp.reshape(lse, lse_shape)
 
