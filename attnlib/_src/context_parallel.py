@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .attention import attention as _attention
+from .varying import varying_axes
 
 
 _STRATEGIES = ("ring", "all_gather")
@@ -573,27 +574,17 @@ def _shift(x, delta: int, opts: _Options):
     return jax.tree.map(lambda a: jax.lax.ppermute(a, opts.axis_name, perm), x)
 
 
-def _varying_axes(x) -> frozenset | None:
-    """The manual mesh axes `x` varies over inside `shard_map` (None when this JAX does not say)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    vma = getattr(aval, "vma", None)  # older JAX
-    return None if vma is None else frozenset(vma)
-
-
 def _vma(*trees, axis_name) -> tuple:
     """The mesh axes the arrays of `trees` vary over, plus `axis_name`."""
     names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
     for leaf in jax.tree.leaves(trees):
-        names |= _varying_axes(leaf) or set()
+        names |= varying_axes(leaf) or set()
     return tuple(sorted(names, key=str))
 
 
 def _varying(x, names: tuple):
     """`x` typed as varying over `names`, so states of steps and switch branches that skip all work keep one type."""
-    have = _varying_axes(x)
+    have = varying_axes(x)
     missing = () if have is None else tuple(n for n in names if n not in have)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
@@ -662,7 +653,7 @@ def _ring_bwd(opts, residuals, cotangents):
         p_sink = jnp.exp(s_f - jnp.where(jnp.isfinite(L), L, jnp.inf))
         local = jnp.sum(p_sink * (dL - jnp.sum(dO * O, axis=-1)), axis=(0, 1))
         # the replicated sinks get the sum over every mesh axis their cotangent varies over (sequence, batch, ...)
-        have, want = _varying_axes(local), _varying_axes(sinks)
+        have, want = varying_axes(local), varying_axes(sinks)
         axes = (opts.axis_name,) if have is None or want is None else tuple(sorted(have - want, key=str))
         d_sinks = (jax.lax.psum(local, axes) if axes else local).astype(sinks.dtype)
     return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype), d_sinks, None

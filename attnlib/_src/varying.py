@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _varying_axes(x) -> frozenset | None:
+def varying_axes(x) -> frozenset | None:
     """The manual mesh axes `x` varies over (empty outside `shard_map`; None when this JAX does not say)."""
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
@@ -25,7 +25,7 @@ def like_inputs(values, *inputs):
     """`values` (a pytree of arrays), made to vary over every mesh axis that some array leaf of `inputs` varies over."""
     varying_leaves = []
     for leaf in jax.tree.leaves(inputs):
-        axes = _varying_axes(leaf)
+        axes = varying_axes(leaf)
         if axes is None or axes:
             varying_leaves.append(leaf)
     if not varying_leaves:
