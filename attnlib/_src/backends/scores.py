@@ -18,9 +18,9 @@ def precision(dtype) -> jax.lax.Precision:
 
 
 def grouped_query(config: AttentionConfig, query: jax.Array) -> jax.Array:
-    """`[B, T, N, H]` -> `[B, T, K, G, H]`."""
+    """`[B, T, N, H]` -> `[B, K, G, T, H]`: the score matmul then writes `[B, K, G, T, s]` without a transpose."""
     B, T, N, H = query.shape
-    return jnp.reshape(query, (B, T, config.num_kv_heads, config.group_size, H))
+    return jnp.transpose(jnp.reshape(query, (B, T, config.num_kv_heads, config.group_size, H)), (0, 2, 3, 1, 4))
 
 
 def grouped_heads(config: AttentionConfig, x: jax.Array) -> jax.Array:
@@ -40,12 +40,12 @@ def raw_scores(config: AttentionConfig, q5: jax.Array, key: jax.Array, bias: jax
     """float32 `[B, K, G, T, s]` scores `scale * q.k (+ bias)`, before soft-capping.
 
     Args:
-        q5: `[B, T, K, G, H]`.
+        q5: `[B, K, G, T, H]`.
         key: `[B, s, K, H]`.
         bias: rank-4 bias block or None.
     """
     s = jnp.einsum(
-        "btkgh,bskh->bkgts", q5, key, preferred_element_type=jnp.float32, precision=precision(q5.dtype)
+        "bkgth,bskh->bkgts", q5, key, preferred_element_type=jnp.float32, precision=precision(q5.dtype)
     )
     s = s * jnp.float32(config.scale)
     if bias is not None:

@@ -30,19 +30,19 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
     has_mass = denominator > 0
     safe_denominator = jnp.where(has_mass, denominator, 1.0)
     lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), -jnp.inf)
-    probs = unnormalised / safe_denominator[..., None]
-
+    weights = unnormalised  # normalised after the PV product: one pass over [T, S] fewer
     if problem.dropout_seeds is not None:
         keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, 0, S)
-        probs = jnp.where(keep, probs / (1.0 - config.dropout_rate), 0.0)
+        weights = jnp.where(keep, weights / (1.0 - config.dropout_rate), 0.0)
 
     out = jnp.einsum(
         "bkgts,bskh->bkgth",
-        probs.astype(problem.value.dtype),
+        weights.astype(problem.value.dtype),
         problem.value,
         preferred_element_type=jnp.float32,
         precision=scores.precision(problem.value.dtype),
     )
+    out = out / safe_denominator[..., None]
     out = jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (B, T, N, config.value_head_dim))
     out = out.astype(problem.query.dtype)
     lse = jnp.transpose(jnp.reshape(lse, (B, N, T)), (0, 2, 1))

@@ -169,8 +169,8 @@ def _backward(config: AttentionConfig, block: int, problem: canonical.Problem, o
             else:
                 dbias = jax.lax.dynamic_update_slice_in_dim(dbias, ds_n, k_start, axis=3)
         ds = ds * jnp.float32(config.scale)
-        dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
-        dk_blk = jnp.einsum("bkgts,btkgh->bskh", ds, f32(q5), precision=jax.lax.Precision.HIGHEST)
+        dq = dq + jnp.einsum("bkgts,bskh->bkgth", ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
+        dk_blk = jnp.einsum("bkgts,bkgth->bskh", ds, f32(q5), precision=jax.lax.Precision.HIGHEST)
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk, k_start, axis=1)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk, k_start, axis=1)
         return dq, dk, dv, dbias
@@ -190,7 +190,7 @@ def _backward(config: AttentionConfig, block: int, problem: canonical.Problem, o
         p_sink = jnp.exp(scores.grouped_sinks(config, problem.sinks) - lse)
         d_sinks = jnp.reshape(jnp.sum(-p_sink * correction, axis=(0, 3)), (N,)).astype(problem.sinks.dtype)
     return (
-        jnp.reshape(dq, (B, T, N, H)).astype(problem.query.dtype),
+        jnp.reshape(jnp.transpose(dq, (0, 3, 1, 2, 4)), (B, T, N, H)).astype(problem.query.dtype),
         dk.astype(problem.key.dtype),
         dv.astype(problem.value.dtype),
         None if bias is None else dbias.astype(bias.dtype),
