@@ -20,7 +20,7 @@ DEFAULT_BLOCK_K = 512
 """Keys per block. Tests lower it to exercise several (and ragged) blocks."""
 
 AUTO_MIN_SCORE_BYTES = 256 * 2**20
-"""With `implementation=None`, materialised float32 scores below this size are left to `"xla"` (faster)."""
+"""With `implementation=None`, materialised float32 scores below this size are left to `"xla"`."""
 
 
 def _pad_keys(problem: canonical.Problem, padded_len: int) -> canonical.Problem:
@@ -251,7 +251,7 @@ class _XlaChunked:
         if score_bytes < AUTO_MIN_SCORE_BYTES:
             return (
                 f"xla_chunked: the materialised scores take only {score_bytes / 2**20:.1f} MiB "
-                f"(< {AUTO_MIN_SCORE_BYTES // 2**20} MiB), where `xla` is faster; name it to force it"
+                f"(< {AUTO_MIN_SCORE_BYTES // 2**20} MiB), below which automatic dispatch uses `xla`; name it to force it"
             )
         return None
 
