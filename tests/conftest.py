@@ -13,6 +13,21 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+IMPLS = [("xla", None), ("xla_chunked", 5)]
+IMPL_IDS = ["xla", "xla_chunked-bk5"]
+
+
+@pytest.fixture(params=IMPLS, ids=IMPL_IDS)
+def impl(request, monkeypatch):
+    """Each plain-JAX implementation; `xla_chunked` with 5-key blocks, so several (and ragged) blocks run."""
+    name, block_k = request.param
+    if block_k is not None:
+        import attnlib._src.backends.xla_chunked as chunked
+
+        monkeypatch.setattr(chunked, "DEFAULT_BLOCK_K", block_k)
+    return name
+
+
 def _gpu_unavailable_reason() -> str | None:
     try:
         if not any(d.platform == "gpu" for d in jax.devices()):

@@ -19,20 +19,6 @@ import attnlib
 from attnlib._src.dropout import dropout_keep_mask
 
 
-IMPLS = [("xla", None), ("xla_chunked", 5)]
-IMPL_IDS = ["xla", "xla_chunked-bk5"]
-
-
-@pytest.fixture(params=IMPLS, ids=IMPL_IDS)
-def impl(request, monkeypatch):
-    name, block_k = request.param
-    if block_k is not None:
-        import attnlib._src.backends.xla_chunked as chunked
-
-        if not hasattr(chunked, "DEFAULT_BLOCK_K"):
-            pytest.fail("attnlib._src.backends.xla_chunked.DEFAULT_BLOCK_K is missing")
-        monkeypatch.setattr(chunked, "DEFAULT_BLOCK_K", block_k)
-    return name
 
 
 def applied_mask(impl, key, rate, *, b=2, n=N, t=T, s=S, thd=False):

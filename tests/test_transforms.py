@@ -29,21 +29,7 @@ from reference import reference_attention, reference_attention_vjp
 import attnlib
 
 
-IMPLS = [("xla", None), ("xla_chunked", 5)]
-IMPL_IDS = ["xla", "xla_chunked-bk5"]
 VB = 7  # vmapped batch size: a prime distinct from every other dim (T=13, S=17, N=6, K=2, H=8, Hv=5, block 5)
-
-
-@pytest.fixture(params=IMPLS, ids=IMPL_IDS)
-def impl(request, monkeypatch):
-    name, block_k = request.param
-    if block_k is not None:
-        import attnlib._src.backends.xla_chunked as chunked
-
-        if not hasattr(chunked, "DEFAULT_BLOCK_K"):
-            pytest.fail("attnlib._src.backends.xla_chunked.DEFAULT_BLOCK_K is missing")
-        monkeypatch.setattr(chunked, "DEFAULT_BLOCK_K", block_k)
-    return name
 
 
 def _inputs(batch=(2,), seed=0, dtype=jnp.float32):
