@@ -2,7 +2,6 @@
 
 from typing import Any
 
-
 def registrations(command_buffer: bool = True) -> dict[str, dict[str, Any]]:
     """FFI handler bundles by target name; `command_buffer` marks execute capturable into CUDA graphs."""
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_cudnn import best_per_call  # noqa: E402
 

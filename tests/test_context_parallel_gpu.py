@@ -50,7 +50,9 @@ def _sharded(strategy, load_balanced, options):
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 @pytest.mark.parametrize("load_balanced", [True, False], ids=["balanced", "contiguous"])
 @pytest.mark.parametrize(
-    "options", [{"is_causal": True}, {}, {"is_causal": True, "local_window_size": (96, 0)}], ids=["causal", "full", "window"]
+    "options",
+    [{"is_causal": True}, {}, {"is_causal": True, "local_window_size": (96, 0)}],
+    ids=["causal", "full", "window"],
 )
 def test_per_step_runs_on_cudnn_and_matches_reference(strategy, load_balanced, options):
     q, k, v, sinks = _inputs()

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import test_cudnn_gpu as dense  # the dense GPU tests' helpers (same directory)
 
 

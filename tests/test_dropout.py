@@ -19,8 +19,6 @@ import attnlib
 from attnlib._src.dropout import dropout_keep_mask
 
 
-
-
 def applied_mask(impl, key, rate, *, b=2, n=N, t=T, s=S, thd=False):
     """The keep mask `[b, n, t, s]` the forward pass of `impl` applied, read back from its output."""
     if thd:

@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-from beartype import BeartypeConf, beartype
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped, TypeCheckError, jaxtyped
+from beartype import beartype, BeartypeConf
+from jaxtyping import Array, ArrayLike, Float, jaxtyped, PRNGKeyArray, Shaped, TypeCheckError
 
 from . import dispatch, validation
 

@@ -9,7 +9,7 @@ import jax
 from .backends import xla, xla_chunked
 from .backends.base import Implementation
 from .backends.cudnn import IMPLEMENTATION as _CUDNN
-from .config import IMPLEMENTATIONS, AttentionConfig
+from .config import AttentionConfig, IMPLEMENTATIONS
 
 
 logger = logging.getLogger("attnlib")

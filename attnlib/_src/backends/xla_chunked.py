@@ -251,7 +251,8 @@ class _XlaChunked:
         if score_bytes < AUTO_MIN_SCORE_BYTES:
             return (
                 f"xla_chunked: the materialised scores take only {score_bytes / 2**20:.1f} MiB "
-                f"(< {AUTO_MIN_SCORE_BYTES // 2**20} MiB), below which automatic dispatch uses `xla`; name it to force it"
+                f"(< {AUTO_MIN_SCORE_BYTES // 2**20} MiB), below which automatic dispatch uses `xla`; "
+                "name it to force it"
             )
         return None
 
