@@ -114,13 +114,44 @@ def test_decline_reason_on_this_machine_never_imports_cudnn():
     assert out.returncode == 0, out.stderr
 
 
-def test_backend_plan_index_skips_python_engines():
+def test_backend_plan_indices_skip_python_engines():
     is_backend = lambda engine_id: 0 <= engine_id < 10000
-    assert graphs.backend_plan_index([5, 20001], is_backend) == 0
-    assert graphs.backend_plan_index([20001, 20002, 7], is_backend) == 2
-    assert graphs.backend_plan_index([20001, -1], is_backend) == 1
+    assert graphs.backend_plan_indices([5, 20001], is_backend) == [0]
+    assert graphs.backend_plan_indices([20001, 20002, 7, 9], is_backend) == [2, 3]
+    assert graphs.backend_plan_indices([20001, -1], is_backend) == [1]
     with pytest.raises(NotImplementedError, match="Python-engine"):
-        graphs.backend_plan_index([20001, 20002], is_backend)
+        graphs.backend_plan_indices([20001, 20002], is_backend)
+
+
+@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False), ("off", False), ("False", False)])
+def test_autotune_switch_and_cache_key(monkeypatch, value, enabled):
+    if value is None:
+        monkeypatch.delenv("ATTNLIB_CUDNN_AUTOTUNE", raising=False)
+    else:
+        monkeypatch.setenv("ATTNLIB_CUDNN_AUTOTUNE", value)
+    assert graphs.autotune_enabled() is enabled
+    device = support.Device(name="NVIDIA H200", compute_capability=(9, 0), cudnn_version=91900)
+    spec = graphs.GraphSpec(direction="fwd", dtype="bfloat16", b=2, t=65, s=33, n=6, k=2, h=24, hv=40, scale=0.2)
+    key = graphs.cache_key(spec, device)
+    assert key["plan_selection"] == ("autotuned" if enabled else "heuristics")
+
+
+def test_timing_tensors_describe_every_graph_tensor():
+    spec = graphs.GraphSpec(direction="bwd", dtype="float16", b=3, t=64, s=128, n=6, k=2, h=24, hv=40, scale=0.2,
+                            padding=True, ragged=True, t_total=1024, s_total=1024)
+    tensors = {uid: (size, data) for uid, size, data in graphs.timing_tensors(spec)}
+    assert set(tensors) == {int(u) for u in spec.in_uids() + spec.out_uids()}
+    assert tensors[int(graphs.Uid.Q)] == (3 * 64 * 6 * 24 * 2, b"")  # b full sequences of t tokens, zeros
+    assert tensors[int(graphs.Uid.DV)][0] == 3 * 128 * 2 * 40 * 2
+    assert tensors[int(graphs.Uid.STATS)][0] == 3 * 6 * 64 * 4
+    seq_kv = np.frombuffer(tensors[int(graphs.Uid.SEQ_KV)][1], np.int32)
+    np.testing.assert_array_equal(seq_kv, [128, 128, 128])
+    off_v = np.frombuffer(tensors[int(graphs.Uid.OFF_V)][1], np.int64)  # little-endian int64 = (low, high) int32
+    np.testing.assert_array_equal(off_v, np.arange(4) * 128 * 2 * 40)
+    paged = graphs.GraphSpec(direction="fwd", dtype="bfloat16", b=2, t=1, s=48, n=4, k=2, h=16, hv=16, scale=0.25,
+                             padding=True, pages=(5, 16, 3))
+    table = dict((u, d) for u, _, d in graphs.timing_tensors(paged))[int(graphs.Uid.PT_K)]
+    np.testing.assert_array_equal(np.frombuffer(table, np.int32).reshape(2, 3), [[0, 1, 2], [3, 4, 0]])
 
 
 def test_python_engine_blob_is_rejected():

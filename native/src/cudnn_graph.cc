@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -450,6 +451,125 @@ int64_t LoadCudnn(const std::string& hint, std::string* error) {
   }
   try {
     return static_cast<int64_t>(fe::detail::get_backend_version());
+  } catch (const std::exception& e) {
+    *error = e.what();
+    return -1;
+  }
+}
+
+double TimeGraph(const std::string& blob, const std::vector<TimedTensor>& tensors, int64_t ws_bytes, int repeats,
+                 int batch, std::string* error) {
+  // Everything acquired is released by this guard, whichever step fails.
+  struct Resources {
+    cudnnHandle_t handle = nullptr;
+    cudaStream_t stream = nullptr;
+    cudaEvent_t start = nullptr, stop = nullptr;
+    std::vector<void*> buffers;
+    ~Resources() {
+      if (stream != nullptr) fe::detail::cuda_stream_synchronize(stream);
+      for (void* p : buffers) fe::detail::cuda_free(p);
+      if (start != nullptr) fe::detail::cuda_event_destroy(start);
+      if (stop != nullptr) fe::detail::cuda_event_destroy(stop);
+      if (handle != nullptr) fe::detail::destroy_handle(handle);
+      if (stream != nullptr) fe::detail::cuda_stream_destroy(stream);
+    }
+  } r;
+  auto cuda_failed = [&](cudaError_t err, const char* step) {
+    if (err == cudaSuccess) return false;
+    *error = std::string(step) + ": CUDA error " + std::to_string(static_cast<int>(err));
+    return true;
+  };
+  try {
+    if (LoadCudnn("", error) < 0) return -1;
+    if (repeats < 1 || batch < 1) {
+      *error = "repeats and batch must be at least 1";
+      return -1;
+    }
+    if (fe::detail::create_handle(&r.handle) != CUDNN_STATUS_SUCCESS) {
+      r.handle = nullptr;
+      *error = "cudnnCreate: " + fe::detail::get_last_error_string_();
+      return -1;
+    }
+    if (cuda_failed(fe::detail::cuda_stream_create(&r.stream), "cudaStreamCreate")) return -1;
+    if (cuda_failed(fe::detail::cuda_event_create(&r.start), "cudaEventCreate")) return -1;
+    if (cuda_failed(fe::detail::cuda_event_create(&r.stop), "cudaEventCreate")) return -1;
+    if (fe::detail::set_stream(r.handle, r.stream) != CUDNN_STATUS_SUCCESS) {
+      *error = "cudnnSetStream: " + fe::detail::get_last_error_string_();
+      return -1;
+    }
+    fe::graph::Graph graph;
+    fe::error_t status = graph.deserialize(r.handle, json::from_ubjson(blob), /*enforce_precompiled=*/false,
+                                           /*run_warmup=*/false);
+    if (status.is_bad()) {
+      *error = "deserialize: " + status.get_message();
+      return -1;
+    }
+    int64_t needed = 0;
+    status = graph.get_workspace_size(needed);
+    if (status.is_bad()) {
+      *error = "get_workspace_size: " + status.get_message();
+      return -1;
+    }
+    std::unordered_map<int64_t, void*> pointers;
+    for (const TimedTensor& t : tensors) {
+      void* p = nullptr;
+      if (cuda_failed(fe::detail::cuda_malloc(&p, static_cast<size_t>(std::max<int64_t>(t.bytes, 1))), "cudaMalloc")) {
+        return -1;
+      }
+      r.buffers.push_back(p);
+      pointers[t.uid] = p;
+      if (t.contents.empty()) {
+        if (cuda_failed(fe::detail::cuda_mem_set_async(p, 0, static_cast<size_t>(t.bytes), r.stream), "cudaMemset")) {
+          return -1;
+        }
+      } else {
+        if (static_cast<int64_t>(t.contents.size()) > t.bytes) {
+          *error = "contents of tensor uid " + std::to_string(t.uid) + " exceed its size";
+          return -1;
+        }
+        if (cuda_failed(fe::detail::cuda_mem_cpy_async(p, t.contents.data(), t.contents.size(), cudaMemcpyHostToDevice,
+                                                       r.stream),
+                        "cudaMemcpy")) {
+          return -1;
+        }
+        if (cuda_failed(fe::detail::cuda_stream_synchronize(r.stream), "cudaStreamSynchronize")) return -1;
+      }
+    }
+    void* workspace = nullptr;
+    int64_t ws = std::max(ws_bytes, needed);
+    if (ws > 0) {
+      if (cuda_failed(fe::detail::cuda_malloc(&workspace, static_cast<size_t>(ws)), "cudaMalloc")) return -1;
+      r.buffers.push_back(workspace);
+    }
+    std::vector<void*> ptrs;
+    for (int64_t uid : graph.get_variant_pack_uids_sorted()) {
+      auto it = pointers.find(uid);
+      if (it == pointers.end()) {
+        *error = "the graph needs tensor uid " + std::to_string(uid) + " but no buffer was described for it";
+        return -1;
+      }
+      ptrs.push_back(it->second);
+    }
+    auto run = [&]() {
+      fe::error_t s = graph.execute(r.handle, ptrs.data(), static_cast<int>(ptrs.size()), workspace);
+      if (s.is_bad()) *error = "execute: " + s.get_message();
+      return s.is_good();
+    };
+    if (!run()) return -1;
+    if (cuda_failed(fe::detail::cuda_stream_synchronize(r.stream), "warm-up")) return -1;
+    float best = std::numeric_limits<float>::infinity();
+    for (int rep = 0; rep < repeats; ++rep) {
+      if (cuda_failed(fe::detail::cuda_event_record(r.start, r.stream), "cudaEventRecord")) return -1;
+      for (int i = 0; i < batch; ++i) {
+        if (!run()) return -1;
+      }
+      if (cuda_failed(fe::detail::cuda_event_record(r.stop, r.stream), "cudaEventRecord")) return -1;
+      if (cuda_failed(fe::detail::cuda_event_synchronize(r.stop), "cudaEventSynchronize")) return -1;
+      float ms = 0.0f;
+      if (cuda_failed(fe::detail::cuda_event_elapsed_time(&ms, r.start, r.stop), "cudaEventElapsedTime")) return -1;
+      best = std::min(best, ms / static_cast<float>(batch));
+    }
+    return static_cast<double>(best);
   } catch (const std::exception& e) {
     *error = e.what();
     return -1;

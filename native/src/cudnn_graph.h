@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "xla/ffi/api/c_api.h"
 
@@ -34,5 +35,19 @@ bool GraphVersions(const std::string& blob, std::string* json_version, int64_t* 
 // Binds the cuDNN frontend to libcudnn: the copy already loaded in the process when there is one, else `hint` (a
 // path), else the soname. Returns the cuDNN backend version (e.g. 91900), or -1 with `error` set.
 int64_t LoadCudnn(const std::string& hint, std::string* error);
+
+// One tensor of a graph timed by `TimeGraph`: its UID, its size in bytes, and its initial contents (empty = zeros).
+struct TimedTensor {
+  int64_t uid;
+  int64_t bytes;
+  std::string contents;
+};
+
+// Runs a serialized graph on freshly allocated device buffers, on the current device and a private stream, and
+// returns the best time of one execution in milliseconds (best of `repeats` timed batches of `batch` executions,
+// after one warm-up). Returns a negative value and sets `error` on any CUDA or cuDNN failure (e.g. out of memory);
+// every allocation is released either way.
+double TimeGraph(const std::string& blob, const std::vector<TimedTensor>& tensors, int64_t ws_bytes, int repeats,
+                 int batch, std::string* error);
 
 }  // namespace attnlib

@@ -4,11 +4,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "cudnn_graph.h"
 
@@ -93,4 +95,23 @@ NB_MODULE(_attnlib_ffi, m) {
       },
       nb::arg("hint") = "",
       "Binds the extension to libcudnn (the copy already loaded, else `hint`, else the soname); returns its version.");
+
+  m.def(
+      "time_graph",
+      [](nb::bytes blob, const std::vector<std::tuple<int64_t, int64_t, nb::bytes>>& tensors, int64_t ws_bytes,
+         int repeats, int batch) {
+        std::vector<attnlib::TimedTensor> described;
+        for (const auto& [uid, bytes, contents] : tensors) described.push_back({uid, bytes, FromBytes(contents)});
+        std::string error;
+        double ms;
+        {
+          nb::gil_scoped_release release;
+          ms = attnlib::TimeGraph(FromBytes(blob), described, ws_bytes, repeats, batch, &error);
+        }
+        if (ms < 0) throw std::runtime_error("timing the cuDNN graph failed: " + error);
+        return ms;
+      },
+      nb::arg("blob"), nb::arg("tensors"), nb::arg("ws_bytes"), nb::arg("repeats") = 3, nb::arg("batch") = 5,
+      "Best milliseconds of one execution of a serialized graph on fresh buffers of the current device. `tensors` "
+      "lists (uid, bytes, contents) for every graph tensor; empty contents means zeros.");
 }

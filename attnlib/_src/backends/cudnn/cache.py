@@ -38,6 +38,7 @@ class GraphEntry:
         out_uids: tensor uid of each FFI result (the workspace result excluded), in order.
         zero_fill: indices into `out_uids` of results to zero before the graph runs.
         label: a short name for error messages.
+        plan: which cuDNN plan the blob holds and why (the heuristics' first, or the autotuning timings).
     """
 
     blob: bytes
@@ -46,6 +47,7 @@ class GraphEntry:
     out_uids: tuple[int, ...]
     zero_fill: tuple[int, ...]
     label: str
+    plan: str = ""
 
     def header(self) -> dict[str, Any]:
         return {
@@ -54,6 +56,7 @@ class GraphEntry:
             "out_uids": list(self.out_uids),
             "zero_fill": list(self.zero_fill),
             "label": self.label,
+            "plan": self.plan,
             "blob_bytes": len(self.blob),
             "blob_sha256": hashlib.sha256(self.blob).hexdigest(),
         }
@@ -119,6 +122,7 @@ def decode_entry(key: Mapping[str, Any], data: bytes) -> GraphEntry:
             out_uids=tuple(int(u) for u in header["out_uids"]),
             zero_fill=tuple(int(i) for i in header["zero_fill"]),
             label=str(header["label"]),
+            plan=str(header.get("plan", "")),
         )
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptEntry(f"unreadable header: {e}") from e

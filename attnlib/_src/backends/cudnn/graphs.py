@@ -25,21 +25,41 @@ as `[b, 1, pages_per_seq, 1]` for keys and values.
 
 The plan is always a cuDNN *backend* plan (a Python-engine plan serializes to a blob C++ cannot read), and the blob
 is canonicalized (its process-global graph id zeroed) so equal specs give equal bytes in every process.
+
+Plan autotuning (on unless `ATTNLIB_CUDNN_AUTOTUNE=0`): when cuDNN's heuristics offer more than one backend plan, the
+first `MAX_AUTOTUNE_CANDIDATES` are built, each is timed once by the native extension on scratch buffers of the
+graph's shapes (zeros, full lengths), and the fastest is kept. The choice and the timings travel with the graph in
+the cache (`GraphEntry.plan`), so a configuration is timed once per machine, not once per process. A timing that
+fails (for example out of memory next to JAX's preallocated pool) keeps the heuristic's first plan and logs why.
 """
 
 import dataclasses
 import enum
 import functools
+import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
+
+import numpy as np
 
 from ... import ffi
 from . import support
 from .cache import GraphEntry
 
 
+logger = logging.getLogger("attnlib")
+
 PYPLAN_MAGIC = b"CUDNN_FE_PYPLAN"
+
+MAX_AUTOTUNE_CANDIDATES = 4
+"""How many of the heuristics' backend plans autotuning builds and times."""
+
+
+def autotune_enabled() -> bool:
+    """Plan autotuning is on unless `ATTNLIB_CUDNN_AUTOTUNE` is `0`, `false`, `off` or `no`."""
+    return os.environ.get("ATTNLIB_CUDNN_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 class Uid(enum.IntEnum):
@@ -243,19 +263,20 @@ def _layout(uid: Uid, spec: GraphSpec) -> tuple[list[int], list[int]]:
     raise ValueError(f"no layout for uid {uid!r}")
 
 
-def backend_plan_index(engine_ids: Sequence[int], is_backend: Any) -> int:
-    """Index of the first plan served by the cuDNN backend (never a Python engine, whose blob C++ cannot read).
+def backend_plan_indices(engine_ids: Sequence[int], is_backend: Any) -> list[int]:
+    """Indices, in heuristic order, of the plans served by the cuDNN backend (never a Python engine, whose blob C++
+    cannot read).
 
     Raises:
         NotImplementedError: when every plan is a Python engine.
     """
-    for i, engine_id in enumerate(engine_ids):
-        if engine_id == -1 or is_backend(engine_id):
-            return i
-    raise NotImplementedError(
-        f"cudnn: only Python-engine plans (engine ids {list(engine_ids)}) serve this graph; their serialized form "
-        "cannot be executed by attnlib's C++ extension."
-    )
+    indices = [i for i, engine_id in enumerate(engine_ids) if engine_id == -1 or is_backend(engine_id)]
+    if not indices:
+        raise NotImplementedError(
+            f"cudnn: only Python-engine plans (engine ids {list(engine_ids)}) serve this graph; their serialized form "
+            "cannot be executed by attnlib's C++ extension."
+        )
+    return indices
 
 
 def check_blob(blob: bytes) -> None:
@@ -293,17 +314,10 @@ def graph_data_type(uid: Uid, spec: GraphSpec) -> str:
     return spec.shape(uid)[1]
 
 
-def build(spec: GraphSpec) -> GraphEntry:
-    """Build, finalize and serialize the graph of `spec` on this process's GPU.
-
-    Raises:
-        NotImplementedError: when cuDNN rejects the graph (with its message).
-    """
-    support.device()  # initializes JAX's CUDA backend first, so the frontend binds the libcudnn JAX loaded
+def _define(spec: GraphSpec) -> Any:
+    """The pygraph of `spec` with its execution plans created (heuristics A, then the fallback list)."""
     import cudnn
-    import cudnn.engines
 
-    start = time.perf_counter()
     io = _data_type(cudnn, spec.dtype)
     graph = cudnn.pygraph(
         name=f"attnlib_{spec.direction}",
@@ -359,54 +373,145 @@ def build(spec: GraphSpec) -> GraphEntry:
         if spec.ragged and uid in RAGGED_OFFSETS:
             t.set_ragged_offset(tensors[RAGGED_OFFSETS[uid]])
 
+    if spec.direction == "fwd":
+        o, stats = graph.sdpa(
+            tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], generate_stats=spec.stats, name="sdpa", **options
+        )
+        set_output(o, Uid.O)
+        if spec.stats:
+            set_output(stats, Uid.STATS)
+    else:
+        if spec.bias_b:
+            dim, stride = _layout(Uid.DBIAS, spec)
+            options["dBias"] = graph.tensor(dim=dim, stride=stride, data_type=io, uid=int(Uid.DBIAS), name="DBIAS")
+        dq, dk, dv = graph.sdpa_backward(
+            tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], tensors[Uid.O], tensors[Uid.DO], tensors[Uid.STATS],
+            use_deterministic_algorithm=spec.deterministic, name="sdpa_backward", **options,
+        )
+        set_output(dq, Uid.DQ)
+        set_output(dk, Uid.DK)
+        set_output(dv, Uid.DV)
+        if spec.bias_b:
+            set_output(options["dBias"], Uid.DBIAS)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    return graph
+
+
+@dataclasses.dataclass(frozen=True)
+class _BuiltPlan:
+    index: int
+    name: str
+    blob: bytes
+    workspace: int
+
+
+def _finish(graph: Any, index: int) -> _BuiltPlan:
+    """Build the plan at `index` of `graph` and serialize it (canonical bytes)."""
+    graph.select_plan(index)
+    graph.check_support()
+    graph.build_plans()
+    if graph.selected_engine is not None:
+        raise NotImplementedError(
+            f"cudnn: the frontend selected Python engine {graph.selected_engine.name!r}, which attnlib's C++ "
+            "extension cannot execute."
+        )
+    workspace = int(graph.get_workspace_size())
+    blob = bytes(graph.serialize(as_bytes=True))
+    check_blob(blob)
     try:
-        if spec.direction == "fwd":
-            o, stats = graph.sdpa(
-                tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], generate_stats=spec.stats, name="sdpa", **options
-            )
-            set_output(o, Uid.O)
-            if spec.stats:
-                set_output(stats, Uid.STATS)
-        else:
-            if spec.bias_b:
-                dim, stride = _layout(Uid.DBIAS, spec)
-                dbias = graph.tensor(dim=dim, stride=stride, data_type=io, uid=int(Uid.DBIAS), name="DBIAS")
-                options["dBias"] = dbias
-            dq, dk, dv = graph.sdpa_backward(
-                tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], tensors[Uid.O], tensors[Uid.DO], tensors[Uid.STATS],
-                use_deterministic_algorithm=spec.deterministic, name="sdpa_backward", **options,
-            )
-            set_output(dq, Uid.DQ)
-            set_output(dk, Uid.DK)
-            set_output(dv, Uid.DV)
-            if spec.bias_b:
-                set_output(options["dBias"], Uid.DBIAS)
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        index = backend_plan_index([p.engine_id for p in graph.plans], cudnn.engines.is_backend_engine)
-        if index != 0 or any(not cudnn.engines.is_backend_engine(p.engine_id) and p.engine_id != -1 for p in graph.plans):
-            graph.select_plan(index)
-        graph.check_support()
-        graph.build_plans()
-        if graph.selected_engine is not None:
-            raise NotImplementedError(
-                f"cudnn: the frontend selected Python engine {graph.selected_engine.name!r}, which attnlib's C++ "
-                "extension cannot execute."
-            )
-        workspace = int(graph.get_workspace_size())
-        blob = bytes(graph.serialize(as_bytes=True))
+        name = str(graph.get_plan_name_at_index(index))
+    except Exception:  # a name is only for the record
+        name = f"plan {index}"
+    return _BuiltPlan(index, name, ffi.extension().canonicalize_graph(blob), workspace)
+
+
+_ITEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}
+
+
+def timing_tensors(spec: GraphSpec) -> list[tuple[int, int, bytes]]:
+    """(uid, bytes, contents) of every tensor of `spec` for timing its plans: zeros, except full sequence lengths,
+    ragged offsets of `b` full sequences and a page table that cycles through the pool (the work of a full batch)."""
+    b, t, s = spec.b, spec.t, spec.s
+    tokens = (b * t, b * s) if spec.ragged else None
+    contents: dict[Uid, np.ndarray] = {
+        Uid.SEQ_Q: np.full((b,), t, np.int32),
+        Uid.SEQ_KV: np.full((b,), s, np.int32),
+    }
+    if spec.ragged:
+        sequence = np.arange(b + 1, dtype=np.int64)
+        contents.update({
+            Uid.OFF_Q: sequence * t * spec.n * spec.h, Uid.OFF_K: sequence * s * spec.k * spec.h,
+            Uid.OFF_V: sequence * s * spec.k * spec.hv, Uid.OFF_O: sequence * t * spec.n * spec.hv,
+        })  # fmt: skip
+    if spec.pages:
+        num_pages, _, pages_per_seq = spec.pages
+        table = (np.arange(b * pages_per_seq, dtype=np.int32) % num_pages).reshape(b, pages_per_seq)
+        contents.update({Uid.PT_K: table, Uid.PT_V: table})
+    described = []
+    for uid in spec.in_uids() + spec.out_uids():
+        shape, dtype = spec.shape(uid, tokens)
+        size = int(np.prod(shape, dtype=np.int64)) * _ITEM_BYTES[dtype]
+        data = contents.get(uid)
+        described.append((int(uid), size, b"" if data is None else data.tobytes()))
+    return described
+
+
+def _autotune(spec: GraphSpec, graph: Any, candidates: list[int], first: _BuiltPlan) -> tuple[_BuiltPlan, str]:
+    """The fastest of the first candidate plans, and a record of the timings."""
+    built = [first]
+    for index in candidates[1:MAX_AUTOTUNE_CANDIDATES]:
+        try:
+            built.append(_finish(graph, index))
+        except Exception as e:  # a candidate cuDNN cannot build is simply not a candidate
+            logger.info("attnlib: cuDNN plan %d of %s did not build (%s); not timing it.", index, spec.label, e)
+    if len(built) == 1:
+        return first, f"{first.name} (the only plan that builds)"
+    tensors = timing_tensors(spec)
+    times = []
+    for plan in built:
+        try:
+            times.append(ffi.extension().time_graph(plan.blob, tensors, plan.workspace))
+        except (RuntimeError, ValueError) as e:
+            logger.info("attnlib: cannot time cuDNN plans of %s (%s); keeping the heuristics' first plan.",
+                        spec.label, e)
+            return first, f"{first.name} (heuristics' first; timing failed: {e})"
+    best = min(range(len(built)), key=lambda i: times[i])
+    timings = ", ".join(f"{p.name} {ms:.4f} ms" for p, ms in zip(built, times))
+    logger.info("attnlib: autotuned %s: %s -> %s", spec.label, timings, built[best].name)
+    return built[best], f"{built[best].name} (autotuned: {timings})"
+
+
+def build(spec: GraphSpec) -> GraphEntry:
+    """Build, finalize and serialize the graph of `spec` on this process's GPU (autotuning its plan, see the module
+    docstring).
+
+    Raises:
+        NotImplementedError: when cuDNN rejects the graph (with its message).
+    """
+    support.device()  # initializes JAX's CUDA backend first, so the frontend binds the libcudnn JAX loaded
+    import cudnn
+    import cudnn.engines
+
+    start = time.perf_counter()
+    try:
+        graph = _define(spec)
+        candidates = backend_plan_indices([p.engine_id for p in graph.plans], cudnn.engines.is_backend_engine)
+        chosen = _finish(graph, candidates[0])
+        record = f"{chosen.name} (heuristics' first)"
+        if autotune_enabled() and len(candidates) > 1:
+            chosen, record = _autotune(spec, graph, candidates, chosen)
     except (cudnn.cudnnGraphNotSupportedError, RuntimeError, ValueError) as e:
         raise NotImplementedError(f"cudnn: cuDNN rejected the {spec.direction} graph ({spec.label}): {e}") from e
-    check_blob(blob)
-    blob = ffi.extension().canonicalize_graph(blob)
     entry = GraphEntry(
-        blob=blob,
-        workspace_bytes=workspace,
+        blob=chosen.blob,
+        workspace_bytes=chosen.workspace,
         in_uids=tuple(int(u) for u in spec.in_uids()),
         out_uids=tuple(int(u) for u in spec.out_uids()),
         zero_fill=spec.zero_fill(),
         label=spec.label,
+        plan=record,
     )
     build_seconds = time.perf_counter() - start
     BUILD_TIMES.append((spec.label, build_seconds))
@@ -422,8 +527,9 @@ def cache_key(spec: GraphSpec, device: "support.Device") -> dict[str, Any]:
     import importlib.metadata
 
     return {
-        "format": 1,
+        "format": 2,
         "spec": dataclasses.asdict(spec),
+        "plan_selection": "autotuned" if autotune_enabled() else "heuristics",
         "cudnn": device.cudnn_version,
         "cudnn_frontend": importlib.metadata.version("nvidia-cudnn-frontend"),
         "compute_capability": list(device.compute_capability),
