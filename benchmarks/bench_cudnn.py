@@ -226,9 +226,13 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del q, k, v
 
+    from attnlib._src.backends.cudnn import attention as cudnn_attention
+
+    # Which cuDNN plan each graph runs: the heuristics' first, or the autotuned one with every candidate's time.
+    plans = {entry.label: entry.plan for entry in cudnn_attention.CACHE._memory.values()}
     setup = {} if args.no_setup else setup_times()
     with open(args.json, "w") as f:
-        json.dump({"meta": meta, "rows": rows, "setup": setup}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows, "setup": setup, "plans": plans}, f, indent=1)
 
     tf = lambda fl, ms: f"{fl / (ms * 1e-3) / 1e12:6.0f}" if ms else "     -"
     ms = lambda x: f"{x:8.3f}" if x is not None else "       -"
@@ -248,6 +252,9 @@ def main() -> None:
     print("ratio = jax.nn cudnn time / attnlib time (>= 1 means attnlib is at least as fast); "
           "vs raw = raw graph time / attnlib time.")
     print(f"setup: {json.dumps(setup)}")
+    print("plans:")
+    for label, plan in sorted(plans.items()):
+        print(f"  {label}: {plan}")
 
 
 if __name__ == "__main__":

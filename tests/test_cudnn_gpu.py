@@ -363,6 +363,22 @@ def test_jit_retrace_reuses_cached_graph():
     assert cudnn_attention.CACHE.stats["builds"] == builds
 
 
+def test_plan_autotuning_times_candidates_and_records_the_choice(monkeypatch):
+    from attnlib._src import ffi
+    from attnlib._src.backends.cudnn import graphs
+
+    spec = graphs.GraphSpec(direction="bwd", dtype="bfloat16", b=2, t=520, s=392, n=6, k=2, h=128, hv=64,
+                            scale=0.09, right_bound=0)  # fmt: skip
+    monkeypatch.setenv("ATTNLIB_CUDNN_AUTOTUNE", "1")
+    entry = graphs.build(spec)
+    assert "autotuned:" in entry.plan or "the only backend plan" in entry.plan, entry.plan
+    assert "timing failed" not in entry.plan
+    ms = ffi.extension().time_graph(entry.blob, graphs.timing_tensors(spec), entry.workspace_bytes)
+    assert 0.0 < ms < 1000.0
+    monkeypatch.setenv("ATTNLIB_CUDNN_AUTOTUNE", "0")
+    assert "heuristics' first" in graphs.build(spec).plan
+
+
 def test_command_buffers_off_gives_same_result(tmp_path):
     code = (
         "import jax, jax.numpy as jnp, numpy as np, attnlib\n"

@@ -142,12 +142,16 @@ def test_timing_tensors_describe_every_graph_tensor():
     tensors = {uid: (size, data) for uid, size, data in graphs.timing_tensors(spec)}
     assert set(tensors) == {int(u) for u in spec.in_uids() + spec.out_uids()}
     assert tensors[int(graphs.Uid.Q)] == (3 * 64 * 6 * 24 * 2, b"")  # b full sequences of t tokens, zeros
-    assert tensors[int(graphs.Uid.DV)][0] == 3 * 128 * 2 * 40 * 2
     assert tensors[int(graphs.Uid.STATS)][0] == 3 * 6 * 64 * 4
+    # Keys: 128 rows per sequence would exceed the backward's token capacity (1024 // 3 = 341 per sequence: fits).
+    assert tensors[int(graphs.Uid.DV)][0] == 3 * 128 * 2 * 40 * 2
     seq_kv = np.frombuffer(tensors[int(graphs.Uid.SEQ_KV)][1], np.int32)
     np.testing.assert_array_equal(seq_kv, [128, 128, 128])
     off_v = np.frombuffer(tensors[int(graphs.Uid.OFF_V)][1], np.int64)  # little-endian int64 = (low, high) int32
     np.testing.assert_array_equal(off_v, np.arange(4) * 128 * 2 * 40)
+    capped = dataclasses.replace(spec, b=16, s=512, s_total=1024)  # 16 sequences of 64 keys fill the capacity
+    seq_kv = dict((u, d) for u, _, d in graphs.timing_tensors(capped))[int(graphs.Uid.SEQ_KV)]
+    np.testing.assert_array_equal(np.frombuffer(seq_kv, np.int32), [64] * 16)
     paged = graphs.GraphSpec(direction="fwd", dtype="bfloat16", b=2, t=1, s=48, n=4, k=2, h=16, hv=16, scale=0.25,
                              padding=True, pages=(5, 16, 3))
     table = dict((u, d) for u, _, d in graphs.timing_tensors(paged))[int(graphs.Uid.PT_K)]

@@ -430,11 +430,20 @@ def _finish(graph: Any, index: int) -> _BuiltPlan:
 _ITEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}
 
 
+RAGGED_TIMING_TOKENS = 65536
+"""Packed tokens per side a ragged graph is timed on (its own token capacity when smaller)."""
+
+
 def timing_tensors(spec: GraphSpec) -> list[tuple[int, int, bytes]]:
     """(uid, bytes, contents) of every tensor of `spec` for timing its plans: zeros, except full sequence lengths,
-    ragged offsets of `b` full sequences and a page table that cycles through the pool (the work of a full batch)."""
+    ragged offsets of `b` equal sequences (as long as the graph's bounds and the token budget allow) and a page table
+    that cycles through the pool."""
     b, t, s = spec.b, spec.t, spec.s
-    tokens = (b * t, b * s) if spec.ragged else None
+    tokens = None
+    if spec.ragged:
+        t = max(1, min(t, (spec.t_total or RAGGED_TIMING_TOKENS) // b))
+        s = max(1, min(s, (spec.s_total or RAGGED_TIMING_TOKENS) // b))
+        tokens = (b * t, b * s)
     contents: dict[Uid, np.ndarray] = {
         Uid.SEQ_Q: np.full((b,), t, np.int32),
         Uid.SEQ_KV: np.full((b,), s, np.int32),
@@ -500,8 +509,11 @@ def build(spec: GraphSpec) -> GraphEntry:
         candidates = backend_plan_indices([p.engine_id for p in graph.plans], cudnn.engines.is_backend_engine)
         chosen = _finish(graph, candidates[0])
         record = f"{chosen.name} (heuristics' first)"
-        if autotune_enabled() and len(candidates) > 1:
-            chosen, record = _autotune(spec, graph, candidates, chosen)
+        if autotune_enabled():
+            if len(candidates) > 1:
+                chosen, record = _autotune(spec, graph, candidates, chosen)
+            else:
+                record = f"{chosen.name} (the only backend plan)"
     except (cudnn.cudnnGraphNotSupportedError, RuntimeError, ValueError) as e:
         raise NotImplementedError(f"cudnn: cuDNN rejected the {spec.direction} graph ({spec.label}): {e}") from e
     entry = GraphEntry(

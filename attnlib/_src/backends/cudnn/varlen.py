@@ -3,7 +3,10 @@
 THD and packed rows run cuDNN's ragged graphs (`ragged.py` builds the sequence metadata on device): forward and
 backward, with graph dims bucketed so that changing lengths reuse a few graphs. Rows cuDNN does not own (past
 `cu_seqlens_q[-1]`, segment id 0, rows that see no key, rows cuDNN leaves unwritten) are exactly 0 in the output and
-the gradients and get `lse = -inf` (the sink logit with `sinks`).
+the gradients and get `lse = -inf` (the sink logit with `sinks`). cuDNN's results are zero-filled before it runs, so
+rows outside every sequence need no further pass; the output and gradients are only masked again when the call can
+have rows that see no key (`RaggedPlan.rows_exact` is False) or sequences that overflow the graph's bounds
+(`RaggedPlan.overflow_possible`: their rows become NaN).
 
 Sinks and the ragged backward: cuDNN needs 9.26 for a ragged backward with a sink token. attnlib does not need it:
 the forward's Stats already include the sink in the softmax denominator, so a backward graph *without* the sink,
@@ -57,6 +60,9 @@ class RaggedPlan:
         left, right: visible key offsets around a query's aligned diagonal (None = unbounded).
         bottom_right: bottom-right diagonal per sequence.
         config: the call's configuration (for the reference that differentiates `lse`).
+        rows_exact: statically, every query row of a sequence sees a key and every key row of a run sequence is
+            seen (self-attention whose mask keeps the diagonal): cuDNN's zero-filled results need no masking.
+        overflow_possible: a sequence may exceed the graph's bounds (NaN rows need a pass).
     """
 
     fwd: GraphSpec
@@ -66,6 +72,8 @@ class RaggedPlan:
     right: int | None
     bottom_right: bool
     config: AttentionConfig
+    rows_exact: bool = False
+    overflow_possible: bool = True
 
 
 def _offsets(spec: GraphSpec, batch: ragged.RaggedBatch) -> dict[Uid, jax.Array]:
@@ -111,13 +119,16 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
     valid_rows, tok_valid, index = _token_rows(plan, batch)
     # Rows that see no key: finite stats make the backward's probabilities exactly zero there.
     stats = jnp.where(valid_rows[:, None, :], stats, 0.0)
-    out = jnp.where(tok_valid[:, None, None], out, jnp.zeros((), out.dtype))
+    if not plan.rows_exact:
+        out = jnp.where(tok_valid[:, None, None], out, jnp.zeros((), out.dtype))
     flat = jnp.reshape(jnp.transpose(stats, (0, 2, 1)), (-1, spec.n))  # [Bc * t, N]
     lse = jnp.where(tok_valid[:, None], jnp.take(flat, index, axis=0), _empty_lse((plan.tokens[0], spec.n), sinks))
     return out, lse, stats, tok_valid
 
 
-def _nan_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+def _nan_rows(x: jax.Array, rows: jax.Array, plan: RaggedPlan) -> jax.Array:
+    if not plan.overflow_possible:
+        return x
     shape = (rows.shape[0],) + (1,) * (x.ndim - 1)
     return jnp.where(jnp.reshape(rows, shape), jnp.full((), jnp.nan, x.dtype), x)
 
@@ -125,7 +136,7 @@ def _nan_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ragged_sdpa(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference):
     out, lse, _, _ = _ragged_forward(plan, q, k, v, sinks, seeds, batch)
-    return _nan_rows(out, batch.q_nan), _nan_rows(lse, batch.q_nan)
+    return _nan_rows(out, batch.q_nan, plan), _nan_rows(lse, batch.q_nan, plan)
 
 
 def _unwrap(tree):
@@ -137,7 +148,7 @@ def _ragged_sdpa_fwd(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference):
     q, k, v, sinks, seeds, batch, reference = _unwrap((q, k, v, sinks, seeds, batch, reference))
     out, lse, stats, tok_valid = _ragged_forward(plan, q, k, v, sinks, seeds, batch)
     residuals = (q, k, v, sinks, seeds, batch, reference, out, lse, stats, tok_valid)
-    return (_nan_rows(out, batch.q_nan), _nan_rows(lse, batch.q_nan)), residuals
+    return (_nan_rows(out, batch.q_nan, plan), _nan_rows(lse, batch.q_nan, plan)), residuals
 
 
 def _reference_lse(plan: RaggedPlan, q, k, v, sinks, reference: dict[str, Any]) -> jax.Array:
@@ -157,7 +168,9 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
     d_out, d_lse = cotangents
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
-    d_out = jnp.where(tok_valid[:, None, None], d_out.astype(out.dtype), jnp.zeros((), out.dtype))
+    d_out = d_out.astype(out.dtype)
+    if not plan.rows_exact:
+        d_out = jnp.where(tok_valid[:, None, None], d_out, jnp.zeros((), out.dtype))
     spec = plan.bwd
     seed, offset = _seeds(seeds)
     values = {
@@ -165,10 +178,11 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
         Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
     }  # fmt: skip
     dq, dk, dv = _graph_outputs(spec, values, plan.tokens)[:3]
-    zero = lambda x: jnp.zeros((), x.dtype)
-    dq = jnp.where(tok_valid[:, None, None], dq, zero(dq))
-    dk = jnp.where(batch.kv_in[:, None, None], dk, zero(dk))
-    dv = jnp.where(batch.kv_in[:, None, None], dv, zero(dv))
+    if not plan.rows_exact:
+        zero = lambda x: jnp.zeros((), x.dtype)
+        dq = jnp.where(tok_valid[:, None, None], dq, zero(dq))
+        dk = jnp.where(batch.kv_in[:, None, None], dk, zero(dk))
+        dv = jnp.where(batch.kv_in[:, None, None], dv, zero(dv))
     dsinks = None
     if sinks is not None:
         row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [Tq, N]
@@ -182,9 +196,9 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
         dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
         if sinks is not None:
             dsinks = dsinks + extra[3].astype(dsinks.dtype)
-    dq = _nan_rows(dq, batch.q_nan)
-    dk = _nan_rows(dk, batch.kv_nan)
-    dv = _nan_rows(dv, batch.kv_nan)
+    dq = _nan_rows(dq, batch.q_nan, plan)
+    dk = _nan_rows(dk, batch.kv_nan, plan)
+    dv = _nan_rows(dv, batch.kv_nan, plan)
     none = lambda tree: jax.tree.map(lambda _: None, tree)
     return dq, dk, dv, dsinks, none(seeds), none(batch), none(reference)
 
@@ -193,11 +207,24 @@ _ragged_sdpa.defvjp(_ragged_sdpa_fwd, _ragged_sdpa_bwd, symbolic_zeros=True)
 
 
 def make_ragged_plan(
-    config: AttentionConfig, num_sequences: int, bounds: tuple[int, int], tokens: tuple[int, int]
+    config: AttentionConfig,
+    num_sequences: int,
+    bounds: tuple[int, int],
+    tokens: tuple[int, int],
+    *,
+    self_attention: bool = False,
+    overflow_possible: bool = True,
 ) -> RaggedPlan:
-    """The bucketed graphs of a ragged problem with `num_sequences` sequences of at most `bounds` rows."""
+    """The bucketed graphs of a ragged problem with `num_sequences` sequences of at most `bounds` rows.
+
+    Args:
+        self_attention: every sequence has as many key rows as query rows (one `cu_seqlens`, or one set of segment
+            ids without padding lengths).
+        overflow_possible: a sequence may be longer than `bounds` (or a row have too many segments).
+    """
     left = None if config.window is None else config.window[0]
     right = support.effective_right(config)
+    keeps_diagonal = (left is None or left >= 0) and (right is None or right >= 0)
     bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
     common = dict(
         dtype=np.dtype(config.dtype).name,
@@ -219,7 +246,8 @@ def make_ragged_plan(
         direction="bwd", deterministic=config.deterministic_backward, t_total=ragged.bucket_tokens(tokens[0]),
         s_total=ragged.bucket_tokens(tokens[1]), **common,
     )  # fmt: skip
-    return RaggedPlan(fwd, bwd, tokens, left, right, bottom_right, config)
+    return RaggedPlan(fwd, bwd, tokens, left, right, bottom_right, config,
+                      rows_exact=self_attention and keeps_diagonal, overflow_possible=overflow_possible)
 
 
 def _slice_right(config: AttentionConfig) -> int | None:
@@ -247,6 +275,8 @@ def _ragged_attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple
         reference = {"cu_seqlens_q": inputs.cu_seqlens_q, "cu_seqlens_kv": inputs.cu_seqlens_kv}
         out_shape = (config.q_len, N, Hv)
         lse_shape = (config.q_len, N)
+        self_attention = inputs.cu_seqlens_kv is None
+        overflow_possible = ragged.bucket_length(bounds[0]) < config.q_len or ragged.bucket_length(bounds[1]) < config.kv_len
     else:
         B, T, S = config.batch_size, config.q_len, config.kv_len
         q = jnp.reshape(inputs.query, (B * T, N, config.head_dim))
@@ -260,10 +290,13 @@ def _ragged_attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple
         }  # fmt: skip
         out_shape = config.batch_shape + (T, N, Hv)
         lse_shape = config.batch_shape + (T, N)
+        self_attention = inputs.kv_segment_ids is None and not config.has_q_lengths and not config.has_kv_lengths
+        overflow_possible = True  # a row may hold more than max_segments_per_row segments
     tokens = (int(q.shape[0]), int(k.shape[0]))
     if tokens[0] == 0 or tokens[1] == 0:
         return jnp.zeros(out_shape, dtype), _empty_lse(lse_shape, sinks)
-    plan = make_ragged_plan(config, num, bounds, tokens)
+    plan = make_ragged_plan(config, num, bounds, tokens, self_attention=self_attention,
+                            overflow_possible=overflow_possible)
     if config.layout == "thd":
         batch = ragged.thd_batch(
             cu_q, cu_kv, tokens[0], tokens[1], num_buckets=plan.fwd.b, t_bound=plan.fwd.t, s_bound=plan.fwd.s,
