@@ -473,6 +473,11 @@ def _autotune(spec: GraphSpec, graph: Any, candidates: list[int], first: _BuiltP
     for index in candidates[1:MAX_AUTOTUNE_CANDIDATES]:
         try:
             built.append(_finish(graph, index))
+            continue
+        except Exception:  # the frontend may refuse to re-plan a built graph: build this plan on a fresh one
+            pass
+        try:
+            built.append(_finish(_define(spec), index))
         except Exception as e:  # a candidate cuDNN cannot build is simply not a candidate
             logger.info("attnlib: cuDNN plan %d of %s did not build (%s); not timing it.", index, spec.label, e)
     if len(built) == 1:
