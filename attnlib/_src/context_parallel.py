@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .attention import attention as _attention
-from .varying import varying_axes
+from .varying import match, vary_over, varying_axes
 
 
 _STRATEGIES = ("ring", "all_gather")
@@ -554,7 +554,7 @@ def _step_backward(opts: _Options, sp: _StepPlan, index, q, k, v, aux, O, L, dO,
             dO_r = dO[:, rows]
             d_o = (w[..., None] * dO_r).astype(o_i.dtype)
             d_lse = w * (jnp.sum(dO_r * (o_i.astype(jnp.float32) - O[:, rows]), axis=-1) + dL[:, rows])
-            dqt, dkt, dvt = vjp((d_o, d_lse))
+            dqt, dkt, dvt = vjp(match((d_o, d_lse), (o_i, lse_i)))
             dq = dq.at[:, rows].add(dqt.astype(jnp.float32))
             dk = dk.at[:, cols].add(dkt.astype(jnp.float32))
             dv = dv.at[:, cols].add(dvt.astype(jnp.float32))
@@ -584,9 +584,7 @@ def _vma(*trees, axis_name) -> tuple:
 
 def _varying(x, names: tuple):
     """`x` typed as varying over `names`, so states of steps and switch branches that skip all work keep one type."""
-    have = varying_axes(x)
-    missing = () if have is None else tuple(n for n in names if n not in have)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return vary_over(x, names)
 
 
 def _initial_state(q, v, names):

@@ -34,3 +34,23 @@ def like_inputs(values, *inputs):
     for leaf in varying_leaves:
         zero = zero + jnp.sum(jnp.ravel(leaf)[:0]).astype(jnp.float32)
     return jax.tree.map(lambda x: x + zero.astype(x.dtype), values)
+
+
+def vary_over(x, names):
+    """`x` typed as varying over the mesh axes `names` (a no-op for axes it already varies over)."""
+    have = varying_axes(x)
+    missing = () if have is None else tuple(sorted((n for n in names if n not in have), key=str))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def union_axes(*trees) -> frozenset:
+    """Every mesh axis some array leaf of `trees` varies over."""
+    names: frozenset = frozenset()
+    for leaf in jax.tree.leaves(trees):
+        names |= varying_axes(leaf) or frozenset()
+    return names
+
+
+def match(cotangent, primal):
+    """`cotangent` made to vary over every axis `primal` varies over (VJP functions demand equal types)."""
+    return jax.tree.map(lambda c, p: vary_over(c, varying_axes(p) or ()), cotangent, primal)

@@ -50,6 +50,8 @@ def ffi_graph_call(
     results = [jax.ShapeDtypeStruct(*spec.shape(uid, tokens)) for uid in spec.out_uids()]
     results.append(jax.ShapeDtypeStruct((max(entry.workspace_bytes, 1),), jnp.uint8))
     call = jax.ffi.ffi_call(ffi.TARGET, results, vmap_method="sequential")
+    # Inside shard_map the results vary like the operands (ffi_call types them from `results`, which says nothing).
+    axes = varying.union_axes(operands)
     outs = call(
         *operands,
         graph=np.frombuffer(entry.blob, np.uint8),
@@ -59,7 +61,7 @@ def ffi_graph_call(
         ws_bytes=np.int64(entry.workspace_bytes),
         zero_fill=np.asarray(entry.zero_fill, np.int64),
     )
-    return tuple(outs[:-1])
+    return tuple(varying.vary_over(x, axes) for x in outs[:-1])
 
 
 _BATCH_MAJOR = {Uid.Q, Uid.K, Uid.V, Uid.O, Uid.DO, Uid.STATS, Uid.DQ, Uid.DK, Uid.DV, Uid.SEQ_Q, Uid.SEQ_KV}
@@ -264,8 +266,8 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
     if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
         # Gradients flowing into lse: cuDNN's backward has no input for them; differentiate a reference lse.
         diff = (q, k, v, bias, sinks)
-        _, vjp = jax.vjp(lambda *a: _lse_reference(plan, *a, seq_q, seq_kv), *diff)
-        extra = vjp(d_lse.astype(jnp.float32))
+        lse_reference, vjp = jax.vjp(lambda *a: _lse_reference(plan, *a, seq_q, seq_kv), *diff)
+        extra = vjp(varying.match(d_lse.astype(jnp.float32), lse_reference))
         dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
         if bias is not None:
             dbias = dbias + extra[3].astype(dbias.dtype)

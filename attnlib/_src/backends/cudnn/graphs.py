@@ -341,9 +341,8 @@ def _define(spec: GraphSpec) -> Any:
 
     options: dict[str, Any] = {"attn_scale": float(spec.scale)}
     if spec.left_bound is not None or spec.right_bound is not None:
-        options["diagonal_alignment"] = (
-            cudnn.diagonal_alignment.BOTTOM_RIGHT if spec.alignment == "bottom_right" else cudnn.diagonal_alignment.TOP_LEFT
-        )
+        alignment = cudnn.diagonal_alignment
+        options["diagonal_alignment"] = alignment.BOTTOM_RIGHT if spec.alignment == "bottom_right" else alignment.TOP_LEFT
         if spec.left_bound is not None:
             options["diagonal_band_left_bound"] = int(spec.left_bound)
         if spec.right_bound is not None:
@@ -467,21 +466,37 @@ def timing_tensors(spec: GraphSpec) -> list[tuple[int, int, bytes]]:
     return described
 
 
-def _autotune(spec: GraphSpec, graph: Any, candidates: list[int], first: _BuiltPlan) -> tuple[_BuiltPlan, str]:
-    """The fastest of the first candidate plans, and a record of the timings."""
-    built = [first]
-    for index in candidates[1:MAX_AUTOTUNE_CANDIDATES]:
+def _build_candidates(spec: GraphSpec, graph: Any, candidates: list[int], wanted: int) -> list[_BuiltPlan]:
+    """The first `wanted` candidate plans that build, in heuristic order (plans cuDNN cannot build, e.g. a runtime
+    compilation failure, are skipped as the frontend's own walk would).
+
+    Raises:
+        NotImplementedError: when none builds (with the first plan's error).
+    """
+    built: list[_BuiltPlan] = []
+    errors: list[str] = []
+    for index in candidates:
+        if len(built) >= wanted:
+            break
         try:
             built.append(_finish(graph, index))
             continue
-        except Exception:  # the frontend may refuse to re-plan a built graph: build this plan on a fresh one
-            pass
+        except Exception:  # the frontend may refuse to re-plan this graph object: retry the plan on a fresh one
+            graph = _define(spec)
         try:
-            built.append(_finish(_define(spec), index))
-        except Exception as e:  # a candidate cuDNN cannot build is simply not a candidate
-            logger.info("attnlib: cuDNN plan %d of %s did not build (%s); not timing it.", index, spec.label, e)
-    if len(built) == 1:
-        return first, f"{first.name} (the only plan that builds)"
+            built.append(_finish(graph, index))
+        except Exception as e:
+            errors.append(f"plan {index}: {e}")
+            logger.info("attnlib: cuDNN plan %d of %s did not build (%s).", index, spec.label, e)
+            graph = _define(spec)
+    if not built:
+        raise NotImplementedError("; ".join(errors) or "cuDNN offered no plan")
+    return built
+
+
+def _choose(spec: GraphSpec, built: list[_BuiltPlan]) -> tuple[_BuiltPlan, str]:
+    """The fastest of the built plans (timed by the native extension), and a record of the timings."""
+    first = built[0]
     tensors = timing_tensors(spec)
     times = []
     for plan in built:
@@ -512,14 +527,15 @@ def build(spec: GraphSpec) -> GraphEntry:
     try:
         graph = _define(spec)
         candidates = backend_plan_indices([p.engine_id for p in graph.plans], cudnn.engines.is_backend_engine)
-        chosen = _finish(graph, candidates[0])
-        record = f"{chosen.name} (heuristics' first)"
-        if autotune_enabled():
-            if len(candidates) > 1:
-                chosen, record = _autotune(spec, graph, candidates, chosen)
-            else:
-                record = f"{chosen.name} (the only backend plan)"
-    except (cudnn.cudnnGraphNotSupportedError, RuntimeError, ValueError) as e:
+        tune = autotune_enabled()
+        built = _build_candidates(spec, graph, candidates, MAX_AUTOTUNE_CANDIDATES if tune else 1)
+        if not tune:
+            chosen, record = built[0], f"{built[0].name} (heuristics' first)"
+        elif len(built) == 1:
+            chosen, record = built[0], f"{built[0].name} (the only backend plan that builds)"
+        else:
+            chosen, record = _choose(spec, built)
+    except (cudnn.cudnnGraphNotSupportedError, RuntimeError, ValueError, NotImplementedError) as e:
         raise NotImplementedError(f"cudnn: cuDNN rejected the {spec.direction} graph ({spec.label}): {e}") from e
     entry = GraphEntry(
         blob=chosen.blob,

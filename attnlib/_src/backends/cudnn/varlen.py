@@ -191,8 +191,8 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
     if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
         # Rows that see no key have lse = sink (with sinks): their cotangent reaches the sinks through the reference.
         d_lse = jnp.where(batch.q_nan[:, None], 0.0, d_lse.astype(jnp.float32))
-        _, vjp = jax.vjp(lambda *a: _reference_lse(plan, *a, reference), q, k, v, sinks)
-        extra = vjp(d_lse)
+        lse_reference, vjp = jax.vjp(lambda *a: _reference_lse(plan, *a, reference), q, k, v, sinks)
+        extra = vjp(varying.match(d_lse, lse_reference))
         dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
         if sinks is not None:
             dsinks = dsinks + extra[3].astype(dsinks.dtype)
@@ -276,7 +276,8 @@ def _ragged_attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple
         out_shape = (config.q_len, N, Hv)
         lse_shape = (config.q_len, N)
         self_attention = inputs.cu_seqlens_kv is None
-        overflow_possible = ragged.bucket_length(bounds[0]) < config.q_len or ragged.bucket_length(bounds[1]) < config.kv_len
+        bucketed = (ragged.bucket_length(bounds[0]), ragged.bucket_length(bounds[1]))
+        overflow_possible = bucketed[0] < config.q_len or bucketed[1] < config.kv_len
     else:
         B, T, S = config.batch_size, config.q_len, config.kv_len
         q = jnp.reshape(inputs.query, (B * T, N, config.head_dim))
@@ -393,9 +394,9 @@ def _paged_sdpa_bwd(plan: PagedPlan, residuals, cotangents):
         inputs = AttentionInputs(query=q, key=k_pages, value=v_pages, page_table=page_table, **reference)
         return xla_backend.IMPLEMENTATION.attention(plan.config, inputs)
 
-    _, vjp = jax.vjp(xla_attention, q, k_pages, v_pages)
+    primal_out, vjp = jax.vjp(xla_attention, q, k_pages, v_pages)
     finite_lse = jnp.where(jnp.isfinite(d_lse), d_lse, 0.0).astype(jnp.float32)
-    dq, dk, dv = vjp((d_out.astype(q.dtype), finite_lse))
+    dq, dk, dv = vjp(varying.match((d_out.astype(q.dtype), finite_lse), primal_out))
     return dq, dk, dv, None, None, None, jax.tree.map(lambda _: None, reference)
 
 
