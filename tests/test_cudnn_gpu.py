@@ -363,6 +363,42 @@ def test_jit_retrace_reuses_cached_graph():
     assert cudnn_attention.CACHE.stats["builds"] == builds
 
 
+INFERENCE_CASES = [c for c in CASES if c[0] in ("gqa_causal", "mla_causal", "causal_bottom_right_t_gt_s",
+                                                 "window_two_sided", "batch_dims")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", INFERENCE_CASES + [
+    ("padding_sinks_bias", (2,), 72, 88, 4, 2, 64, 64, {"is_causal": True, "padding": True, "sinks": True,
+                                                         "bias": True}),
+], ids=[c[0] for c in INFERENCE_CASES] + ["padding_sinks_bias"])  # fmt: skip
+def test_inference_forward_without_stats_matches_reference(case, dtype):
+    """Without `return_residual` and without a gradient, cuDNN runs a forward graph that writes no softmax stats."""
+    import attnlib
+
+    _, batch, t, s, n, kh, h, hv, kw = case
+    q, k, v = _qkv(31, batch, t, s, n, kh, h, hv, dtype)
+    kw = dict(kw)
+    if kw.pop("padding", False):
+        kw.update(query_seq_lengths=jnp.asarray([t, t - 9]), key_value_seq_lengths=jnp.asarray([s - 5, s]))
+    if kw.pop("sinks", False):
+        kw["sinks"] = jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32)
+    if kw.pop("bias", False):
+        kw["bias"] = _normal(jax.random.key(5), (1, n, t, s), dtype)
+    run = lambda impl, *a, **extra: jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation=impl, **kw,
+                                                                             **extra))(*a)  # fmt: skip
+    text = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation="cudnn", **kw)).lower(q, k, v).as_text()
+    assert "fwd_nostats" in text, "the inference graph did not run"
+    out = run("cudnn", q, k, v)
+    ref_kw = {key: (_upcast(val) if key == "bias" else val) for key, val in kw.items()}
+    reference = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation="xla", **ref_kw))(
+        _upcast(q), _upcast(k), _upcast(v))
+    e = _eps(dtype)
+    _assert_close(out, reference, 2 * e, e, "out")
+    with_stats, _ = run("cudnn", q, k, v, return_residual=True)
+    _assert_close(out, with_stats, 2 * e, e, "out vs the forward with stats")
+
+
 def test_plan_autotuning_times_candidates_and_records_the_choice(monkeypatch):
     from attnlib._src import ffi
     from attnlib._src.backends.cudnn import graphs

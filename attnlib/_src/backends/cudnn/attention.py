@@ -126,7 +126,8 @@ class Plan:
         left, right: the visible key offsets around a query's aligned diagonal (None = unbounded), as in the API.
         bottom_right: queries are aligned to the end of their key sequence.
         all_rows_valid: statically, every query row sees at least one key (no masking of rows needed).
-        dropout: the dropout rate.
+        inference: the forward graph without softmax stats, run when nothing differentiates the call and the caller
+            wants no `lse` (as `jax.nn`'s cuDNN inference); None when the call has dropout or returns `lse`.
     """
 
     fwd: GraphSpec
@@ -135,6 +136,7 @@ class Plan:
     right: int | None
     bottom_right: bool
     all_rows_valid: bool
+    inference: GraphSpec | None = None
 
 
 def _row_valid(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array:
@@ -172,18 +174,22 @@ def _masked_lse(stats: jax.Array, valid: jax.Array | None, sinks: jax.Array | No
     return jnp.where(valid[:, :, None], lse, empty)
 
 
-def _forward(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds):
+def _forward(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, spec: GraphSpec | None = None):
+    """(out, stats or None, valid rows or None) of the forward graph `spec` (default `plan.fwd`)."""
+    spec = plan.fwd if spec is None else spec
     seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
     values = {
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.BIAS: bias, Uid.SEQ_Q: seq_q, Uid.SEQ_KV: seq_kv,
         Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks,
     }
-    out, stats = graph_call(plan.fwd)(*_operands(plan.fwd, values))
+    results = graph_call(spec)(*_operands(spec, values))
+    out, stats = results if spec.stats else (results[0], None)
     valid = None if plan.all_rows_valid else _row_valid(plan, seq_q, seq_kv)
     if valid is not None:
         out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
-        # Rows that see no key: finite stats make the backward's probabilities exactly zero there.
-        stats = jnp.where(valid[:, None, :], stats, 0.0)
+        if stats is not None:
+            # Rows that see no key: finite stats make the backward's probabilities exactly zero there.
+            stats = jnp.where(valid[:, None, :], stats, 0.0)
     return out, stats, valid
 
 
@@ -216,6 +222,11 @@ def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv) -> jax.Array
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _sdpa(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds):
+    if plan.inference is not None:
+        out, _, _ = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, spec=plan.inference)
+        # The caller drops lse (return_residual=False); it only has to have lse's type.
+        unused = jnp.full((plan.fwd.b, plan.fwd.t, plan.fwd.n), -jnp.inf, jnp.float32)
+        return out, varying.vary_over(unused, varying.union_axes(out))
     out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds)
     return out, _masked_lse(stats, valid, sinks)
 
@@ -303,7 +314,10 @@ def make_plan(config: AttentionConfig, b: int, t: int, bias_shape: tuple[int, in
     )
     fwd = GraphSpec(direction="fwd", **common)
     bwd = GraphSpec(direction="bwd", deterministic=config.deterministic_backward, **common)
-    return Plan(fwd, bwd, left, right, bottom_right, _static_rows_valid(fwd, left, right, bottom_right))
+    inference = None
+    if not config.return_residual and config.dropout_rate == 0:
+        inference = dataclasses.replace(fwd, stats=False)
+    return Plan(fwd, bwd, left, right, bottom_right, _static_rows_valid(fwd, left, right, bottom_right), inference)
 
 
 def _bias_rank4(bias: jax.Array, batch_shape: tuple[int, ...], n: int, t: int, s: int, dtype: Any) -> jax.Array:

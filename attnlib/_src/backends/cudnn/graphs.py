@@ -148,7 +148,8 @@ class GraphSpec:
     @property
     def label(self) -> str:
         kind = "thd_" if self.ragged else "paged_" if self.pages else ""
-        return f"sdpa_{kind}{self.direction}_b{self.b}_t{self.t}_s{self.s}_n{self.n}_k{self.k}_h{self.h}_hv{self.hv}"
+        direction = self.direction if self.stats else "fwd_nostats"
+        return f"sdpa_{kind}{direction}_b{self.b}_t{self.t}_s{self.s}_n{self.n}_k{self.k}_h{self.h}_hv{self.hv}"
 
     def in_uids(self) -> tuple[Uid, ...]:
         uids = [Uid.Q, Uid.K, Uid.V]
