@@ -343,7 +343,8 @@ def _define(spec: GraphSpec) -> Any:
     options: dict[str, Any] = {"attn_scale": float(spec.scale)}
     if spec.left_bound is not None or spec.right_bound is not None:
         alignment = cudnn.diagonal_alignment
-        options["diagonal_alignment"] = alignment.BOTTOM_RIGHT if spec.alignment == "bottom_right" else alignment.TOP_LEFT
+        bottom_right = spec.alignment == "bottom_right"
+        options["diagonal_alignment"] = alignment.BOTTOM_RIGHT if bottom_right else alignment.TOP_LEFT
         if spec.left_bound is not None:
             options["diagonal_band_left_bound"] = int(spec.left_bound)
         if spec.right_bound is not None:
