@@ -107,3 +107,62 @@ def test_extension_matches_the_frontend_package():
     assert f"{code // 10000}.{code // 100 % 100}.{code % 100}" == importlib.metadata.version("nvidia-cudnn-frontend")
     assert ffi.extension().graph_json_version() == "2.0"
     assert np.int64(code) == 13200
+
+
+def _fake_gpu(monkeypatch):
+    """Pretend an H200 with cuDNN 9.19 is present, so the cuDNN path traces and lowers on this CPU machine."""
+    from attnlib._src.backends.cudnn import support
+
+    device = support.Device(compute_capability=(9, 0), name="NVIDIA H200", cudnn_version=91900)
+    monkeypatch.setattr(support, "_device", lambda: (device, None))
+    monkeypatch.setattr(support, "device", lambda: device)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_context_parallel_gradient_traces_on_cudnn_inside_shard_map(monkeypatch, strategy):
+    """Inside `shard_map`, cuDNN's FFI results must vary like its operands, or the VJPs of the per-step calls reject
+    their cotangents at trace time (found on the H200; this catches it without a GPU)."""
+    import attnlib.context_parallel as cp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    _fake_entries(monkeypatch)
+    _fake_gpu(monkeypatch)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
+    seq = P(None, "sp")
+
+    def local(q, k, v, sinks):
+        return cp.attention(q, k, v, axis_name="sp", strategy=strategy, sinks=sinks, is_causal=True,
+                            implementation="cudnn")  # fmt: skip
+
+    def loss(q, k, v, sinks):
+        out = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P()), out_specs=seq)(q, k, v, sinks)
+        return jnp.sum(out.astype(jnp.float32))
+
+    q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 64, 2, 64), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
+    text = _lower(jax.grad(loss, argnums=(0, 1, 2, 3)), q, kv, kv, sinks)
+    labels = [line for line in text.splitlines() if "custom_call @attnlib_cudnn_graph" in line]
+    assert any("sdpa_fwd_" in line for line in labels) and any("sdpa_bwd_" in line for line in labels), text
+
+
+def test_forward_only_call_runs_the_graph_without_stats(monkeypatch):
+    import attnlib
+
+    _fake_entries(monkeypatch)
+    _fake_gpu(monkeypatch)
+    q = jax.ShapeDtypeStruct((2, 48, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 40, 2, 64), jnp.bfloat16)
+
+    def calls(**kw):
+        attend = lambda q, k, v: attnlib.attention(q, k, v, is_causal=True, implementation="cudnn", **kw)
+        text = _lower(attend, q, kv, kv)
+        return [line for line in text.splitlines() if "custom_call @attnlib_cudnn_graph" in line]
+
+    inference = calls()
+    assert len(inference) == 1 and "sdpa_fwd_nostats_" in inference[0] and "out_uids = dense<4>" in inference[0]
+    with_lse = calls(return_residual=True)
+    assert len(with_lse) == 1 and "sdpa_fwd_b2" in with_lse[0] and "out_uids = dense<[4, 5]>" in with_lse[0]
+    key = jax.random.key(0)
+    with_dropout = calls(dropout_rate=0.1, dropout_key=key)
+    assert len(with_dropout) == 1 and "nostats" not in with_dropout[0]
