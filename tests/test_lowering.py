@@ -122,8 +122,9 @@ def _fake_gpu(monkeypatch):
 def test_context_parallel_gradient_traces_on_cudnn_inside_shard_map(monkeypatch, strategy):
     """Inside `shard_map`, cuDNN's FFI results must vary like its operands, or the VJPs of the per-step calls reject
     their cotangents at trace time (found on the H200; this catches it without a GPU)."""
-    import attnlib.context_parallel as cp
     from jax.sharding import Mesh, PartitionSpec as P
+
+    import attnlib.context_parallel as cp
 
     _fake_entries(monkeypatch)
     _fake_gpu(monkeypatch)
