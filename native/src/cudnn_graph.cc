@@ -477,6 +477,8 @@ double TimeGraph(const std::string& blob, const std::vector<TimedTensor>& tensor
   auto cuda_failed = [&](cudaError_t err, const char* step) {
     if (err == cudaSuccess) return false;
     *error = std::string(step) + ": CUDA error " + std::to_string(static_cast<int>(err));
+    // Our own failure (e.g. out of memory next to JAX's pool) must not linger for the next cudaGetLastError caller.
+    fe::detail::cuda_get_last_error();
     return true;
   };
   try {
