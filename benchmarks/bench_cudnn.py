@@ -37,6 +37,7 @@ class Case:
     hv: int
     causal: bool
     window: int | None = None  # left window (keys i-window..i), causal
+    lengths: tuple[int, ...] = ()  # padding: each batch row's query and key length (empty = no padding)
 
 
 CASES = [
@@ -47,6 +48,9 @@ CASES = [
     Case("long causal", 1, 16384, 16, 16, 128, 128, True),
     Case("d64 causal", 4, 4096, 32, 32, 64, 64, True),
     Case("d256 causal", 4, 4096, 16, 16, 256, 256, True),
+    # Padding lengths (rows past each length are zeros in attnlib's output and gradients).
+    Case("padded causal b8", 8, 4096, 32, 8, 128, 128, True, lengths=(4096, 3517, 2900, 2048, 1536, 1024, 700, 333)),
+    Case("padded full b8", 8, 2048, 16, 16, 128, 128, False, lengths=(2048, 1999, 1500, 1024, 1000, 640, 512, 77)),
     # Small shapes: launch- and host-overhead-bound (compare milliseconds, not TFLOP/s).
     Case("small b2 s1024 d64", 2, 1024, 16, 16, 64, 64, True),
     Case("small b8 s512 d128", 8, 512, 16, 16, 128, 128, True),
@@ -54,18 +58,20 @@ CASES = [
 
 
 def unmasked_pairs(case: Case) -> int:
-    """Exact number of visible (query, key) pairs per batch row and head."""
-    s = case.t
-    if not case.causal:
-        return s * s
-    if case.window is None:
-        return s * (s + 1) // 2
-    i = np.arange(s)
-    return int(np.sum(np.minimum(i, case.window) + 1))
+    """Exact number of visible (query, key) pairs per head, summed over the batch."""
+    total = 0
+    for s in case.lengths or (case.t,) * case.b:
+        if not case.causal:
+            total += s * s
+        elif case.window is None:
+            total += s * (s + 1) // 2
+        else:
+            total += int(np.sum(np.minimum(np.arange(s), case.window) + 1))
+    return total
 
 
 def flops(case: Case) -> tuple[float, float]:
-    e = unmasked_pairs(case) * case.b * case.n
+    e = unmasked_pairs(case) * case.n
     return 2.0 * e * (case.h + case.hv), 2.0 * e * (4 * case.h + 3 * case.hv)
 
 
@@ -86,13 +92,17 @@ def make_fns(case: Case, impl: str):
     import attnlib
 
     window = None if case.window is None else (case.window, 0)
+    lengths = {}
+    if case.lengths:
+        lengths = dict(query_seq_lengths=jnp.asarray(case.lengths, jnp.int32),
+                       key_value_seq_lengths=jnp.asarray(case.lengths, jnp.int32))  # fmt: skip
     if impl == "attnlib":
         attend = lambda q, k, v: attnlib.attention(
-            q, k, v, is_causal=case.causal, local_window_size=window, implementation="cudnn"
+            q, k, v, is_causal=case.causal, local_window_size=window, implementation="cudnn", **lengths
         )
     else:
         attend = lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=case.causal, local_window_size=window, implementation=impl
+            q, k, v, is_causal=case.causal, local_window_size=window, implementation=impl, **lengths
         )
     fwd = jax.jit(attend)
     fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
@@ -121,7 +131,8 @@ def raw_graph_ms(case: Case, q, k, v) -> float | None:
         num_kv_heads=case.k, head_dim=case.h, value_head_dim=case.hv, dtype=np.dtype(jnp.bfloat16),
         scale=1.0 / float(np.sqrt(case.h)), is_causal=case.causal, diagonal_alignment="top_left",
         window=None if case.window is None else (case.window, 0), bias_shape=None, mask_shape=None,
-        has_q_lengths=False, has_kv_lengths=False, has_segments=False, max_segments_per_row=None,
+        has_q_lengths=bool(case.lengths), has_kv_lengths=bool(case.lengths), has_segments=False,
+        max_segments_per_row=None,
         num_sequences=None, max_seqlen_q=None, max_seqlen_kv=None, page_size=None, pages_per_seq=None,
         num_pages=None, logits_soft_cap=None, has_sinks=False, dropout_rate=0.0, return_residual=False,
         deterministic_backward=False,
@@ -138,6 +149,9 @@ def raw_graph_ms(case: Case, q, k, v) -> float | None:
     jax.block_until_ready((o, stats, ws))
     ptr = lambda x: x.unsafe_buffer_pointer()
     pack = {int(Uid.Q): ptr(q), int(Uid.K): ptr(k), int(Uid.V): ptr(v), int(Uid.O): ptr(o)}
+    if case.lengths:  # every sequence sees keys: the trimmed query lengths equal the lengths
+        seq = jnp.asarray(case.lengths, jnp.int32)
+        pack[int(Uid.SEQ_Q)] = pack[int(Uid.SEQ_KV)] = ptr(jax.block_until_ready(seq))
     if spec.stats:
         pack[int(Uid.STATS)] = ptr(stats)
     for _ in range(2):

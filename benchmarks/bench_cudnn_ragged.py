@@ -61,9 +61,13 @@ def _grad(f):
     return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
 
 
-def raw_thd_forward(lengths: list[int], cu: jax.Array):
-    """`f(q, k, v)` running only the THD forward graph attnlib builds for the packed batch, its sequence metadata
-    computed once outside: what cuDNN alone costs, against which attnlib's THD overhead is measured."""
+def raw_thd_graphs(lengths: list[int], cu: jax.Array):
+    """`(forward(q, k, v), forward_backward(q, k, v))` running only the THD graphs attnlib builds for the packed
+    batch (`max_seqlen_q = max_seqlen_kv = MAX_LEN`), their sequence metadata computed once outside: what cuDNN
+    alone costs, against which attnlib's THD overhead is measured. `forward_backward` runs the forward graph with
+    stats, then the backward graph with `dO = 1` (the cotangent of the benchmark's `sum`)."""
+    import dataclasses
+
     from attnlib._src.backends.cudnn import attention as cudnn_attention, ragged
     from attnlib._src.backends.cudnn.graphs import GraphSpec
 
@@ -80,7 +84,17 @@ def raw_thd_forward(lengths: list[int], cu: jax.Array):
         out, _ = cudnn_attention.ffi_graph_call(spec, entry, q, k, v, *offsets, seq, seq, tokens=(TOKENS, TOKENS))
         return out
 
-    return forward
+    tokens = ragged.bucket_tokens(TOKENS)
+    bwd_spec = dataclasses.replace(spec, direction="bwd", t_total=tokens, s_total=tokens)
+    bwd_entry = cudnn_attention.get_entry(bwd_spec)
+
+    def forward_backward(q, k, v):
+        out, stats = cudnn_attention.ffi_graph_call(spec, entry, q, k, v, *offsets, seq, seq, tokens=(TOKENS, TOKENS))
+        d_out = jnp.ones_like(out)
+        return cudnn_attention.ffi_graph_call(bwd_spec, bwd_entry, q, k, v, out, d_out, stats, *offsets, seq, seq,
+                                              tokens=(TOKENS, TOKENS))  # fmt: skip
+
+    return forward, forward_backward
 
 
 def packed_batch(results: dict, rows: list) -> None:
@@ -98,7 +112,7 @@ def packed_batch(results: dict, rows: list) -> None:
                                             max_seqlen_kv=MAX_LEN, implementation="cudnn")  # fmt: skip
     thd_unbounded = lambda q, k, v: attnlib.attention(q, k, v, cu_seqlens_q=cu, is_causal=True,
                                                       implementation="cudnn")
-    raw_thd = raw_thd_forward(lengths, cu)
+    raw_thd, raw_thd_fwd_bwd = raw_thd_graphs(lengths, cu)
     # The same data padded to [B, max_len].
     B, T = len(lengths), max(lengths)
     index = np.full((B, T), TOKENS, np.int64)
@@ -119,7 +133,7 @@ def packed_batch(results: dict, rows: list) -> None:
     variants = [
         ("THD attnlib cudnn", thd, (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD attnlib cudnn, no max_seqlen", thd_unbounded, (q, k, v), fwd_flops, fwd_bwd_flops),
-        ("THD raw forward graph (metadata given)", raw_thd, (q, k, v), fwd_flops, None),
+        ("THD raw graphs (metadata given)", raw_thd, (q, k, v), fwd_flops, fwd_bwd_flops),
         (f"padded B={B} T={T} attnlib cudnn", padded_attnlib, (qp, kp, vp), fwd_flops, fwd_bwd_flops),
         (f"padded B={B} T={T} jax.nn cudnn", padded_jax, (qp, kp, vp), fwd_flops, fwd_bwd_flops),
         ("dense b8 t4096 attnlib cudnn (reference)", dense, (qd, kd, vd), dense_fwd, dense_fwd_bwd),
@@ -127,10 +141,8 @@ def packed_batch(results: dict, rows: list) -> None:
     measured = {}
     for name, f, args, ff, fbf in variants:
         entry = {}
-        for mode, fn, loop, work in (("fwd", jax.jit(f), 20, ff), ("fwd_bwd", _grad(f), 10, fbf)):
-            if work is None:
-                entry[mode] = {"error": "not measured (forward graph only)"}
-                continue
+        grad = jax.jit(raw_thd_fwd_bwd) if f is raw_thd else _grad(f)
+        for mode, fn, loop, work in (("fwd", jax.jit(f), 20, ff), ("fwd_bwd", grad, 10, fbf)):
             try:
                 ms = best_per_call(fn, args, loop) * 1e3
                 entry[mode] = {"ms": ms, "tflops": work / ms / 1e9}

@@ -161,6 +161,11 @@ PADDING_CASES = [
     ("window", {"query_seq_lengths": [128, 64], "key_value_seq_lengths": [100, 128],
                 "is_causal": True, "local_window_size": (15, 0)}),
     ("empty_sequence", {"query_seq_lengths": [128, 50], "key_value_seq_lengths": [0, 77]}),
+    # Rows 55.. of sequence 0 see no key (window of 15 past a 40-key sequence): the graph gets trimmed lengths.
+    ("window_rows_past_keys", {"query_seq_lengths": [128, 90], "key_value_seq_lengths": [40, 128],
+                               "is_causal": True, "local_window_size": (15, 0)}),
+    ("two_sided_window_rows_past_keys", {"query_seq_lengths": [128, 100], "key_value_seq_lengths": [60, 128],
+                                         "local_window_size": (10, 5)}),
 ]
 
 
@@ -207,6 +212,8 @@ SINK_CASES = [
     ("padding_window", {"query_seq_lengths": [96, 30], "key_value_seq_lengths": [80, 96], "is_causal": True,
                         "local_window_size": (20, 0)}),
     ("gqa_causal", {"is_causal": True, "gqa": True}),
+    ("padding_window_rows_past_keys", {"query_seq_lengths": [96, 30], "key_value_seq_lengths": [40, 96],
+                                       "is_causal": True, "local_window_size": (20, 0)}),
 ]
 
 

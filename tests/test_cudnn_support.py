@@ -169,8 +169,44 @@ def test_graph_spec_uid_tables():
                             dropout=0.1, sinks=True)
     assert [int(u) for u in spec.in_uids()] == [1, 2, 3, 4, 6, 5, 10, 12, 13, 21, 22, 23]
     assert [int(u) for u in spec.out_uids()] == [7, 8, 9, 11]
-    assert spec.zero_fill() == (3,)
+    assert spec.zero_fill() == (0, 1, 2, 3)  # padded top-left: dQ, dK, dV rows past the lengths, and dBias
+    bottom_right = dataclasses.replace(spec, alignment="bottom_right")
+    assert bottom_right.zero_fill() == (3,)  # rows that see no key are masked in JAX instead
+    assert dataclasses.replace(spec, padding=False, direction="fwd").zero_fill() == ()
     assert spec.shape(graphs.Uid.V) == ((2, 96, 2, 32), "bfloat16")
     assert spec.shape(graphs.Uid.STATS) == ((2, 8, 64), "float32")
     dim, stride = graphs._layout(graphs.Uid.Q, spec)
     assert dim == [2, 8, 64, 64] and stride == [64 * 8 * 64, 64, 8 * 64, 1]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("window", [None, (0, 0), (3, 0), (5, 2), (2, 7)], ids=str)
+def test_trimmed_query_lengths_keep_exactly_the_rows_that_see_a_key(causal, window):
+    """Padded top-left graphs get trimmed query lengths instead of a masking pass: the rows below them must be
+    exactly the rows that exist and see a key, for every pair of lengths."""
+    import jax.numpy as jnp
+
+    from attnlib._src.backends.cudnn import attention as dense
+
+    T, S = 13, 9
+    config = dataclasses.replace(
+        BASE, q_len=T, kv_len=S, is_causal=causal, window=window, has_q_lengths=True, has_kv_lengths=True,
+        batch_shape=((T + 1) * (S + 1),),
+    )
+    plan = dense.make_plan(config, (T + 1) * (S + 1), T, None)
+    assert plan.rows_by_length and plan.fwd.zero_fill() == (0,) and plan.bwd.zero_fill() == (0, 1, 2)
+    q_len, kv_len = (jnp.asarray(x.ravel(), jnp.int32) for x in np.meshgrid(np.arange(T + 1), np.arange(S + 1)))
+    valid = np.asarray(dense._row_valid(plan, q_len, kv_len))
+    trimmed = np.asarray(dense._graph_seq_q(plan, q_len, kv_len))
+    np.testing.assert_array_equal(valid, np.arange(T)[None, :] < trimmed[:, None])
+    assert 0 < valid.sum() < valid.size  # the grid has rows that see no key and rows that do
+
+
+def test_bottom_right_padded_graphs_mask_rows_instead():
+    from attnlib._src.backends.cudnn import attention as dense
+
+    config = dataclasses.replace(
+        BASE, is_causal=True, diagonal_alignment="bottom_right", has_q_lengths=True, has_kv_lengths=True
+    )
+    plan = dense.make_plan(config, 2, 128, None)
+    assert not plan.rows_by_length and plan.fwd.zero_fill() == () and plan.bwd.zero_fill() == ()

@@ -5,6 +5,13 @@ Layers, bottom up:
 - `graph_call(spec)`: the same under `jax.custom_batching.custom_vmap`, whose rule folds a vmapped axis into the
   graph's batch dim and runs one bigger graph (a fused call, not a loop).
 - `_sdpa`: forward graph + backward graph as a `jax.custom_vjp`, with padding rows zeroed.
+
+Padding rows. cuDNN never writes the rows past a sequence's length (O and dQ past `seq_len_q`, dK and dV past
+`seq_len_kv`), and with a top-left diagonal the rows of a sequence that see no key are a suffix: every row when the
+sequence has no key, else the rows `i >= seq_len_kv + left` of a window reaching `left` keys back. The graph gets
+query lengths trimmed to the rows that see a key and its results are zero-filled before it runs, so the padding
+costs no pass over the output or the gradients (`Plan.rows_by_length`). With a bottom-right diagonal the rows that
+see no key come first; those calls mask the output and the gradients in JAX.
 - `attention(config, inputs)`: the implementation entry point (flattening `*B`, slicing bottom-right `T > S`).
 """
 
@@ -126,6 +133,8 @@ class Plan:
         left, right: the visible key offsets around a query's aligned diagonal (None = unbounded), as in the API.
         bottom_right: queries are aligned to the end of their key sequence.
         all_rows_valid: statically, every query row sees at least one key (no masking of rows needed).
+        rows_by_length: padded top-left graphs: the graphs get the trimmed query lengths of `_graph_seq_q` and
+            zero-fill their results, so rows that see no key need no masking pass.
         inference: the forward graph without softmax stats, run when nothing differentiates the call and the caller
             wants no `lse` (as `jax.nn`'s cuDNN inference); None when the call has dropout or returns `lse`.
     """
@@ -138,6 +147,10 @@ class Plan:
     all_rows_valid: bool
     inference: GraphSpec | None = None
 
+    @property
+    def rows_by_length(self) -> bool:
+        return self.fwd.rows_by_length
+
 
 def _row_valid(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array:
     """Bool `[B, T]`: the query row exists and sees at least one key."""
@@ -149,6 +162,14 @@ def _row_valid(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) ->
     lo = jnp.zeros_like(diagonal) if plan.left is None else jnp.maximum(diagonal - plan.left, 0)
     hi = kv_len - 1 if plan.right is None else jnp.minimum(diagonal + plan.right, kv_len - 1)
     return (i < q_len) & (lo <= hi)
+
+
+def _graph_seq_q(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array | None:
+    """The query lengths the graphs get: with `plan.rows_by_length`, trimmed to the rows that see a key."""
+    if not plan.rows_by_length or seq_q is None or seq_kv is None:
+        return seq_q
+    seeing = seq_q if plan.left is None else jnp.minimum(seq_q, seq_kv + plan.left)
+    return jnp.where(seq_kv > 0, seeing, 0)
 
 
 def _static_rows_valid(spec: GraphSpec, left: int | None, right: int | None, bottom_right: bool) -> bool:
@@ -179,14 +200,15 @@ def _forward(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, spec: Graph
     spec = plan.fwd if spec is None else spec
     seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
     values = {
-        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.BIAS: bias, Uid.SEQ_Q: seq_q, Uid.SEQ_KV: seq_kv,
-        Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks,
+        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.BIAS: bias, Uid.SEQ_Q: _graph_seq_q(plan, seq_q, seq_kv),
+        Uid.SEQ_KV: seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks,
     }
     results = graph_call(spec)(*_operands(spec, values))
     out, stats = results if spec.stats else (results[0], None)
     valid = None if plan.all_rows_valid else _row_valid(plan, seq_q, seq_kv)
     if valid is not None:
-        out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+        if not plan.rows_by_length:
+            out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
         if stats is not None:
             # Rows that see no key: finite stats make the backward's probabilities exactly zero there.
             stats = jnp.where(valid[:, None, :], stats, 0.0)
@@ -249,20 +271,22 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
     d_out = d_out.astype(out.dtype)
-    if valid is not None:
+    mask_rows = valid is not None and not plan.rows_by_length
+    if mask_rows:
         d_out = jnp.where(valid[:, :, None, None], d_out, jnp.zeros((), d_out.dtype))
     seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
     values = {
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.BIAS: bias,
-        Uid.SEQ_Q: seq_q, Uid.SEQ_KV: seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks,
+        Uid.SEQ_Q: _graph_seq_q(plan, seq_q, seq_kv), Uid.SEQ_KV: seq_kv, Uid.SEED: seed, Uid.OFFSET: offset,
+        Uid.SINK: sinks,
     }
     grads = graph_call(plan.bwd)(*_operands(plan.bwd, values))
     dq, dk, dv = grads[:3]
     dbias = grads[3] if bias is not None else None
     zero = lambda x: jnp.zeros((), x.dtype)
-    if valid is not None:
+    if mask_rows:
         dq = jnp.where(valid[:, :, None, None], dq, zero(dq))
-    if seq_kv is not None:
+    if seq_kv is not None and not plan.rows_by_length:
         key_valid = jnp.arange(plan.fwd.s)[None, :] < seq_kv[:, None]
         dk = jnp.where(key_valid[:, :, None, None], dk, zero(dk))
         dv = jnp.where(key_valid[:, :, None, None], dv, zero(dv))

@@ -174,12 +174,19 @@ class GraphSpec:
             return (Uid.O, Uid.STATS) if self.stats else (Uid.O,)
         return (Uid.DQ, Uid.DK, Uid.DV) + ((Uid.DBIAS,) if self.bias_b else ())
 
+    @property
+    def rows_by_length(self) -> bool:
+        """Dense padded graph with a top-left diagonal: the rows that exist and see a key are exactly the rows below
+        the (trimmed) query lengths, so zero-filled results need no masking pass (`attention.Plan`)."""
+        return self.padding and not self.ragged and not self.pages and self.alignment == "top_left"
+
     def zero_fill(self) -> tuple[int, ...]:
-        """Results cuDNN may leave partly unwritten: dBias with padding (entries past the lengths), and every packed
-        result of a ragged graph (rows outside every sequence are never written)."""
+        """Results cuDNN may leave partly unwritten, zeroed before it runs: dBias with padding (entries past the
+        lengths), every packed result of a ragged graph (rows outside every sequence are never written), and O, dQ,
+        dK, dV of a dense padded top-left graph (rows past each sequence's length are never written)."""
         outs = self.out_uids()
-        ragged = {Uid.O, Uid.DQ, Uid.DK, Uid.DV} if self.ragged else set()
-        return tuple(i for i, u in enumerate(outs) if (u == Uid.DBIAS and self.padding) or u in ragged)
+        rows = {Uid.O, Uid.DQ, Uid.DK, Uid.DV} if self.ragged or self.rows_by_length else set()
+        return tuple(i for i, u in enumerate(outs) if (u == Uid.DBIAS and self.padding) or u in rows)
 
     def shape(self, uid: Uid, tokens: tuple[int, int] | None = None) -> tuple[tuple[int, ...], str]:
         """JAX shape and dtype of the array bound to `uid`.
@@ -562,7 +569,7 @@ def cache_key(spec: GraphSpec, device: "support.Device") -> dict[str, Any]:
     import importlib.metadata
 
     return {
-        "format": 2,
+        "format": 3,
         "spec": dataclasses.asdict(spec),
         "plan_selection": "autotuned" if autotune_enabled() else "heuristics",
         "cudnn": device.cudnn_version,
