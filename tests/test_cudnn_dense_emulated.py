@@ -12,7 +12,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cudnn_ragged import _close, _compare, _eps, _mask
+from test_cudnn_ragged import _close, _compare, _eps, _mask, softmax_rows
 
 import attnlib
 from attnlib._src.backends.cudnn import attention as dense, cache, support
@@ -44,16 +44,9 @@ def emulate(spec: GraphSpec, entry, *operands, tokens=None):
     filled = {spec.out_uids()[i] for i in spec.zero_fill()}
     rows_first = lambda x: jnp.transpose(x, (0, 2, 1, 3))
     if spec.direction == "fwd":
-        m = jnp.max(logits, axis=-1, keepdims=True)
-        if spec.sinks:
-            m = jnp.maximum(m, vals[Uid.SINK][None, :, None, None])
-        e = jnp.exp(logits - m)
-        den = jnp.sum(e, axis=-1, keepdims=True)
-        if spec.sinks:
-            den = den + jnp.exp(vals[Uid.SINK][None, :, None, None] - m)
-        o = rows_first(jnp.einsum("bnij,bnjh->bnih", e / den, v, precision="highest"))  # NaN on rows that see nothing
-        out = _unwritten(o, t, seq_q, Uid.O in filled).astype(spec.dtype)
-        stats = jnp.where(jnp.arange(t)[None, None, :] < seq_q[:, None, None], (m + jnp.log(den))[..., 0], jnp.nan)
+        o, stats = softmax_rows(logits, v, vals.get(Uid.SINK))
+        out = _unwritten(rows_first(o), t, seq_q, Uid.O in filled).astype(spec.dtype)
+        stats = jnp.where(jnp.arange(t)[None, None, :] < seq_q[:, None, None], stats, jnp.nan)
         return (out, stats) if spec.stats else (out,)
     o, do = heads_first(vals[Uid.O]), heads_first(vals[Uid.DO])
     p = jnp.where(mask, jnp.exp(logits - vals[Uid.STATS][..., None]), 0.0)

@@ -327,6 +327,19 @@ def _scatter(shape, dtype, values, idx, inside):
     return jnp.reshape(flat, shape).astype(dtype)
 
 
+def softmax_rows(logits, v, sinks):
+    """`(o [b, n, t, hv], stats [b, n, t])` of masked logits `[b, n, t, s]`: NaN on rows that see nothing (without
+    sinks), as a kernel that divides by a zero denominator."""
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks[None, :, None, None])
+    e = jnp.exp(logits - m)
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + jnp.exp(sinks[None, :, None, None] - m)
+    return jnp.einsum("bnij,bnjh->bnih", e / den, v, precision="highest"), (m + jnp.log(den))[..., 0]
+
+
 def emulate(spec: GraphSpec, operands, tokens):
     """A plain-JAX cuDNN SDPA graph (ragged or paged): NaN wherever a real kernel leaves rows undefined."""
     vals = dict(zip(spec.in_uids(), operands))
@@ -348,15 +361,7 @@ def emulate(spec: GraphSpec, operands, tokens):
     mask = _mask(spec, seq_q, seq_kv)
     s = jnp.where(mask, jnp.einsum("bnih,bnjh->bnij", q, k, precision="highest") * spec.scale, -jnp.inf)
     if spec.direction == "fwd":
-        m = jnp.max(s, axis=-1, keepdims=True)
-        if spec.sinks:
-            m = jnp.maximum(m, vals[Uid.SINK][None, :, None, None])
-        e = jnp.exp(s - m)
-        den = jnp.sum(e, axis=-1, keepdims=True)
-        if spec.sinks:
-            den = den + jnp.exp(vals[Uid.SINK][None, :, None, None] - m)
-        o = jnp.einsum("bnij,bnjh->bnih", e / den, v, precision="highest")  # NaN on rows that see nothing
-        stats = (m + jnp.log(den))[..., 0]
+        o, stats = softmax_rows(s, v, vals.get(Uid.SINK))
         row_in = jnp.arange(spec.t)[None, None, :] < seq_q[:, None, None]
         stats = jnp.where(row_in, stats, jnp.nan)  # padded stats rows: undefined
         if spec.ragged:
@@ -541,7 +546,7 @@ PAGED_CASES = [
 @pytest.mark.parametrize("case", PAGED_CASES, ids=[c[0] for c in PAGED_CASES])
 def test_paged_wrapper_matches_reference(emulated, case):
     _, T, n, kh, h, hv, kw = case
-    B, P, page, pps = 3, 12, 4, 4
+    B, P, page = 3, 12, 4
     a, b, c = jax.random.split(jax.random.key(11), 3)
     q = jax.random.normal(a, (B, T, n, h)).astype(jnp.bfloat16)
     kp = jax.random.normal(b, (P, page, kh, h)).astype(jnp.bfloat16)
