@@ -470,6 +470,10 @@ THD_CASES = [
     ("two_sided", [0, 13, 40], None, 4, 1, 64, 64, {"local_window_size": (3, 2)}),
     ("mla", [0, 7, 20], None, 4, 4, 96, 64, {"is_causal": True}),
     ("full_padding_rows", [0, 3, 11], None, 2, 2, 64, 64, {}),
+    # Top-left rows past `kv_len + left` (and a sequence without keys) see nothing: cuDNN gets trimmed lengths.
+    ("cross_window_rows_past_keys", [0, 12, 20, 33], [0, 3, 3, 20], 4, 2, 64, 64,
+     {"is_causal": True, "local_window_size": (2, 0)}),
+    ("cross_two_sided_rows_past_keys", [0, 12, 20, 33], [0, 3, 3, 20], 4, 2, 64, 64, {"local_window_size": (4, 1)}),
 ]  # fmt: skip
 
 
@@ -499,6 +503,16 @@ def test_segments_wrapper_matches_reference(emulated):
     q, k, v = (x.reshape((3, 24) + x.shape[1:]) for x in _packed(3, 72, 72, 4, 2, 64, 64))
     kw = {"q_segment_ids": ids, "max_segments_per_row": 3, "is_causal": True,
           "query_seq_lengths": jnp.asarray([24, 20, 17], jnp.int32)}  # fmt: skip
+    _compare(q, k, v, kw)
+
+
+def test_segments_cross_top_left_with_key_lengths(emulated):
+    rng = np.random.default_rng(9)
+    q_ids = _random_segments(rng, 2, 16, 3)
+    q, _, _ = (x.reshape((2, 16) + x.shape[1:]) for x in _packed(4, 32, 32, 4, 2, 64, 64))
+    _, k, v = (x.reshape((2, 16) + x.shape[1:]) for x in _packed(5, 32, 32, 4, 2, 64, 64))
+    kw = {"q_segment_ids": jnp.asarray(q_ids), "max_segments_per_row": 3, "is_causal": True,
+          "local_window_size": (3, 0), "key_value_seq_lengths": jnp.asarray([5, 16], jnp.int32)}  # fmt: skip
     _compare(q, k, v, kw)
 
 

@@ -44,6 +44,9 @@ THD_CASES = [
     ("many_short_gqa_causal", MANY_SHORT, None, 5, 8, 2, 64, 64, {"is_causal": True}),
     ("odd_lengths_full", [37, 101, 0, 263, 1], None, 11, 4, 2, 128, 128, {}),
     ("cross_top_left_causal", [30, 7, 64, 0, 5], [45, 7, 20, 9, 0], 3, 4, 2, 64, 64, {"is_causal": True}),
+    # Rows past kv_len + 6 see no key: cuDNN gets trimmed query lengths and leaves those rows unwritten.
+    ("cross_top_left_window_rows_past_keys", [30, 7, 64, 0, 5], [12, 7, 20, 9, 0], 3, 4, 2, 64, 64,
+     {"is_causal": True, "local_window_size": (6, 0)}),
     ("cross_bottom_right_causal", [30, 7, 64, 0, 5], [45, 7, 20, 9, 0], 3, 4, 2, 64, 64,
      {"is_causal": True, "diagonal_alignment": "bottom_right"}),
     ("window_causal", [150, 90, 3], None, 2, 4, 2, 64, 64, {"is_causal": True, "local_window_size": (31, 0)}),

@@ -4,8 +4,11 @@ THD and packed rows run cuDNN's ragged graphs (`ragged.py` builds the sequence m
 backward, with graph dims bucketed so that changing lengths reuse a few graphs. Rows cuDNN does not own (past
 `cu_seqlens_q[-1]`, segment id 0, rows that see no key, rows cuDNN leaves unwritten) are exactly 0 in the output and
 the gradients and get `lse = -inf` (the sink logit with `sinks`). cuDNN's results are zero-filled before it runs, so
-rows outside every sequence need no further pass; the output and gradients are only masked again when the call can
-have rows that see no key (`RaggedPlan.rows_exact` is False) or sequences that overflow the graph's bounds
+rows outside every sequence need no further pass. With a top-left diagonal the rows of a sequence that see no key are
+a suffix (all of them when it has no key, else the rows past `kv_len + left`), so cuDNN gets query lengths trimmed to
+the rows that see a key (`_graph_seq_q`) and leaves the others unwritten. The output and gradients are only masked
+again when the call can have rows that see no key otherwise (`RaggedPlan.rows_exact` is False: a bottom-right
+diagonal across different query and key lengths) or sequences that overflow the graph's bounds
 (`RaggedPlan.overflow_possible`: their rows become NaN).
 
 Sinks and the ragged backward: cuDNN needs 9.26 for a ragged backward with a sink token. attnlib does not need it:
@@ -60,8 +63,8 @@ class RaggedPlan:
         left, right: visible key offsets around a query's aligned diagonal (None = unbounded).
         bottom_right: bottom-right diagonal per sequence.
         config: the call's configuration (for the reference that differentiates `lse`).
-        rows_exact: statically, every query row of a sequence sees a key and every key row of a run sequence is
-            seen (self-attention whose mask keeps the diagonal): cuDNN's zero-filled results need no masking.
+        rows_exact: statically, every query row cuDNN runs sees a key (a top-left diagonal with trimmed query
+            lengths, or self-attention whose mask keeps the diagonal): cuDNN's zero-filled results need no masking.
         overflow_possible: a sequence may exceed the graph's bounds (NaN rows need a pass).
     """
 
@@ -83,6 +86,14 @@ def _offsets(spec: GraphSpec, batch: ragged.RaggedBatch) -> dict[Uid, jax.Array]
         Uid.OFF_V: ragged.element_offsets(batch.off_kv, spec.k, spec.hv),
         Uid.OFF_O: ragged.element_offsets(batch.off_q, spec.n, spec.hv),
     }
+
+
+def _graph_seq_q(plan: RaggedPlan, batch: ragged.RaggedBatch) -> jax.Array:
+    """The query rows cuDNN runs per sequence: with a top-left diagonal, only the leading rows that see a key."""
+    if plan.bottom_right:
+        return batch.seq_q
+    seeing = batch.seq_q if plan.left is None else jnp.minimum(batch.seq_q, batch.seq_kv + plan.left)
+    return jnp.where(batch.seq_kv > 0, seeing, 0)
 
 
 def _seeds(seeds: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
@@ -112,7 +123,7 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
     spec = plan.fwd
     seed, offset = _seeds(seeds)
     values = {
-        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.SEQ_Q: batch.seq_q, Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed,
+        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.SEQ_Q: _graph_seq_q(plan, batch), Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed,
         Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
     }  # fmt: skip
     out, stats = _graph_outputs(spec, values, plan.tokens)
@@ -174,7 +185,7 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
     spec = plan.bwd
     seed, offset = _seeds(seeds)
     values = {
-        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.SEQ_Q: batch.seq_q,
+        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.SEQ_Q: _graph_seq_q(plan, batch),
         Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
     }  # fmt: skip
     dq, dk, dv = _graph_outputs(spec, values, plan.tokens)[:3]
@@ -246,8 +257,9 @@ def make_ragged_plan(
         direction="bwd", deterministic=config.deterministic_backward, t_total=ragged.bucket_tokens(tokens[0]),
         s_total=ragged.bucket_tokens(tokens[1]), **common,
     )  # fmt: skip
+    rows_exact = keeps_diagonal and (self_attention or not bottom_right)
     return RaggedPlan(fwd, bwd, tokens, left, right, bottom_right, config,
-                      rows_exact=self_attention and keeps_diagonal, overflow_possible=overflow_possible)
+                      rows_exact=rows_exact, overflow_possible=overflow_possible)
 
 
 def _slice_right(config: AttentionConfig) -> int | None:
