@@ -61,11 +61,14 @@ def _grad(f):
     return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
 
 
-def raw_thd_graphs(lengths: list[int], cu: jax.Array):
+def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = False):
     """`(forward(q, k, v), forward_backward(q, k, v))` running only the THD graphs attnlib builds for the packed
     batch (`max_seqlen_q = max_seqlen_kv = MAX_LEN`), their sequence metadata computed once outside: what cuDNN
     alone costs, against which attnlib's THD overhead is measured. `forward_backward` runs the forward graph with
-    stats, then the backward graph with `dO = 1` (the cotangent of the benchmark's `sum`)."""
+    stats, then the backward graph with `dO = 1` (the cotangent of the benchmark's `sum`).
+
+    `longest_first`: give cuDNN the sequences longest first (their data stays where it is; only the order of the
+    lengths and offsets changes), to see whether the kernel's scheduling gains from it."""
     import dataclasses
 
     from attnlib._src.backends.cudnn import attention as cudnn_attention, ragged
@@ -76,8 +79,10 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array):
                      s=ragged.bucket_length(MAX_LEN), n=N, k=K, h=H, hv=HV, scale=1.0 / float(np.sqrt(H)),
                      right_bound=0, padding=True, ragged=True)  # fmt: skip
     entry = cudnn_attention.get_entry(spec)
-    seq = jnp.asarray(np.pad(np.asarray(lengths, np.int32), (0, b - len(lengths))))
-    starts = jnp.asarray(np.pad(np.asarray(cu, np.int32), (0, b + 1 - len(cu)), mode="edge"))
+    order = np.argsort(-np.asarray(lengths), kind="stable") if longest_first else np.arange(len(lengths))
+    cu = np.asarray(cu, np.int32)
+    seq = jnp.asarray(np.pad(np.asarray(lengths, np.int32)[order], (0, b - len(lengths))))
+    starts = jnp.asarray(np.concatenate([cu[:-1][order], np.full(b + 1 - len(lengths), cu[-1], np.int32)]))
     offsets = [ragged.element_offsets(starts, heads, dim) for heads, dim in ((N, H), (K, H), (K, HV), (N, HV))]
 
     def forward(q, k, v):
@@ -113,6 +118,10 @@ def packed_batch(results: dict, rows: list) -> None:
     thd_unbounded = lambda q, k, v: attnlib.attention(q, k, v, cu_seqlens_q=cu, is_causal=True,
                                                       implementation="cudnn")
     raw_thd, raw_thd_fwd_bwd = raw_thd_graphs(lengths, cu)
+    raw_sorted, raw_sorted_fwd_bwd = raw_thd_graphs(lengths, cu, longest_first=True)
+    # The order of the sequences given to cuDNN must not change a single output element.
+    order_diff = float(jnp.max(jnp.abs(jax.jit(raw_thd)(q, k, v).astype(jnp.float32)
+                                       - jax.jit(raw_sorted)(q, k, v).astype(jnp.float32))))  # fmt: skip
     # The same data padded to [B, max_len].
     B, T = len(lengths), max(lengths)
     index = np.full((B, T), TOKENS, np.int64)
@@ -134,6 +143,7 @@ def packed_batch(results: dict, rows: list) -> None:
         ("THD attnlib cudnn", thd, (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD attnlib cudnn, no max_seqlen", thd_unbounded, (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD raw graphs (metadata given)", raw_thd, (q, k, v), fwd_flops, fwd_bwd_flops),
+        ("THD raw graphs, longest sequence first", raw_sorted, (q, k, v), fwd_flops, fwd_bwd_flops),
         (f"padded B={B} T={T} attnlib cudnn", padded_attnlib, (qp, kp, vp), fwd_flops, fwd_bwd_flops),
         (f"padded B={B} T={T} jax.nn cudnn", padded_jax, (qp, kp, vp), fwd_flops, fwd_bwd_flops),
         ("dense b8 t4096 attnlib cudnn (reference)", dense, (qd, kd, vd), dense_fwd, dense_fwd_bwd),
@@ -141,7 +151,8 @@ def packed_batch(results: dict, rows: list) -> None:
     measured = {}
     for name, f, args, ff, fbf in variants:
         entry = {}
-        grad = jax.jit(raw_thd_fwd_bwd) if f is raw_thd else _grad(f)
+        raw_fwd_bwd = {raw_thd: raw_thd_fwd_bwd, raw_sorted: raw_sorted_fwd_bwd}
+        grad = jax.jit(raw_fwd_bwd[f]) if f in raw_fwd_bwd else _grad(f)
         for mode, fn, loop, work in (("fwd", jax.jit(f), 20, ff), ("fwd_bwd", grad, 10, fbf)):
             try:
                 ms = best_per_call(fn, args, loop) * 1e3
@@ -150,7 +161,8 @@ def packed_batch(results: dict, rows: list) -> None:
                 entry[mode] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         measured[name] = entry
     results["packed"] = {"lengths": lengths, "num_sequences": B, "max_len": T, "real_tokens": int(sum(lengths)),
-                         "fwd_flops": fwd_flops, "fwd_bwd_flops": fwd_bwd_flops, "variants": measured}  # fmt: skip
+                         "fwd_flops": fwd_flops, "fwd_bwd_flops": fwd_bwd_flops, "variants": measured,
+                         "longest_first_max_output_diff": order_diff}  # fmt: skip
     thd_entry = measured["THD attnlib cudnn"]
     for name, entry in measured.items():
         for mode in ("fwd", "fwd_bwd"):
@@ -160,6 +172,7 @@ def packed_batch(results: dict, rows: list) -> None:
                 continue
             speedup = m["ms"] / thd_entry[mode]["ms"] if "ms" in thd_entry[mode] else float("nan")
             rows.append(f"{name:<44} {mode:<8} {m['ms']:9.3f} {m['tflops']:8.1f} {speedup:10.2f}")
+    rows.append(f"longest-first order vs given order: max |output difference| = {order_diff}")
 
 
 def paged_decode(results: dict, rows: list) -> None:
