@@ -102,6 +102,20 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
     return forward, forward_backward
 
 
+def nan_pass_under_cond(f):
+    """`f` traced with the overflow NaN pass under `lax.cond` (`varlen.NAN_PASS = "cond"`), to compare both modes."""
+    from attnlib._src.backends.cudnn import varlen
+
+    def traced(*args):
+        saved, varlen.NAN_PASS = varlen.NAN_PASS, "cond"
+        try:
+            return f(*args)
+        finally:
+            varlen.NAN_PASS = saved
+
+    return traced
+
+
 def packed_batch(results: dict, rows: list) -> None:
     import attnlib
 
@@ -141,6 +155,7 @@ def packed_batch(results: dict, rows: list) -> None:
 
     variants = [
         ("THD attnlib cudnn", thd, (q, k, v), fwd_flops, fwd_bwd_flops),
+        ("THD attnlib cudnn, NaN pass under cond", nan_pass_under_cond(thd), (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD attnlib cudnn, no max_seqlen", thd_unbounded, (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD raw graphs (metadata given)", raw_thd, (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD raw graphs, longest sequence first", raw_sorted, (q, k, v), fwd_flops, fwd_bwd_flops),

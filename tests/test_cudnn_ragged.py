@@ -527,7 +527,9 @@ def test_segments_cross_bottom_right(emulated):
     _compare(q, k, v, kw)
 
 
-def test_segment_overflow_gives_nan_rows_only(emulated):
+@pytest.mark.parametrize("nan_pass", ["where", "cond"])
+def test_segment_overflow_gives_nan_rows_only(emulated, monkeypatch, nan_pass):
+    monkeypatch.setattr(varlen, "NAN_PASS", nan_pass)
     ids = jnp.asarray([[1, 1, 2, 2, 3, 3, 0, 0], [1, 1, 1, 1, 2, 2, 2, 0]], jnp.int32)
     q, k, v = (x.reshape((2, 8) + x.shape[1:]) for x in _packed(6, 16, 16, 2, 2, 64, 64))
     kw = {"q_segment_ids": ids, "max_segments_per_row": 2, "is_causal": True}
@@ -539,6 +541,37 @@ def test_segment_overflow_gives_nan_rows_only(emulated):
     e = _eps(jnp.bfloat16)
     _close(out[1], r_out[1], 2 * e, e, "row 1 out")
     _close(np.asarray(grads[1], np.float32)[1], r_grads[1][1], 8 * e * 4, e, "row 1 dk")
+
+
+@pytest.mark.parametrize("nan_pass", ["where", "cond"])
+def test_thd_sequence_over_the_bound_is_nan_and_spares_the_rest(emulated, monkeypatch, nan_pass):
+    """A sequence longer than `max_seqlen_q` gets NaN rows and gradients; the others, the sink gradient and `lse`
+    elsewhere stay exact. With no overflow in the batch the results carry no NaN at all."""
+    monkeypatch.setattr(varlen, "NAN_PASS", nan_pass)
+    q, k, v = _packed(9, 160, 160, 4, 2, 64, 64)
+    sinks = jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float32)
+    # max_seqlen 28 gives graphs bounded by 64 rows: an 80-row sequence overflows, 40, 60 and 50 do not.
+    for cu, bad in (([0, 20, 100, 150], (20, 100)), ([0, 40, 100, 150], None)):
+        kw = {"cu_seqlens_q": jnp.asarray(cu, jnp.int32), "is_causal": True, "max_seqlen_q": 28,
+              "max_seqlen_kv": 28, "sinks": sinks}  # fmt: skip
+        out, lse, grads = _value_and_grads("cudnn", q, k, v, dict(kw), diff_sinks=True, lse_grad=True)
+        f32 = lambda x: x.astype(jnp.float32)
+        r_out, r_lse, r_grads = _value_and_grads("xla", f32(q), f32(k), f32(v), dict(kw), diff_sinks=True,
+                                                 lse_grad=True)  # fmt: skip
+        rows = np.zeros(160, bool)
+        if bad:
+            rows[bad[0]:bad[1]] = True
+        out, lse, dq, dk, dv = (np.asarray(x, np.float32) for x in (out, lse, *grads[:3]))
+        assert np.isnan(out[rows]).all() and np.isnan(lse[rows]).all()
+        assert np.isnan(dq[rows]).all() and np.isnan(dk[rows]).all() and np.isnan(dv[rows]).all()
+        e = _eps(jnp.bfloat16)
+        _close(out[~rows], np.asarray(r_out)[~rows], 2 * e, e, "out elsewhere")
+        _close(lse[~rows], np.asarray(r_lse)[~rows], 2 * e, 0, "lse elsewhere")
+        if not bad:  # every gradient, the sink's included, is exact when nothing overflows
+            for name, g, rg in zip(("dq", "dk", "dv", "dsinks"), grads, r_grads):
+                scale = max(float(np.max(np.abs(np.asarray(rg, np.float32)))), 1e-30)
+                _close(g, rg, 8 * e * scale, e, name)
+        assert np.isfinite(np.asarray(grads[3])).all(), "the sink gradient must not see the NaN rows"
 
 
 def test_thd_all_sequences_empty(emulated):

@@ -27,7 +27,7 @@ A backward rule is the only place that knows a gradient was asked for; dispatch 
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -137,11 +137,20 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
     return out, lse, stats, tok_valid
 
 
+NAN_PASS: Literal["where", "cond"] = "where"
+"""How the rows of overflowing sequences become NaN: `"where"`, one elementwise pass over the result on every call;
+`"cond"`, the same pass under `lax.cond`, run only when some sequence overflows (the other branch passes the buffer
+through). `benchmarks/bench_cudnn_ragged.py` measures both on the GPU."""
+
+
 def _nan_rows(x: jax.Array, rows: jax.Array, plan: RaggedPlan) -> jax.Array:
     if not plan.overflow_possible:
         return x
     shape = (rows.shape[0],) + (1,) * (x.ndim - 1)
-    return jnp.where(jnp.reshape(rows, shape), jnp.full((), jnp.nan, x.dtype), x)
+    poison = lambda x: jnp.where(jnp.reshape(rows, shape), jnp.full((), jnp.nan, x.dtype), x)
+    if NAN_PASS == "cond":
+        return jax.lax.cond(jnp.any(rows), poison, lambda x: x, x)
+    return poison(x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -158,8 +167,11 @@ def _unwrap(tree):
 def _ragged_sdpa_fwd(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference):
     q, k, v, sinks, seeds, batch, reference = _unwrap((q, k, v, sinks, seeds, batch, reference))
     out, lse, stats, tok_valid = _ragged_forward(plan, q, k, v, sinks, seeds, batch)
+    # The residuals are the results themselves (one buffer): cuDNN's backward never reads the rows of a sequence
+    # that does not run, and the sink gradient masks them.
+    out, lse = _nan_rows(out, batch.q_nan, plan), _nan_rows(lse, batch.q_nan, plan)
     residuals = (q, k, v, sinks, seeds, batch, reference, out, lse, stats, tok_valid)
-    return (_nan_rows(out, batch.q_nan, plan), _nan_rows(lse, batch.q_nan, plan)), residuals
+    return (out, lse), residuals
 
 
 def _reference_lse(plan: RaggedPlan, q, k, v, sinks, reference: dict[str, Any]) -> jax.Array:
@@ -197,6 +209,7 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
     dsinks = None
     if sinks is not None:
         row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [Tq, N]
+        row = jnp.where(tok_valid[:, None], row, 0.0)  # overflowing rows hold NaN
         p_sink = jnp.where(tok_valid[:, None], jnp.exp(sinks.astype(jnp.float32)[None, :] - lse), 0.0)
         dsinks = -jnp.sum(row * p_sink, axis=0).astype(sinks.dtype)
     if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
