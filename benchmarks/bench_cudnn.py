@@ -211,6 +211,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the xla baseline")
     parser.add_argument("--cases", default="", help="only cases whose name contains this")
     parser.add_argument("--no-setup", action="store_true", help="skip the set-up time measurement")
+    parser.add_argument("--dump-hlo", default="", help="write the compiled HLO of attnlib's forward per case here")
     args = parser.parse_args()
 
     import cudnn
@@ -233,6 +234,11 @@ def main() -> None:
                 fwd, fwd_bwd = make_fns(case, impl)
                 loop_f, loop_b = (20, 10) if impl != "xla" else (3, 2)
                 row[f"{impl}_fwd_ms"] = best_per_call(fwd, (q, k, v), loop_f) * 1e3
+                if impl == "attnlib" and args.dump_hlo:  # what runs besides the graph, if anything
+                    os.makedirs(args.dump_hlo, exist_ok=True)
+                    name = case.name.replace(" ", "_").replace("/", "-")
+                    with open(os.path.join(args.dump_hlo, f"{name}_fwd.hlo.txt"), "w") as f:
+                        f.write(fwd.lower(q, k, v).compile().as_text())
                 row[f"{impl}_fwd_bwd_ms"] = best_per_call(fwd_bwd, (q, k, v), loop_b) * 1e3
             except Exception as e:  # jax.nn cannot run MLA; xla may run out of memory
                 row[f"{impl}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"

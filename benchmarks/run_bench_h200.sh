@@ -15,5 +15,5 @@ if [ -n "${ATTNLIB_TESTS:-}" ]; then
 fi
 timeout "$ragged_s" python3 benchmarks/bench_cudnn_ragged.py --json "$out/bench_cudnn_ragged.json" \
   --table "$out/bench_cudnn_ragged.txt" > "$out/bench_ragged.log" 2>&1; tail -16 "$out/bench_ragged.log"
-timeout "$dense_s" python3 benchmarks/bench_cudnn.py --json "$out/bench_cudnn.json" > "$out/bench.log" 2>&1
+timeout "$dense_s" python3 benchmarks/bench_cudnn.py --json "$out/bench_cudnn.json" --dump-hlo "$out/hlo" > "$out/bench.log" 2>&1
 tail -32 "$out/bench.log"
