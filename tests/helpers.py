@@ -22,6 +22,10 @@ Tolerances are derived from the machine epsilon of the dtype the library compute
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -176,3 +180,22 @@ def bitwise_equal(a, b) -> bool:
 
 def num_rows(x) -> int:
     return int(math.prod(np.shape(x)[:-1]))
+
+
+def run_pytest_on_simulated_devices(test_file: str, num_devices: int) -> None:
+    """Run `tests/<test_file>` in a subprocess whose CPU backend has `num_devices` devices (the count is fixed when
+    JAX starts, and the main pytest process has started it); fail with its report unless every test passed."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={num_devices}"
+        # tiny programs: LLVM optimisation time dominates and does not change what is tested
+        " --xla_backend_optimization_level=0"
+    ).strip()
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{test_file}"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    report = (proc.stdout + proc.stderr)[-20000:]
+    assert proc.returncode == 0, f"tests/{test_file} failed (exit {proc.returncode}):\n{report}"
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, report

@@ -10,16 +10,12 @@ mesh.
 """
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_grad_close, assert_out_close
+from helpers import assert_grad_close, assert_out_close, run_pytest_on_simulated_devices
 
 import attnlib
 from attnlib import context_parallel as cp
@@ -34,21 +30,7 @@ P = jax.sharding.PartitionSpec
 
 
 def test_eight_device_cases():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-        # tiny programs: LLVM optimisation time dominates and does not change what is tested
-        " --xla_backend_optimization_level=0"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cp_cases.py"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    report = (proc.stdout + proc.stderr)[-20000:]
-    assert proc.returncode == 0, f"tests/cp_cases.py failed (exit {proc.returncode}):\n{report}"
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, report
+    run_pytest_on_simulated_devices("cp_cases.py", 8)
 
 
 # ------------------------------------------------------------------------------------------------------------------

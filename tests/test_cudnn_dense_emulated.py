@@ -12,6 +12,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_pytest_on_simulated_devices
 from test_cudnn_ragged import _close, _compare, _eps, _mask, softmax_rows
 
 import attnlib
@@ -67,18 +68,19 @@ def emulate(spec: GraphSpec, entry, *operands, tokens=None):
     return tuple(x.astype(spec.dtype) for x in grads)
 
 
+def entry_for(spec: GraphSpec) -> cache.GraphEntry:
+    """A stand-in built graph (the emulator needs only the spec)."""
+    return cache.GraphEntry(
+        blob=b"{}", workspace_bytes=0, in_uids=tuple(map(int, spec.in_uids())),
+        out_uids=tuple(map(int, spec.out_uids())), zero_fill=spec.zero_fill(), label=spec.label,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     """Route dense `implementation="cudnn"` calls through `emulate`, as on an H200 with cuDNN 9.19."""
-
-    def get_entry(spec):
-        return cache.GraphEntry(
-            blob=b"{}", workspace_bytes=0, in_uids=tuple(map(int, spec.in_uids())),
-            out_uids=tuple(map(int, spec.out_uids())), zero_fill=spec.zero_fill(), label=spec.label,
-        )  # fmt: skip
-
     monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
-    monkeypatch.setattr(dense, "get_entry", get_entry)
+    monkeypatch.setattr(dense, "get_entry", entry_for)
     monkeypatch.setattr(dense, "ffi_graph_call", emulate)
 
 
@@ -178,3 +180,8 @@ def test_padded_top_left_calls_make_no_pass_over_output_or_gradients(emulated, m
         assert selects == []
     else:
         assert len(selects) >= 4  # out, dO, dQ, and dK/dV
+
+
+def test_context_parallel_on_the_emulated_cudnn_wrapper():
+    """`tests/cp_cudnn_emulated.py` on 4 simulated CPU devices."""
+    run_pytest_on_simulated_devices("cp_cudnn_emulated.py", 4)
