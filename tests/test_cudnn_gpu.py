@@ -182,6 +182,11 @@ def test_padding_lengths(case, dtype):
             assert np.all(np.asarray(out[b, ql[b]:], np.float32) == 0)
             assert np.all(np.isneginf(np.asarray(lse[b, ql[b]:])))
             assert np.all(np.asarray(grads[0][b, ql[b]:], np.float32) == 0)
+    if "key_value_seq_lengths" in kw:  # key rows past the lengths: exactly zero gradients (zero-filled results)
+        kl = np.asarray(kw["key_value_seq_lengths"])
+        for b in range(2):
+            assert np.all(np.asarray(grads[1][b, kl[b]:], np.float32) == 0)
+            assert np.all(np.asarray(grads[2][b, kl[b]:], np.float32) == 0)
 
 
 BIAS_SHAPES = [("NTS", lambda B, N, T, S: (1, N, T, S)), ("BNTS", lambda B, N, T, S: (B, N, T, S)),
