@@ -111,8 +111,16 @@ def _lengths(kw):
 @pytest.mark.parametrize("case", PADDING_CASES, ids=[c[0] for c in PADDING_CASES])
 def test_padding_lengths_match_reference(emulated, case):
     q, k, v = _qkv(1, 3, 29, 33, 6, 2)
-    out, lse, grads = _compare(q, k, v, _lengths(case[1]))
+    kw = _lengths(case[1])
+    out, lse, grads = _compare(q, k, v, kw)
     assert not any(np.isnan(np.asarray(x, np.float32)).any() for x in (out, *grads))
+    ql = np.asarray(kw.get("query_seq_lengths", [29] * 3))
+    kl = np.asarray(kw.get("key_value_seq_lengths", [33] * 3))
+    for b in range(3):  # rows past the lengths: exact zeros (and -inf lse), not merely small
+        assert np.all(np.asarray(out[b, ql[b]:], np.float32) == 0) and np.all(np.isneginf(np.asarray(lse[b, ql[b]:])))
+        assert np.all(np.asarray(grads[0][b, ql[b]:], np.float32) == 0)
+        assert np.all(np.asarray(grads[1][b, kl[b]:], np.float32) == 0)
+        assert np.all(np.asarray(grads[2][b, kl[b]:], np.float32) == 0)
 
 
 @pytest.mark.parametrize("lse_grad", [False, True], ids=["out", "out_and_lse"])
