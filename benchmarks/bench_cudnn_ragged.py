@@ -110,16 +110,20 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
     return forward, forward_backward
 
 
-def nan_pass_under_cond(f):
-    """`f` traced with the overflow NaN pass under `lax.cond` (`varlen.NAN_PASS = "cond"`), to compare both modes."""
+def traced_with(f, **switches):
+    """`f` traced with `attnlib._src.backends.cudnn.varlen` switches set (e.g. `NAN_PASS="cond"`,
+    `RAGGED_STATS=True`), to compare the experimental modes with the defaults in one run."""
     from attnlib._src.backends.cudnn import varlen
 
     def traced(*args):
-        saved, varlen.NAN_PASS = varlen.NAN_PASS, "cond"
+        saved = {name: getattr(varlen, name) for name in switches}
+        for name, value in switches.items():
+            setattr(varlen, name, value)
         try:
             return f(*args)
         finally:
-            varlen.NAN_PASS = saved
+            for name, value in saved.items():
+                setattr(varlen, name, value)
 
     return traced
 
@@ -163,7 +167,12 @@ def packed_batch(results: dict, rows: list) -> None:
 
     variants = [
         ("THD attnlib cudnn", thd, (q, k, v), fwd_flops, fwd_bwd_flops),
-        ("THD attnlib cudnn, NaN pass under cond", nan_pass_under_cond(thd), (q, k, v), fwd_flops, fwd_bwd_flops),
+        ("THD attnlib cudnn, NaN pass under cond", traced_with(thd, NAN_PASS="cond"), (q, k, v), fwd_flops,
+         fwd_bwd_flops),
+        ("THD attnlib cudnn, stats per token", traced_with(thd, RAGGED_STATS=True), (q, k, v), fwd_flops,
+         fwd_bwd_flops),
+        ("THD cudnn, no max_seqlen, stats per token", traced_with(thd_unbounded, RAGGED_STATS=True), (q, k, v),
+         fwd_flops, fwd_bwd_flops),
         ("THD attnlib cudnn, no max_seqlen", thd_unbounded, (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD raw graphs (metadata given)", raw_thd, (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD raw graphs, longest sequence first", raw_sorted, (q, k, v), fwd_flops, fwd_bwd_flops),

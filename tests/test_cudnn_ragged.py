@@ -155,6 +155,24 @@ def test_ragged_graph_specs():
     assert dims == [8, 8, 512, 128] and strides == [512 * 8 * 128, 128, 8 * 128, 1]
 
 
+def test_ragged_stats_graph_specs(monkeypatch):
+    """With `varlen.RAGGED_STATS`, Stats are `[Tq, N]` per token, bound through their own element offsets."""
+    monkeypatch.setattr(varlen, "RAGGED_STATS", True)
+    plan = varlen.make_ragged_plan(BASE, 5, (300, 700), (1000, 1500))
+    fwd, bwd = plan.fwd, plan.bwd
+    assert fwd.ragged_stats and bwd.ragged_stats
+    assert Uid.OFF_STATS in fwd.in_uids() and Uid.OFF_STATS in bwd.in_uids()
+    assert Uid.OFF_STATS not in dataclasses.replace(fwd, stats=False).in_uids()
+    assert fwd.shape(Uid.STATS, (1000, 1500)) == ((1000, 8), "float32")
+    assert fwd.shape(Uid.OFF_STATS, (1000, 1500)) == ((9, 2), "int32")
+    assert graphs.graph_data_type(Uid.OFF_STATS, fwd) == "int64"
+    dims, strides = graphs._layout(Uid.STATS, fwd)
+    assert dims == [8, 8, 512, 1] and strides == [8 * 512, 1, 8, 1]  # token-major: the N stats of a token together
+    timed = {uid: (size, contents) for uid, size, contents in graphs.timing_tensors(fwd)}
+    offsets = np.frombuffer(timed[int(Uid.OFF_STATS)][1], np.int64)
+    assert offsets[1] - offsets[0] == (65536 // 8 if fwd.t > 65536 // 8 else fwd.t) * fwd.n
+
+
 def test_paged_graph_spec_layouts():
     spec = GraphSpec("fwd", "bfloat16", 4, 1, 1024, 8, 2, 128, 64, 0.1, padding=True, pages=(64, 64, 16),
                      stats=False)  # fmt: skip
@@ -364,6 +382,8 @@ def emulate(spec: GraphSpec, operands, tokens):
         o, stats = softmax_rows(s, v, vals.get(Uid.SINK))
         row_in = jnp.arange(spec.t)[None, None, :] < seq_q[:, None, None]
         stats = jnp.where(row_in, stats, jnp.nan)  # padded stats rows: undefined
+        if spec.ragged_stats:
+            stats = _ragged_stats_out(vals, stats, seq_q, tokens[0])
         if spec.ragged:
             out = _ragged_out(spec, vals, o, seq_q)
         else:
@@ -373,6 +393,8 @@ def emulate(spec: GraphSpec, operands, tokens):
     o, _, _ = _gather(vals[Uid.O], vals[Uid.OFF_O], spec.t, seq_q)
     do, _, _ = _gather(vals[Uid.DO], vals[Uid.OFF_O], spec.t, seq_q)
     stats = vals[Uid.STATS]
+    if spec.ragged_stats:  # [Tq, N] read through the stats offsets -> [b, n, t]
+        stats = _gather(stats[..., None], vals[Uid.OFF_STATS], spec.t, seq_q)[0][..., 0]
     p = jnp.where(mask, jnp.exp(s - stats[..., None]), 0.0)
     dv = jnp.einsum("bnij,bnih->bnjh", p, do, precision="highest")
     dp = jnp.einsum("bnih,bnjh->bnij", do, v, precision="highest")
@@ -387,6 +409,16 @@ def emulate(spec: GraphSpec, operands, tokens):
         _scatter(vals[Uid.K].shape, spec.dtype, dk, kidx, kin),
         _scatter(vals[Uid.V].shape, spec.dtype, dv, vidx, vin),
     )
+
+
+def _ragged_stats_out(vals, stats, seq_q, tq):
+    """`[b, n, t]` stats written per token into `[Tq, N]` through the stats offsets; rows no sequence writes are NaN
+    (what an unwritten buffer may hold)."""
+    n, t = stats.shape[1:]
+    _, idx, inside = _gather(jnp.zeros((tq, n, 1), jnp.float32), vals[Uid.OFF_STATS], t, seq_q)
+    flat = jnp.full((tq * n,), jnp.nan, jnp.float32)
+    flat = flat.at[jnp.where(inside, idx, tq * n)].set(jnp.transpose(stats[..., None], (0, 2, 1, 3)), mode="drop")
+    return jnp.reshape(flat, (tq, n))
 
 
 def _ragged_out(spec, vals, o, seq_q):
@@ -572,6 +604,20 @@ def test_thd_sequence_over_the_bound_is_nan_and_spares_the_rest(emulated, monkey
                 scale = max(float(np.max(np.abs(np.asarray(rg, np.float32)))), 1e-30)
                 _close(g, rg, 8 * e * scale, e, name)
         assert np.isfinite(np.asarray(grads[3])).all(), "the sink gradient must not see the NaN rows"
+
+
+@pytest.mark.parametrize("case", THD_CASES, ids=[c[0] for c in THD_CASES])
+def test_thd_wrapper_with_ragged_stats(emulated, monkeypatch, case):
+    monkeypatch.setattr(varlen, "RAGGED_STATS", True)
+    test_thd_wrapper_matches_reference(emulated, case)
+
+
+def test_ragged_stats_sinks_lse_gradient_and_segments(emulated, monkeypatch):
+    monkeypatch.setattr(varlen, "RAGGED_STATS", True)
+    test_thd_sinks_and_lse_gradient(emulated)
+    test_segments_wrapper_matches_reference(emulated)
+    test_segments_cross_bottom_right(emulated)
+    test_thd_sequence_over_the_bound_is_nan_and_spares_the_rest(emulated, monkeypatch, "where")
 
 
 def test_thd_all_sequences_empty(emulated):

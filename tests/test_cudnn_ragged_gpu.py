@@ -81,6 +81,26 @@ def test_thd_sinks_and_lse_gradient(dtype):
     dense._compare(q, k, v, kw, dtype=dtype, lse_grad=True)
 
 
+RAGGED_STATS_CASES = ["single_sequence_causal", "many_short_gqa_causal", "cross_top_left_window_rows_past_keys",
+                      "cross_bottom_right_causal", "window_two_sided", "mla_causal", "max_seqlen_bound"]
+
+
+@pytest.mark.parametrize("name", RAGGED_STATS_CASES)
+def test_thd_with_ragged_stats(monkeypatch, name):
+    """Stats per query token (`varlen.RAGGED_STATS`, off by default until this passes on the GPU)."""
+    from attnlib._src.backends.cudnn import varlen
+
+    monkeypatch.setattr(varlen, "RAGGED_STATS", True)
+    test_thd_matches_reference(next(c for c in THD_CASES if c[0] == name), jnp.bfloat16)
+
+
+def test_thd_sinks_and_lse_gradient_with_ragged_stats(monkeypatch):
+    from attnlib._src.backends.cudnn import varlen
+
+    monkeypatch.setattr(varlen, "RAGGED_STATS", True)
+    test_thd_sinks_and_lse_gradient(jnp.bfloat16)
+
+
 def test_thd_deterministic_backward_is_bitwise_reproducible():
     import attnlib
 

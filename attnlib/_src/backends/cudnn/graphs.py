@@ -82,6 +82,7 @@ class Uid(enum.IntEnum):
     OFF_K = 15
     OFF_V = 16
     OFF_O = 17
+    OFF_STATS = 18
     PT_K = 19
     PT_V = 20
     SEED = 21
@@ -90,8 +91,16 @@ class Uid(enum.IntEnum):
 
 
 RAGGED_OFFSETS = {Uid.Q: Uid.OFF_Q, Uid.DQ: Uid.OFF_Q, Uid.K: Uid.OFF_K, Uid.DK: Uid.OFF_K, Uid.V: Uid.OFF_V,
-                  Uid.DV: Uid.OFF_V, Uid.O: Uid.OFF_O, Uid.DO: Uid.OFF_O}
-"""The ragged offset tensor of each packed tensor (gradients share their primal's offsets)."""
+                  Uid.DV: Uid.OFF_V, Uid.O: Uid.OFF_O, Uid.DO: Uid.OFF_O, Uid.STATS: Uid.OFF_STATS}
+"""The ragged offset tensor of each packed tensor (gradients share their primal's offsets; Stats only with
+`GraphSpec.ragged_stats`)."""
+
+
+def _ragged_offset(uid: Uid, spec: "GraphSpec") -> Uid | None:
+    """The ragged offset tensor `uid` is bound through in `spec`'s graph, if any."""
+    if not spec.ragged or (uid == Uid.STATS and not spec.ragged_stats):
+        return None
+    return RAGGED_OFFSETS.get(uid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +127,8 @@ class GraphSpec:
         pages: paged KV: `(num_pages, page_size, pages_per_seq)` of the pools and page table (forward only;
             `s = pages_per_seq * page_size`); empty = not paged.
         stats: the forward writes Stats (lse); False only for paged inference without `return_residual`.
+        ragged_stats: ragged graphs: Stats are packed per query token, float32 `[Tq, N]` with their own ragged
+            offsets (`Uid.OFF_STATS`, counted in elements: token * N), instead of padded `[b, N, t]`.
     """
 
     direction: Literal["fwd", "bwd"]
@@ -144,6 +155,7 @@ class GraphSpec:
     s_total: int = 0
     pages: tuple[int, ...] = ()
     stats: bool = True
+    ragged_stats: bool = False
 
     @property
     def label(self) -> str:
@@ -157,6 +169,8 @@ class GraphSpec:
             uids += [Uid.O, Uid.DO, Uid.STATS]
         if self.ragged:
             uids += [Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O]
+            if self.ragged_stats and (self.stats or self.direction == "bwd"):
+                uids.append(Uid.OFF_STATS)
         if self.pages:
             uids += [Uid.PT_K, Uid.PT_V]
         if self.bias_b:
@@ -204,7 +218,9 @@ class GraphSpec:
                       Uid.V: (tkv, k, hv), Uid.DV: (tkv, k, hv), Uid.O: (tq, n, hv), Uid.DO: (tq, n, hv)}
             if uid in packed:
                 return packed[uid], self.dtype
-            if uid in (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O):
+            if uid == Uid.STATS and self.ragged_stats:
+                return (tq, n), "float32"
+            if uid in (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O, Uid.OFF_STATS):
                 return (b + 1, 2), "int32"
         if self.pages:
             num_pages, page_size, pages_per_seq = self.pages
@@ -254,6 +270,8 @@ def _layout(uid: Uid, spec: GraphSpec) -> tuple[list[int], list[int]]:
     if uid in (Uid.O, Uid.DO):
         return bthd(t, n, hv)
     if uid == Uid.STATS:
+        if spec.ragged_stats:  # token-major [Tq, N]: one row of N per query token
+            return [b, n, t, 1], [n * t, 1, n, 1]
         return [b, n, t, 1], [n * t, t, 1, 1]
     if uid in (Uid.BIAS, Uid.DBIAS):
         return [spec.bias_b, spec.bias_n, t, s], [spec.bias_n * t * s, t * s, s, 1]
@@ -263,7 +281,7 @@ def _layout(uid: Uid, spec: GraphSpec) -> tuple[list[int], list[int]]:
         return [1, 1, 1, 1], [1, 1, 1, 1]
     if uid == Uid.SINK:
         return [1, n, 1, 1], [n, 1, 1, 1]
-    if uid in (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O):
+    if uid in (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O, Uid.OFF_STATS):
         return [b + 1, 1, 1, 1], [1, 1, 1, 1]
     if uid in (Uid.PT_K, Uid.PT_V):
         pages_per_seq = spec.pages[2]
@@ -315,7 +333,7 @@ def _data_type(cudnn: Any, name: str) -> Any:
 
 def graph_data_type(uid: Uid, spec: GraphSpec) -> str:
     """The cuDNN data type name of `uid` (ragged offsets are INT64 bound to int32 pairs)."""
-    if uid in (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O):
+    if uid in (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O, Uid.OFF_STATS):
         return "int64"
     if spec.ragged:
         return spec.shape(uid, (1, 1))[1]
@@ -340,8 +358,8 @@ def _define(spec: GraphSpec) -> Any:
     for uid in sorted(uids, key=lambda u: u not in RAGGED_OFFSETS.values()):
         dim, stride = _layout(uid, spec)
         extra = {}
-        if spec.ragged and uid in RAGGED_OFFSETS:
-            extra["ragged_offset"] = tensors[RAGGED_OFFSETS[uid]]
+        if _ragged_offset(uid, spec) is not None:
+            extra["ragged_offset"] = tensors[_ragged_offset(uid, spec)]
         tensors[uid] = graph.tensor(
             dim=dim, stride=stride, data_type=_data_type(cudnn, graph_data_type(uid, spec)), uid=int(uid),
             name=uid.name, **extra,
@@ -378,8 +396,8 @@ def _define(spec: GraphSpec) -> Any:
         t.set_output(True).set_dim(dim).set_stride(stride).set_uid(int(uid)).set_data_type(
             _data_type(cudnn, graph_data_type(uid, spec))
         )
-        if spec.ragged and uid in RAGGED_OFFSETS:
-            t.set_ragged_offset(tensors[RAGGED_OFFSETS[uid]])
+        if _ragged_offset(uid, spec) is not None:
+            t.set_ragged_offset(tensors[_ragged_offset(uid, spec)])
 
     if spec.direction == "fwd":
         o, stats = graph.sdpa(
@@ -461,6 +479,7 @@ def timing_tensors(spec: GraphSpec) -> list[tuple[int, int, bytes]]:
         contents.update({
             Uid.OFF_Q: sequence * t * spec.n * spec.h, Uid.OFF_K: sequence * s * spec.k * spec.h,
             Uid.OFF_V: sequence * s * spec.k * spec.hv, Uid.OFF_O: sequence * t * spec.n * spec.hv,
+            Uid.OFF_STATS: sequence * t * spec.n,
         })  # fmt: skip
     if spec.pages:
         num_pages, _, pages_per_seq = spec.pages

@@ -85,6 +85,7 @@ def _offsets(spec: GraphSpec, batch: ragged.RaggedBatch) -> dict[Uid, jax.Array]
         Uid.OFF_K: ragged.element_offsets(batch.off_kv, spec.k, spec.h),
         Uid.OFF_V: ragged.element_offsets(batch.off_kv, spec.k, spec.hv),
         Uid.OFF_O: ragged.element_offsets(batch.off_q, spec.n, spec.hv),
+        Uid.OFF_STATS: ragged.element_offsets(batch.off_q, spec.n, 1),
     }
 
 
@@ -128,13 +129,24 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
     }  # fmt: skip
     out, stats = _graph_outputs(spec, values, plan.tokens)
     valid_rows, tok_valid, index = _token_rows(plan, batch)
-    # Rows that see no key: finite stats make the backward's probabilities exactly zero there.
-    stats = jnp.where(valid_rows[:, None, :], stats, 0.0)
     if not plan.rows_exact:
         out = jnp.where(tok_valid[:, None, None], out, jnp.zeros((), out.dtype))
+    empty = _empty_lse((plan.tokens[0], spec.n), sinks)
+    # Rows that see no key (or that cuDNN does not write): finite stats make the backward's probabilities exactly
+    # zero there.
+    if spec.ragged_stats:  # [Tq, N], one row per query token
+        stats = jnp.where(tok_valid[:, None], stats, 0.0)
+        return out, jnp.where(tok_valid[:, None], stats, empty), stats, tok_valid
+    stats = jnp.where(valid_rows[:, None, :], stats, 0.0)
     flat = jnp.reshape(jnp.transpose(stats, (0, 2, 1)), (-1, spec.n))  # [Bc * t, N]
-    lse = jnp.where(tok_valid[:, None], jnp.take(flat, index, axis=0), _empty_lse((plan.tokens[0], spec.n), sinks))
+    lse = jnp.where(tok_valid[:, None], jnp.take(flat, index, axis=0), empty)
     return out, lse, stats, tok_valid
+
+
+RAGGED_STATS = False
+"""Ragged graphs keep their softmax statistics per query token (`[Tq, N]`, `GraphSpec.ragged_stats`) instead of
+padded `[b, N, t]`, whose size grows with the sequence bound (the token count when no `max_seqlen_*` is given).
+Off until the H200 confirms that cuDNN 9.19 builds and runs these graphs (`test_cudnn_ragged_gpu.py`)."""
 
 
 NAN_PASS: Literal["where", "cond"] = "where"
@@ -263,6 +275,7 @@ def make_ragged_plan(
         padding=True,
         dropout=float(config.dropout_rate),
         ragged=True,
+        ragged_stats=RAGGED_STATS,
     )  # fmt: skip
     fwd = GraphSpec(direction="fwd", sinks=config.has_sinks, **common)
     # No sink in the backward graph: the forward's stats carry it (see the module docstring).
