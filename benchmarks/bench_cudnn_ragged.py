@@ -69,14 +69,16 @@ def _grad(f):
     return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
 
 
-def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = False):
+def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = False, zero_fill: bool = True):
     """`(forward(q, k, v), forward_backward(q, k, v))` running only the THD graphs attnlib builds for the packed
     batch (`max_seqlen_q = max_seqlen_kv = MAX_LEN`), their sequence metadata computed once outside: what cuDNN
     alone costs, against which attnlib's THD overhead is measured. `forward_backward` runs the forward graph with
     stats, then the backward graph with `dO = 1` (the cotangent of the benchmark's `sum`).
 
     `longest_first`: give cuDNN the sequences longest first (their data stays where it is; only the order of the
-    lengths and offsets changes), to see whether the kernel's scheduling gains from it."""
+    lengths and offsets changes), to see whether the kernel's scheduling gains from it.
+    `zero_fill=False`: skip the memset of the packed results that attnlib does before each ragged graph (the kernels
+    alone; here every token belongs to a sequence, so cuDNN writes every row)."""
     import dataclasses
 
     from attnlib._src.backends.cudnn import attention as cudnn_attention, ragged
@@ -87,6 +89,8 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
                      s=ragged.bucket_length(MAX_LEN), n=N, k=K, h=H, hv=HV, scale=1.0 / float(np.sqrt(H)),
                      right_bound=0, padding=True, ragged=True)  # fmt: skip
     entry = cudnn_attention.get_entry(spec)
+    if not zero_fill:
+        entry = dataclasses.replace(entry, zero_fill=())
     order = np.argsort(-np.asarray(lengths), kind="stable") if longest_first else np.arange(len(lengths))
     cu = np.asarray(cu, np.int32)
     seq = jnp.asarray(np.pad(np.asarray(lengths, np.int32)[order], (0, b - len(lengths))))
@@ -100,6 +104,8 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
     tokens = ragged.bucket_tokens(TOKENS)
     bwd_spec = dataclasses.replace(spec, direction="bwd", t_total=tokens, s_total=tokens)
     bwd_entry = cudnn_attention.get_entry(bwd_spec)
+    if not zero_fill:
+        bwd_entry = dataclasses.replace(bwd_entry, zero_fill=())
 
     def forward_backward(q, k, v):
         out, stats = cudnn_attention.ffi_graph_call(spec, entry, q, k, v, *offsets, seq, seq, tokens=(TOKENS, TOKENS))
@@ -145,6 +151,7 @@ def packed_batch(results: dict, rows: list) -> None:
                                                       implementation="cudnn")
     raw_thd, raw_thd_fwd_bwd = raw_thd_graphs(lengths, cu)
     raw_sorted, raw_sorted_fwd_bwd = raw_thd_graphs(lengths, cu, longest_first=True)
+    raw_bare, raw_bare_fwd_bwd = raw_thd_graphs(lengths, cu, zero_fill=False)
     # The order of the sequences given to cuDNN must not change a single output element.
     order_diff = float(jnp.max(jnp.abs(jax.jit(raw_thd)(q, k, v).astype(jnp.float32)
                                        - jax.jit(raw_sorted)(q, k, v).astype(jnp.float32))))  # fmt: skip
@@ -176,6 +183,7 @@ def packed_batch(results: dict, rows: list) -> None:
         ("THD attnlib cudnn, no max_seqlen", thd_unbounded, (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD raw graphs (metadata given)", raw_thd, (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD raw graphs, longest sequence first", raw_sorted, (q, k, v), fwd_flops, fwd_bwd_flops),
+        ("THD raw graphs without the zero-fill memset", raw_bare, (q, k, v), fwd_flops, fwd_bwd_flops),
         (f"padded B={B} T={T} attnlib cudnn", padded_attnlib, (qp, kp, vp), fwd_flops, fwd_bwd_flops),
         (f"padded B={B} T={T} jax.nn cudnn", padded_jax, (qp, kp, vp), fwd_flops, fwd_bwd_flops),
         ("dense b8 t4096 attnlib cudnn (reference)", dense, (qd, kd, vd), dense_fwd, dense_fwd_bwd),
@@ -183,7 +191,7 @@ def packed_batch(results: dict, rows: list) -> None:
     measured = {}
     for name, f, args, ff, fbf in variants:
         entry = {}
-        raw_fwd_bwd = {raw_thd: raw_thd_fwd_bwd, raw_sorted: raw_sorted_fwd_bwd}
+        raw_fwd_bwd = {raw_thd: raw_thd_fwd_bwd, raw_sorted: raw_sorted_fwd_bwd, raw_bare: raw_bare_fwd_bwd}
         grad = jax.jit(raw_fwd_bwd[f]) if f in raw_fwd_bwd else _grad(f)
         for mode, fn, loop, work in (("fwd", jax.jit(f), 20, ff), ("fwd_bwd", grad, 10, fbf)):
             try:
