@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build, re-run chosen GPU tests (pytest node ids in $ATTNLIB_TESTS, space separated), then the dense and the ragged
+# Build, re-run chosen GPU tests (pytest node ids in $ATTNLIB_TESTS, space separated), probe which rows cuDNN leaves
+# unwritten, then the dense and the ragged
 # cuDNN benchmarks, each under its own time limit, everything logged to OUT_DIR.
 # Usage: ATTNLIB_TESTS="..." bash benchmarks/run_bench_h200.sh OUT_DIR [dense seconds] [ragged seconds]
 set -uo pipefail
@@ -13,6 +14,8 @@ if [ -n "${ATTNLIB_TESTS:-}" ]; then
     $ATTNLIB_TESTS -p no:benchmark -p no:cacheprovider -n 8 -v -rfE --tb=short 2>&1 | tee "$out/gpu_tests_rerun.log" \
     | grep -E "FAILED|ERROR|passed|failed" | tail -30
 fi
+timeout 120 python3 benchmarks/probe_unwritten_rows.py --json "$out/probe_unwritten_rows.json" 2>&1 \
+  | tee "$out/probe_unwritten_rows.log" | tail -20
 timeout "$ragged_s" python3 benchmarks/bench_cudnn_ragged.py --json "$out/bench_cudnn_ragged.json" \
   --table "$out/bench_cudnn_ragged.txt" > "$out/bench_ragged.log" 2>&1; tail -16 "$out/bench_ragged.log"
 timeout "$dense_s" python3 benchmarks/bench_cudnn.py --json "$out/bench_cudnn.json" --dump-hlo "$out/hlo" > "$out/bench.log" 2>&1
