@@ -748,3 +748,22 @@ def test_paged_decode_lowers_to_one_graph_call(fake_entries):
     assert len(calls) == 1 and "sdpa_paged_fwd_nostats_b64_t1_s8192" in calls[0]
     assert "in_uids = dense<[1, 2, 3, 19, 20, 12, 13]>" in calls[0]
     assert "-> (tensor<64x1x64x128xbf16>, tensor<4096xui8>)" in calls[0]  # no stats without return_residual
+
+
+def test_large_padded_stats_are_logged_once(fake_entries, monkeypatch, caplog):
+    """A THD call without `max_seqlen_q` sizes its statistics by the token count: large ones get a WARNING (once per
+    shape) that names the size and the remedy; a bound, or small statistics, log nothing."""
+    monkeypatch.setattr(varlen, "LARGE_STATS_BYTES", 8 * 8 * 2048 * 4 - 1)
+    monkeypatch.setattr(varlen, "_warned_stats", set())
+    q = jax.ShapeDtypeStruct((2000, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2000, 2, 64), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((6,), jnp.int32)
+    call = lambda **kw: jax.make_jaxpr(lambda q, k, v, cu: attnlib.attention(
+        q, k, v, cu_seqlens_q=cu, is_causal=True, implementation="cudnn", **kw))(q, kv, kv, cu)  # fmt: skip
+    with caplog.at_level("WARNING", logger="attnlib"):
+        call()
+        call()
+        call(max_seqlen_q=300, max_seqlen_kv=300)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "[8 sequences, 8 heads, 2048 rows]" in warnings[0] and "the token count (max_seqlen_q's default)" in warnings[0]

@@ -27,6 +27,7 @@ A backward rule is the only place that knows a gradient was asked for; dispatch 
 
 import dataclasses
 import functools
+import logging
 from typing import Any, Literal
 
 import jax
@@ -38,6 +39,9 @@ from ...config import AttentionConfig, AttentionInputs
 from .. import xla as xla_backend
 from . import attention as dense, ragged, support
 from .graphs import GraphSpec, Uid
+
+
+logger = logging.getLogger("attnlib")
 
 
 def _call(spec: GraphSpec, operands: list[jax.Array], tokens: tuple[int, int] | None) -> tuple[jax.Array, ...]:
@@ -288,6 +292,31 @@ def make_ragged_plan(
                       rows_exact=rows_exact, overflow_possible=overflow_possible)
 
 
+LARGE_STATS_BYTES = 1 << 30
+"""Padded ragged statistics above this size are logged with a WARNING (they may not fit next to the model)."""
+
+_warned_stats: set[tuple[int, int, int]] = set()
+
+
+def _warn_large_stats(spec: GraphSpec, config: AttentionConfig) -> None:
+    """Log once per graph shape when the padded `[b, N, t]` float32 statistics of a ragged forward are large."""
+    size = spec.b * spec.n * spec.t * 4
+    if spec.ragged_stats or size <= LARGE_STATS_BYTES or (spec.b, spec.n, spec.t) in _warned_stats:
+        return
+    _warned_stats.add((spec.b, spec.n, spec.t))
+    if config.layout != "thd":
+        bound = "the packed rows' length T"
+    elif config.max_seqlen_q in (None, config.q_len):
+        bound = "the token count (max_seqlen_q's default)"
+    else:
+        bound = f"max_seqlen_q={config.max_seqlen_q}"
+    logger.warning(
+        "attnlib's cuDNN ragged attention keeps its softmax statistics as float32 [%d sequences, %d heads, %d rows] "
+        "= %.2f GiB: the rows are %s rounded up to a power of two. A max_seqlen_q close to the longest sequence "
+        "shrinks them.", spec.b, spec.n, spec.t, size / 2**30, bound,
+    )  # fmt: skip
+
+
 def _slice_right(config: AttentionConfig) -> int | None:
     right = support.effective_right(config)
     masked = right is not None or config.window is not None
@@ -336,6 +365,7 @@ def _ragged_attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple
         return jnp.zeros(out_shape, dtype), _empty_lse(lse_shape, sinks)
     plan = make_ragged_plan(config, num, bounds, tokens, self_attention=self_attention,
                             overflow_possible=overflow_possible)
+    _warn_large_stats(plan.fwd, config)
     if config.layout == "thd":
         batch = ragged.thd_batch(
             cu_q, cu_kv, tokens[0], tokens[1], num_buckets=plan.fwd.b, t_bound=plan.fwd.t, s_bound=plan.fwd.s,
