@@ -117,9 +117,19 @@ def inputs(case: Case):
     return q, k, v
 
 
+def deserialized(entry):
+    """`(graph, handle)`: the blob of a built graph entry deserialized by the cuDNN frontend's Python API, to run it
+    without XLA (`graph.execute(pack, workspace_pointer, handle=handle)`)."""
+    import cudnn
+
+    handle = cudnn.create_handle()
+    graph = cudnn.pygraph(handle=handle)
+    graph.deserialize(handle, entry.blob)
+    return graph, handle
+
+
 def raw_graph_ms(case: Case, q, k, v) -> float | None:
     """Forward graph blob executed directly by the frontend's Python API (no XLA)."""
-    import cudnn
     from cuda.bindings import runtime as cudart
 
     from attnlib._src.backends.cudnn import attention as cudnn_attention
@@ -140,9 +150,7 @@ def raw_graph_ms(case: Case, q, k, v) -> float | None:
     plan = cudnn_attention.make_plan(config, case.b, case.t, None)
     spec = plan.inference or plan.fwd  # the forward graph attnlib runs for this call
     entry = cudnn_attention.get_entry(spec)
-    handle = cudnn.create_handle()
-    graph = cudnn.pygraph(handle=handle)
-    graph.deserialize(handle, entry.blob)
+    graph, handle = deserialized(entry)
     o = jnp.zeros((case.b, case.t, case.n, case.hv), jnp.bfloat16)
     stats = jnp.zeros((case.b, case.n, case.t), jnp.float32)
     ws = jnp.zeros((max(entry.workspace_bytes, 1),), jnp.uint8)

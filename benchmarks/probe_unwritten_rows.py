@@ -15,23 +15,26 @@ per kind of row, whether the rows kept the NaN (unwritten), became 0 (written as
 
 import argparse
 import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cudnn import deserialized  # noqa: E402
+
+
 def _run(spec, operands: dict, results: dict) -> None:
     """Execute the graph attnlib builds for `spec` on the given device buffers (results pre-filled by the caller)."""
-    import cudnn
     from cuda.bindings import runtime as cudart
 
     from attnlib._src.backends.cudnn import attention as cudnn_attention
 
     entry = cudnn_attention.get_entry(spec)
-    handle = cudnn.create_handle()
-    graph = cudnn.pygraph(handle=handle)
-    graph.deserialize(handle, entry.blob)
+    graph, handle = deserialized(entry)
     workspace = jnp.zeros((max(entry.workspace_bytes, 1),), jnp.uint8)
     jax.block_until_ready((operands, results, workspace))
     pack = {int(uid): x.unsafe_buffer_pointer() for uid, x in {**operands, **results}.items()}

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib._src import positions
+from attnlib._src import logs, positions
 from attnlib._src.backends.cudnn import graphs, ragged, support, varlen
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 from attnlib._src.config import AttentionConfig
@@ -754,7 +754,7 @@ def test_large_padded_stats_are_logged_once(fake_entries, monkeypatch, caplog):
     """A THD call without `max_seqlen_q` sizes its statistics by the token count: large ones get a WARNING (once per
     shape) that names the size and the remedy; a bound, or small statistics, log nothing."""
     monkeypatch.setattr(varlen, "LARGE_STATS_BYTES", 8 * 8 * 2048 * 4 - 1)
-    monkeypatch.setattr(varlen, "_warned_stats", set())
+    monkeypatch.setattr(logs, "_logged", set())
     q = jax.ShapeDtypeStruct((2000, 8, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2000, 2, 64), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((6,), jnp.int32)

@@ -405,10 +405,10 @@ def test_explicit_implementation_that_cannot_serve():
 def test_fallback_is_logged(caplog, monkeypatch):
     if any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip("a GPU is present; cudnn may serve")
-    from attnlib._src import dispatch
+    from attnlib._src import logs
 
     # dispatch logs each distinct fallback once per process; forget earlier tests' messages
-    monkeypatch.setattr(dispatch, "_logged", set())
+    monkeypatch.setattr(logs, "_logged", set())
     q, k, v = _inputs()
     with caplog.at_level(logging.DEBUG, logger="attnlib"):
         attnlib.attention(q, k, v, implementation=("cudnn", "xla"))

@@ -6,13 +6,12 @@ from collections.abc import Sequence
 
 import jax
 
+from . import logs
 from .backends import xla, xla_chunked
 from .backends.base import Implementation
 from .backends.cudnn import IMPLEMENTATION as _CUDNN
 from .config import AttentionConfig, IMPLEMENTATIONS
 
-
-logger = logging.getLogger("attnlib")
 
 REGISTRY: dict[str, Implementation] = {
     "cudnn": _CUDNN,
@@ -67,10 +66,6 @@ def explain_config(config: AttentionConfig, implementation: str | Sequence[str] 
     return Explanation(None, declined, names)
 
 
-_logged: set[tuple[AttentionConfig, str]] = set()
-_MAX_LOGGED = 4096
-
-
 def _has_gpu() -> bool:
     try:
         return any(d.platform == "gpu" for d in jax.devices())
@@ -89,12 +84,7 @@ def choose(config: AttentionConfig, implementation: str | Sequence[str] | None) 
         raise NotImplementedError(f"No requested attention implementation can serve this call. {reasons}")
     for name, reason in explanation.declined.items():
         message = f"attnlib.attention: {name} declined ({reason}); using {explanation.implementation}."
-        if (config, message) in _logged:
-            continue
-        if len(_logged) >= _MAX_LOGGED:
-            _logged.clear()
-        _logged.add((config, message))
         # A GPU machine falling back from cuDNN loses most of its speed: say so loudly. Elsewhere it is expected.
         level = logging.WARNING if name == "cudnn" and _has_gpu() else logging.INFO
-        logger.log(level, message)
+        logs.log_once((config, message), level, message)
     return REGISTRY[explanation.implementation]

@@ -164,12 +164,18 @@ def _row_valid(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) ->
     return (i < q_len) & (lo <= hi)
 
 
+def rows_seeing_keys(seq_q: jax.Array, seq_kv: jax.Array, left: int | None) -> jax.Array:
+    """Per sequence, the leading query rows that see a key under a top-left diagonal (whatever the right bound):
+    none without keys, else the rows below `seq_kv + left` (row `i` sees keys from `i - left`)."""
+    seeing = seq_q if left is None else jnp.minimum(seq_q, seq_kv + left)
+    return jnp.where(seq_kv > 0, seeing, 0)
+
+
 def _graph_seq_q(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array | None:
     """The query lengths the graphs get: with `plan.rows_by_length`, trimmed to the rows that see a key."""
     if not plan.rows_by_length or seq_q is None or seq_kv is None:
         return seq_q
-    seeing = seq_q if plan.left is None else jnp.minimum(seq_q, seq_kv + plan.left)
-    return jnp.where(seq_kv > 0, seeing, 0)
+    return rows_seeing_keys(seq_q, seq_kv, plan.left)
 
 
 def _static_rows_valid(spec: GraphSpec, left: int | None, right: int | None, bottom_right: bool) -> bool:

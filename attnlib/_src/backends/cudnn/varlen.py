@@ -34,14 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import dropout as dropout_lib, varying
+from ... import dropout as dropout_lib, logs, varying
 from ...config import AttentionConfig, AttentionInputs
 from .. import xla as xla_backend
 from . import attention as dense, ragged, support
 from .graphs import GraphSpec, Uid
-
-
-logger = logging.getLogger("attnlib")
 
 
 def _call(spec: GraphSpec, operands: list[jax.Array], tokens: tuple[int, int] | None) -> tuple[jax.Array, ...]:
@@ -84,21 +81,22 @@ class RaggedPlan:
 
 
 def _offsets(spec: GraphSpec, batch: ragged.RaggedBatch) -> dict[Uid, jax.Array]:
-    return {
+    offsets = {
         Uid.OFF_Q: ragged.element_offsets(batch.off_q, spec.n, spec.h),
         Uid.OFF_K: ragged.element_offsets(batch.off_kv, spec.k, spec.h),
         Uid.OFF_V: ragged.element_offsets(batch.off_kv, spec.k, spec.hv),
         Uid.OFF_O: ragged.element_offsets(batch.off_q, spec.n, spec.hv),
-        Uid.OFF_STATS: ragged.element_offsets(batch.off_q, spec.n, 1),
     }
+    if spec.ragged_stats:
+        offsets[Uid.OFF_STATS] = ragged.element_offsets(batch.off_q, spec.n, 1)
+    return offsets
 
 
 def _graph_seq_q(plan: RaggedPlan, batch: ragged.RaggedBatch) -> jax.Array:
     """The query rows cuDNN runs per sequence: with a top-left diagonal, only the leading rows that see a key."""
     if plan.bottom_right:
         return batch.seq_q
-    seeing = batch.seq_q if plan.left is None else jnp.minimum(batch.seq_q, batch.seq_kv + plan.left)
-    return jnp.where(batch.seq_kv > 0, seeing, 0)
+    return dense.rows_seeing_keys(batch.seq_q, batch.seq_kv, plan.left)
 
 
 def _seeds(seeds: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
@@ -295,22 +293,20 @@ def make_ragged_plan(
 LARGE_STATS_BYTES = 1 << 30
 """Padded ragged statistics above this size are logged with a WARNING (they may not fit next to the model)."""
 
-_warned_stats: set[tuple[int, int, int]] = set()
-
 
 def _warn_large_stats(spec: GraphSpec, config: AttentionConfig) -> None:
     """Log once per graph shape when the padded `[b, N, t]` float32 statistics of a ragged forward are large."""
     size = spec.b * spec.n * spec.t * 4
-    if spec.ragged_stats or size <= LARGE_STATS_BYTES or (spec.b, spec.n, spec.t) in _warned_stats:
+    if spec.ragged_stats or size <= LARGE_STATS_BYTES:
         return
-    _warned_stats.add((spec.b, spec.n, spec.t))
     if config.layout != "thd":
         bound = "the packed rows' length T"
     elif config.max_seqlen_q in (None, config.q_len):
         bound = "the token count (max_seqlen_q's default)"
     else:
         bound = f"max_seqlen_q={config.max_seqlen_q}"
-    logger.warning(
+    logs.log_once(
+        ("ragged stats", spec.b, spec.n, spec.t), logging.WARNING,
         "attnlib's cuDNN ragged attention keeps its softmax statistics as float32 [%d sequences, %d heads, %d rows] "
         "= %.2f GiB: the rows are %s rounded up to a power of two. A max_seqlen_q close to the longest sequence "
         "shrinks them.", spec.b, spec.n, spec.t, size / 2**30, bound,
