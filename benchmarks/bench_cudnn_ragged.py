@@ -174,7 +174,7 @@ def packed_batch(results: dict, rows: list) -> None:
 
     variants = [
         ("THD attnlib cudnn", thd, (q, k, v), fwd_flops, fwd_bwd_flops),
-        ("THD attnlib cudnn, NaN pass under cond", traced_with(thd, NAN_PASS="cond"), (q, k, v), fwd_flops,
+        ("THD attnlib cudnn, memset + where (before)", traced_with(thd, MEMSET_ROWS=True), (q, k, v), fwd_flops,
          fwd_bwd_flops),
         ("THD attnlib cudnn, stats per token", traced_with(thd, RAGGED_STATS=True), (q, k, v), fwd_flops,
          fwd_bwd_flops),

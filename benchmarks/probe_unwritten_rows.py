@@ -63,9 +63,10 @@ def _nan(shape, dtype) -> jax.Array:
 def dense_padding() -> dict:
     from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
-    b, t, n, h = 3, 256, 4, 64
-    seq_q = jnp.asarray([200, 77, 256], jnp.int32)
-    seq_kv = jnp.asarray([180, 0, 256], jnp.int32)
+    b, t, n, h = 6, 256, 4, 64
+    # elements 3..5: no query rows (what attnlib's trimmed lengths give a sequence without keys) with 0, 1, 100 keys
+    seq_q = jnp.asarray([200, 77, 256, 0, 0, 0], jnp.int32)
+    seq_kv = jnp.asarray([180, 0, 256, 0, 1, 100], jnp.int32)
     fwd = GraphSpec("fwd", "bfloat16", b, t, t, n, n, h, h, 0.125, padding=True, right_bound=0)
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(key, (b, t, n, h), jnp.float32).astype(jnp.bfloat16) for key in keys)
@@ -76,6 +77,9 @@ def dense_padding() -> dict:
         "O rows of a batch element with seq_len_kv = 0": _state(o[1, :77]),
         "O rows below seq_len_q": _state(o[2]),
         "Stats rows past seq_len_q": _state(stats[0, :, 200:]),
+        "O rows, seq_len_q = 0 and seq_len_kv = 0": _state(o[3]),
+        "O rows, seq_len_q = 0 and seq_len_kv = 1": _state(o[4]),
+        "O rows, seq_len_q = 0 and seq_len_kv = 100": _state(o[5]),
     }
     bwd = GraphSpec("bwd", "bfloat16", b, t, t, n, n, h, h, 0.125, padding=True, right_bound=0)
     stats_for_bwd = jnp.where(jnp.isfinite(stats), stats, 0.0)
@@ -88,6 +92,10 @@ def dense_padding() -> dict:
         "dK rows past seq_len_kv": _state(dk[0, 180:]),
         "dV rows past seq_len_kv": _state(dv[0, 180:]),
         "dQ rows of a batch element with seq_len_kv = 0": _state(dq[1, :77]),
+        "dK rows of a batch element with seq_len_kv = 0": _state(dk[1]),
+        "dQ, dK, dV rows, seq_len_q = 0 and seq_len_kv = 0": _state(jnp.stack([dq[3], dk[3], dv[3]])),
+        "dQ, dK, dV rows, seq_len_q = 0 and seq_len_kv = 1": _state(jnp.stack([dq[4], dk[4], dv[4]])),
+        "dQ, dK, dV rows, seq_len_q = 0 and seq_len_kv = 100": _state(jnp.stack([dq[5], dk[5], dv[5]])),
     })  # fmt: skip
     return report
 
@@ -97,11 +105,14 @@ def thd() -> dict:
     from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
     n, h, tokens, bound = 4, 64, 600, 256
-    # sequences: 200 rows, 150 rows, then a "dummy" sequence of 100 rows with no keys; rows 450.. belong to none
-    starts = jnp.asarray([0, 200, 350, 450, 450, 450, 450, 450, 450], jnp.int32)
+    # sequences: 200 rows, 150 rows, then a "dummy" sequence of 100 query rows with no keys, then one of 50 keys
+    # without query rows; query rows 450.. and key rows 400.. belong to none
+    starts_q = jnp.asarray([0, 200, 350, 450, 450, 450, 450, 450, 450], jnp.int32)
+    starts_kv = jnp.asarray([0, 200, 350, 350, 400, 400, 400, 400, 400], jnp.int32)
     seq_q = jnp.asarray([200, 150, 100, 0, 0, 0, 0, 0], jnp.int32)
-    seq_kv = jnp.asarray([200, 150, 0, 0, 0, 0, 0, 0], jnp.int32)
-    offsets = {uid: ragged.element_offsets(starts, n, h) for uid in (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O)}
+    seq_kv = jnp.asarray([200, 150, 0, 50, 0, 0, 0, 0], jnp.int32)
+    offsets = {uid: ragged.element_offsets(starts_q, n, h) for uid in (Uid.OFF_Q, Uid.OFF_O)}
+    offsets.update({uid: ragged.element_offsets(starts_kv, n, h) for uid in (Uid.OFF_K, Uid.OFF_V)})
     common = dict(padding=True, right_bound=0, ragged=True)
     fwd = GraphSpec("fwd", "bfloat16", 8, bound, bound, n, n, h, h, 0.125, **common)
     keys = jax.random.split(jax.random.key(1), 4)
@@ -125,8 +136,9 @@ def thd() -> dict:
         "dQ rows of the sequences": _state(dq[:350]),
         "dQ rows of a sequence with seq_len_kv = 0": _state(dq[350:450]),
         "dQ rows past the last sequence": _state(dq[450:]),
-        "dK rows past the last sequence": _state(dk[350:]),
-        "dV rows past the last sequence": _state(dv[350:]),
+        "dK, dV rows of a sequence with seq_len_q = 0": _state(jnp.stack([dk[350:400], dv[350:400]])),
+        "dK rows past the last sequence": _state(dk[400:]),
+        "dV rows past the last sequence": _state(dv[400:]),
     })  # fmt: skip
     return report
 

@@ -14,9 +14,10 @@ if [ -n "${ATTNLIB_TESTS:-}" ]; then
     $ATTNLIB_TESTS -p no:benchmark -p no:cacheprovider -n 8 -v -rfE --tb=short 2>&1 | tee "$out/gpu_tests_rerun.log" \
     | grep -E "FAILED|ERROR|passed|failed" | tail -30
 fi
-timeout 120 python3 benchmarks/probe_unwritten_rows.py --json "$out/probe_unwritten_rows.json" 2>&1 \
-  | tee "$out/probe_unwritten_rows.log" | tail -20
+timeout 120 python3 benchmarks/probe_unwritten_rows.py --json "$out/probe_unwritten_rows.json" 2>&1 | tail -40
 timeout "$ragged_s" python3 benchmarks/bench_cudnn_ragged.py --json "$out/bench_cudnn_ragged.json" \
   --table "$out/bench_cudnn_ragged.txt" > "$out/bench_ragged.log" 2>&1; tail -16 "$out/bench_ragged.log"
 timeout "$dense_s" python3 benchmarks/bench_cudnn.py --json "$out/bench_cudnn.json" --dump-hlo "$out/hlo" > "$out/bench.log" 2>&1
 tail -32 "$out/bench.log"
+# At most 8 files come back from the device: the compiled HLO travels as one archive.
+if [ -d "$out/hlo" ]; then tar czf "$out/hlo.tgz" -C "$out" hlo && rm -rf "$out/hlo"; fi

@@ -20,10 +20,17 @@ from attnlib._src.backends.cudnn import attention as dense, cache, support
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
 
-def _unwritten(x: jax.Array, rows: jax.Array, lengths: jax.Array, zero_filled: bool) -> jax.Array:
-    """`x` `[b, rows, ...]` with the rows at or past `lengths` as the kernel leaves them (zero-filled or NaN)."""
-    keep = (jnp.arange(rows)[None, :] < lengths[:, None]).reshape(lengths.shape + (rows,) + (1,) * (x.ndim - 2))
-    return jnp.where(keep, x, 0.0 if zero_filled else jnp.nan)
+def _unwritten(x: jax.Array, rows: int, lengths: jax.Array, zero_filled: bool, seq_kv: jax.Array | None = None):
+    """`x` `[b, rows, ...]` with the rows at or past `lengths` as the kernel leaves them: zero-filled by a memset, or
+    (`seq_kv` given: a graph without the memset) written as zeros by the kernel except in batch elements without
+    keys, which it skips (NaN), or else never written (NaN)."""
+    expand = lambda m: m.reshape(m.shape + (1,) * (x.ndim - m.ndim))
+    keep = expand(jnp.arange(rows)[None, :] < lengths[:, None])
+    if zero_filled:
+        return jnp.where(keep, x, 0.0)
+    if seq_kv is None:
+        return jnp.where(keep, x, jnp.nan)
+    return jnp.where(expand(seq_kv[:, None] > 0), jnp.where(keep, x, 0.0), jnp.nan)
 
 
 def emulate(spec: GraphSpec, entry, *operands, tokens=None):
@@ -43,10 +50,11 @@ def emulate(spec: GraphSpec, entry, *operands, tokens=None):
     mask = _mask(spec, seq_q, seq_kv)
     logits = jnp.where(mask, logits, -jnp.inf)
     filled = {spec.out_uids()[i] for i in spec.zero_fill()}
+    kernel_zeros = seq_kv if not spec.memset_rows else None
     rows_first = lambda x: jnp.transpose(x, (0, 2, 1, 3))
     if spec.direction == "fwd":
         o, stats = softmax_rows(logits, v, vals.get(Uid.SINK))
-        out = _unwritten(rows_first(o), t, seq_q, Uid.O in filled).astype(spec.dtype)
+        out = _unwritten(rows_first(o), t, seq_q, Uid.O in filled, kernel_zeros).astype(spec.dtype)
         stats = jnp.where(jnp.arange(t)[None, None, :] < seq_q[:, None, None], stats, jnp.nan)
         return (out, stats) if spec.stats else (out,)
     o, do = heads_first(vals[Uid.O]), heads_first(vals[Uid.DO])
@@ -58,9 +66,9 @@ def emulate(spec: GraphSpec, entry, *operands, tokens=None):
     dv = jnp.einsum("bnij,bnih->bnjh", p, do, precision="highest")
     fold = lambda x: rows_first(jnp.sum(jnp.reshape(x, (b, spec.k, g) + x.shape[2:]), axis=2))
     grads = [
-        _unwritten(rows_first(dq), t, seq_q, Uid.DQ in filled),
-        _unwritten(fold(dk), s, seq_kv, Uid.DK in filled),
-        _unwritten(fold(dv), s, seq_kv, Uid.DV in filled),
+        _unwritten(rows_first(dq), t, seq_q, Uid.DQ in filled, kernel_zeros),
+        _unwritten(fold(dk), s, seq_kv, Uid.DK in filled, kernel_zeros),
+        _unwritten(fold(dv), s, seq_kv, Uid.DV in filled, kernel_zeros),
     ]
     if spec.bias_b:
         dbias = jnp.sum(d_logits, axis=(0,), keepdims=True) if spec.bias_b == 1 else d_logits
@@ -76,9 +84,11 @@ def entry_for(spec: GraphSpec) -> cache.GraphEntry:
     )  # fmt: skip
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    """Route dense `implementation="cudnn"` calls through `emulate`, as on an H200 with cuDNN 9.19."""
+@pytest.fixture(params=[True, False], ids=["memset", "kernel_zeros"])
+def emulated(monkeypatch, request):
+    """Route dense `implementation="cudnn"` calls through `emulate`, as on an H200 with cuDNN 9.19, with and without
+    the memset of padded results (`attention.MEMSET_ROWS`)."""
+    monkeypatch.setattr(dense, "MEMSET_ROWS", request.param)
     monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
     monkeypatch.setattr(dense, "get_entry", entry_for)
     monkeypatch.setattr(dense, "ffi_graph_call", emulate)

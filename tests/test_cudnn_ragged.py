@@ -137,7 +137,8 @@ def test_version_gates():
 
 
 def test_ragged_graph_specs():
-    """THD graphs: offsets per packed tensor, zero-filled packed results, no sink in the backward."""
+    """THD graphs: offsets per packed tensor, packed results fixed after the graph (or zero-filled before it), no
+    sink in the backward."""
     config = dataclasses.replace(BASE, has_sinks=True, max_seqlen_q=300, max_seqlen_kv=700)
     plan = varlen.make_ragged_plan(config, 5, (300, 700), (1000, 1500))
     fwd, bwd = plan.fwd, plan.bwd
@@ -145,8 +146,10 @@ def test_ragged_graph_specs():
     assert (bwd.t_total, bwd.s_total) == (1024, 2048)
     assert fwd.in_uids() == (Uid.Q, Uid.K, Uid.V, Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O, Uid.SEQ_Q, Uid.SEQ_KV,
                              Uid.SINK)  # fmt: skip
-    assert fwd.zero_fill() == (0,)  # O; Stats rows are masked in JAX
-    assert bwd.zero_fill() == (0, 1, 2)
+    assert fwd.zero_fill() == () and bwd.zero_fill() == ()  # rows outside the sequences: one scatter afterwards
+    with_memset = lambda spec: dataclasses.replace(spec, memset_rows=True)
+    assert with_memset(fwd).zero_fill() == (0,)  # O; Stats rows are masked in JAX
+    assert with_memset(bwd).zero_fill() == (0, 1, 2)
     assert fwd.shape(Uid.O, (1000, 1500)) == ((1000, 8, 128), "bfloat16")
     assert fwd.shape(Uid.OFF_K, (1000, 1500)) == ((9, 2), "int32")
     assert graphs.graph_data_type(Uid.OFF_K, fwd) == "int64"
@@ -337,11 +340,16 @@ def _gather(buf, offsets, rows, lens):
     return jnp.transpose(x, (0, 2, 1, 3)), idx, inside
 
 
-def _scatter(shape, dtype, values, idx, inside):
-    """Write `[b, heads, rows, dim]` back into a zeroed packed buffer (what the zero-filled result holds)."""
+def _scatter(shape, dtype, values, idx, inside, zero_filled=True):
+    """Write `[b, heads, rows, dim]` back into a packed buffer: zero-filled, or else NaN where nothing is written
+    (what an unwritten buffer may hold)."""
     values = jnp.transpose(values, (0, 2, 1, 3))
     flat = jnp.zeros((math.prod(shape),), jnp.float32)
-    flat = flat.at[jnp.where(inside, idx, flat.shape[0])].add(values, mode="drop")
+    index = jnp.where(inside, idx, flat.shape[0])
+    flat = flat.at[index].add(values, mode="drop")
+    if not zero_filled:
+        written = jnp.zeros(flat.shape, bool).at[index].set(True, mode="drop")
+        flat = jnp.where(written, flat, jnp.nan)
     return jnp.reshape(flat, shape).astype(dtype)
 
 
@@ -404,10 +412,13 @@ def emulate(spec: GraphSpec, operands, tokens):
     dk = jnp.einsum("bnij,bnih->bnjh", ds, q, precision="highest")
     fold = lambda x: jnp.sum(jnp.reshape(x, (x.shape[0], spec.k, g) + x.shape[2:]), axis=2)
     dk, dv = fold(dk), fold(dv)
+    if not spec.memset_rows:  # the worst a kernel could do: skip the keys of a sequence without query rows
+        runs = (seq_q > 0)[:, None, None, None]
+        kin, vin = kin & runs, vin & runs
     return (
-        _scatter(vals[Uid.Q].shape, spec.dtype, dq, qidx, qin),
-        _scatter(vals[Uid.K].shape, spec.dtype, dk, kidx, kin),
-        _scatter(vals[Uid.V].shape, spec.dtype, dv, vidx, vin),
+        _scatter(vals[Uid.Q].shape, spec.dtype, dq, qidx, qin, spec.memset_rows),
+        _scatter(vals[Uid.K].shape, spec.dtype, dk, kidx, kin, spec.memset_rows),
+        _scatter(vals[Uid.V].shape, spec.dtype, dv, vidx, vin, spec.memset_rows),
     )
 
 
@@ -424,12 +435,14 @@ def _ragged_stats_out(vals, stats, seq_q, tq):
 def _ragged_out(spec, vals, o, seq_q):
     _, idx, inside = _gather(jnp.zeros(vals[Uid.Q].shape[:1] + (spec.n, spec.hv), jnp.float32), vals[Uid.OFF_O],
                              spec.t, seq_q)  # fmt: skip
-    return _scatter(vals[Uid.Q].shape[:1] + (spec.n, spec.hv), spec.dtype, o, idx, inside)
+    return _scatter(vals[Uid.Q].shape[:1] + (spec.n, spec.hv), spec.dtype, o, idx, inside, spec.memset_rows)
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    """Route `implementation="cudnn"` through `emulate` as on an H200 with cuDNN 9.19."""
+@pytest.fixture(params=[True, False], ids=["memset", "scatter"])
+def emulated(monkeypatch, request):
+    """Route `implementation="cudnn"` through `emulate` as on an H200 with cuDNN 9.19, with the memset of ragged
+    results or the scatter after the graph (`varlen.MEMSET_ROWS`)."""
+    monkeypatch.setattr(varlen, "MEMSET_ROWS", request.param)
     monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
     monkeypatch.setattr(varlen, "_call", emulate)
 
@@ -506,6 +519,8 @@ THD_CASES = [
     ("cross_window_rows_past_keys", [0, 12, 20, 33], [0, 3, 3, 20], 4, 2, 64, 64,
      {"is_causal": True, "local_window_size": (2, 0)}),
     ("cross_two_sided_rows_past_keys", [0, 12, 20, 33], [0, 3, 3, 20], 4, 2, 64, 64, {"local_window_size": (4, 1)}),
+    # A sequence with keys but no query rows: its key gradients are zero.
+    ("cross_keys_without_queries", [0, 4, 4, 15], [0, 6, 13, 20], 4, 2, 64, 64, {"is_causal": True}),
 ]  # fmt: skip
 
 
@@ -716,7 +731,9 @@ def _custom_calls(fn, *args):
     return [line for line in text.splitlines() if "stablehlo.custom_call @attnlib_cudnn_graph" in line]
 
 
-def test_thd_lowers_to_forward_and_backward_graph_calls(fake_entries):
+@pytest.mark.parametrize("memset", [True, False], ids=["memset", "scatter"])
+def test_thd_lowers_to_forward_and_backward_graph_calls(fake_entries, monkeypatch, memset):
+    monkeypatch.setattr(varlen, "MEMSET_ROWS", memset)
     q = jax.ShapeDtypeStruct((1000, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1500, 2, 128), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((6,), jnp.int32)
@@ -726,7 +743,7 @@ def test_thd_lowers_to_forward_and_backward_graph_calls(fake_entries):
     fwd = _custom_calls(loss, q, kv, kv, cu, cu)
     assert len(fwd) == 1
     assert "in_uids = dense<[1, 2, 3, 14, 15, 16, 17, 12, 13]>" in fwd[0]
-    assert "zero_fill = dense<0>" in fwd[0]
+    assert ("zero_fill = dense<0>" if memset else "zero_fill = dense<> : tensor<0xi64>") in fwd[0]
     # operands: packed q/k/v, four [b+1, 2] offset pairs (b = 8), lengths [8]; results O [Tq, N, Hv], stats
     assert "(tensor<1000x8x128xbf16>, tensor<1500x2x128xbf16>, tensor<1500x2x128xbf16>, tensor<9x2xi32>" in fwd[0]
     assert "-> (tensor<1000x8x128xbf16>, tensor<8x8x512xf32>, tensor<4096xui8>)" in fwd[0]
@@ -734,7 +751,7 @@ def test_thd_lowers_to_forward_and_backward_graph_calls(fake_entries):
     assert len(both) == 2
     bwd = next(c for c in both if "sdpa_thd_bwd" in c)
     assert "-> (tensor<1000x8x128xbf16>, tensor<1500x2x128xbf16>, tensor<1500x2x128xbf16>, tensor<4096xui8>)" in bwd
-    assert "zero_fill = dense<[0, 1, 2]>" in bwd
+    assert ("zero_fill = dense<[0, 1, 2]>" if memset else "zero_fill = dense<> : tensor<0xi64>") in bwd
 
 
 def test_paged_decode_lowers_to_one_graph_call(fake_entries):

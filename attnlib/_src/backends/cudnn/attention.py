@@ -178,6 +178,15 @@ def _graph_seq_q(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) 
     return rows_seeing_keys(seq_q, seq_kv, plan.left)
 
 
+def _graph_seq_kv(plan: Plan, seq_kv: jax.Array | None) -> jax.Array | None:
+    """The key lengths the graphs get. Without the memset (`MEMSET_ROWS`), a sequence with no key gets one: cuDNN
+    skips a batch element with `seq_len_kv = 0` without writing its output, but writes zeros in every row past
+    `seq_len_q`, here all of them (the trimmed query length is 0, so no query reads that key)."""
+    if not plan.rows_by_length or plan.fwd.memset_rows or seq_kv is None:
+        return seq_kv
+    return jnp.maximum(seq_kv, 1)
+
+
 def _static_rows_valid(spec: GraphSpec, left: int | None, right: int | None, bottom_right: bool) -> bool:
     if spec.padding:
         return False
@@ -207,7 +216,7 @@ def _forward(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, spec: Graph
     seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
     values = {
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.BIAS: bias, Uid.SEQ_Q: _graph_seq_q(plan, seq_q, seq_kv),
-        Uid.SEQ_KV: seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks,
+        Uid.SEQ_KV: _graph_seq_kv(plan, seq_kv), Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks,
     }
     results = graph_call(spec)(*_operands(spec, values))
     out, stats = results if spec.stats else (results[0], None)
@@ -283,7 +292,8 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
     seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
     values = {
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.BIAS: bias,
-        Uid.SEQ_Q: _graph_seq_q(plan, seq_q, seq_kv), Uid.SEQ_KV: seq_kv, Uid.SEED: seed, Uid.OFFSET: offset,
+        Uid.SEQ_Q: _graph_seq_q(plan, seq_q, seq_kv), Uid.SEQ_KV: _graph_seq_kv(plan, seq_kv), Uid.SEED: seed,
+        Uid.OFFSET: offset,
         Uid.SINK: sinks,
     }
     grads = graph_call(plan.bwd)(*_operands(plan.bwd, values))
@@ -320,6 +330,12 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
 _sdpa.defvjp(_sdpa_fwd, _sdpa_bwd, symbolic_zeros=True)
 
 
+MEMSET_ROWS = False
+"""Padded top-left graphs (`Plan.rows_by_length`) zero O, dQ, dK and dV with a memset before cuDNN runs. False: no
+memset; cuDNN itself writes zeros in the rows past each (trimmed) query length and key length, which
+`benchmarks/probe_unwritten_rows.py` checks on the GPU, and a sequence without keys gets one (`_graph_seq_kv`)."""
+
+
 def make_plan(config: AttentionConfig, b: int, t: int, bias_shape: tuple[int, int] | None) -> Plan:
     """The graphs for a `[b, t, N, H]` problem (`t` after any bottom-right slicing) of `config`."""
     s = config.kv_len
@@ -341,6 +357,7 @@ def make_plan(config: AttentionConfig, b: int, t: int, bias_shape: tuple[int, in
         bias_n=0 if bias_shape is None else bias_shape[1],
         dropout=float(config.dropout_rate),
         sinks=config.has_sinks,
+        memset_rows=MEMSET_ROWS or not padded or bottom_right,  # the field only matters with rows_by_length
     )
     fwd = GraphSpec(direction="fwd", **common)
     bwd = GraphSpec(direction="bwd", deterministic=config.deterministic_backward, **common)

@@ -129,6 +129,8 @@ class GraphSpec:
         stats: the forward writes Stats (lse); False only for paged inference without `return_residual`.
         ragged_stats: ragged graphs: Stats are packed per query token, float32 `[Tq, N]` with their own ragged
             offsets (`Uid.OFF_STATS`, counted in elements: token * N), instead of padded `[b, N, t]`.
+        memset_rows: results whose rows cuDNN may leave unwritten are zeroed by a memset before the graph runs
+            (`zero_fill`); False when the caller fixes those rows after it (not part of the cuDNN graph itself).
     """
 
     direction: Literal["fwd", "bwd"]
@@ -156,6 +158,7 @@ class GraphSpec:
     pages: tuple[int, ...] = ()
     stats: bool = True
     ragged_stats: bool = False
+    memset_rows: bool = True
 
     @property
     def label(self) -> str:
@@ -196,10 +199,12 @@ class GraphSpec:
 
     def zero_fill(self) -> tuple[int, ...]:
         """Results cuDNN may leave partly unwritten, zeroed before it runs: dBias with padding (entries past the
-        lengths), every packed result of a ragged graph (rows outside every sequence are never written), and O, dQ,
-        dK, dV of a dense padded top-left graph (rows past each sequence's length are never written)."""
+        lengths), and with `memset_rows` every packed result of a ragged graph (rows outside every sequence are never
+        written) and O, dQ, dK, dV of a dense padded top-left graph (rows of a sequence without keys). Without
+        `memset_rows` the caller fixes those rows itself (`attention.MEMSET_ROWS`, `varlen.MEMSET_ROWS`)."""
         outs = self.out_uids()
-        rows = {Uid.O, Uid.DQ, Uid.DK, Uid.DV} if self.ragged or self.rows_by_length else set()
+        by_rows = self.memset_rows and (self.ragged or self.rows_by_length)
+        rows = {Uid.O, Uid.DQ, Uid.DK, Uid.DV} if by_rows else set()
         return tuple(i for i, u in enumerate(outs) if (u == Uid.DBIAS and self.padding) or u in rows)
 
     def shape(self, uid: Uid, tokens: tuple[int, int] | None = None) -> tuple[tuple[int, ...], str]:

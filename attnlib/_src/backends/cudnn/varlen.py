@@ -131,18 +131,23 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
     }  # fmt: skip
     out, stats = _graph_outputs(spec, values, plan.tokens)
     valid_rows, tok_valid, index = _token_rows(plan, batch)
-    if not plan.rows_exact:
-        out = jnp.where(tok_valid[:, None, None], out, jnp.zeros((), out.dtype))
+    if not spec.memset_rows:
+        out = _set_rows(out, ~tok_valid, batch.q_nan)
+    else:
+        if not plan.rows_exact:
+            out = jnp.where(tok_valid[:, None, None], out, jnp.zeros((), out.dtype))
+        out = _nan_rows(out, batch.q_nan, plan)
     empty = _empty_lse((plan.tokens[0], spec.n), sinks)
     # Rows that see no key (or that cuDNN does not write): finite stats make the backward's probabilities exactly
     # zero there.
     if spec.ragged_stats:  # [Tq, N], one row per query token
         stats = jnp.where(tok_valid[:, None], stats, 0.0)
-        return out, jnp.where(tok_valid[:, None], stats, empty), stats, tok_valid
-    stats = jnp.where(valid_rows[:, None, :], stats, 0.0)
-    flat = jnp.reshape(jnp.transpose(stats, (0, 2, 1)), (-1, spec.n))  # [Bc * t, N]
-    lse = jnp.where(tok_valid[:, None], jnp.take(flat, index, axis=0), empty)
-    return out, lse, stats, tok_valid
+        lse = jnp.where(tok_valid[:, None], stats, empty)
+    else:
+        stats = jnp.where(valid_rows[:, None, :], stats, 0.0)
+        flat = jnp.reshape(jnp.transpose(stats, (0, 2, 1)), (-1, spec.n))  # [Bc * t, N]
+        lse = jnp.where(tok_valid[:, None], jnp.take(flat, index, axis=0), empty)
+    return out, _nan_rows(lse, batch.q_nan, plan), stats, tok_valid
 
 
 RAGGED_STATS = False
@@ -155,6 +160,31 @@ NAN_PASS: Literal["where", "cond"] = "where"
 """How the rows of overflowing sequences become NaN: `"where"`, one elementwise pass over the result on every call;
 `"cond"`, the same pass under `lax.cond`, run only when some sequence overflows (the other branch passes the buffer
 through). `benchmarks/bench_cudnn_ragged.py` measures both on the GPU."""
+
+
+MEMSET_ROWS = False
+"""Ragged graphs zero their packed results with a memset before cuDNN runs (rows outside every sequence are never
+written), then JAX masks the rows that see no key and poisons overflowing ones (`where` passes). False: no memset;
+one scatter after the graph writes exactly those rows, zeros or NaN (`_set_rows`), and leaves the rest in place."""
+
+
+def _set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
+    """`x` `[T, ...]` with rows `zero` set to 0 and rows `nan` to NaN, by a scatter that touches only those rows."""
+    rows = x.shape[0]
+    index = jnp.where(zero | nan, jnp.arange(rows, dtype=jnp.int32), rows)
+    value = jnp.where(nan, jnp.nan, 0.0).astype(x.dtype)
+    updates = jnp.broadcast_to(jnp.reshape(value, (rows,) + (1,) * (x.ndim - 1)), x.shape)
+    return x.at[index].set(updates, mode="drop")
+
+
+def _kv_rows_run(plan: RaggedPlan, batch: ragged.RaggedBatch) -> jax.Array:
+    """Bool `[Tkv]`: key tokens of a sequence that cuDNN runs with at least one query row (the rows its backward
+    writes)."""
+    seq_q = _graph_seq_q(plan, batch)
+    token = jnp.arange(plan.tokens[1], dtype=jnp.int32)
+    # Of sequences sharing a start, all but the last are empty: the last one owns the token.
+    seq = jnp.searchsorted(batch.off_kv[:-1], token, side="right").astype(jnp.int32) - 1
+    return batch.kv_in & (seq_q[jnp.clip(seq, 0, seq_q.shape[0] - 1)] > 0)
 
 
 def _nan_rows(x: jax.Array, rows: jax.Array, plan: RaggedPlan) -> jax.Array:
@@ -170,7 +200,7 @@ def _nan_rows(x: jax.Array, rows: jax.Array, plan: RaggedPlan) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ragged_sdpa(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference):
     out, lse, _, _ = _ragged_forward(plan, q, k, v, sinks, seeds, batch)
-    return _nan_rows(out, batch.q_nan, plan), _nan_rows(lse, batch.q_nan, plan)
+    return out, lse
 
 
 def _unwrap(tree):
@@ -180,10 +210,9 @@ def _unwrap(tree):
 
 def _ragged_sdpa_fwd(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference):
     q, k, v, sinks, seeds, batch, reference = _unwrap((q, k, v, sinks, seeds, batch, reference))
-    out, lse, stats, tok_valid = _ragged_forward(plan, q, k, v, sinks, seeds, batch)
     # The residuals are the results themselves (one buffer): cuDNN's backward never reads the rows of a sequence
     # that does not run, and the sink gradient masks them.
-    out, lse = _nan_rows(out, batch.q_nan, plan), _nan_rows(lse, batch.q_nan, plan)
+    out, lse, stats, tok_valid = _ragged_forward(plan, q, k, v, sinks, seeds, batch)
     residuals = (q, k, v, sinks, seeds, batch, reference, out, lse, stats, tok_valid)
     return (out, lse), residuals
 
@@ -215,7 +244,11 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
         Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
     }  # fmt: skip
     dq, dk, dv = _graph_outputs(spec, values, plan.tokens)[:3]
-    if not plan.rows_exact:
+    if not spec.memset_rows:  # overflowing rows become NaN here already (NaN + anything added below stays NaN)
+        dq = _set_rows(dq, ~tok_valid, batch.q_nan)
+        kv_run = _kv_rows_run(plan, batch)
+        dk, dv = _set_rows(dk, ~kv_run, batch.kv_nan), _set_rows(dv, ~kv_run, batch.kv_nan)
+    elif not plan.rows_exact:
         zero = lambda x: jnp.zeros((), x.dtype)
         dq = jnp.where(tok_valid[:, None, None], dq, zero(dq))
         dk = jnp.where(batch.kv_in[:, None, None], dk, zero(dk))
@@ -234,9 +267,10 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
         dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
         if sinks is not None:
             dsinks = dsinks + extra[3].astype(dsinks.dtype)
-    dq = _nan_rows(dq, batch.q_nan, plan)
-    dk = _nan_rows(dk, batch.kv_nan, plan)
-    dv = _nan_rows(dv, batch.kv_nan, plan)
+    if spec.memset_rows:
+        dq = _nan_rows(dq, batch.q_nan, plan)
+        dk = _nan_rows(dk, batch.kv_nan, plan)
+        dv = _nan_rows(dv, batch.kv_nan, plan)
     none = lambda tree: jax.tree.map(lambda _: None, tree)
     return dq, dk, dv, dsinks, none(seeds), none(batch), none(reference)
 
@@ -278,6 +312,7 @@ def make_ragged_plan(
         dropout=float(config.dropout_rate),
         ragged=True,
         ragged_stats=RAGGED_STATS,
+        memset_rows=MEMSET_ROWS,
     )  # fmt: skip
     fwd = GraphSpec(direction="fwd", sinks=config.has_sinks, **common)
     # No sink in the backward graph: the forward's stats carry it (see the module docstring).
