@@ -102,21 +102,6 @@ def memset_rows(on: bool):
         cudnn_attention.MEMSET_ROWS = before
 
 
-def chained_per_call(attend, args, calls: int = 20, reps: int = 10) -> float:
-    """Seconds per call of `attend` run `calls` times back to back inside one jitted executable (each call waits for
-    the previous through an optimization barrier, so none is merged or hoisted): the per-call cost without the host
-    dispatch between executables, comparable to the raw graph's loop of executes."""
-
-    def chain(q, k, v):
-        out = attend(q, k, v)
-        for _ in range(calls - 1):
-            q_next, _ = jax.lax.optimization_barrier((q, out))
-            out = attend(q_next, k, v)
-        return out
-
-    return best_per_call(jax.jit(chain), args, 1, reps) / calls
-
-
 def make_fns(case: Case, impl: str):
     import attnlib
 
@@ -135,7 +120,7 @@ def make_fns(case: Case, impl: str):
         )
     fwd = jax.jit(attend)
     fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
-    return fwd, fwd_bwd, attend
+    return fwd, fwd_bwd
 
 
 def inputs(case: Case):
@@ -271,14 +256,12 @@ def main() -> None:
             impls.append("attnlib_memset")
         for impl in impls:
             try:
-                fwd, fwd_bwd, attend = make_fns(case, impl)
+                fwd, fwd_bwd = make_fns(case, impl)
                 loop_f, loop_b = (20, 10) if impl != "xla" else (3, 2)
                 args_qkv = (q, k, v)
                 with memset_rows(impl == "attnlib_memset"):
                     for key, fn, loop in ((f"{impl}_fwd_ms", fwd, loop_f), (f"{impl}_fwd_bwd_ms", fwd_bwd, loop_b)):
                         row[key] = min(row.get(key, float("inf")), best_per_call(fn, args_qkv, loop) * 1e3)
-                    if impl == "attnlib" and "attnlib_chained_fwd_ms" not in row:
-                        row["attnlib_chained_fwd_ms"] = chained_per_call(attend, (q, k, v)) * 1e3
                 if impl == "attnlib" and args.dump_hlo:  # what runs besides the graph, if anything
                     os.makedirs(args.dump_hlo, exist_ok=True)
                     name = case.name.replace(" ", "_").replace("/", "-")
@@ -307,22 +290,19 @@ def main() -> None:
     ms = lambda x: f"{x:8.3f}" if x is not None else "       -"
     print(f"\n{meta}")
     print(f"{'case':22s} {'pass':7s} {'attnlib ms':>10s} {'TF/s':>6s} {'jax.nn ms':>10s} {'TF/s':>6s} {'ratio':>6s} "
-          f"{'xla ms':>9s} {'raw ms':>8s} {'vs raw':>7s} {'chained':>8s} {'vs raw':>7s} {'memset':>8s}")
+          f"{'xla ms':>9s} {'raw ms':>8s} {'vs raw':>7s} {'memset':>8s}")
     for row in rows:
         for kind, fl in (("fwd", row["fwd_flops"]), ("fwd_bwd", row["fwd_bwd_flops"])):
             a = row.get(f"attnlib_{kind}_ms")
             c = row.get(f"cudnn_{kind}_ms")
             x = row.get(f"xla_{kind}_ms")
             raw = row.get("raw_fwd_ms") if kind == "fwd" else None
-            chained = row.get("attnlib_chained_fwd_ms") if kind == "fwd" else None
             ratio = f"{c / a:6.3f}" if a and c else "     -"
             vs_raw = f"{raw / a:7.3f}" if a and raw else "      -"
-            vs_raw_chained = f"{raw / chained:7.3f}" if chained and raw else "      -"
             print(f"{row['case']:22s} {kind:7s} {ms(a)}   {tf(fl, a)} {ms(c)}   {tf(fl, c)} {ratio} {ms(x)} "
-                  f"{ms(raw)} {vs_raw} {ms(chained)} {vs_raw_chained} {ms(row.get(f'attnlib_memset_{kind}_ms'))}")
+                  f"{ms(raw)} {vs_raw} {ms(row.get(f'attnlib_memset_{kind}_ms'))}")
     print("ratio = jax.nn cudnn time / attnlib time (>= 1 means attnlib is at least as fast); "
-          "vs raw = raw graph time / attnlib time; chained = attnlib per call, 20 calls in one executable (no "
-          "dispatch between calls, like the raw loop); memset = attnlib with the memset of padded results (before).")
+          "vs raw = raw graph time / attnlib time; memset = attnlib with the memset of padded results (before).")
     print(f"setup: {json.dumps(setup)}")
     print("plans:")
     for label, plan in sorted(plans.items()):

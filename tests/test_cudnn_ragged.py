@@ -136,9 +136,10 @@ def test_version_gates():
     assert "deterministic" in _reason(dataclasses.replace(BASE, deterministic_backward=True), (8, 9), 91900)
 
 
-def test_ragged_graph_specs():
+def test_ragged_graph_specs(monkeypatch):
     """THD graphs: offsets per packed tensor, packed results fixed after the graph (or zero-filled before it), no
     sink in the backward."""
+    monkeypatch.setattr(varlen, "RAGGED_STATS", False)
     config = dataclasses.replace(BASE, has_sinks=True, max_seqlen_q=300, max_seqlen_kv=700)
     plan = varlen.make_ragged_plan(config, 5, (300, 700), (1000, 1500))
     fwd, bwd = plan.fwd, plan.bwd
@@ -734,6 +735,7 @@ def _custom_calls(fn, *args):
 @pytest.mark.parametrize("memset", [True, False], ids=["memset", "scatter"])
 def test_thd_lowers_to_forward_and_backward_graph_calls(fake_entries, monkeypatch, memset):
     monkeypatch.setattr(varlen, "MEMSET_ROWS", memset)
+    monkeypatch.setattr(varlen, "RAGGED_STATS", False)
     q = jax.ShapeDtypeStruct((1000, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1500, 2, 128), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((6,), jnp.int32)
@@ -771,6 +773,7 @@ def test_large_padded_stats_are_logged_once(fake_entries, monkeypatch, caplog):
     """A THD call without `max_seqlen_q` sizes its statistics by the token count: large ones get a WARNING (once per
     shape) that names the size and the remedy; a bound, or small statistics, log nothing."""
     monkeypatch.setattr(varlen, "LARGE_STATS_BYTES", 8 * 8 * 2048 * 4 - 1)
+    monkeypatch.setattr(varlen, "RAGGED_STATS", False)  # padded stats forced (by default these go per token)
     monkeypatch.setattr(logs, "_logged", set())
     q = jax.ShapeDtypeStruct((2000, 8, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2000, 2, 64), jnp.bfloat16)
@@ -784,3 +787,15 @@ def test_large_padded_stats_are_logged_once(fake_entries, monkeypatch, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1, warnings
     assert "[8 sequences, 8 heads, 2048 rows]" in warnings[0] and "the token count (max_seqlen_q's default)" in warnings[0]
+
+
+def test_stats_go_per_token_when_padded_ones_would_be_much_larger(monkeypatch):
+    """Automatic choice (`RAGGED_STATS = None`): per-token stats when the padded rows `b * t` exceed 4x the query tokens (no
+    `max_seqlen`, or many short sequences), padded stats when a bound keeps them close to the token count."""
+    monkeypatch.setattr(varlen, "RAGGED_STATS", None)
+    config = dataclasses.replace(BASE, max_seqlen_q=None, max_seqlen_kv=None)
+    unbounded = varlen.make_ragged_plan(config, 16, (32768, 32768), (32768, 32768))
+    assert unbounded.fwd.ragged_stats and unbounded.bwd.ragged_stats  # 16 x 32768 rows for 32768 tokens
+    bounded = varlen.make_ragged_plan(config, 16, (4096, 4096), (32768, 32768))
+    assert not bounded.fwd.ragged_stats and not bounded.bwd.ragged_stats  # 16 x 4096 = 2x the tokens
+    assert varlen.make_ragged_plan(config, 5, (400, 400), (300 * 5, 300 * 5)).fwd.ragged_stats is False

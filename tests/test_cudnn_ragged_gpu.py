@@ -87,7 +87,7 @@ RAGGED_STATS_CASES = ["single_sequence_causal", "many_short_gqa_causal", "cross_
 
 @pytest.mark.parametrize("name", RAGGED_STATS_CASES)
 def test_thd_with_ragged_stats(monkeypatch, name):
-    """Stats per query token (`varlen.RAGGED_STATS`, off by default until this passes on the GPU)."""
+    """Stats per query token (`varlen.RAGGED_STATS`; passed on the H200, not yet the default)."""
     from attnlib._src.backends.cudnn import varlen
 
     monkeypatch.setattr(varlen, "RAGGED_STATS", True)

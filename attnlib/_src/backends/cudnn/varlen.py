@@ -150,10 +150,22 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
     return out, _nan_rows(lse, batch.q_nan, plan), stats, tok_valid
 
 
-RAGGED_STATS = False
-"""Ragged graphs keep their softmax statistics per query token (`[Tq, N]`, `GraphSpec.ragged_stats`) instead of
-padded `[b, N, t]`, whose size grows with the sequence bound (the token count when no `max_seqlen_*` is given).
-Off until the H200 confirms that cuDNN 9.19 builds and runs these graphs (`test_cudnn_ragged_gpu.py`)."""
+RAGGED_STATS: bool | None = False
+"""Ragged graphs keep their softmax statistics per query token (`[Tq, N]`, `GraphSpec.ragged_stats`, True) or padded
+(`[b, N, t]`, False), whose size grows with the sequence bound (the token count when no `max_seqlen_*` is given).
+None: per token when the padded rows `b * t` would exceed `PER_TOKEN_STATS_ABOVE` times the query tokens.
+Measured on the H200 (`bench_cudnn_ragged.py`, 32k tokens): per-token stats cost cuDNN's backward about 5 % when the
+padded rows are 2x the tokens (a `max_seqlen` close to the longest sequence), and save 11 % when they are 16x (no
+`max_seqlen`), besides the memory. Per-token graphs passed their 8 GPU tests (THD, sinks, lse gradient); None becomes
+the default once the whole GPU suite (segments and dropout included) has run under it."""
+
+PER_TOKEN_STATS_ABOVE = 4
+
+
+def _ragged_stats(b: int, t: int, query_tokens: int) -> bool:
+    if RAGGED_STATS is not None:
+        return RAGGED_STATS
+    return b * t > PER_TOKEN_STATS_ABOVE * max(query_tokens, 1)
 
 
 NAN_PASS: Literal["where", "cond"] = "where"
@@ -298,10 +310,11 @@ def make_ragged_plan(
     right = support.effective_right(config)
     keeps_diagonal = (left is None or left >= 0) and (right is None or right >= 0)
     bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
+    b, t = ragged.bucket_sequences(num_sequences), ragged.bucket_length(bounds[0])
     common = dict(
         dtype=np.dtype(config.dtype).name,
-        b=ragged.bucket_sequences(num_sequences),
-        t=ragged.bucket_length(bounds[0]),
+        b=b,
+        t=t,
         s=ragged.bucket_length(bounds[1]),
         n=config.num_q_heads, k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim,
         scale=float(config.scale),
@@ -311,7 +324,7 @@ def make_ragged_plan(
         padding=True,
         dropout=float(config.dropout_rate),
         ragged=True,
-        ragged_stats=RAGGED_STATS,
+        ragged_stats=_ragged_stats(b, t, tokens[0]),
         memset_rows=MEMSET_ROWS,
     )  # fmt: skip
     fwd = GraphSpec(direction="fwd", sinks=config.has_sinks, **common)
