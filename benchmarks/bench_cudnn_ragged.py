@@ -116,8 +116,11 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
     return forward, forward_backward
 
 
+HLO_DIR = ""
+
+
 def traced_with(f, **switches):
-    """`f` traced with `attnlib._src.backends.cudnn.varlen` switches set (e.g. `NAN_PASS="cond"`,
+    """`f` traced with `attnlib._src.backends.cudnn.varlen` switches set (e.g. `MEMSET_ROWS=True`,
     `RAGGED_STATS=True`), to compare the experimental modes with the defaults in one run."""
     from attnlib._src.backends.cudnn import varlen
 
@@ -176,6 +179,9 @@ def packed_batch(results: dict, rows: list) -> None:
         ("THD attnlib cudnn", thd, (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD attnlib cudnn, memset + where (before)", traced_with(thd, MEMSET_ROWS=True), (q, k, v), fwd_flops,
          fwd_bwd_flops),
+        # Cost breakdown only (its padding rows are left as cuDNN wrote them): the call without the row scatter.
+        ("THD attnlib cudnn, no row scatter (breakdown)", traced_with(thd, _set_rows=lambda x, zero, nan: x),
+         (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD attnlib cudnn, stats per token", traced_with(thd, RAGGED_STATS=True), (q, k, v), fwd_flops,
          fwd_bwd_flops),
         ("THD cudnn, no max_seqlen, stats per token", traced_with(thd_unbounded, RAGGED_STATS=True), (q, k, v),
@@ -188,6 +194,11 @@ def packed_batch(results: dict, rows: list) -> None:
         (f"padded B={B} T={T} jax.nn cudnn", padded_jax, (qp, kp, vp), fwd_flops, fwd_bwd_flops),
         ("dense b8 t4096 attnlib cudnn (reference)", dense, (qd, kd, vd), dense_fwd, dense_fwd_bwd),
     ]
+    if HLO_DIR:  # what runs besides the graphs: the compiled modules of the THD call
+        os.makedirs(HLO_DIR, exist_ok=True)
+        for kind, fn in (("fwd", jax.jit(thd)), ("fwd_bwd", _grad(thd))):
+            with open(os.path.join(HLO_DIR, f"THD_{kind}.hlo.txt"), "w") as file:
+                file.write(fn.lower(q, k, v).compile().as_text())
     measured = {}
     for name, f, args, ff, fbf in variants:
         entry = {}
@@ -281,7 +292,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--table")
+    parser.add_argument("--dump-hlo", default="", help="write the compiled HLO of the THD call here")
     args = parser.parse_args()
+    global HLO_DIR
+    HLO_DIR = args.dump_hlo
     from attnlib._src.backends.cudnn import support
 
     dev = support.device()

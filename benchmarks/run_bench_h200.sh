@@ -16,7 +16,7 @@ if [ -n "${ATTNLIB_TESTS:-}" ]; then
 fi
 timeout 120 python3 benchmarks/probe_unwritten_rows.py --json "$out/probe_unwritten_rows.json" 2>&1 | tail -40
 timeout "$ragged_s" python3 benchmarks/bench_cudnn_ragged.py --json "$out/bench_cudnn_ragged.json" \
-  --table "$out/bench_cudnn_ragged.txt" > "$out/bench_ragged.log" 2>&1; tail -16 "$out/bench_ragged.log"
+  --table "$out/bench_cudnn_ragged.txt" --dump-hlo "$out/hlo" > "$out/bench_ragged.log" 2>&1; tail -16 "$out/bench_ragged.log"
 timeout "$dense_s" python3 benchmarks/bench_cudnn.py --json "$out/bench_cudnn.json" --dump-hlo "$out/hlo" > "$out/bench.log" 2>&1
 tail -32 "$out/bench.log"
 # At most 8 files come back from the device: the compiled HLO travels as one archive.

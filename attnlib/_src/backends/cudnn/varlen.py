@@ -28,7 +28,7 @@ A backward rule is the only place that knows a gradient was asked for; dispatch 
 import dataclasses
 import functools
 import logging
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -168,12 +168,6 @@ def _ragged_stats(b: int, t: int, query_tokens: int) -> bool:
     return b * t > PER_TOKEN_STATS_ABOVE * max(query_tokens, 1)
 
 
-NAN_PASS: Literal["where", "cond"] = "where"
-"""How the rows of overflowing sequences become NaN: `"where"`, one elementwise pass over the result on every call;
-`"cond"`, the same pass under `lax.cond`, run only when some sequence overflows (the other branch passes the buffer
-through). `benchmarks/bench_cudnn_ragged.py` measures both on the GPU."""
-
-
 MEMSET_ROWS = False
 """Ragged graphs zero their packed results with a memset before cuDNN runs (rows outside every sequence are never
 written), then JAX masks the rows that see no key and poisons overflowing ones (`where` passes). False: no memset;
@@ -203,10 +197,7 @@ def _nan_rows(x: jax.Array, rows: jax.Array, plan: RaggedPlan) -> jax.Array:
     if not plan.overflow_possible:
         return x
     shape = (rows.shape[0],) + (1,) * (x.ndim - 1)
-    poison = lambda x: jnp.where(jnp.reshape(rows, shape), jnp.full((), jnp.nan, x.dtype), x)
-    if NAN_PASS == "cond":
-        return jax.lax.cond(jnp.any(rows), poison, lambda x: x, x)
-    return poison(x)
+    return jnp.where(jnp.reshape(rows, shape), jnp.full((), jnp.nan, x.dtype), x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
