@@ -6,12 +6,13 @@ Layers, bottom up:
   graph's batch dim and runs one bigger graph (a fused call, not a loop).
 - `_sdpa`: forward graph + backward graph as a `jax.custom_vjp`, with padding rows zeroed.
 
-Padding rows. cuDNN never writes the rows past a sequence's length (O and dQ past `seq_len_q`, dK and dV past
-`seq_len_kv`), and with a top-left diagonal the rows of a sequence that see no key are a suffix: every row when the
-sequence has no key, else the rows `i >= seq_len_kv + left` of a window reaching `left` keys back. The graph gets
-query lengths trimmed to the rows that see a key and its results are zero-filled before it runs, so the padding
-costs no pass over the output or the gradients (`Plan.rows_by_length`). With a bottom-right diagonal the rows that
-see no key come first; those calls mask the output and the gradients in JAX.
+Padding rows. cuDNN writes zeros in the rows past a sequence's length (O and dQ past `seq_len_q`, dK and dV past
+`seq_len_kv`) but skips a batch element without keys, and with a top-left diagonal the rows of a sequence that see
+no key are a suffix: every row when the sequence has no key, else the rows `i >= seq_len_kv + left` of a window
+reaching `left` keys back. The graph gets query lengths trimmed to the rows that see a key, and a sequence without
+keys gets one key and no query row, so the padding costs no pass over the output or the gradients and no memset
+(`Plan.rows_by_length`, `MEMSET_ROWS`; `benchmarks/probe_unwritten_rows.py` checks cuDNN's side on the GPU). With a
+bottom-right diagonal the rows that see no key come first; those calls mask the output and the gradients in JAX.
 - `attention(config, inputs)`: the implementation entry point (flattening `*B`, slicing bottom-right `T > S`).
 """
 

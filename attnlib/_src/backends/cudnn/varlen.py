@@ -3,13 +3,13 @@
 THD and packed rows run cuDNN's ragged graphs (`ragged.py` builds the sequence metadata on device): forward and
 backward, with graph dims bucketed so that changing lengths reuse a few graphs. Rows cuDNN does not own (past
 `cu_seqlens_q[-1]`, segment id 0, rows that see no key, rows cuDNN leaves unwritten) are exactly 0 in the output and
-the gradients and get `lse = -inf` (the sink logit with `sinks`). cuDNN's results are zero-filled before it runs, so
-rows outside every sequence need no further pass. With a top-left diagonal the rows of a sequence that see no key are
-a suffix (all of them when it has no key, else the rows past `kv_len + left`), so cuDNN gets query lengths trimmed to
-the rows that see a key (`_graph_seq_q`) and leaves the others unwritten. The output and gradients are only masked
-again when the call can have rows that see no key otherwise (`RaggedPlan.rows_exact` is False: a bottom-right
-diagonal across different query and key lengths) or sequences that overflow the graph's bounds
-(`RaggedPlan.overflow_possible`: their rows become NaN).
+the gradients and get `lse = -inf` (the sink logit with `sinks`). With a top-left diagonal the rows of a sequence that
+see no key are a suffix (all of them when it has no key, else the rows past `kv_len + left`), so cuDNN gets query
+lengths trimmed to the rows that see a key (`_graph_seq_q`). cuDNN leaves the rows outside every sequence unwritten;
+one scatter after the graph writes exactly the rows that are not a sequence's own (`_set_rows`): 0, or NaN in the
+rows of a sequence that overflows the graph's bounds (`RaggedPlan.overflow_possible`). With `MEMSET_ROWS` the results
+are instead zero-filled before the graph runs and masked again afterwards where needed (`RaggedPlan.rows_exact` is
+False: a bottom-right diagonal across different query and key lengths; overflowing sequences).
 
 Sinks and the ragged backward: cuDNN needs 9.26 for a ragged backward with a sink token. attnlib does not need it:
 the forward's Stats already include the sink in the softmax denominator, so a backward graph *without* the sink,
