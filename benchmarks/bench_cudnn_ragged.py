@@ -135,20 +135,22 @@ def set_rows_in_words(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Arra
     return jnp.reshape(jax.lax.bitcast_convert_type(words, x.dtype), x.shape)
 
 
-def traced_with(f, **switches):
-    """`f` traced with `attnlib._src.backends.cudnn.varlen` switches set (e.g. `MEMSET_ROWS=True`,
+def traced_with(f, module: str = "varlen", **switches):
+    """`f` traced with switches of `attnlib._src.backends.cudnn.<module>` set (e.g. `MEMSET_ROWS=True`,
     `RAGGED_STATS=True`), to compare the experimental modes with the defaults in one run."""
-    from attnlib._src.backends.cudnn import varlen
+    import importlib
+
+    target = importlib.import_module(f"attnlib._src.backends.cudnn.{module}")
 
     def traced(*args):
-        saved = {name: getattr(varlen, name) for name in switches}
+        saved = {name: getattr(target, name) for name in switches}
         for name, value in switches.items():
-            setattr(varlen, name, value)
+            setattr(target, name, value)
         try:
             return f(*args)
         finally:
             for name, value in saved.items():
-                setattr(varlen, name, value)
+                setattr(target, name, value)
 
     return traced
 
@@ -199,6 +201,8 @@ def packed_batch(results: dict, rows: list) -> None:
         ("THD attnlib cudnn, no row scatter (breakdown)", traced_with(thd, _set_rows=lambda x, zero, nan: x),
          (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD attnlib cudnn, row scatter in 32-bit words", traced_with(thd, _set_rows=set_rows_in_words),
+         (q, k, v), fwd_flops, fwd_bwd_flops),
+        ("THD attnlib cudnn, while-loop searchsorted (before)", traced_with(thd, "ragged", SEARCH_METHOD="scan"),
          (q, k, v), fwd_flops, fwd_bwd_flops),
         ("THD attnlib cudnn, stats per token", traced_with(thd, RAGGED_STATS=True), (q, k, v), fwd_flops,
          fwd_bwd_flops),

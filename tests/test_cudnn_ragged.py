@@ -795,3 +795,23 @@ def test_stats_go_per_token_when_padded_ones_would_be_much_larger(monkeypatch):
     bounded = varlen.make_ragged_plan(config, 16, (4096, 4096), (32768, 32768))
     assert not bounded.fwd.ragged_stats and not bounded.bwd.ragged_stats  # 16 x 4096 = 2x the tokens
     assert varlen.make_ragged_plan(config, 5, (400, 400), (300 * 5, 300 * 5)).fwd.ragged_stats is False
+
+
+@pytest.mark.parametrize("layout", ["thd", "segments"])
+def test_ragged_calls_lower_without_control_flow(fake_entries, layout):
+    """The sequence metadata and the row fixes are straight-line ops: an XLA `while` or conditional on a GPU reads its
+    predicate back to the host (`ragged.SEARCH_METHOD`)."""
+    if layout == "thd":
+        q, kv, meta = (jax.ShapeDtypeStruct((1000, 8, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1000, 2, 64), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((6,), jnp.int32))  # fmt: skip
+        kw = lambda m: dict(cu_seqlens_q=m, max_seqlen_q=300, max_seqlen_kv=300)
+    else:
+        q, kv, meta = (jax.ShapeDtypeStruct((2, 500, 8, 64), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((2, 500, 2, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 500), jnp.int32))  # fmt: skip
+        kw = lambda m: dict(q_segment_ids=m, max_segments_per_row=4)
+    loss = lambda q, k, v, m: jnp.sum(attnlib.attention(q, k, v, is_causal=True, implementation="cudnn",
+                                                        **kw(m)).astype(jnp.float32))  # fmt: skip
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, meta).lower(lowering_platforms=("cuda",))
+    text = text.as_text()
+    assert text.count("stablehlo.custom_call @attnlib_cudnn_graph") == 2
+    assert "stablehlo.while" not in text and "stablehlo.case" not in text and "stablehlo.if" not in text

@@ -189,7 +189,7 @@ def _kv_rows_run(plan: RaggedPlan, batch: ragged.RaggedBatch) -> jax.Array:
     seq_q = _graph_seq_q(plan, batch)
     token = jnp.arange(plan.tokens[1], dtype=jnp.int32)
     # Of sequences sharing a start, all but the last are empty: the last one owns the token.
-    seq = jnp.searchsorted(batch.off_kv[:-1], token, side="right").astype(jnp.int32) - 1
+    seq = jnp.searchsorted(batch.off_kv[:-1], token, side="right", method=ragged.SEARCH_METHOD).astype(jnp.int32) - 1
     return batch.kv_in & (seq_q[jnp.clip(seq, 0, seq_q.shape[0] - 1)] > 0)
 
 
