@@ -629,7 +629,7 @@ def test_ragged_stats_sinks_lse_gradient_and_segments(emulated, monkeypatch):
     test_thd_sinks_and_lse_gradient(emulated)
     test_segments_wrapper_matches_reference(emulated)
     test_segments_cross_bottom_right(emulated)
-    test_thd_sequence_over_the_bound_is_nan_and_spares_the_rest(emulated, monkeypatch, "where")
+    test_thd_sequence_over_the_bound_is_nan_and_spares_the_rest(emulated, monkeypatch)
 
 
 def test_thd_all_sequences_empty(emulated):
