@@ -343,3 +343,32 @@ def test_paged_cache_decoding_matches_dense_causal():
                             is_causal=True, implementation="xla")  # fmt: skip
     e = dense._eps(jnp.bfloat16)
     dense._assert_close(jnp.concatenate(outs, axis=1), ref, 2 * e, e, "paged decode vs dense causal")
+
+
+RAGGED_STATS_MORE = {
+    "segments_causal": lambda: test_segments_match_reference(True, jnp.bfloat16),
+    "segments_cross_bottom_right": lambda: test_segments_cross_attention_bottom_right(),
+    "segment_overflow": lambda: test_segment_count_overflow_gives_nan_rows(),
+    "thd_dropout": lambda: test_thd_dropout_same_mask_forward_and_backward(),
+    "thd_deterministic": lambda: test_thd_deterministic_backward_is_bitwise_reproducible(),
+}
+
+
+@pytest.mark.parametrize("name", list(RAGGED_STATS_MORE))
+@pytest.mark.parametrize("mode", [True, None], ids=["per_token", "automatic"])
+def test_ragged_stats_on_segments_dropout_and_determinism(monkeypatch, name, mode):
+    """The rest of the ragged suite with per-token stats, forced and by the automatic rule (`RAGGED_STATS = None`,
+    the intended default): segments, overflow, dropout, deterministic backward."""
+    from attnlib._src.backends.cudnn import varlen
+
+    monkeypatch.setattr(varlen, "RAGGED_STATS", mode)
+    RAGGED_STATS_MORE[name]()
+
+
+@pytest.mark.parametrize("case", THD_CASES, ids=[c[0] for c in THD_CASES])
+def test_thd_with_automatic_stats_layout(monkeypatch, case):
+    """Every THD case with the stats layout chosen per call (`RAGGED_STATS = None`)."""
+    from attnlib._src.backends.cudnn import varlen
+
+    monkeypatch.setattr(varlen, "RAGGED_STATS", None)
+    test_thd_matches_reference(case, jnp.bfloat16)
