@@ -77,8 +77,8 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
 
     `longest_first`: give cuDNN the sequences longest first (their data stays where it is; only the order of the
     lengths and offsets changes), to see whether the kernel's scheduling gains from it.
-    `zero_fill=False`: skip the memset of the packed results that attnlib does before each ragged graph (the kernels
-    alone; here every token belongs to a sequence, so cuDNN writes every row)."""
+    `zero_fill=False`: skip the memset of the packed results (attnlib's ragged path did it before each graph until
+    2026-11-30; the kernels alone, here every token belongs to a sequence, so cuDNN writes every row)."""
     import dataclasses
 
     from attnlib._src.backends.cudnn import attention as cudnn_attention, ragged
@@ -136,7 +136,7 @@ def set_rows_in_words(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Arra
 
 
 def traced_with(f, module: str = "varlen", **switches):
-    """`f` traced with switches of `attnlib._src.backends.cudnn.<module>` set (e.g. `MEMSET_ROWS=True`,
+    """`f` traced with switches of `attnlib._src.backends.cudnn.<module>` set (e.g. `_set_rows=...`,
     `RAGGED_STATS=True`), to compare the experimental modes with the defaults in one run."""
     import importlib
 
@@ -195,8 +195,6 @@ def packed_batch(results: dict, rows: list) -> None:
 
     variants = [
         ("THD attnlib cudnn", thd, (q, k, v), fwd_flops, fwd_bwd_flops),
-        ("THD attnlib cudnn, memset + where (before)", traced_with(thd, MEMSET_ROWS=True), (q, k, v), fwd_flops,
-         fwd_bwd_flops),
         # Cost breakdown only (its padding rows are left as cuDNN wrote them): the call without the row scatter.
         ("THD attnlib cudnn, no row scatter (breakdown)", traced_with(thd, _set_rows=lambda x, zero, nan: x),
          (q, k, v), fwd_flops, fwd_bwd_flops),

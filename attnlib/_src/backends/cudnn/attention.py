@@ -334,7 +334,9 @@ _sdpa.defvjp(_sdpa_fwd, _sdpa_bwd, symbolic_zeros=True)
 MEMSET_ROWS = False
 """Padded top-left graphs (`Plan.rows_by_length`) zero O, dQ, dK and dV with a memset before cuDNN runs. False: no
 memset; cuDNN itself writes zeros in the rows past each (trimmed) query length and key length, which
-`benchmarks/probe_unwritten_rows.py` checks on the GPU, and a sequence without keys gets one (`_graph_seq_kv`)."""
+`benchmarks/probe_unwritten_rows.py` checks on the GPU, and a sequence without keys gets one (`_graph_seq_kv`).
+That is cuDNN behaviour its documentation does not promise: True is the fallback should a cuDNN version stop writing
+those zeros (the probe, and the GPU tests' exact-zero checks, would show it)."""
 
 
 def make_plan(config: AttentionConfig, b: int, t: int, bias_shape: tuple[int, int] | None) -> Plan:

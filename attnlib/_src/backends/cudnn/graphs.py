@@ -130,7 +130,8 @@ class GraphSpec:
         ragged_stats: ragged graphs: Stats are packed per query token, float32 `[Tq, N]` with their own ragged
             offsets (`Uid.OFF_STATS`, counted in elements: token * N), instead of padded `[b, N, t]`.
         memset_rows: results whose rows cuDNN may leave unwritten are zeroed by a memset before the graph runs
-            (`zero_fill`); False when the caller fixes those rows after it (not part of the cuDNN graph itself).
+            (`zero_fill`); False when cuDNN writes them or the caller fixes them after it (attnlib's dense padded
+            and ragged graphs; not part of the cuDNN graph itself).
     """
 
     direction: Literal["fwd", "bwd"]
@@ -201,7 +202,7 @@ class GraphSpec:
         """Results cuDNN may leave partly unwritten, zeroed before it runs: dBias with padding (entries past the
         lengths), and with `memset_rows` every packed result of a ragged graph (rows outside every sequence are never
         written) and O, dQ, dK, dV of a dense padded top-left graph (rows of a sequence without keys). Without
-        `memset_rows` the caller fixes those rows itself (`attention.MEMSET_ROWS`, `varlen.MEMSET_ROWS`)."""
+        `memset_rows` cuDNN's own zeros or the caller cover them (`attention.MEMSET_ROWS`, `varlen._set_rows`)."""
         outs = self.out_uids()
         by_rows = self.memset_rows and (self.ragged or self.rows_by_length)
         rows = {Uid.O, Uid.DQ, Uid.DK, Uid.DV} if by_rows else set()

@@ -66,7 +66,8 @@ class RaggedBatch(NamedTuple):
         tok_seq: int32 `[Tq]` the sequence of each query token, -1 for none.
         tok_pos: int32 `[Tq]` the token's row within its sequence as given to cuDNN (negative for sliced rows).
         q_nan: bool `[Tq]` query tokens whose results are NaN (overflow).
-        kv_in: bool `[Tkv]` key tokens that belong to a sequence that runs (others get zero gradients).
+        kv_in: bool `[Tkv]` key tokens of a sequence that runs with at least one query row (others get zero
+            gradients; cuDNN's backward writes no rows of a sequence without query rows).
         kv_nan: bool `[Tkv]` key tokens whose gradients are NaN (overflow).
     """
 
@@ -140,6 +141,7 @@ def thd_batch(
     kv_inside = (kv_seq >= 0) & (kv_seq < n) & (kv_token < cu_kv[-1])
     kv_safe = jnp.clip(kv_seq, 0, max(n - 1, 0))
     kv_nan = kv_inside & bad[kv_safe] if n else jnp.zeros_like(kv_inside)
+    kv_seen = kv_inside & (rows[kv_safe] > 0) if n else jnp.zeros_like(kv_inside)  # of a sequence with query rows
     return RaggedBatch(
         seq_q=_pad(rows, num_buckets, 0),
         seq_kv=_pad(kv_rows, num_buckets, 0),
@@ -148,7 +150,7 @@ def thd_batch(
         tok_seq=tok_seq,
         tok_pos=tok_pos,
         q_nan=q_nan,
-        kv_in=kv_inside & ~kv_nan,
+        kv_in=kv_seen & ~kv_nan,
         kv_nan=kv_nan,
     )
 

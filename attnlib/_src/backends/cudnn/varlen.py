@@ -7,9 +7,8 @@ the gradients and get `lse = -inf` (the sink logit with `sinks`). With a top-lef
 see no key are a suffix (all of them when it has no key, else the rows past `kv_len + left`), so cuDNN gets query
 lengths trimmed to the rows that see a key (`_graph_seq_q`). cuDNN leaves the rows outside every sequence unwritten;
 one scatter after the graph writes exactly the rows that are not a sequence's own (`_set_rows`): 0, or NaN in the
-rows of a sequence that overflows the graph's bounds (`RaggedPlan.overflow_possible`). With `MEMSET_ROWS` the results
-are instead zero-filled before the graph runs and masked again afterwards where needed (`RaggedPlan.rows_exact` is
-False: a bottom-right diagonal across different query and key lengths; overflowing sequences).
+rows of a sequence that overflows the graph's bounds (`RaggedPlan.overflow_possible`). No memset before the graph
+and no elementwise pass after it (measured on the H200: `docs/performance.md`).
 
 Sinks and the ragged backward: cuDNN needs 9.26 for a ragged backward with a sink token. attnlib does not need it:
 the forward's Stats already include the sink in the softmax denominator, so a backward graph *without* the sink,
@@ -65,8 +64,8 @@ class RaggedPlan:
         bottom_right: bottom-right diagonal per sequence.
         config: the call's configuration (for the reference that differentiates `lse`).
         rows_exact: statically, every query row cuDNN runs sees a key (a top-left diagonal with trimmed query
-            lengths, or self-attention whose mask keeps the diagonal): cuDNN's zero-filled results need no masking.
-        overflow_possible: a sequence may exceed the graph's bounds (NaN rows need a pass).
+            lengths, or self-attention whose mask keeps the diagonal): dO needs no masking before the backward.
+        overflow_possible: a sequence may exceed the graph's bounds (NaN rows in `lse` need a pass).
     """
 
     fwd: GraphSpec
@@ -131,12 +130,7 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
     }  # fmt: skip
     out, stats = _graph_outputs(spec, values, plan.tokens)
     valid_rows, tok_valid, index = _token_rows(plan, batch)
-    if not spec.memset_rows:
-        out = _set_rows(out, ~tok_valid, batch.q_nan)
-    else:
-        if not plan.rows_exact:
-            out = jnp.where(tok_valid[:, None, None], out, jnp.zeros((), out.dtype))
-        out = _nan_rows(out, batch.q_nan, plan)
+    out = _set_rows(out, ~tok_valid, batch.q_nan)
     empty = _empty_lse((plan.tokens[0], spec.n), sinks)
     # Rows that see no key (or that cuDNN does not write): finite stats make the backward's probabilities exactly
     # zero there.
@@ -168,12 +162,6 @@ def _ragged_stats(b: int, t: int, query_tokens: int) -> bool:
     return b * t > PER_TOKEN_STATS_ABOVE * max(query_tokens, 1)
 
 
-MEMSET_ROWS = False
-"""Ragged graphs zero their packed results with a memset before cuDNN runs (rows outside every sequence are never
-written), then JAX masks the rows that see no key and poisons overflowing ones (`where` passes). False: no memset;
-one scatter after the graph writes exactly those rows, zeros or NaN (`_set_rows`), and leaves the rest in place."""
-
-
 def _set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
     """`x` `[T, ...]` with rows `zero` set to 0 and rows `nan` to NaN, by a scatter that touches only those rows."""
     rows = x.shape[0]
@@ -183,17 +171,8 @@ def _set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
     return x.at[index].set(updates, mode="drop")
 
 
-def _kv_rows_run(plan: RaggedPlan, batch: ragged.RaggedBatch) -> jax.Array:
-    """Bool `[Tkv]`: key tokens of a sequence that cuDNN runs with at least one query row (the rows its backward
-    writes)."""
-    seq_q = _graph_seq_q(plan, batch)
-    token = jnp.arange(plan.tokens[1], dtype=jnp.int32)
-    # Of sequences sharing a start, all but the last are empty: the last one owns the token.
-    seq = jnp.searchsorted(batch.off_kv[:-1], token, side="right", method=ragged.SEARCH_METHOD).astype(jnp.int32) - 1
-    return batch.kv_in & (seq_q[jnp.clip(seq, 0, seq_q.shape[0] - 1)] > 0)
-
-
 def _nan_rows(x: jax.Array, rows: jax.Array, plan: RaggedPlan) -> jax.Array:
+    """`x` with rows `rows` NaN (overflowing sequences), for the small results the scatter does not cover."""
     if not plan.overflow_possible:
         return x
     shape = (rows.shape[0],) + (1,) * (x.ndim - 1)
@@ -247,15 +226,9 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
         Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
     }  # fmt: skip
     dq, dk, dv = _graph_outputs(spec, values, plan.tokens)[:3]
-    if not spec.memset_rows:  # overflowing rows become NaN here already (NaN + anything added below stays NaN)
-        dq = _set_rows(dq, ~tok_valid, batch.q_nan)
-        kv_run = _kv_rows_run(plan, batch)
-        dk, dv = _set_rows(dk, ~kv_run, batch.kv_nan), _set_rows(dv, ~kv_run, batch.kv_nan)
-    elif not plan.rows_exact:
-        zero = lambda x: jnp.zeros((), x.dtype)
-        dq = jnp.where(tok_valid[:, None, None], dq, zero(dq))
-        dk = jnp.where(batch.kv_in[:, None, None], dk, zero(dk))
-        dv = jnp.where(batch.kv_in[:, None, None], dv, zero(dv))
+    # Overflowing rows become NaN here already (NaN + anything added below stays NaN).
+    dq = _set_rows(dq, ~tok_valid, batch.q_nan)
+    dk, dv = _set_rows(dk, ~batch.kv_in, batch.kv_nan), _set_rows(dv, ~batch.kv_in, batch.kv_nan)
     dsinks = None
     if sinks is not None:
         row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [Tq, N]
@@ -270,10 +243,6 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
         dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
         if sinks is not None:
             dsinks = dsinks + extra[3].astype(dsinks.dtype)
-    if spec.memset_rows:
-        dq = _nan_rows(dq, batch.q_nan, plan)
-        dk = _nan_rows(dk, batch.kv_nan, plan)
-        dv = _nan_rows(dv, batch.kv_nan, plan)
     none = lambda tree: jax.tree.map(lambda _: None, tree)
     return dq, dk, dv, dsinks, none(seeds), none(batch), none(reference)
 
@@ -316,7 +285,7 @@ def make_ragged_plan(
         dropout=float(config.dropout_rate),
         ragged=True,
         ragged_stats=_ragged_stats(b, t, tokens[0]),
-        memset_rows=MEMSET_ROWS,
+        memset_rows=False,  # `_set_rows` fixes the rows outside the sequences after the graph
     )  # fmt: skip
     fwd = GraphSpec(direction="fwd", sinks=config.has_sinks, **common)
     # No sink in the backward graph: the forward's stats carry it (see the module docstring).
