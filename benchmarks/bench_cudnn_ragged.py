@@ -1,6 +1,6 @@
 """H200 benchmark of attnlib's cuDNN THD and paged paths (issue 4).
 
-Usage: python benchmarks/bench_cudnn_ragged.py [--json out.json] [--table out.txt]
+Usage: python benchmarks/bench_cudnn_ragged.py [--json out.json] [--table out.txt] [--dump-hlo DIR] [--profile]
 
 1. Packed training batch: sequence lengths drawn uniformly from 64..4096 until 32768 tokens (the last one cut to
    fit), causal, GQA 32/8, d128, bf16. THD (`cu_seqlens_q`, `max_seqlen_q=4096`) against the same data padded to a
@@ -117,6 +117,7 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
 
 
 HLO_DIR = ""
+PROFILE = False
 
 
 def set_rows_in_words(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
@@ -245,6 +246,21 @@ def packed_batch(results: dict, rows: list) -> None:
                 continue
             speedup = m["ms"] / thd_entry[mode]["ms"] if "ms" in thd_entry[mode] else float("nan")
             rows.append(f"{name:<44} {mode:<8} {m['ms']:9.3f} {m['tflops']:8.1f} {speedup:10.2f}")
+    if PROFILE:  # where the THD call's time goes, kernel by kernel (JAX's profiler)
+        import kernel_profile
+
+        profiles = {}
+        for name in ("THD attnlib cudnn", "THD attnlib cudnn, no row scatter (breakdown)",
+                     "THD raw graphs without the zero-fill memset", "dense b8 t4096 attnlib cudnn (reference)"):
+            f, args = next((f, args) for n, f, args, _, _ in variants if n == name)
+            raw = {raw_thd: raw_thd_fwd_bwd, raw_sorted: raw_sorted_fwd_bwd, raw_bare: raw_bare_fwd_bwd}
+            for mode, fn in (("fwd", jax.jit(f)), ("fwd_bwd", jax.jit(raw[f]) if f in raw else _grad(f))):
+                try:
+                    profiles[f"{name} [{mode}]"] = kernel_profile.kernel_profile(fn, args, calls=10)
+                    rows.extend(kernel_profile.table(f"{name} [{mode}]", profiles[f"{name} [{mode}]"]))
+                except Exception as e:  # reported, never hidden
+                    rows.append(f"profile {name} [{mode}]: ERROR {type(e).__name__}: {str(e)[:300]}")
+        results["packed"]["kernel_profile"] = profiles
     rows.append(f"longest-first order vs given order: max |output difference| = {order_diff}")
     rows.append(f"causal 128x128 tile efficiency: THD lengths {causal_tile_efficiency(lengths):.3f}, dense b8 t4096 "
                 f"{causal_tile_efficiency([MAX_LEN] * 8):.3f}")
@@ -313,9 +329,10 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--table")
     parser.add_argument("--dump-hlo", default="", help="write the compiled HLO of the THD call here")
+    parser.add_argument("--profile", action="store_true", help="per-kernel device time of the THD call")
     args = parser.parse_args()
-    global HLO_DIR
-    HLO_DIR = args.dump_hlo
+    global HLO_DIR, PROFILE
+    HLO_DIR, PROFILE = args.dump_hlo, args.profile
     from attnlib._src.backends.cudnn import support
 
     dev = support.device()

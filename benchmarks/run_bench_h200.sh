@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, re-run chosen GPU tests (pytest node ids in $ATTNLIB_TESTS, space separated), probe which rows cuDNN leaves
-# unwritten, then the dense and the ragged
-# cuDNN benchmarks, each under its own time limit, everything logged to OUT_DIR.
+# unwritten (ATTNLIB_PROBE=1), then the ragged (with a per-kernel profile) and the dense cuDNN benchmarks, each under
+# its own time limit (0 skips it), everything logged to OUT_DIR.
 # Usage: ATTNLIB_TESTS="..." bash benchmarks/run_bench_h200.sh OUT_DIR [dense seconds] [ragged seconds]
 set -uo pipefail
 out=${1:?output directory}; dense_s=${2:-270}; ragged_s=${3:-150}
@@ -14,10 +14,18 @@ if [ -n "${ATTNLIB_TESTS:-}" ]; then
     $ATTNLIB_TESTS -p no:benchmark -p no:cacheprovider -n 8 -v -rfE --tb=short 2>&1 | tee "$out/gpu_tests_rerun.log" \
     | grep -E "FAILED|ERROR|passed|failed" | tail -30
 fi
-timeout 120 python3 benchmarks/probe_unwritten_rows.py --json "$out/probe_unwritten_rows.json" 2>&1 | tail -40
-timeout "$ragged_s" python3 benchmarks/bench_cudnn_ragged.py --json "$out/bench_cudnn_ragged.json" \
-  --table "$out/bench_cudnn_ragged.txt" --dump-hlo "$out/hlo" > "$out/bench_ragged.log" 2>&1; tail -16 "$out/bench_ragged.log"
-timeout "$dense_s" python3 benchmarks/bench_cudnn.py --json "$out/bench_cudnn.json" --dump-hlo "$out/hlo" > "$out/bench.log" 2>&1
-tail -32 "$out/bench.log"
+if [ "${ATTNLIB_PROBE:-0}" = 1 ]; then
+  timeout 120 python3 benchmarks/probe_unwritten_rows.py --json "$out/probe_unwritten_rows.json" 2>&1 | tail -40
+fi
+if [ "$ragged_s" != 0 ]; then
+  timeout "$ragged_s" python3 benchmarks/bench_cudnn_ragged.py --json "$out/bench_cudnn_ragged.json" \
+    --table "$out/bench_cudnn_ragged.txt" --dump-hlo "$out/hlo" --profile > "$out/bench_ragged.log" 2>&1
+  tail -80 "$out/bench_ragged.log"
+fi
+if [ "$dense_s" != 0 ]; then
+  timeout "$dense_s" python3 benchmarks/bench_cudnn.py --json "$out/bench_cudnn.json" --dump-hlo "$out/hlo" \
+    > "$out/bench.log" 2>&1
+  tail -32 "$out/bench.log"
+fi
 # At most 8 files come back from the device: the compiled HLO travels as one archive.
 if [ -d "$out/hlo" ]; then tar czf "$out/hlo.tgz" -C "$out" hlo && rm -rf "$out/hlo"; fi
