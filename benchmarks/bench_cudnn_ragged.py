@@ -65,10 +65,6 @@ def causal_tile_efficiency(lengths, tile: int = 128) -> float:
     return useful / (tiles * tile * tile)
 
 
-def _grad(f):
-    return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
-
-
 def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = False, zero_fill: bool = True):
     """`(forward(q, k, v), forward_backward(q, k, v))` running only the THD graphs attnlib builds for the packed
     batch (`max_seqlen_q = max_seqlen_kv = MAX_LEN`), their sequence metadata computed once outside: what cuDNN
@@ -120,40 +116,34 @@ HLO_DIR = ""
 PROFILE = False
 
 
-def set_rows_in_words(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
-    """Candidate for `varlen._set_rows`: the same rows set, scattering 32-bit words (two 16-bit values each), half
-    as many scatter elements. Bit-identical results (`tests/test_bench_helpers.py`)."""
-    from attnlib._src.backends.cudnn import varlen
-
-    rows, per = x.shape[0], 4 // x.dtype.itemsize
-    if per < 2 or (x.size // max(rows, 1)) % per:
-        return varlen._set_rows(x, zero, nan)
-    words = jax.lax.bitcast_convert_type(jnp.reshape(x, (rows, -1, per)), jnp.uint32)
-    nan_word = jax.lax.bitcast_convert_type(jnp.full((per,), jnp.nan, x.dtype), jnp.uint32)
-    index = jnp.where(zero | nan, jnp.arange(rows, dtype=jnp.int32), rows)
-    value = jnp.where(nan, nan_word, jnp.uint32(0))
-    words = words.at[index].set(jnp.broadcast_to(value[:, None], words.shape), mode="drop")
-    return jnp.reshape(jax.lax.bitcast_convert_type(words, x.dtype), x.shape)
-
-
-def traced_with(f, module: str = "varlen", **switches):
-    """`f` traced with switches of `attnlib._src.backends.cudnn.<module>` set (e.g. `_set_rows=...`,
-    `RAGGED_STATS=True`), to compare the experimental modes with the defaults in one run."""
+def traced_with(f, switches: dict):
+    """`f` traced with attributes of attnlib modules set, e.g. `{"row_fill": {"set_rows": ...}}`, to compare the
+    experimental modes with the defaults in one run. Wrap the whole jitted function (a gradient's backward rule is
+    traced after the forward returns)."""
     import importlib
 
-    target = importlib.import_module(f"attnlib._src.backends.cudnn.{module}")
+    if not switches:
+        return f
+    targets = {importlib.import_module(f"attnlib._src.backends.cudnn.{module}"): values
+               for module, values in switches.items()}  # fmt: skip
 
     def traced(*args):
-        saved = {name: getattr(target, name) for name in switches}
-        for name, value in switches.items():
-            setattr(target, name, value)
+        saved = {target: {name: getattr(target, name) for name in values} for target, values in targets.items()}
+        for target, values in targets.items():
+            for name, value in values.items():
+                setattr(target, name, value)
         try:
             return f(*args)
         finally:
-            for name, value in saved.items():
-                setattr(target, name, value)
+            for target, values in saved.items():
+                for name, value in values.items():
+                    setattr(target, name, value)
 
     return traced
+
+
+def _grad_of(f):
+    return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
 def packed_batch(results: dict, rows: list) -> None:
@@ -167,10 +157,11 @@ def packed_batch(results: dict, rows: list) -> None:
     v = jax.random.normal(ks[2], (TOKENS, K, HV), jnp.float32).astype(jnp.bfloat16)
     fwd_flops, fwd_bwd_flops = flops(lengths)
 
-    thd = lambda q, k, v: attnlib.attention(q, k, v, cu_seqlens_q=cu, is_causal=True, max_seqlen_q=MAX_LEN,
-                                            max_seqlen_kv=MAX_LEN, implementation="cudnn")  # fmt: skip
-    thd_unbounded = lambda q, k, v: attnlib.attention(q, k, v, cu_seqlens_q=cu, is_causal=True,
-                                                      implementation="cudnn")
+    # `cu` is an argument, as in a training step: the sequence metadata is computed on device in every call.
+    thd = lambda q, k, v, cu: attnlib.attention(q, k, v, cu_seqlens_q=cu, is_causal=True, max_seqlen_q=MAX_LEN,
+                                                max_seqlen_kv=MAX_LEN, implementation="cudnn")  # fmt: skip
+    thd_unbounded = lambda q, k, v, cu: attnlib.attention(q, k, v, cu_seqlens_q=cu, is_causal=True,
+                                                          implementation="cudnn")
     raw_thd, raw_thd_fwd_bwd = raw_thd_graphs(lengths, cu)
     raw_sorted, raw_sorted_fwd_bwd = raw_thd_graphs(lengths, cu, longest_first=True)
     raw_bare, raw_bare_fwd_bwd = raw_thd_graphs(lengths, cu, zero_fill=False)
@@ -194,38 +185,46 @@ def packed_batch(results: dict, rows: list) -> None:
     dense = lambda q, k, v: attnlib.attention(q, k, v, is_causal=True, implementation="cudnn")
     dense_fwd, dense_fwd_bwd = flops([MAX_LEN] * 8)
 
+    from attnlib._src.backends.cudnn import row_fill
+
+    def attnlib_variant(name, f, args, switches=None, work=(fwd_flops, fwd_bwd_flops)):
+        return (name, jax.jit(traced_with(f, switches or {})), jax.jit(traced_with(_grad_of(f), switches or {})),
+                args, *work)  # fmt: skip
+
+    def raw_variant(name, forward, forward_backward):
+        return name, jax.jit(forward), jax.jit(forward_backward), (q, k, v), fwd_flops, fwd_bwd_flops
+
     variants = [
-        ("THD attnlib cudnn", thd, (q, k, v), fwd_flops, fwd_bwd_flops),
-        # Cost breakdown only (its padding rows are left as cuDNN wrote them): the call without the row scatter.
-        ("THD attnlib cudnn, no row scatter (breakdown)", traced_with(thd, _set_rows=lambda x, zero, nan: x),
-         (q, k, v), fwd_flops, fwd_bwd_flops),
-        ("THD attnlib cudnn, row scatter in 32-bit words", traced_with(thd, _set_rows=set_rows_in_words),
-         (q, k, v), fwd_flops, fwd_bwd_flops),
-        ("THD attnlib cudnn, while-loop searchsorted (before)", traced_with(thd, "ragged", SEARCH_METHOD="scan"),
-         (q, k, v), fwd_flops, fwd_bwd_flops),
-        ("THD attnlib cudnn, stats per token", traced_with(thd, RAGGED_STATS=True), (q, k, v), fwd_flops,
-         fwd_bwd_flops),
-        ("THD cudnn, no max_seqlen, stats per token", traced_with(thd_unbounded, RAGGED_STATS=True), (q, k, v),
-         fwd_flops, fwd_bwd_flops),
-        ("THD attnlib cudnn, no max_seqlen", thd_unbounded, (q, k, v), fwd_flops, fwd_bwd_flops),
-        ("THD raw graphs (metadata given)", raw_thd, (q, k, v), fwd_flops, fwd_bwd_flops),
-        ("THD raw graphs, longest sequence first", raw_sorted, (q, k, v), fwd_flops, fwd_bwd_flops),
-        ("THD raw graphs without the zero-fill memset", raw_bare, (q, k, v), fwd_flops, fwd_bwd_flops),
-        (f"padded B={B} T={T} attnlib cudnn", padded_attnlib, (qp, kp, vp), fwd_flops, fwd_bwd_flops),
-        (f"padded B={B} T={T} jax.nn cudnn", padded_jax, (qp, kp, vp), fwd_flops, fwd_bwd_flops),
-        ("dense b8 t4096 attnlib cudnn (reference)", dense, (qd, kd, vd), dense_fwd, dense_fwd_bwd),
-    ]
+        attnlib_variant("THD attnlib cudnn", thd, (q, k, v, cu)),
+        # Cost breakdown only (its padding rows are left as cuDNN wrote them): the call without the row fill.
+        attnlib_variant("THD attnlib cudnn, no row fill (breakdown)", thd, (q, k, v, cu),
+                        {"row_fill": {"set_rows": lambda x, zero, nan: x}}),
+        attnlib_variant("THD attnlib cudnn, XLA scatter row fill (before)", thd, (q, k, v, cu),
+                        {"row_fill": {"set_rows": row_fill.set_rows_scatter}}),
+        attnlib_variant("THD attnlib cudnn, stats per token", thd, (q, k, v, cu), {"varlen": {"RAGGED_STATS": True}}),
+        attnlib_variant("THD attnlib cudnn, stats automatic", thd, (q, k, v, cu), {"varlen": {"RAGGED_STATS": None}}),
+        attnlib_variant("THD cudnn, no max_seqlen, stats per token", thd_unbounded, (q, k, v, cu),
+                        {"varlen": {"RAGGED_STATS": True}}),
+        attnlib_variant("THD cudnn, no max_seqlen, stats automatic", thd_unbounded, (q, k, v, cu),
+                        {"varlen": {"RAGGED_STATS": None}}),
+        attnlib_variant("THD attnlib cudnn, no max_seqlen", thd_unbounded, (q, k, v, cu)),
+        raw_variant("THD raw graphs (metadata given)", raw_thd, raw_thd_fwd_bwd),
+        raw_variant("THD raw graphs without the zero-fill memset", raw_bare, raw_bare_fwd_bwd),
+        attnlib_variant(f"padded B={B} T={T} attnlib cudnn", padded_attnlib, (qp, kp, vp)),
+        attnlib_variant(f"padded B={B} T={T} jax.nn cudnn", padded_jax, (qp, kp, vp)),
+        attnlib_variant("dense b8 t4096 attnlib cudnn (reference)", dense, (qd, kd, vd),
+                        work=(dense_fwd, dense_fwd_bwd)),
+    ]  # fmt: skip
     if HLO_DIR:  # what runs besides the graphs: the compiled modules of the THD call
         os.makedirs(HLO_DIR, exist_ok=True)
-        for kind, fn in (("fwd", jax.jit(thd)), ("fwd_bwd", _grad(thd))):
+        _, fwd, fwd_bwd, args, _, _ = variants[0]
+        for kind, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
             with open(os.path.join(HLO_DIR, f"THD_{kind}.hlo.txt"), "w") as file:
-                file.write(fn.lower(q, k, v).compile().as_text())
+                file.write(fn.lower(*args).compile().as_text())
     measured = {}
-    for name, f, args, ff, fbf in variants:
+    for name, fwd, fwd_bwd, args, ff, fbf in variants:
         entry = {}
-        raw_fwd_bwd = {raw_thd: raw_thd_fwd_bwd, raw_sorted: raw_sorted_fwd_bwd, raw_bare: raw_bare_fwd_bwd}
-        grad = jax.jit(raw_fwd_bwd[f]) if f in raw_fwd_bwd else _grad(f)
-        for mode, fn, loop, work in (("fwd", jax.jit(f), 20, ff), ("fwd_bwd", grad, 10, fbf)):
+        for mode, fn, loop, work in (("fwd", fwd, 20, ff), ("fwd_bwd", fwd_bwd, 10, fbf)):
             try:
                 ms = best_per_call(fn, args, loop) * 1e3
                 entry[mode] = {"ms": ms, "tflops": work / ms / 1e9}
@@ -242,19 +241,19 @@ def packed_batch(results: dict, rows: list) -> None:
         for mode in ("fwd", "fwd_bwd"):
             m = entry[mode]
             if "error" in m:
-                rows.append(f"{name:<44} {mode:<8} ERROR {m['error']}")
+                rows.append(f"{name:<48} {mode:<8} ERROR {m['error']}")
                 continue
             speedup = m["ms"] / thd_entry[mode]["ms"] if "ms" in thd_entry[mode] else float("nan")
-            rows.append(f"{name:<44} {mode:<8} {m['ms']:9.3f} {m['tflops']:8.1f} {speedup:10.2f}")
+            rows.append(f"{name:<48} {mode:<8} {m['ms']:9.3f} {m['tflops']:8.1f} {speedup:10.2f}")
     if PROFILE:  # where the THD call's time goes, kernel by kernel (JAX's profiler)
         import kernel_profile
 
         profiles = {}
-        for name in ("THD attnlib cudnn", "THD attnlib cudnn, no row scatter (breakdown)",
-                     "THD raw graphs without the zero-fill memset", "dense b8 t4096 attnlib cudnn (reference)"):
-            f, args = next((f, args) for n, f, args, _, _ in variants if n == name)
-            raw = {raw_thd: raw_thd_fwd_bwd, raw_sorted: raw_sorted_fwd_bwd, raw_bare: raw_bare_fwd_bwd}
-            for mode, fn in (("fwd", jax.jit(f)), ("fwd_bwd", jax.jit(raw[f]) if f in raw else _grad(f))):
+        for name, fwd, fwd_bwd, args, _, _ in variants:
+            if name not in ("THD attnlib cudnn", "THD attnlib cudnn, XLA scatter row fill (before)",
+                            "THD raw graphs without the zero-fill memset"):  # fmt: skip
+                continue
+            for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
                 try:
                     profiles[f"{name} [{mode}]"] = kernel_profile.kernel_profile(fn, args, calls=10)
                     rows.extend(kernel_profile.table(f"{name} [{mode}]", profiles[f"{name} [{mode}]"]))
@@ -337,7 +336,7 @@ def main() -> None:
 
     dev = support.device()
     results = {"device": dev.name, "jax": jax.__version__, "cudnn_backend": dev.cudnn_version}
-    rows = [f"{results}", f"{'variant':<44} {'pass':<8} {'ms':>9} {'TF/s':>8} {'THD spd':>10}"]
+    rows = [f"{results}", f"{'variant':<48} {'pass':<8} {'ms':>9} {'TF/s':>8} {'THD spd':>10}"]
     for part in (packed_batch, paged_decode, graph_builds):
         try:
             part(results, rows)

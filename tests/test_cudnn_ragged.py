@@ -22,7 +22,7 @@ import pytest
 
 import attnlib
 from attnlib._src import logs, positions
-from attnlib._src.backends.cudnn import graphs, ragged, support, varlen
+from attnlib._src.backends.cudnn import graphs, ragged, row_fill, support, varlen
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 from attnlib._src.config import AttentionConfig
 
@@ -724,6 +724,7 @@ def fake_entries(monkeypatch):
 
     monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
     monkeypatch.setattr(cudnn_attention, "get_entry", get_entry)
+    monkeypatch.setattr(row_fill, "INTERPRET", False)  # lowered for a GPU: the compiled kernel, as there
 
 
 def _custom_calls(fn, *args):
@@ -751,6 +752,11 @@ def test_thd_lowers_to_forward_and_backward_graph_calls(fake_entries, monkeypatc
     bwd = next(c for c in both if "sdpa_thd_bwd" in c)
     assert "-> (tensor<1000x8x128xbf16>, tensor<1500x2x128xbf16>, tensor<1500x2x128xbf16>, tensor<4096xui8>)" in bwd
     assert "zero_fill = dense<> : tensor<0xi64>" in bwd
+    # On a GPU the rows outside the sequences are set by the row-fill kernel (O, then dQ, dK, dV), never by an XLA
+    # scatter, which costs a pass over the whole result.
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, cu, cu).lower(
+        lowering_platforms=("cuda",)).as_text()  # fmt: skip
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 4 and "stablehlo.scatter" not in text
 
 
 def test_paged_decode_lowers_to_one_graph_call(fake_entries):
@@ -789,6 +795,7 @@ def test_large_padded_stats_are_logged_once(fake_entries, monkeypatch, caplog):
 def test_stats_go_per_token_when_padded_ones_would_be_much_larger(monkeypatch):
     """Automatic choice (`RAGGED_STATS = None`): per-token stats when the padded rows `b * t` exceed 4x the query tokens (no
     `max_seqlen`, or many short sequences), padded stats when a bound keeps them close to the token count."""
+    assert varlen.RAGGED_STATS is None  # the default
     monkeypatch.setattr(varlen, "RAGGED_STATS", None)
     config = dataclasses.replace(BASE, max_seqlen_q=None, max_seqlen_kv=None)
     unbounded = varlen.make_ragged_plan(config, 16, (32768, 32768), (32768, 32768))

@@ -87,7 +87,7 @@ RAGGED_STATS_CASES = ["single_sequence_causal", "many_short_gqa_causal", "cross_
 
 @pytest.mark.parametrize("name", RAGGED_STATS_CASES)
 def test_thd_with_ragged_stats(monkeypatch, name):
-    """Stats per query token (`varlen.RAGGED_STATS`; passed on the H200, not yet the default)."""
+    """Stats per query token forced (`varlen.RAGGED_STATS = True`; the default chooses per call)."""
     from attnlib._src.backends.cudnn import varlen
 
     monkeypatch.setattr(varlen, "RAGGED_STATS", True)
@@ -355,10 +355,10 @@ RAGGED_STATS_MORE = {
 
 
 @pytest.mark.parametrize("name", list(RAGGED_STATS_MORE))
-@pytest.mark.parametrize("mode", [True, None], ids=["per_token", "automatic"])
+@pytest.mark.parametrize("mode", [True, False], ids=["per_token", "padded"])
 def test_ragged_stats_on_segments_dropout_and_determinism(monkeypatch, name, mode):
-    """The rest of the ragged suite with per-token stats, forced and by the automatic rule (`RAGGED_STATS = None`,
-    the intended default): segments, overflow, dropout, deterministic backward."""
+    """The rest of the ragged suite with each stats layout forced (the default, `RAGGED_STATS = None`, chooses per
+    call): segments, overflow, dropout, deterministic backward."""
     from attnlib._src.backends.cudnn import varlen
 
     monkeypatch.setattr(varlen, "RAGGED_STATS", mode)
@@ -366,9 +366,9 @@ def test_ragged_stats_on_segments_dropout_and_determinism(monkeypatch, name, mod
 
 
 @pytest.mark.parametrize("case", THD_CASES, ids=[c[0] for c in THD_CASES])
-def test_thd_with_automatic_stats_layout(monkeypatch, case):
-    """Every THD case with the stats layout chosen per call (`RAGGED_STATS = None`)."""
+def test_thd_with_padded_stats_layout(monkeypatch, case):
+    """Every THD case with padded `[b, N, t]` statistics forced (the default chooses per call)."""
     from attnlib._src.backends.cudnn import varlen
 
-    monkeypatch.setattr(varlen, "RAGGED_STATS", None)
+    monkeypatch.setattr(varlen, "RAGGED_STATS", False)
     test_thd_matches_reference(case, jnp.bfloat16)

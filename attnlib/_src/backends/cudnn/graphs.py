@@ -202,7 +202,7 @@ class GraphSpec:
         """Results cuDNN may leave partly unwritten, zeroed before it runs: dBias with padding (entries past the
         lengths), and with `memset_rows` every packed result of a ragged graph (rows outside every sequence are never
         written) and O, dQ, dK, dV of a dense padded top-left graph (rows of a sequence without keys). Without
-        `memset_rows` cuDNN's own zeros or the caller cover them (`attention.MEMSET_ROWS`, `varlen._set_rows`)."""
+        `memset_rows` cuDNN's own zeros or the caller cover them (`attention.MEMSET_ROWS`, `row_fill.set_rows`)."""
         outs = self.out_uids()
         by_rows = self.memset_rows and (self.ragged or self.rows_by_length)
         rows = {Uid.O, Uid.DQ, Uid.DK, Uid.DV} if by_rows else set()

@@ -6,9 +6,10 @@ backward, with graph dims bucketed so that changing lengths reuse a few graphs. 
 the gradients and get `lse = -inf` (the sink logit with `sinks`). With a top-left diagonal the rows of a sequence that
 see no key are a suffix (all of them when it has no key, else the rows past `kv_len + left`), so cuDNN gets query
 lengths trimmed to the rows that see a key (`_graph_seq_q`). cuDNN leaves the rows outside every sequence unwritten;
-one scatter after the graph writes exactly the rows that are not a sequence's own (`_set_rows`): 0, or NaN in the
-rows of a sequence that overflows the graph's bounds (`RaggedPlan.overflow_possible`). No memset before the graph
-and no elementwise pass after it (measured on the H200: `docs/performance.md`).
+one pass after the graph writes exactly the rows that are not a sequence's own (`row_fill.set_rows`, a Pallas kernel
+that touches only those rows): 0, or NaN in the rows of a sequence that overflows the graph's bounds
+(`RaggedPlan.overflow_possible`). No memset before the graph and no elementwise pass after it (measured on the
+H200: `docs/performance.md`).
 
 Sinks and the ragged backward: cuDNN needs 9.26 for a ragged backward with a sink token. attnlib does not need it:
 the forward's Stats already include the sink in the softmax denominator, so a backward graph *without* the sink,
@@ -36,7 +37,7 @@ import numpy as np
 from ... import dropout as dropout_lib, logs, varying
 from ...config import AttentionConfig, AttentionInputs
 from .. import xla as xla_backend
-from . import attention as dense, ragged, support
+from . import attention as dense, ragged, row_fill, support
 from .graphs import GraphSpec, Uid
 
 
@@ -130,7 +131,7 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
     }  # fmt: skip
     out, stats = _graph_outputs(spec, values, plan.tokens)
     valid_rows, tok_valid, index = _token_rows(plan, batch)
-    out = _set_rows(out, ~tok_valid, batch.q_nan)
+    out = row_fill.set_rows(out, ~tok_valid, batch.q_nan)
     empty = _empty_lse((plan.tokens[0], spec.n), sinks)
     # Rows that see no key (or that cuDNN does not write): finite stats make the backward's probabilities exactly
     # zero there.
@@ -144,14 +145,13 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
     return out, _nan_rows(lse, batch.q_nan, plan), stats, tok_valid
 
 
-RAGGED_STATS: bool | None = False
+RAGGED_STATS: bool | None = None
 """Ragged graphs keep their softmax statistics per query token (`[Tq, N]`, `GraphSpec.ragged_stats`, True) or padded
 (`[b, N, t]`, False), whose size grows with the sequence bound (the token count when no `max_seqlen_*` is given).
-None: per token when the padded rows `b * t` would exceed `PER_TOKEN_STATS_ABOVE` times the query tokens.
-Measured on the H200 (`bench_cudnn_ragged.py`, 32k tokens): per-token stats cost cuDNN's backward about 5 % when the
-padded rows are 2x the tokens (a `max_seqlen` close to the longest sequence), and save 11 % when they are 16x (no
-`max_seqlen`), besides the memory. Per-token graphs passed their 8 GPU tests (THD, sinks, lse gradient); None becomes
-the default once the whole GPU suite (segments and dropout included) has run under it."""
+None (the default): per token when the padded rows `b * t` would exceed `PER_TOKEN_STATS_ABOVE` times the query
+tokens. Measured on the H200 (`bench_cudnn_ragged.py`, 32k tokens): per-token stats cost cuDNN's backward about 5 %
+when the padded rows are 2x the tokens (a `max_seqlen` close to the longest sequence), and save 11 % when they are
+16x (no `max_seqlen`), besides the memory. Both layouts pass the GPU suite (`tests/test_cudnn_ragged_gpu.py`)."""
 
 PER_TOKEN_STATS_ABOVE = 4
 
@@ -162,17 +162,8 @@ def _ragged_stats(b: int, t: int, query_tokens: int) -> bool:
     return b * t > PER_TOKEN_STATS_ABOVE * max(query_tokens, 1)
 
 
-def _set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
-    """`x` `[T, ...]` with rows `zero` set to 0 and rows `nan` to NaN, by a scatter that touches only those rows."""
-    rows = x.shape[0]
-    index = jnp.where(zero | nan, jnp.arange(rows, dtype=jnp.int32), rows)
-    value = jnp.where(nan, jnp.nan, 0.0).astype(x.dtype)
-    updates = jnp.broadcast_to(jnp.reshape(value, (rows,) + (1,) * (x.ndim - 1)), x.shape)
-    return x.at[index].set(updates, mode="drop")
-
-
 def _nan_rows(x: jax.Array, rows: jax.Array, plan: RaggedPlan) -> jax.Array:
-    """`x` with rows `rows` NaN (overflowing sequences), for the small results the scatter does not cover."""
+    """`x` with rows `rows` NaN (overflowing sequences), for the small results `row_fill` does not cover."""
     if not plan.overflow_possible:
         return x
     shape = (rows.shape[0],) + (1,) * (x.ndim - 1)
@@ -227,8 +218,8 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
     }  # fmt: skip
     dq, dk, dv = _graph_outputs(spec, values, plan.tokens)[:3]
     # Overflowing rows become NaN here already (NaN + anything added below stays NaN).
-    dq = _set_rows(dq, ~tok_valid, batch.q_nan)
-    dk, dv = _set_rows(dk, ~batch.kv_in, batch.kv_nan), _set_rows(dv, ~batch.kv_in, batch.kv_nan)
+    dq = row_fill.set_rows(dq, ~tok_valid, batch.q_nan)
+    dk, dv = row_fill.set_rows(dk, ~batch.kv_in, batch.kv_nan), row_fill.set_rows(dv, ~batch.kv_in, batch.kv_nan)
     dsinks = None
     if sinks is not None:
         row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [Tq, N]
@@ -285,7 +276,7 @@ def make_ragged_plan(
         dropout=float(config.dropout_rate),
         ragged=True,
         ragged_stats=_ragged_stats(b, t, tokens[0]),
-        memset_rows=False,  # `_set_rows` fixes the rows outside the sequences after the graph
+        memset_rows=False,  # `row_fill.set_rows` fixes the rows outside the sequences after the graph
     )  # fmt: skip
     fwd = GraphSpec(direction="fwd", sinks=config.has_sinks, **common)
     # No sink in the backward graph: the forward's stats carry it (see the module docstring).

@@ -1,0 +1,84 @@
+"""Set chosen rows of a packed result to 0 or NaN in place, at a cost that scales with the rows set.
+
+cuDNN's ragged graphs leave the rows outside every sequence unwritten (`varlen.py`). XLA's scatter, given one index
+per row, runs a thread per element of the whole array whether or not the row is set: 160 us on a `[32768, 32, 128]`
+bf16 output on the H200, as much as rewriting it (`docs/performance.md`). On a GPU this is a Pallas (Triton) kernel
+instead: each program reads the flags of a block of rows and stores only into flagged rows; the array is aliased to
+the result, so unflagged rows are never read or written. Elsewhere (the CPU, where cuDNN is emulated in tests) the
+same kernel runs in Pallas' interpreter. `set_rows_scatter` is the XLA scatter it replaced (same bits; benchmarks).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+INTERPRET: bool | None = None
+"""Run the kernel in Pallas' interpreter; None: unless JAX's default backend is a GPU (the CPU tests that emulate
+cuDNN interpret it; tests that lower for a GPU on a CPU host set False)."""
+
+ROWS_PER_PROGRAM = 16
+COLUMNS_PER_PROGRAM = 1024
+
+_KEEP, _ZERO, _NAN = 0, 1, 2
+
+
+def _fill_kernel(flag_ref, x_ref, out_ref, *, rows: int, columns: int, block: tuple[int, int]):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pallas_triton
+
+    del x_ref  # aliased to out_ref: rows not stored into keep their values
+    block_rows, block_columns = block
+    i, j = pl.program_id(0), pl.program_id(1)
+    row = i * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    column = j * block_columns + jnp.arange(block_columns, dtype=jnp.int32)
+    flags = pallas_triton.load(flag_ref.at[pl.ds(i * block_rows, block_rows)], mask=row < rows, other=_KEEP)
+    value = jnp.where(flags == _NAN, jnp.nan, 0.0).astype(out_ref.dtype)
+    mask = ((flags != _KEEP) & (row < rows))[:, None] & (column < columns)[None, :]
+    target = out_ref.at[pl.ds(i * block_rows, block_rows), pl.ds(j * block_columns, block_columns)]
+    pallas_triton.store(target, jnp.broadcast_to(value[:, None], block), mask=mask)
+
+
+def set_rows_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """The Pallas kernel alone (`interpret=True` runs it on any platform, for tests)."""
+    from jax.experimental import pallas as pl  # imported on first use: `import attnlib` stays light
+    from jax.experimental.pallas import triton as pallas_triton
+
+    rows, columns = x.shape[0], math.prod(x.shape[1:])
+    if rows == 0 or columns == 0:
+        return x
+    flat = jnp.reshape(x, (rows, columns))
+    block = (ROWS_PER_PROGRAM, min(COLUMNS_PER_PROGRAM, pl.next_power_of_2(columns)))
+    flags = jnp.where(nan, _NAN, jnp.where(zero, _ZERO, _KEEP)).astype(jnp.int32)
+    out = pl.pallas_call(
+        functools.partial(_fill_kernel, rows=rows, columns=columns, block=block),
+        out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+        grid=(pl.cdiv(rows, block[0]), pl.cdiv(columns, block[1])),
+        input_output_aliases={1: 0},
+        interpret=interpret,
+        compiler_params=pallas_triton.CompilerParams(num_warps=4, num_stages=1),  # Triton, not Mosaic GPU
+        name="attnlib_set_rows",
+    )(flags, flat)
+    return jnp.reshape(out, x.shape)
+
+
+def set_rows_scatter(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
+    """The same with XLA's scatter (a thread per element of `x`)."""
+    rows = x.shape[0]
+    index = jnp.where(zero | nan, jnp.arange(rows, dtype=jnp.int32), rows)
+    value = jnp.where(nan, jnp.nan, 0.0).astype(x.dtype)
+    updates = jnp.broadcast_to(jnp.reshape(value, (rows,) + (1,) * (x.ndim - 1)), x.shape)
+    return x.at[index].set(updates, mode="drop")
+
+
+def set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
+    """`x` `[T, ...]` with rows `zero` set to 0 and rows `nan` to NaN (`nan` wins where both are set).
+
+    Args:
+        x: floating `[T, ...]`.
+        zero, nan: bool `[T]`.
+    """
+    interpret = jax.default_backend() != "gpu" if INTERPRET is None else INTERPRET
+    return set_rows_kernel(x, zero, nan, interpret=interpret)
