@@ -5,40 +5,59 @@ per row, runs a thread per element of the whole array whether or not the row is 
 bf16 output on the H200, as much as rewriting it (`docs/performance.md`). On a GPU this is a Pallas (Triton) kernel
 instead: each program reads the flags of a block of rows and stores only into flagged rows; the array is aliased to
 the result, so unflagged rows are never read or written. Elsewhere (the CPU, where cuDNN is emulated in tests) the
-same kernel runs in Pallas' interpreter. `set_rows_scatter` is the XLA scatter it replaced (same bits; benchmarks).
+same kernel runs in Pallas' interpreter. `set_rows_scatter` is the XLA scatter it replaced (same values; the NaN
+payload may differ): the benchmarks' "before", and the fallback should JAX drop Pallas' Triton backend.
+
+jax 0.11.2 deprecates that backend in favour of Mosaic GPU and warns at every lowering of a Triton kernel, after this
+module's call has returned (when the enclosing `jit` compiles): `set_rows` ignores that one message, as a
+DeprecationWarning only, for the process. Porting the kernel to Mosaic GPU is the way forward once JAX removes it.
 """
 
 import functools
+import logging
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
+
+from ... import logs
 
 
 INTERPRET: bool | None = None
 """Run the kernel in Pallas' interpreter; None: unless JAX's default backend is a GPU (the CPU tests that emulate
 cuDNN interpret it; tests that lower for a GPU on a CPU host set False)."""
 
-ROWS_PER_PROGRAM = 16
+ROWS_PER_PROGRAM = 32
 COLUMNS_PER_PROGRAM = 1024
 
 _KEEP, _ZERO, _NAN = 0, 1, 2
 
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
 
 def _fill_kernel(flag_ref, x_ref, out_ref, *, rows: int, columns: int, block: tuple[int, int]):
+    """One program per block of rows: reads their flags and, only if one is set, stores into the flagged rows."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
 
     del x_ref  # aliased to out_ref: rows not stored into keep their values
     block_rows, block_columns = block
-    i, j = pl.program_id(0), pl.program_id(1)
-    row = i * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
-    column = j * block_columns + jnp.arange(block_columns, dtype=jnp.int32)
-    flags = pallas_triton.load(flag_ref.at[pl.ds(i * block_rows, block_rows)], mask=row < rows, other=_KEEP)
-    value = jnp.where(flags == _NAN, jnp.nan, 0.0).astype(out_ref.dtype)
-    mask = ((flags != _KEEP) & (row < rows))[:, None] & (column < columns)[None, :]
-    target = out_ref.at[pl.ds(i * block_rows, block_rows), pl.ds(j * block_columns, block_columns)]
-    pallas_triton.store(target, jnp.broadcast_to(value[:, None], block), mask=mask)
+    first = pl.program_id(0) * block_rows
+    row = first + jnp.arange(block_rows, dtype=jnp.int32)
+    flags = pallas_triton.load(flag_ref.at[pl.ds(first, block_rows)], mask=row < rows, other=_KEEP)
+    fill = (flags != _KEEP) & (row < rows)
+    value = jnp.broadcast_to(jnp.where(flags == _NAN, jnp.nan, 0.0).astype(out_ref.dtype)[:, None], block)
+
+    @pl.when(jnp.max(fill.astype(jnp.int32)) > 0)
+    def _store():
+        def store_columns(j, carry):
+            column = j * block_columns + jnp.arange(block_columns, dtype=jnp.int32)
+            target = out_ref.at[pl.ds(first, block_rows), pl.ds(j * block_columns, block_columns)]
+            pallas_triton.store(target, value, mask=fill[:, None] & (column < columns)[None, :])
+            return carry
+
+        jax.lax.fori_loop(0, pl.cdiv(columns, block_columns), store_columns, 0)
 
 
 def set_rows_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, *, interpret: bool = False) -> jax.Array:
@@ -55,7 +74,7 @@ def set_rows_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, *, interpret:
     out = pl.pallas_call(
         functools.partial(_fill_kernel, rows=rows, columns=columns, block=block),
         out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-        grid=(pl.cdiv(rows, block[0]), pl.cdiv(columns, block[1])),
+        grid=(pl.cdiv(rows, block[0]),),
         input_output_aliases={1: 0},
         interpret=interpret,
         compiler_params=pallas_triton.CompilerParams(num_warps=4, num_stages=1),  # Triton, not Mosaic GPU
@@ -81,4 +100,12 @@ def set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
         zero, nan: bool `[T]`.
     """
     interpret = jax.default_backend() != "gpu" if INTERPRET is None else INTERPRET
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError as error:  # a JAX without Pallas' Triton backend
+        logs.log_once(("row_fill", "scatter"), logging.WARNING,
+                      "attnlib: Pallas' Triton backend is unavailable (%s); the rows outside THD/packed sequences are "
+                      "set by XLA's scatter, which costs a pass over each result.", error)  # fmt: skip
+        return set_rows_scatter(x, zero, nan)
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
     return set_rows_kernel(x, zero, nan, interpret=interpret)
