@@ -9,7 +9,7 @@ same kernel runs in Pallas' interpreter. `set_rows_scatter` is the XLA scatter i
 payload may differ): the benchmarks' "before", and the fallback should JAX drop Pallas' Triton backend.
 
 jax 0.11.2 deprecates that backend in favour of Mosaic GPU and warns at every lowering of a Triton kernel, after this
-module's call has returned (when the enclosing `jit` compiles): `set_rows` ignores that one message, as a
+module's call has returned (when the enclosing `jit` compiles): `set_rows_kernel` ignores that one message, as a
 DeprecationWarning only, for the process. Porting the kernel to Mosaic GPU is the way forward once JAX removes it.
 """
 
@@ -68,6 +68,8 @@ def set_rows_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, *, interpret:
     rows, columns = x.shape[0], math.prod(x.shape[1:])
     if rows == 0 or columns == 0:
         return x
+    # JAX warns when the enclosing jit lowers the kernel, after this call returns: the filter must outlive it.
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
     flat = jnp.reshape(x, (rows, columns))
     block = (ROWS_PER_PROGRAM, min(COLUMNS_PER_PROGRAM, pl.next_power_of_2(columns)))
     flags = jnp.where(nan, _NAN, jnp.where(zero, _ZERO, _KEEP)).astype(jnp.int32)
@@ -107,5 +109,4 @@ def set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
                       "attnlib: Pallas' Triton backend is unavailable (%s); the rows outside THD/packed sequences are "
                       "set by XLA's scatter, which costs a pass over each result.", error)  # fmt: skip
         return set_rows_scatter(x, zero, nan)
-    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
     return set_rows_kernel(x, zero, nan, interpret=interpret)
