@@ -1,4 +1,4 @@
-"""CPU checks of benchmark helpers whose results feed a decision (candidates for library code)."""
+"""CPU checks of benchmark helpers whose results feed a decision (the per-kernel profile of `kernel_profile.py`)."""
 
 import importlib.util
 import pathlib
@@ -6,14 +6,6 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import pytest
-
-
-def _bench_ragged():
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench_cudnn_ragged.py"
-    spec = importlib.util.spec_from_file_location("bench_cudnn_ragged", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _kernel_profile():
