@@ -66,7 +66,7 @@ def causal_tile_efficiency(lengths, tile: int = 128) -> float:
     return useful / (tiles * tile * tile)
 
 
-def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = False, zero_fill: bool = True):
+def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = False):
     """`(forward(q, k, v), forward_backward(q, k, v))` running only the THD graphs attnlib builds for the packed
     batch (`max_seqlen_q = max_seqlen_kv = MAX_LEN`), their sequence metadata computed once outside: what cuDNN
     alone costs, against which attnlib's THD overhead is measured. `forward_backward` runs the forward graph with
@@ -74,8 +74,8 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
 
     `longest_first`: give cuDNN the sequences longest first (their data stays where it is; only the order of the
     lengths and offsets changes), to see whether the kernel's scheduling gains from it.
-    `zero_fill=False`: skip the memset of the packed results (attnlib's ragged path did it before each graph until
-    2026-11-30; the kernels alone, here every token belongs to a sequence, so cuDNN writes every row)."""
+    No memset of the packed results (attnlib's ragged path did one before each graph until 2026-11-30; its numbers
+    are in `benchmarks/results/*_with_memset*`): the kernels alone."""
     import dataclasses
 
     from attnlib._src.backends.cudnn import attention as cudnn_attention, ragged
@@ -86,8 +86,6 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
                      s=ragged.bucket_length(MAX_LEN), n=N, k=K, h=H, hv=HV, scale=1.0 / float(np.sqrt(H)),
                      right_bound=0, padding=True, ragged=True)  # fmt: skip
     entry = cudnn_attention.get_entry(spec)
-    if not zero_fill:
-        entry = dataclasses.replace(entry, zero_fill=())
     order = np.argsort(-np.asarray(lengths), kind="stable") if longest_first else np.arange(len(lengths))
     cu = np.asarray(cu, np.int32)
     seq = jnp.asarray(np.pad(np.asarray(lengths, np.int32)[order], (0, b - len(lengths))))
@@ -101,8 +99,6 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
     tokens = ragged.bucket_tokens(TOKENS)
     bwd_spec = dataclasses.replace(spec, direction="bwd", t_total=tokens, s_total=tokens)
     bwd_entry = cudnn_attention.get_entry(bwd_spec)
-    if not zero_fill:
-        bwd_entry = dataclasses.replace(bwd_entry, zero_fill=())
 
     def forward_backward(q, k, v):
         out, stats = cudnn_attention.ffi_graph_call(spec, entry, q, k, v, *offsets, seq, seq, tokens=(TOKENS, TOKENS))
@@ -165,8 +161,7 @@ def packed_batch(results: dict, rows: list) -> None:
     thd_unbounded = lambda q, k, v, cu: attnlib.attention(q, k, v, cu_seqlens_q=cu, is_causal=True,
                                                           implementation="cudnn")
     raw_thd, raw_thd_fwd_bwd = raw_thd_graphs(lengths, cu)
-    raw_sorted, raw_sorted_fwd_bwd = raw_thd_graphs(lengths, cu, longest_first=True)
-    raw_bare, raw_bare_fwd_bwd = raw_thd_graphs(lengths, cu, zero_fill=False)
+    raw_sorted, _ = raw_thd_graphs(lengths, cu, longest_first=True)
     # The order of the sequences given to cuDNN must not change a single output element.
     order_diff = float(jnp.max(jnp.abs(jax.jit(raw_thd)(q, k, v).astype(jnp.float32)
                                        - jax.jit(raw_sorted)(q, k, v).astype(jnp.float32))))  # fmt: skip
@@ -212,8 +207,7 @@ def packed_batch(results: dict, rows: list) -> None:
         attnlib_variant("THD cudnn, no max_seqlen, stats automatic", thd_unbounded, (q, k, v, cu),
                         {"varlen": {"RAGGED_STATS": None}}),
         attnlib_variant("THD attnlib cudnn, no max_seqlen", thd_unbounded, (q, k, v, cu)),
-        raw_variant("THD raw graphs (metadata given)", raw_thd, raw_thd_fwd_bwd),
-        raw_variant("THD raw graphs without the zero-fill memset", raw_bare, raw_bare_fwd_bwd),
+        raw_variant("THD raw graphs (metadata given, no memset)", raw_thd, raw_thd_fwd_bwd),
         attnlib_variant(f"padded B={B} T={T} attnlib cudnn", padded_attnlib, (qp, kp, vp)),
         attnlib_variant(f"padded B={B} T={T} jax.nn cudnn", padded_jax, (qp, kp, vp)),
         attnlib_variant("dense b8 t4096 attnlib cudnn (reference)", dense, (qd, kd, vd),
@@ -273,7 +267,7 @@ def packed_batch(results: dict, rows: list) -> None:
         profiles = {}
         for name, fwd, fwd_bwd, args, _, _ in variants:
             if name not in ("THD attnlib cudnn", "THD attnlib cudnn, XLA scatter row fill (before)",
-                            "THD raw graphs without the zero-fill memset"):  # fmt: skip
+                            "THD raw graphs (metadata given, no memset)"):  # fmt: skip
                 continue
             for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
                 try:

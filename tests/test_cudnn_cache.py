@@ -62,7 +62,7 @@ VARIATIONS = {
     "direction": "bwd", "dtype": "float16", "b": 3, "t": 65, "s": 97, "n": 4, "k": 4, "h": 128, "hv": 32,
     "scale": 0.2, "alignment": "bottom_right", "left_bound": 17, "right_bound": 0, "padding": True, "bias_b": 1,
     "bias_n": 8, "dropout": 0.1, "sinks": True, "deterministic": True, "ragged": True, "t_total": 2048,
-    "s_total": 4096, "pages": (64, 16, 8), "stats": False, "ragged_stats": True, "memset_rows": False,
+    "s_total": 4096, "pages": (64, 16, 8), "stats": False, "ragged_stats": True, "memset_rows": True,
 }
 
 

@@ -50,7 +50,8 @@ def emulate(spec: GraphSpec, entry, *operands, tokens=None):
     mask = _mask(spec, seq_q, seq_kv)
     logits = jnp.where(mask, logits, -jnp.inf)
     filled = {spec.out_uids()[i] for i in spec.zero_fill()}
-    kernel_zeros = seq_kv if not spec.memset_rows else None
+    # attnlib relies on cuDNN's zeros only for top-left padded graphs without the memset; elsewhere: never written.
+    kernel_zeros = seq_kv if spec.rows_by_length and not spec.memset_rows else None
     rows_first = lambda x: jnp.transpose(x, (0, 2, 1, 3))
     if spec.direction == "fwd":
         o, stats = softmax_rows(logits, v, vals.get(Uid.SINK))

@@ -147,10 +147,9 @@ def test_ragged_graph_specs(monkeypatch):
     assert (bwd.t_total, bwd.s_total) == (1024, 2048)
     assert fwd.in_uids() == (Uid.Q, Uid.K, Uid.V, Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O, Uid.SEQ_Q, Uid.SEQ_KV,
                              Uid.SINK)  # fmt: skip
-    assert fwd.zero_fill() == () and bwd.zero_fill() == ()  # rows outside the sequences: one scatter afterwards
+    assert fwd.zero_fill() == () and bwd.zero_fill() == ()  # rows outside the sequences: `row_fill` afterwards
     with_memset = lambda spec: dataclasses.replace(spec, memset_rows=True)
-    assert with_memset(fwd).zero_fill() == (0,)  # O; Stats rows are masked in JAX
-    assert with_memset(bwd).zero_fill() == (0, 1, 2)
+    assert with_memset(fwd).zero_fill() == () and with_memset(bwd).zero_fill() == ()  # a dense-only fallback
     assert fwd.shape(Uid.O, (1000, 1500)) == ((1000, 8, 128), "bfloat16")
     assert fwd.shape(Uid.OFF_K, (1000, 1500)) == ((9, 2), "int32")
     assert graphs.graph_data_type(Uid.OFF_K, fwd) == "int64"
@@ -346,16 +345,15 @@ def _gather(buf, offsets, rows, lens):
     return jnp.transpose(x, (0, 2, 1, 3)), idx, inside
 
 
-def _scatter(shape, dtype, values, idx, inside, zero_filled=True):
-    """Write `[b, heads, rows, dim]` back into a packed buffer: zero-filled, or else NaN where nothing is written
-    (what an unwritten buffer may hold)."""
+def _scatter(shape, dtype, values, idx, inside):
+    """Write `[b, heads, rows, dim]` back into a packed buffer, NaN where nothing is written (what an unwritten
+    buffer may hold)."""
     values = jnp.transpose(values, (0, 2, 1, 3))
     flat = jnp.zeros((math.prod(shape),), jnp.float32)
     index = jnp.where(inside, idx, flat.shape[0])
     flat = flat.at[index].add(values, mode="drop")
-    if not zero_filled:
-        written = jnp.zeros(flat.shape, bool).at[index].set(True, mode="drop")
-        flat = jnp.where(written, flat, jnp.nan)
+    written = jnp.zeros(flat.shape, bool).at[index].set(True, mode="drop")
+    flat = jnp.where(written, flat, jnp.nan)
     return jnp.reshape(flat, shape).astype(dtype)
 
 
@@ -418,13 +416,13 @@ def emulate(spec: GraphSpec, operands, tokens):
     dk = jnp.einsum("bnij,bnih->bnjh", ds, q, precision="highest")
     fold = lambda x: jnp.sum(jnp.reshape(x, (x.shape[0], spec.k, g) + x.shape[2:]), axis=2)
     dk, dv = fold(dk), fold(dv)
-    if not spec.memset_rows:  # the worst a kernel could do: skip the keys of a sequence without query rows
-        runs = (seq_q > 0)[:, None, None, None]
-        kin, vin = kin & runs, vin & runs
+    # The worst a kernel could do: skip the keys of a sequence without query rows.
+    runs = (seq_q > 0)[:, None, None, None]
+    kin, vin = kin & runs, vin & runs
     return (
-        _scatter(vals[Uid.Q].shape, spec.dtype, dq, qidx, qin, spec.memset_rows),
-        _scatter(vals[Uid.K].shape, spec.dtype, dk, kidx, kin, spec.memset_rows),
-        _scatter(vals[Uid.V].shape, spec.dtype, dv, vidx, vin, spec.memset_rows),
+        _scatter(vals[Uid.Q].shape, spec.dtype, dq, qidx, qin),
+        _scatter(vals[Uid.K].shape, spec.dtype, dk, kidx, kin),
+        _scatter(vals[Uid.V].shape, spec.dtype, dv, vidx, vin),
     )
 
 
@@ -441,7 +439,7 @@ def _ragged_stats_out(vals, stats, seq_q, tq):
 def _ragged_out(spec, vals, o, seq_q):
     _, idx, inside = _gather(jnp.zeros(vals[Uid.Q].shape[:1] + (spec.n, spec.hv), jnp.float32), vals[Uid.OFF_O],
                              spec.t, seq_q)  # fmt: skip
-    return _scatter(vals[Uid.Q].shape[:1] + (spec.n, spec.hv), spec.dtype, o, idx, inside, spec.memset_rows)
+    return _scatter(vals[Uid.Q].shape[:1] + (spec.n, spec.hv), spec.dtype, o, idx, inside)
 
 
 @pytest.fixture

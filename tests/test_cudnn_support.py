@@ -166,10 +166,11 @@ def test_python_engine_blob_is_rejected():
 
 def test_graph_spec_uid_tables():
     spec = graphs.GraphSpec("bwd", "bfloat16", 2, 64, 96, 8, 2, 64, 32, 0.1, padding=True, bias_b=1, bias_n=8,
-                            dropout=0.1, sinks=True)
+                            dropout=0.1, sinks=True, memset_rows=True)
     assert [int(u) for u in spec.in_uids()] == [1, 2, 3, 4, 6, 5, 10, 12, 13, 21, 22, 23]
     assert [int(u) for u in spec.out_uids()] == [7, 8, 9, 11]
     assert spec.zero_fill() == (0, 1, 2, 3)  # padded top-left: dQ, dK, dV rows past the lengths, and dBias
+    assert dataclasses.replace(spec, memset_rows=False).zero_fill() == (3,)  # the default: cuDNN's zeros
     bottom_right = dataclasses.replace(spec, alignment="bottom_right")
     assert bottom_right.zero_fill() == (3,)  # rows that see no key are masked in JAX instead
     assert dataclasses.replace(spec, padding=False, direction="fwd").zero_fill() == ()

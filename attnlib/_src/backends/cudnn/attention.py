@@ -360,7 +360,7 @@ def make_plan(config: AttentionConfig, b: int, t: int, bias_shape: tuple[int, in
         bias_n=0 if bias_shape is None else bias_shape[1],
         dropout=float(config.dropout_rate),
         sinks=config.has_sinks,
-        memset_rows=MEMSET_ROWS or not padded or bottom_right,  # the field only matters with rows_by_length
+        memset_rows=MEMSET_ROWS,  # read with `rows_by_length` only
     )
     fwd = GraphSpec(direction="fwd", **common)
     bwd = GraphSpec(direction="bwd", deterministic=config.deterministic_backward, **common)

@@ -129,9 +129,10 @@ class GraphSpec:
         stats: the forward writes Stats (lse); False only for paged inference without `return_residual`.
         ragged_stats: ragged graphs: Stats are packed per query token, float32 `[Tq, N]` with their own ragged
             offsets (`Uid.OFF_STATS`, counted in elements: token * N), instead of padded `[b, N, t]`.
-        memset_rows: results whose rows cuDNN may leave unwritten are zeroed by a memset before the graph runs
-            (`zero_fill`); False when cuDNN writes them or the caller fixes them after it (attnlib's dense padded
-            and ragged graphs; not part of the cuDNN graph itself).
+        memset_rows: a dense padded top-left graph (`rows_by_length`) zeroes O, dQ, dK and dV with a memset before
+            it runs (`zero_fill`; `attention.MEMSET_ROWS`, the fallback should cuDNN stop writing zeros past the
+            lengths). Not part of the cuDNN graph itself. Ragged graphs never memset: `row_fill.set_rows` sets the
+            rows outside their sequences after the graph.
     """
 
     direction: Literal["fwd", "bwd"]
@@ -159,7 +160,7 @@ class GraphSpec:
     pages: tuple[int, ...] = ()
     stats: bool = True
     ragged_stats: bool = False
-    memset_rows: bool = True
+    memset_rows: bool = False
 
     @property
     def label(self) -> str:
@@ -200,11 +201,9 @@ class GraphSpec:
 
     def zero_fill(self) -> tuple[int, ...]:
         """Results cuDNN may leave partly unwritten, zeroed before it runs: dBias with padding (entries past the
-        lengths), and with `memset_rows` every packed result of a ragged graph (rows outside every sequence are never
-        written) and O, dQ, dK, dV of a dense padded top-left graph (rows of a sequence without keys). Without
-        `memset_rows` cuDNN's own zeros or the caller cover them (`attention.MEMSET_ROWS`, `row_fill.set_rows`)."""
+        lengths), and with `memset_rows` O, dQ, dK, dV of a dense padded top-left graph."""
         outs = self.out_uids()
-        by_rows = self.memset_rows and (self.ragged or self.rows_by_length)
+        by_rows = self.memset_rows and self.rows_by_length
         rows = {Uid.O, Uid.DQ, Uid.DK, Uid.DV} if by_rows else set()
         return tuple(i for i, u in enumerate(outs) if (u == Uid.DBIAS and self.padding) or u in rows)
 

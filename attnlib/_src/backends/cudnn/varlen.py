@@ -276,7 +276,6 @@ def make_ragged_plan(
         dropout=float(config.dropout_rate),
         ragged=True,
         ragged_stats=_ragged_stats(b, t, tokens[0]),
-        memset_rows=False,  # `row_fill.set_rows` fixes the rows outside the sequences after the graph
     )  # fmt: skip
     fwd = GraphSpec(direction="fwd", sinks=config.has_sinks, **common)
     # No sink in the backward graph: the forward's stats carry it (see the module docstring).
