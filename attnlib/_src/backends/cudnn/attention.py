@@ -27,7 +27,7 @@ import numpy as np
 
 from ... import dropout as dropout_lib, ffi, varying
 from ...config import AttentionConfig, AttentionInputs
-from . import graphs, support
+from . import graphs, modifier as modifier_lib, support
 from .cache import GraphCache, GraphEntry
 from .graphs import GraphSpec, Uid
 
@@ -138,6 +138,9 @@ class Plan:
             zero-fill their results, so rows that see no key need no masking pass.
         inference: the forward graph without softmax stats, run when nothing differentiates the call and the caller
             wants no `lse` (as `jax.nn`'s cuDNN inference); None when the call has dropout or returns `lse`.
+        detect_masked: rows may see no key for reasons only the data knows (a boolean `mask`, a modifier's masks):
+            a row whose softmax statistic is below `masked_below` saw no key and is zeroed.
+        masked_below: that threshold (`modifier.masked_below`).
     """
 
     fwd: GraphSpec
@@ -147,6 +150,8 @@ class Plan:
     bottom_right: bool
     all_rows_valid: bool
     inference: GraphSpec | None = None
+    detect_masked: bool = False
+    masked_below: float = -1e29
 
     @property
     def rows_by_length(self) -> bool:
@@ -154,7 +159,7 @@ class Plan:
 
 
 def _row_valid(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array:
-    """Bool `[B, T]`: the query row exists and sees at least one key."""
+    """Bool `[B, T, 1]`: the query row exists and sees at least one key (by the lengths and built-in masks)."""
     spec = plan.fwd
     i = jnp.arange(spec.t, dtype=jnp.int32)[None, :]
     q_len = jnp.full((spec.b, 1), spec.t, jnp.int32) if seq_q is None else seq_q.astype(jnp.int32)[:, None]
@@ -162,7 +167,7 @@ def _row_valid(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) ->
     diagonal = i + (kv_len - q_len if plan.bottom_right else 0)
     lo = jnp.zeros_like(diagonal) if plan.left is None else jnp.maximum(diagonal - plan.left, 0)
     hi = kv_len - 1 if plan.right is None else jnp.minimum(diagonal + plan.right, kv_len - 1)
-    return (i < q_len) & (lo <= hi)
+    return ((i < q_len) & (lo <= hi))[:, :, None]
 
 
 def rows_seeing_keys(seq_q: jax.Array, seq_kv: jax.Array, left: int | None) -> jax.Array:
@@ -203,43 +208,64 @@ def _operands(spec: GraphSpec, values: dict[Uid, jax.Array | None]) -> list[jax.
 
 
 def _masked_lse(stats: jax.Array, valid: jax.Array | None, sinks: jax.Array | None) -> jax.Array:
-    """`[B, N, T]` stats -> lse `[B, T, N]` with rows that see no key set to the sink (or -inf)."""
+    """`[B, N, T]` stats -> lse `[B, T, N]` with rows that see no key (`valid` `[B, T, 1|N]` False) set to the sink
+    (or -inf)."""
     lse = jnp.transpose(stats, (0, 2, 1))
     if valid is None:
         return lse
     empty = jnp.full_like(lse, -jnp.inf) if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), lse.shape)
-    return jnp.where(valid[:, :, None], lse, empty)
+    return jnp.where(valid, lse, empty)
 
 
-def _forward(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, spec: GraphSpec | None = None):
-    """(out, stats or None, valid rows or None) of the forward graph `spec` (default `plan.fwd`)."""
+def _head_major(valid: jax.Array) -> jax.Array:
+    """`[B, T, 1|N]` -> `[B, 1|N, T]` (the stats layout)."""
+    return jnp.swapaxes(valid, 1, 2)
+
+
+def _arg_values(args: tuple[jax.Array, ...]) -> dict[int, jax.Array]:
+    return {graphs.MODIFIER_ARG_UID + i: a for i, a in enumerate(args)}
+
+
+def _forward(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, spec: GraphSpec | None = None):
+    """(out, stats or None, valid rows `[B, T, 1|N]` or None) of the forward graph `spec` (default `plan.fwd`)."""
     spec = plan.fwd if spec is None else spec
     seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
     values = {
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.BIAS: bias, Uid.SEQ_Q: _graph_seq_q(plan, seq_q, seq_kv),
         Uid.SEQ_KV: _graph_seq_kv(plan, seq_kv), Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks,
+        **_arg_values(args),
     }
     results = graph_call(spec)(*_operands(spec, values))
     out, stats = results if spec.stats else (results[0], None)
     valid = None if plan.all_rows_valid else _row_valid(plan, seq_q, seq_kv)
-    if valid is not None:
+    if plan.detect_masked:
+        # A row whose every score was masked (about -1e30) has a statistic far below any real one.
+        seen = jnp.transpose(stats, (0, 2, 1)) > plan.masked_below
+        valid = seen if valid is None else valid & seen
+        out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
+    elif valid is not None:
         if not plan.rows_by_length:
-            out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+            out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
         if stats is not None:
             # Rows that see no key: finite stats make the backward's probabilities exactly zero there.
-            stats = jnp.where(valid[:, None, :], stats, 0.0)
+            stats = jnp.where(_head_major(valid), stats, 0.0)
     return out, stats, valid
 
 
-def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv) -> jax.Array:
+def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, args) -> jax.Array:
     """float32 lse `[B, T, N]` computed by materialising the scores (used only for gradients flowing into lse)."""
     spec = plan.fwd
     G = spec.n // spec.k
     q5 = jnp.reshape(q.astype(jnp.float32), (spec.b, spec.t, spec.k, G, spec.h))
     s = jnp.einsum("btkgh,bskh->bkgts", q5, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * spec.scale
+    if spec.modifier is not None:
+        by_head = jnp.reshape(s, (spec.b, spec.n, spec.t, spec.s))
+        s = jnp.reshape(modifier_lib.reference_scores(spec.modifier, by_head, args), s.shape)
     if bias is not None:
         s = s + jnp.reshape(bias.astype(jnp.float32), (bias.shape[0], spec.k if bias.shape[1] > 1 else 1,
                                                         G if bias.shape[1] > 1 else 1, spec.t, spec.s))
+    if plan.detect_masked:
+        s = jnp.where(s > plan.masked_below, s, -jnp.inf)
     i = jnp.arange(spec.t)[None, :, None]
     j = jnp.arange(spec.s)[None, None, :]
     q_len = jnp.full((spec.b,), spec.t) if seq_q is None else seq_q
@@ -251,6 +277,8 @@ def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv) -> jax.Array
     if plan.right is not None:
         allowed &= j <= diagonal + plan.right
     s = jnp.where(allowed[:, None, None], s, -jnp.inf)
+    if plan.detect_masked:
+        s = jnp.concatenate([s, jnp.full(s.shape[:-1] + (1,), -jnp.inf, s.dtype)], axis=-1)  # no NaN when all -inf
     if sinks is not None:
         sink = jnp.broadcast_to(jnp.reshape(sinks.astype(jnp.float32), (1, spec.k, G, 1, 1)), s.shape[:-1] + (1,))
         s = jnp.concatenate([s, sink], axis=-1)
@@ -259,50 +287,59 @@ def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv) -> jax.Array
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sdpa(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds):
+def _sdpa(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args):
     if plan.inference is not None:
-        out, _, _ = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, spec=plan.inference)
+        out, _, _ = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, spec=plan.inference)
         # The caller drops lse (return_residual=False); it only has to have lse's type.
         unused = jnp.full((plan.fwd.b, plan.fwd.t, plan.fwd.n), -jnp.inf, jnp.float32)
         return out, varying.vary_over(unused, varying.union_axes(out))
-    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds)
+    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args)
     return out, _masked_lse(stats, valid, sinks)
 
 
-def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds):
-    unwrap = lambda x: x.value if isinstance(x, jax.custom_derivatives.CustomVJPPrimal) else x
-    primals = jax.tree.map(
-        unwrap, (q, k, v, bias, sinks, seq_q, seq_kv, seeds),
-        is_leaf=lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal),
-    )
-    q, k, v, bias, sinks, seq_q, seq_kv, seeds = primals
-    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds)
-    residuals = (q, k, v, bias, sinks, seq_q, seq_kv, seeds, out, stats, valid)
+def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args):
+    is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+    if any(x.perturbed for x in jax.tree.leaves(args, is_leaf=is_primal) if is_primal(x)):
+        raise NotImplementedError(
+            "cudnn: gradients with respect to `score_mod_args` are not supported by the cuDNN implementation (its "
+            "backward graph returns gradients for query, key, value, bias and sinks only); use "
+            "implementation='xla_chunked' or 'xla', or wrap the arguments in jax.lax.stop_gradient."
+        )
+    if plan.bwd.modifier is not None:
+        get_entry(plan.bwd)  # build the backward now: a modifier cuDNN rejects fails here, where dispatch can fall back
+    unwrap = lambda x: x.value if is_primal(x) else x
+    primals = jax.tree.map(unwrap, (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args), is_leaf=is_primal)
+    q, k, v, bias, sinks, seq_q, seq_kv, seeds, args = primals
+    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args)
+    residuals = (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, out, stats, valid)
     return (out, _masked_lse(stats, valid, sinks)), residuals
 
 
 def _sdpa_bwd(plan: Plan, residuals, cotangents):
-    q, k, v, bias, sinks, seq_q, seq_kv, seeds, out, stats, valid = residuals
+    q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, out, stats, valid = residuals
     d_out, d_lse = cotangents
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
     d_out = d_out.astype(out.dtype)
-    mask_rows = valid is not None and not plan.rows_by_length
+    mask_rows = valid is not None and (plan.detect_masked or not plan.rows_by_length)
     if mask_rows:
-        d_out = jnp.where(valid[:, :, None, None], d_out, jnp.zeros((), d_out.dtype))
+        d_out = jnp.where(valid[..., None], d_out, jnp.zeros((), d_out.dtype))
     seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
     values = {
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.BIAS: bias,
         Uid.SEQ_Q: _graph_seq_q(plan, seq_q, seq_kv), Uid.SEQ_KV: _graph_seq_kv(plan, seq_kv), Uid.SEED: seed,
         Uid.OFFSET: offset,
         Uid.SINK: sinks,
+        **_arg_values(args),
     }
     grads = graph_call(plan.bwd)(*_operands(plan.bwd, values))
     dq, dk, dv = grads[:3]
-    dbias = grads[3] if bias is not None else None
+    dbias = None
+    if bias is not None:
+        dbias = grads[3] if plan.bwd.bias_grad else jnp.zeros(bias.shape, bias.dtype)
     zero = lambda x: jnp.zeros((), x.dtype)
     if mask_rows:
-        dq = jnp.where(valid[:, :, None, None], dq, zero(dq))
+        dq = jnp.where(valid[..., None], dq, zero(dq))
     if seq_kv is not None and not plan.rows_by_length:
         key_valid = jnp.arange(plan.fwd.s)[None, :] < seq_kv[:, None]
         dk = jnp.where(key_valid[:, :, None, None], dk, zero(dk))
@@ -313,19 +350,19 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
         row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
         p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - stats)  # [B, N, T]
         if valid is not None:
-            p_sink = jnp.where(valid[:, None, :], p_sink, 0.0)
+            p_sink = jnp.where(_head_major(valid), p_sink, 0.0)
         dsinks = -jnp.einsum("btn,bnt->n", row, p_sink).astype(sinks.dtype)
     if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
         # Gradients flowing into lse: cuDNN's backward has no input for them; differentiate a reference lse.
         diff = (q, k, v, bias, sinks)
-        lse_reference, vjp = jax.vjp(lambda *a: _lse_reference(plan, *a, seq_q, seq_kv), *diff)
+        lse_reference, vjp = jax.vjp(lambda *a: _lse_reference(plan, *a, seq_q, seq_kv, args), *diff)
         extra = vjp(varying.match(d_lse.astype(jnp.float32), lse_reference))
         dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
         if bias is not None:
             dbias = dbias + extra[3].astype(dbias.dtype)
         if sinks is not None:
             dsinks = dsinks + extra[4].astype(dsinks.dtype)
-    return dq, dk, dv, dbias, dsinks, None, None, None
+    return dq, dk, dv, dbias, dsinks, None, None, None, jax.tree.map(lambda _: None, args)
 
 
 _sdpa.defvjp(_sdpa_fwd, _sdpa_bwd, symbolic_zeros=True)
@@ -339,8 +376,14 @@ That is cuDNN behaviour its documentation does not promise: True is the fallback
 those zeros (the probe, and the GPU tests' exact-zero checks, would show it)."""
 
 
-def make_plan(config: AttentionConfig, b: int, t: int, bias_shape: tuple[int, int] | None) -> Plan:
-    """The graphs for a `[b, t, N, H]` problem (`t` after any bottom-right slicing) of `config`."""
+def make_plan(
+    config: AttentionConfig, b: int, t: int, bias_shape: tuple[int, int] | None, *, bias_grad: bool = True
+) -> Plan:
+    """The graphs for a `[b, t, N, H]` problem (`t` after any bottom-right slicing) of `config`.
+
+    With a score modifier (`modifier.uses_modifier`) causal, window and bottom-right alignment live in the modifier
+    and key padding in the bias (`bias_shape` must then include it), so the graphs have no built-in mask.
+    """
     s = config.kv_len
     padded = config.has_q_lengths or config.has_kv_lengths
     left = None if config.window is None else config.window[0]
@@ -348,6 +391,12 @@ def make_plan(config: AttentionConfig, b: int, t: int, bias_shape: tuple[int, in
     bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
     if bottom_right and t == s and not padded:
         bottom_right = False
+    score_modifier = None
+    if modifier_lib.uses_modifier(config):
+        offset = s - t if config.diagonal_alignment == "bottom_right" else 0
+        score_modifier = modifier_lib.build(config, offset, t, s)
+        left = right = None
+        bottom_right = padded = False
     common = dict(
         dtype=np.dtype(config.dtype).name,
         b=b, t=t, s=s, n=config.num_q_heads, k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim,
@@ -361,13 +410,22 @@ def make_plan(config: AttentionConfig, b: int, t: int, bias_shape: tuple[int, in
         dropout=float(config.dropout_rate),
         sinks=config.has_sinks,
         memset_rows=MEMSET_ROWS,  # read with `rows_by_length` only
+        modifier=score_modifier,
+        bias_grad=bias_grad,
     )
     fwd = GraphSpec(direction="fwd", **common)
     bwd = GraphSpec(direction="bwd", deterministic=config.deterministic_backward, **common)
+    detect = score_modifier is not None or config.has_mask
     inference = None
-    if not config.return_residual and config.dropout_rate == 0:
+    if not config.return_residual and config.dropout_rate == 0 and not detect:
         inference = dataclasses.replace(fwd, stats=False)
-    return Plan(fwd, bwd, left, right, bottom_right, _static_rows_valid(fwd, left, right, bottom_right), inference)
+    all_valid = _static_rows_valid(fwd, left, right, bottom_right) and not detect
+    if detect and (config.has_q_lengths or config.has_kv_lengths):
+        all_valid = False
+    return Plan(
+        fwd, bwd, left, right, bottom_right, all_valid, inference, detect_masked=detect,
+        masked_below=modifier_lib.masked_below(config.dtype),
+    )
 
 
 def _bias_rank4(bias: jax.Array, batch_shape: tuple[int, ...], n: int, t: int, s: int, dtype: Any) -> jax.Array:
@@ -380,6 +438,36 @@ def _bias_rank4(bias: jax.Array, batch_shape: tuple[int, ...], n: int, t: int, s
         x = jnp.reshape(jnp.broadcast_to(x, batch_shape + x.shape[nb:]), (-1,) + x.shape[nb:])
     heads = n if x.shape[1] != 1 else 1
     return jnp.broadcast_to(x, (x.shape[0], heads, t, s)).astype(dtype)
+
+
+def _mask_bias(config, inputs, B, N, t, S, skip, seq_kv, dtype) -> jax.Array | None:
+    """The additive bias `[B|1, N|1, t, S]` (0 = kept, `modifier.mask_bias_value` = masked) that carries a boolean
+    `mask` and, in a graph with a score modifier, key padding; None when there is neither."""
+    masked = modifier_lib.mask_bias_value(dtype)
+    keep = None
+    if inputs.mask is not None:
+        keep = _bias_rank4(inputs.mask, config.batch_shape, N, config.q_len, S, jnp.bool_)[:, :, skip:, :]
+    if modifier_lib.uses_modifier(config) and seq_kv is not None:
+        keys = (jnp.arange(S, dtype=jnp.int32)[None, :] < seq_kv[:, None])[:, None, None, :]
+        keep = keys if keep is None else keep & keys
+    if keep is None:
+        return None
+    keep = jnp.broadcast_to(keep, keep.shape[:2] + (t, S))
+    return jnp.where(keep, jnp.zeros((), dtype), jnp.asarray(masked, dtype))
+
+
+def _modifier_args(config, inputs, t, S, skip) -> tuple[jax.Array, ...]:
+    """`score_mod_args` as float32 `[1, N|1, t|1, S|1]` tensors (the graph's `arg_dims`)."""
+    if config.modifiers is None:
+        return ()
+    args = []
+    for x, dims in zip(inputs.score_mod_args, modifier_lib.arg_dims(config, t, S), strict=True):
+        x = jnp.asarray(x)
+        x = jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape) if x.ndim < 4 else jnp.reshape(x, (1,) + x.shape[-3:])
+        if x.shape[2] != 1:
+            x = x[:, :, skip:, :]
+        args.append(jnp.broadcast_to(x, dims).astype(jnp.float32))
+    return tuple(args)
 
 
 def attention(
@@ -421,21 +509,29 @@ def attention(
         seq_q = jnp.minimum(full(inputs.query_seq_lengths, T), T)
         seq_kv = jnp.minimum(full(inputs.key_value_seq_lengths, S), S)
 
-    # Bottom-right with more queries than keys: the first T - S queries see nothing (policy guarantees it).
+    # Bottom-right with more queries than keys: the first T - S queries see nothing (a causal mask or a window
+    # with right <= 0; policy guarantees it for graphs without a modifier).
+    right = support.effective_right(config)
     skip = T - S if (config.diagonal_alignment == "bottom_right" and T > S and not padded
-                     and (config.is_causal or config.window is not None)) else 0
+                     and right is not None and right <= 0) else 0
     t = T - skip
     bias = None
     if inputs.bias is not None:
         bias = _bias_rank4(inputs.bias, config.batch_shape, N, T, S, dtype)[:, :, skip:, :]
+    masks = _mask_bias(config, inputs, B, N, t, S, skip, seq_kv, dtype)
+    bias_grad = bias is not None
+    if masks is not None:
+        bias = masks if bias is None else bias + masks
+    args = _modifier_args(config, inputs, t, S, skip)
     seeds = None
     if config.dropout_rate > 0:
         seeds = jax.lax.bitcast_convert_type(dropout_lib.dropout_seeds(inputs.dropout_key), jnp.int32)
 
-    plan = make_plan(config, B, t, None if bias is None else (bias.shape[0], bias.shape[1]))
+    bias_shape = None if bias is None else (bias.shape[0], bias.shape[1])
+    plan = make_plan(config, B, t, bias_shape, bias_grad=bias_grad)
     # Inside shard_map: differentiable inputs vary like the rest, so custom_vjp cotangent types match.
     q, k, v, bias, sinks = varying.like_inputs((q, k, v, bias, sinks), (q, k, v, bias, sinks, seq_q, seq_kv, seeds))
-    out, lse = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds)
+    out, lse = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds, args)
     if skip:
         out = jnp.concatenate([jnp.zeros((B, skip) + out.shape[2:], out.dtype), out], axis=1)
         head = jnp.full((B, skip, N), -jnp.inf, jnp.float32) if sinks is None else jnp.broadcast_to(sinks, (B, skip, N))

@@ -47,6 +47,7 @@ import numpy as np
 from ... import ffi
 from . import support
 from .cache import GraphEntry
+from .modifier import ScoreModifier
 
 
 logger = logging.getLogger("attnlib")
@@ -90,6 +91,10 @@ class Uid(enum.IntEnum):
     SINK = 23
 
 
+MODIFIER_ARG_UID = 100
+"""`score_mod_args` tensor `i` of a graph with a score modifier has uid `MODIFIER_ARG_UID + i`."""
+
+
 RAGGED_OFFSETS = {Uid.Q: Uid.OFF_Q, Uid.DQ: Uid.OFF_Q, Uid.K: Uid.OFF_K, Uid.DK: Uid.OFF_K, Uid.V: Uid.OFF_V,
                   Uid.DV: Uid.OFF_V, Uid.O: Uid.OFF_O, Uid.DO: Uid.OFF_O, Uid.STATS: Uid.OFF_STATS}
 """The ragged offset tensor of each packed tensor (gradients share their primal's offsets; Stats only with
@@ -129,6 +134,11 @@ class GraphSpec:
         stats: the forward writes Stats (lse); False only for paged inference without `return_residual`.
         ragged_stats: ragged graphs: Stats are packed per query token, float32 `[Tq, N]` with their own ragged
             offsets (`Uid.OFF_STATS`, counted in elements: token * N), instead of padded `[b, N, t]`.
+        modifier: the score modifier (`modifier.py`): `score_mod`, soft cap and masks lowered into cuDNN's
+            `score_mod` / `score_mod_bprop` callbacks; its `score_mod_args` are float32 inputs
+            `MODIFIER_ARG_UID + i`. None = no modifier.
+        bias_grad: the backward writes dBias (False when the bias only carries masks: a boolean `mask` array or
+            key padding of a modifier graph).
         memset_rows: a dense padded top-left graph (`rows_by_length`) zeroes O, dQ, dK and dV with a memset before
             it runs (`zero_fill`; `attention.MEMSET_ROWS`, the fallback should cuDNN stop writing zeros past the
             lengths). Not part of the cuDNN graph itself. Ragged graphs never memset: `row_fill.set_rows` sets the
@@ -161,11 +171,15 @@ class GraphSpec:
     stats: bool = True
     ragged_stats: bool = False
     memset_rows: bool = False
+    modifier: ScoreModifier | None = None
+    bias_grad: bool = True
 
     @property
     def label(self) -> str:
         kind = "thd_" if self.ragged else "paged_" if self.pages else ""
         direction = self.direction if self.stats else "fwd_nostats"
+        if self.modifier is not None:
+            kind += "mod_"
         return f"sdpa_{kind}{direction}_b{self.b}_t{self.t}_s{self.s}_n{self.n}_k{self.k}_h{self.h}_hv{self.hv}"
 
     def in_uids(self) -> tuple[Uid, ...]:
@@ -186,12 +200,14 @@ class GraphSpec:
             uids += [Uid.SEED, Uid.OFFSET]
         if self.sinks:
             uids.append(Uid.SINK)
+        if self.modifier is not None:
+            uids += [MODIFIER_ARG_UID + i for i in range(len(self.modifier.arg_dims))]
         return tuple(uids)
 
     def out_uids(self) -> tuple[Uid, ...]:
         if self.direction == "fwd":
             return (Uid.O, Uid.STATS) if self.stats else (Uid.O,)
-        return (Uid.DQ, Uid.DK, Uid.DV) + ((Uid.DBIAS,) if self.bias_b else ())
+        return (Uid.DQ, Uid.DK, Uid.DV) + ((Uid.DBIAS,) if self.bias_b and self.bias_grad else ())
 
     @property
     def rows_by_length(self) -> bool:
@@ -215,6 +231,8 @@ class GraphSpec:
             tokens: ragged graphs: the packed `(Tq, Tkv)` token counts of this call (the graph does not fix them).
         """
         b, t, s, n, k, h, hv = self.b, self.t, self.s, self.n, self.k, self.h, self.hv
+        if self.modifier is not None and uid >= MODIFIER_ARG_UID:
+            return self.modifier.arg_dims[uid - MODIFIER_ARG_UID], "float32"
         if self.ragged:
             if tokens is None:
                 raise ValueError("ragged graphs need the packed token counts to shape their arrays")
@@ -262,6 +280,9 @@ def _layout(uid: Uid, spec: GraphSpec) -> tuple[list[int], list[int]]:
     def bthd(rows: int, heads: int, dim: int) -> tuple[list[int], list[int]]:
         return [b, heads, rows, dim], [rows * heads * dim, dim, heads * dim, 1]
 
+    if spec.modifier is not None and uid >= MODIFIER_ARG_UID:
+        dims = list(spec.modifier.arg_dims[uid - MODIFIER_ARG_UID])
+        return dims, [int(np.prod(dims[i + 1 :], dtype=np.int64)) for i in range(4)]
     if spec.pages and uid in (Uid.K, Uid.V):
         num_pages, page_size, _ = spec.pages
         dim = h if uid == Uid.K else hv
@@ -340,9 +361,43 @@ def graph_data_type(uid: Uid, spec: GraphSpec) -> str:
     """The cuDNN data type name of `uid` (ragged offsets are INT64 bound to int32 pairs)."""
     if uid in (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O, Uid.OFF_STATS):
         return "int64"
+    if spec.modifier is not None and uid >= MODIFIER_ARG_UID:
+        return "float32"
     if spec.ragged:
         return spec.shape(uid, (1, 1))[1]
     return spec.shape(uid)[1]
+
+
+def _modifier_callbacks(modifier: ScoreModifier, args: list[Any]) -> tuple[Any, Any]:
+    """cuDNN's `score_mod(graph, score)` and `score_mod_bprop(graph, d_score)` for `modifier`. Inside a backward
+    graph cuDNN calls the first (recomputing the forward) before the second, which may read the forward's tensors
+    through `store` (`score_mod_lowering.emit_backward`)."""
+    import cudnn
+
+    from . import score_mod_lowering as lowering
+
+    store: dict[Any, Any] = {}
+
+    def indices(graph: Any, like: Any) -> Any:
+        def make() -> list[Any]:
+            made = []
+            for axis in range(4):
+                index = graph.gen_index(input=like, axis=axis)
+                index.set_data_type(cudnn.data_type.INT32)
+                made.append(index)
+            return made
+
+        return make
+
+    def forward(graph: Any, score: Any) -> Any:
+        ops = lowering.CudnnOps(graph)
+        return lowering.emit_forward(ops, modifier.jaxpr, score, indices(graph, score), args, store)
+
+    def backward(graph: Any, d_score: Any) -> Any:
+        ops = lowering.CudnnOps(graph)
+        return lowering.emit_backward(ops, modifier.jaxpr, d_score, indices(graph, d_score), args, store)
+
+    return forward, backward
 
 
 def _define(spec: GraphSpec) -> Any:
@@ -367,7 +422,7 @@ def _define(spec: GraphSpec) -> Any:
             extra["ragged_offset"] = tensors[_ragged_offset(uid, spec)]
         tensors[uid] = graph.tensor(
             dim=dim, stride=stride, data_type=_data_type(cudnn, graph_data_type(uid, spec)), uid=int(uid),
-            name=uid.name, **extra,
+            name=getattr(uid, "name", f"ARG{int(uid)}"), **extra,
         )
 
     options: dict[str, Any] = {"attn_scale": float(spec.scale)}
@@ -395,6 +450,12 @@ def _define(spec: GraphSpec) -> Any:
         )
     if spec.ragged and spec.direction == "bwd" and spec.t_total:
         options.update(max_total_seq_len_q=int(spec.t_total), max_total_seq_len_kv=int(spec.s_total))
+    if spec.modifier is not None:
+        arg_tensors = [tensors[u] for u in spec.in_uids() if u >= MODIFIER_ARG_UID]
+        forward, backward = _modifier_callbacks(spec.modifier, arg_tensors)
+        options["score_mod"] = forward
+        if spec.direction == "bwd":
+            options["score_mod_bprop"] = backward
 
     def set_output(t: Any, uid: Uid) -> None:
         dim, stride = _layout(uid, spec)
@@ -412,7 +473,7 @@ def _define(spec: GraphSpec) -> Any:
         if spec.stats:
             set_output(stats, Uid.STATS)
     else:
-        if spec.bias_b:
+        if spec.bias_b and spec.bias_grad:
             dim, stride = _layout(Uid.DBIAS, spec)
             options["dBias"] = graph.tensor(dim=dim, stride=stride, data_type=io, uid=int(Uid.DBIAS), name="DBIAS")
         dq, dk, dv = graph.sdpa_backward(
@@ -422,7 +483,7 @@ def _define(spec: GraphSpec) -> Any:
         set_output(dq, Uid.DQ)
         set_output(dk, Uid.DK)
         set_output(dv, Uid.DV)
-        if spec.bias_b:
+        if spec.bias_b and spec.bias_grad:
             set_output(options["dBias"], Uid.DBIAS)
     graph.validate()
     graph.build_operation_graph()
@@ -592,9 +653,11 @@ def cache_key(spec: GraphSpec, device: "support.Device") -> dict[str, Any]:
     """Everything the serialized graph depends on."""
     import importlib.metadata
 
+    described = dataclasses.asdict(dataclasses.replace(spec, modifier=None))
+    described["modifier"] = None if spec.modifier is None else spec.modifier.key
     return {
-        "format": 3,
-        "spec": dataclasses.asdict(spec),
+        "format": 4,
+        "spec": described,
         "plan_selection": "autotuned" if autotune_enabled() else "heuristics",
         "cudnn": device.cudnn_version,
         "cudnn_frontend": importlib.metadata.version("nvidia-cudnn-frontend"),

@@ -15,6 +15,7 @@ import numpy as np
 
 from ... import ffi
 from ...config import AttentionConfig
+from . import modifier as modifier_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +137,16 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
                 f"length); got T={config.q_len}, pages_per_seq * page_size={config.kv_len}."
             )
         return None
+    if config.layout != "dense" or config.has_segments:
+        kind = "a paged key/value cache" if config.layout == "paged" else (
+            "THD (`cu_seqlens_q`)" if config.layout == "thd" else "packed rows (segment ids)")
+        if config.has_mask:
+            return f"cudnn: a boolean `mask` with {kind} is not supported."
+        if modifier_lib.uses_modifier(config):
+            return (
+                f"cudnn: `score_mod`/`mask_mod`/`logits_soft_cap` with {kind} is not supported (cuDNN 9.19 refuses "
+                "its padding mask together with a score modifier, and attnlib does not wire ragged modifier graphs)."
+            )
     if not is_ragged(config):
         return None
     what = "THD (`cu_seqlens_q`)" if config.layout == "thd" else "packed rows (`q_segment_ids`/`kv_segment_ids`)"
@@ -185,16 +196,6 @@ def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_ve
     layout_reason = _layout_reason(config, capability, cudnn_version)
     if layout_reason is not None:
         return layout_reason
-    if config.has_mask:
-        return (
-            "cudnn: a boolean `mask` is not supported; express padding with `query_seq_lengths`/"
-            "`key_value_seq_lengths`, causality with `is_causal`, or pass an additive `bias`."
-        )
-    if config.logits_soft_cap is not None:
-        return (
-            "cudnn: `logits_soft_cap` is not supported (cuDNN's score modifier excludes causal, window and padding "
-            "masks, and attnlib does not wire it yet)."
-        )
     dtype = np.dtype(config.dtype)
     if dtype not in (np.dtype("float16"), np.dtype("bfloat16")):
         return f"cudnn: dtype {dtype.name} is not supported; cuDNN fused attention runs float16 and bfloat16 only."
@@ -229,7 +230,8 @@ def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_ve
         return "cudnn: T = S = 1 is not supported by cuDNN's backward."
     if config.has_sinks and T == 1:
         return "cudnn: `sinks` with a single query (T = 1) are not supported by cuDNN."
-    if bottom_right:
+    with_modifier = modifier_lib.uses_modifier(config)
+    if bottom_right and not with_modifier:
         if T > S:
             if padded:
                 return (
@@ -244,18 +246,62 @@ def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_ve
                 )
         if T <= S or padded:
             # The graph keeps the bottom-right mask (T > S without lengths becomes a square top-left problem).
-            if config.has_bias:
-                return "cudnn: `diagonal_alignment='bottom_right'` with a `bias` is not supported by cuDNN."
+            if config.has_bias or config.has_mask:
+                return (
+                    "cudnn: `diagonal_alignment='bottom_right'` with a `bias` or a boolean `mask` (fed as a bias) "
+                    "is not supported by cuDNN."
+                )
             if config.dropout_rate > 0:
                 return "cudnn: `diagonal_alignment='bottom_right'` with dropout is not supported by cuDNN."
-    elif config.window is not None and T > S and not padded:
+    elif config.window is not None and T > S and not padded and not with_modifier:
         return f"cudnn: `local_window_size` with T > S (T={T}, S={S}) needs sequence lengths in cuDNN."
     if config.deterministic_backward and capability[0] >= 10:
         if cudnn_version < 91800:
             return f"cudnn: `deterministic_backward` on {sm} needs cuDNN 9.18 or newer."
         if config.has_bias or config.dropout_rate > 0:
             return f"cudnn: `deterministic_backward` with a bias or dropout is not supported on {sm}."
+    if with_modifier:
+        return _modifier_reason(config)
     return None
+
+
+def graph_rows(config: AttentionConfig) -> tuple[int, int]:
+    """`(t, offset)` of a dense call's graphs: the query rows after dropping bottom-right rows that see no key, and
+    the aligned position of row 0 (`q_idx = row + offset`)."""
+    T, S = config.q_len, config.kv_len
+    padded = config.has_q_lengths or config.has_kv_lengths
+    right = effective_right(config)
+    bottom_right = config.diagonal_alignment == "bottom_right"
+    skip = T - S if bottom_right and T > S and not padded and right is not None and right <= 0 else 0
+    t = T - skip
+    return t, (S - t if bottom_right else 0)
+
+
+def _modifier_reason(config: AttentionConfig) -> str | None:
+    """The limits of dense graphs with a score modifier (`modifier.py`)."""
+    padded = config.has_q_lengths or config.has_kv_lengths
+    if config.has_bias and modifier_lib.changes_scores(config):
+        return (
+            "cudnn: a `bias` together with `score_mod` or `logits_soft_cap` is not supported (cuDNN adds its bias "
+            "after the score modifier; attnlib's order is bias first)."
+        )
+    if padded and config.diagonal_alignment == "bottom_right":
+        return (
+            "cudnn: `diagonal_alignment='bottom_right'` with padding lengths and a score modifier is not supported "
+            "(per-sequence offsets inside cuDNN 9.19's score_mod give wrong results)."
+        )
+    mods = config.modifiers
+    if mods is not None:
+        for i, shape in enumerate(mods.arg_shapes):
+            batch_dims = tuple(shape[:-3])
+            if any(d != 1 for d in batch_dims):
+                return (
+                    f"cudnn: `score_mod_args[{i}]` has batch dims {batch_dims}; cuDNN 9.19 reads score_mod tensors "
+                    "with a batch dimension wrongly, so only arrays broadcast over the batch ([N|1, T|1, S|1]) are "
+                    "served."
+                )
+    t, offset = graph_rows(config)
+    return modifier_lib.lowering_reason(config, offset, t, config.kv_len)
 
 
 def decline_reason(config: AttentionConfig) -> str | None:
