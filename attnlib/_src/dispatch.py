@@ -10,7 +10,7 @@ from . import logs
 from .backends import xla, xla_chunked
 from .backends.base import Implementation
 from .backends.cudnn import IMPLEMENTATION as _CUDNN
-from .config import AttentionConfig, IMPLEMENTATIONS
+from .config import AttentionConfig, AttentionInputs, IMPLEMENTATIONS
 
 
 REGISTRY: dict[str, Implementation] = {
@@ -88,3 +88,24 @@ def choose(config: AttentionConfig, implementation: str | Sequence[str] | None) 
         level = logging.WARNING if name == "cudnn" and _has_gpu() else logging.INFO
         logs.log_once((config, message), level, message)
     return REGISTRY[explanation.implementation]
+
+
+def run(
+    config: AttentionConfig, inputs: AttentionInputs, implementation: str | Sequence[str] | None
+) -> tuple[jax.Array, jax.Array]:
+    """Choose and run. When the chosen implementation was one of several candidates and fails to build its kernel
+    (`GraphRejected`: cuDNN refused a graph the policy expected it to take), the next candidate runs, logged."""
+    from .backends.cudnn.graphs import GraphRejected
+
+    names, automatic = requested_implementations(implementation)
+    while True:
+        impl = choose(config, names if not automatic else None)
+        try:
+            return impl.attention(config, inputs)
+        except GraphRejected as e:
+            remaining = tuple(n for n in names if n != impl.name)
+            if not remaining or (not automatic and len(names) == 1):
+                raise
+            message = f"attnlib.attention: {impl.name} failed to build its kernel ({e}); using the next candidate."
+            logs.log_once((config, message), logging.WARNING, message)
+            names, automatic = remaining, False

@@ -58,6 +58,10 @@ MAX_AUTOTUNE_CANDIDATES = 4
 """How many of the heuristics' backend plans autotuning builds and times."""
 
 
+class GraphRejected(NotImplementedError):
+    """cuDNN refused to build a graph that attnlib's policy expected it to accept (its message says why)."""
+
+
 def autotune_enabled() -> bool:
     """Plan autotuning is on unless `ATTNLIB_CUDNN_AUTOTUNE` is `0`, `false`, `off` or `no`."""
     return os.environ.get("ATTNLIB_CUDNN_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -630,7 +634,7 @@ def build(spec: GraphSpec) -> GraphEntry:
         else:
             chosen, record = _choose(spec, built)
     except (cudnn.cudnnGraphNotSupportedError, RuntimeError, ValueError, NotImplementedError) as e:
-        raise NotImplementedError(f"cudnn: cuDNN rejected the {spec.direction} graph ({spec.label}): {e}") from e
+        raise GraphRejected(f"cudnn: cuDNN rejected the {spec.direction} graph ({spec.label}): {e}") from e
     entry = GraphEntry(
         blob=chosen.blob,
         workspace_bytes=chosen.workspace,

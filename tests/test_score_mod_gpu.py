@@ -1,0 +1,163 @@
+"""GPU tests of score modifiers on `implementation="cudnn"`: `score_mod`, `mask_mod`, `logits_soft_cap` and boolean
+`mask` arrays, forward and backward, against the `xla` implementation in float32 on the same rounded inputs (the
+convention and tolerances of `test_cudnn_gpu.py`; `xla` itself is checked against the float64 reference on the CPU
+in `test_score_mod.py`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_cudnn_gpu import _compare, _qkv, DTYPE_IDS, DTYPES
+
+
+pytestmark = pytest.mark.gpu
+
+
+def softcap20(score, batch, head, q_idx, kv_idx):
+    return 20.0 * jnp.tanh(score / 20.0)
+
+
+def alibi(score, batch, head, q_idx, kv_idx, slope):
+    return score - slope * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
+
+
+def head_sin(score, batch, head, q_idx, kv_idx):
+    return score + 0.5 * jnp.sin(0.7 * head.astype(jnp.float32) + 0.01 * q_idx.astype(jnp.float32))
+
+
+def prefix_lm(batch, head, q_idx, kv_idx):
+    return (kv_idx < 16) | (kv_idx <= q_idx)
+
+
+def sliding(batch, head, q_idx, kv_idx):
+    return (q_idx - kv_idx < 24) & (kv_idx <= q_idx)
+
+
+def document(batch, head, q_idx, kv_idx):
+    return q_idx // 32 == kv_idx // 32
+
+
+def late_rows(batch, head, q_idx, kv_idx):
+    return q_idx >= 20  # rows 0..19 see no key at all
+
+
+def slopes(n):
+    return (2.0 ** -(jnp.arange(n, dtype=jnp.float32) + 1)).reshape(n, 1, 1)
+
+
+N = 6
+# (id, T, S, N, K, H, Hv, kwargs)
+CASES = [
+    ("softcap_causal_gqa", 96, 96, N, 2, 64, 64, dict(logits_soft_cap=30.0, is_causal=True)),
+    ("softcap_full_odd", 77, 131, N, 2, 64, 64, dict(logits_soft_cap=5.0)),
+    ("softcap_window", 128, 128, N, 3, 64, 64, dict(logits_soft_cap=30.0, local_window_size=(17, 5))),
+    ("softcap_bottom_right_t_lt_s", 48, 160, N, 2, 64, 64,
+     dict(logits_soft_cap=30.0, is_causal=True, diagonal_alignment="bottom_right")),
+    ("softcap_bottom_right_t_gt_s", 160, 48, N, 2, 64, 64,
+     dict(logits_soft_cap=30.0, is_causal=True, diagonal_alignment="bottom_right")),
+    ("softcap_sinks", 96, 112, N, 2, 64, 64, dict(logits_soft_cap=30.0, is_causal=True, sinks="random")),
+    ("softcap_mla", 96, 96, 4, 4, 192, 128, dict(logits_soft_cap=30.0, is_causal=True)),
+    ("softcap_padding", 128, 128, N, 2, 64, 64,
+     dict(logits_soft_cap=30.0, is_causal=True, query_seq_lengths=[100, 37], key_value_seq_lengths=[120, 5])),
+    ("softcap_empty_sequence", 64, 64, N, 2, 64, 64,
+     dict(logits_soft_cap=30.0, query_seq_lengths=[64, 50], key_value_seq_lengths=[0, 33])),
+    ("score_mod_softcap", 96, 96, N, 2, 64, 64, dict(score_mod=softcap20, is_causal=True)),
+    ("alibi_args_causal", 96, 120, N, 2, 64, 64,
+     dict(score_mod=alibi, score_mod_args="slopes", is_causal=True)),
+    ("head_sin", 80, 80, N, 2, 64, 64, dict(score_mod=head_sin)),
+    ("prefix_lm", 96, 96, N, 2, 64, 64, dict(mask_mod=prefix_lm)),
+    ("sliding_as_mask_mod", 128, 128, N, 2, 64, 64, dict(mask_mod=sliding)),
+    ("document", 128, 128, N, 2, 64, 64, dict(mask_mod=document)),
+    ("fully_masked_rows", 64, 64, N, 2, 64, 64, dict(mask_mod=late_rows)),
+    ("fully_masked_rows_sinks", 64, 64, N, 2, 64, 64, dict(mask_mod=late_rows, sinks="random")),
+    ("mask_mod_softcap_causal_window", 128, 128, N, 2, 64, 64,
+     dict(mask_mod=document, logits_soft_cap=30.0, is_causal=True, local_window_size=(40, 0))),
+    ("mask_mod_with_bias", 96, 96, N, 2, 64, 64, dict(mask_mod=prefix_lm, bias="random")),
+    ("bottom_right_mask_mod", 48, 160, N, 2, 64, 64, dict(mask_mod=sliding, diagonal_alignment="bottom_right")),
+]
+
+
+def _materialize(kw, n, t, s, dtype, seed):
+    kw = dict(kw)
+    key = jax.random.key(seed + 7)
+    if kw.get("sinks") == "random":
+        kw["sinks"] = jax.random.normal(key, (n,), jnp.float32)
+    if kw.get("bias") == "random":
+        kw["bias"] = (0.5 * jax.random.normal(key, (2, n, t, s), jnp.float32)).astype(dtype)
+    if kw.get("score_mod_args") == "slopes":
+        kw["score_mod_args"] = (slopes(n),)
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
+        if name in kw:
+            kw[name] = jnp.asarray(kw[name], jnp.int32)
+    return kw
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_modifier_matches_reference(case, dtype):
+    name, t, s, n, kh, h, hv, kw = case
+    q, k, v = _qkv(11, (2,), t, s, n, kh, h, hv, dtype)
+    kw = _materialize(kw, n, t, s, dtype, 11)
+    out, lse, grads = _compare(q, k, v, kw, dtype=dtype, lse_grad=True)
+    if name.startswith("fully_masked_rows"):
+        assert np.all(np.asarray(out[:, :20], np.float32) == 0)
+        assert np.all(np.asarray(grads[0][:, :20], np.float32) == 0)
+        if "sinks" not in kw:
+            assert np.all(np.isneginf(np.asarray(lse[:, :20])))
+
+
+MASK_CASES = [
+    ("random", dict()),
+    ("random_causal", dict(is_causal=True)),
+    ("random_padding", dict(query_seq_lengths=[90, 41], key_value_seq_lengths=[100, 60])),
+    ("random_bias", dict(bias="random")),
+    ("random_softcap", dict(logits_soft_cap=20.0, is_causal=True)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", MASK_CASES, ids=[c[0] for c in MASK_CASES])
+def test_boolean_mask_array(case, dtype):
+    name, kw = case
+    t, s, n, kh = 100, 112, N, 2
+    q, k, v = _qkv(12, (2,), t, s, n, kh, 64, 64, dtype)
+    kw = _materialize(kw, n, t, s, dtype, 12)
+    mask = jax.random.bernoulli(jax.random.key(5), 0.7, (2, 1, t, s))
+    mask = mask.at[:, :, 3].set(False)  # a fully masked row
+    kw["mask"] = mask
+    kw_bias = kw.pop("bias", None)
+    if kw_bias is not None:
+        kw["bias"] = kw_bias
+    out, lse, grads = _compare(q, k, v, kw, dtype=dtype, lse_grad=True)
+    assert np.all(np.asarray(out[:, 3], np.float32) == 0)
+    assert np.all(np.isneginf(np.asarray(lse[:, 3])))
+    assert np.all(np.asarray(grads[0][:, 3], np.float32) == 0)
+
+
+def test_explicit_cudnn_names_the_unsupported_op():
+    import attnlib
+
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="exp"):
+        attnlib.attention(q, q, q, score_mod=lambda s, b, h, i, j: jnp.exp(s) * 0.1, implementation="cudnn")
+    reason = attnlib.explain(q, q, q, score_mod=lambda s, b, h, i, j: jnp.exp(s) * 0.1).declined["cudnn"]
+    assert "exp" in reason
+
+
+def test_score_mod_args_gradient_is_refused_not_zero():
+    import attnlib
+
+    q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+    f = lambda sl: jnp.sum(attnlib.attention(q, q, q, score_mod=alibi, score_mod_args=(sl,), implementation="cudnn"))
+    with pytest.raises(NotImplementedError, match="score_mod_args"):
+        jax.grad(f)(slopes(2))
+
+
+def test_automatic_dispatch_serves_softcap_on_cudnn():
+    import attnlib
+
+    q = jnp.zeros((2, 256, 8, 64), jnp.bfloat16)
+    explanation = attnlib.explain(q, q, q, is_causal=True, logits_soft_cap=50.0)
+    assert explanation.implementation == "cudnn", str(explanation)
