@@ -145,7 +145,8 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
         if modifier_lib.uses_modifier(config):
             return (
                 f"cudnn: `score_mod`/`mask_mod`/`logits_soft_cap` with {kind} is not supported (cuDNN 9.19 refuses "
-                "its padding mask together with a score modifier, and attnlib does not wire ragged modifier graphs)."
+                "its padding mask together with a score modifier; without it a packed graph would write each "
+                "sequence's rows over the next one's)."
             )
     if not is_ragged(config):
         return None
