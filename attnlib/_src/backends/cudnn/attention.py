@@ -400,7 +400,7 @@ def make_plan(
     common = dict(
         dtype=np.dtype(config.dtype).name,
         b=b, t=t, s=s, n=config.num_q_heads, k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim,
-        scale=float(config.scale),
+        scale=float(modifier_lib.folded_scale(config)),
         alignment="bottom_right" if bottom_right else "top_left",
         left_bound=None if left is None else left + 1,
         right_bound=right,

@@ -47,7 +47,17 @@ def uses_modifier(config: AttentionConfig) -> bool:
 
 def changes_scores(config: AttentionConfig) -> bool:
     """Whether the modifier changes scores (not only masks them): then a `bias` would have to enter before it."""
-    return config.logits_soft_cap is not None or (config.modifiers is not None and config.modifiers.score_mod is not None)
+    has_score_mod = config.modifiers is not None and config.modifiers.score_mod is not None
+    return config.logits_soft_cap is not None or has_score_mod
+
+
+def folded_scale(config: AttentionConfig) -> float:
+    """The graph's `attn_scale`. A soft cap without a `score_mod` folds its `1/c` into it, so the modifier is
+    `c * tanh(x)` on scores cuDNN already scaled (one multiply per score fewer)."""
+    has_score_mod = config.modifiers is not None and config.modifiers.score_mod is not None
+    if config.logits_soft_cap is not None and not has_score_mod:
+        return config.scale / config.logits_soft_cap
+    return config.scale
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -55,7 +65,8 @@ class ScoreModifier:
     """The composed modifier of one graph.
 
     Attributes:
-        jaxpr: closed jaxpr of `(score f32, batch i32, head i32, row i32, col i32, *args) -> f32`.
+        jaxpr: closed jaxpr of `(score f32, batch i32, head i32, row i32, col i32, *args) -> f32`; `score` is
+            cuDNN's scaled score (`folded_scale`).
         function: the composed Python function (for the plain-JAX reference of `lse` gradients).
         arg_dims: rank-4 dims `[1, N|1, t|1, s|1]` of each `score_mod_args` tensor as the graph binds it.
         key: a structural description: equal keys give identical graphs, in every process.
@@ -90,7 +101,7 @@ def _compose(config: AttentionConfig, offset: int) -> Callable[..., jax.Array]:
         if score_mod is not None:
             s = jnp.asarray(score_mod(s, batch, head, q_idx, kv_idx, *args)).astype(jnp.float32)
         if cap is not None:
-            s = cap * jnp.tanh(s / cap)
+            s = cap * jnp.tanh(s / cap if score_mod is not None else s)  # else 1/cap is in the graph's scale
         if not masked:
             return s
         keep = jnp.asarray(True)
