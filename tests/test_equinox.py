@@ -21,6 +21,7 @@ from helpers import assert_grad_close, assert_out_close, normal
 from layers_reference import reference_mha
 from reference import reference_attention, reference_attention_vjp
 
+import attnlib
 import attnlib.equinox as aeqx
 
 
@@ -82,7 +83,7 @@ def test_fields_and_call_signature_match_equinox():
     ours = aeqx.MultiheadAttention(6, 18, key=jr.key(0))
     theirs = eqx.nn.MultiheadAttention(6, 18, key=jr.key(0))
     extras = ["sinks", "num_kv_heads", "is_causal", "local_window_size", "softmax_type", "logits_soft_cap",
-              "implementation"]  # fmt: skip
+              "score_mod", "mask_mod", "implementation"]  # fmt: skip
     our_fields = [f.name for f in dataclasses.fields(ours)]
     assert [f for f in our_fields if f not in extras] == [f.name for f in dataclasses.fields(theirs)]
     assert set(our_fields) - {f.name for f in dataclasses.fields(theirs)} == set(extras)
@@ -91,8 +92,11 @@ def test_fields_and_call_signature_match_equinox():
     assert init_ours[: len(init_theirs) - 1] == init_theirs[:-1] and init_ours[-1] == init_theirs[-1] == "key"
     call_ours = inspect.signature(aeqx.MultiheadAttention.__call__).parameters
     call_theirs = inspect.signature(eqx.nn.MultiheadAttention.__call__).parameters
-    assert list(call_ours) == list(call_theirs)
-    assert [p.kind for p in call_ours.values()] == [p.kind for p in call_theirs.values()]
+    # Equinox's arguments, in order, with the same kinds and defaults; then attnlib's keyword-only extras
+    assert list(call_ours)[: len(call_theirs)] == list(call_theirs)
+    assert all(call_ours[n].kind == p.kind and call_ours[n].default == p.default for n, p in call_theirs.items())
+    assert list(call_ours)[len(call_theirs) :] == ["score_mod_args"]
+    assert call_ours["score_mod_args"].kind == inspect.Parameter.KEYWORD_ONLY
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -365,6 +369,177 @@ def test_dot_product_attention_checks_the_head_count():
     q = jnp.zeros((T, 4, 5))
     with pytest.raises(ValueError, match=re.escape("`query` must have num_heads=6 heads") + ".*" + re.escape("(7, 4, 5)")):
         core(q, q, q)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# score_mod / mask_mod (flex attention): static callables in the layer, `score_mod_args` traced per call
+
+CAP = 2.5
+
+
+def _softcap(score, batch, head, q_idx, kv_idx):
+    return CAP * jnp.tanh(score / CAP)
+
+
+def _alibi(score, batch, head, q_idx, kv_idx, slope):
+    return score + slope * (kv_idx - q_idx).astype(jnp.float32)
+
+
+def _prefix_lm(batch, head, q_idx, kv_idx, *args):  # `*args`: it also receives every score_mod_args
+    return (kv_idx <= q_idx) | (kv_idx < 3)
+
+
+def _slopes(n):
+    return jnp.asarray(2.0 ** (-8.0 * np.arange(1, n + 1) / n), F32)
+
+
+def test_modifiers_are_static_fields():
+    plain = aeqx.MultiheadAttention(6, 18, key=jr.key(0))
+    modded = aeqx.MultiheadAttention(6, 18, score_mod=_alibi, mask_mod=_prefix_lm, key=jr.key(0))
+    assert (modded.score_mod, modded.mask_mod) == (_alibi, _prefix_lm)
+    # no new leaves: the functions live in the treedef, the weights are unchanged
+    assert len(jax.tree.leaves(modded)) == len(jax.tree.leaves(plain))
+    for a, e in zip(jax.tree.leaves(modded), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(a, e)
+    again = aeqx.MultiheadAttention(6, 18, score_mod=_alibi, mask_mod=_prefix_lm, key=jr.key(1))
+    assert jax.tree.structure(again) == jax.tree.structure(modded) != jax.tree.structure(plain)
+    core = aeqx.DotProductAttention(score_mod=_softcap, mask_mod=_prefix_lm)
+    assert jax.tree.leaves(core) == jax.tree.leaves(aeqx.DotProductAttention())
+    assert (core.score_mod, core.mask_mod) == (_softcap, _prefix_lm)
+
+
+def test_score_mod_softcap_equals_logits_soft_cap():
+    r = np.random.default_rng(0)
+    xq, xk = normal(r, (T, 18), scale=3.0), normal(r, (S, 18), scale=3.0)  # large logits: the cap matters
+    capped = aeqx.MultiheadAttention(6, 18, num_kv_heads=2, logits_soft_cap=CAP, implementation="xla", key=jr.key(0))
+    modded = aeqx.MultiheadAttention(6, 18, num_kv_heads=2, score_mod=_softcap, implementation="xla", key=jr.key(0))
+    uncapped = aeqx.MultiheadAttention(6, 18, num_kv_heads=2, implementation="xla", key=jr.key(0))
+    d_y = normal(r, (T, 18))
+    y_cap, g_cap, dx_cap = _value_and_grads(capped, d_y, xq, xk, xk)
+    y_mod, g_mod, dx_mod = _value_and_grads(modded, d_y, xq, xk, xk)
+    assert_out_close(y_mod, y_cap, F32)
+    assert np.abs(np.asarray(uncapped(xq, xk, xk) - y_cap)).max() > 1e-2  # the cap changed the output
+    for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(g_mod), jax.tree.leaves(g_cap), strict=True):
+        assert_grad_close(a, e, F32, what=jax.tree_util.keystr(path))
+    for a, e, what in zip(dx_mod, dx_cap, ("d query", "d key_", "d value"), strict=True):
+        assert_grad_close(a, e, F32, what=what)
+
+    # the core, batched, with the soft cap as a score_mod vs the built-in
+    q, k, v = normal(r, (2, T, 6, 5), scale=3.0), normal(r, (2, S, 2, 5), scale=3.0), normal(r, (2, S, 2, 3))
+    core_cap = aeqx.DotProductAttention(is_causal=True, logits_soft_cap=CAP, implementation="xla")
+    core_mod = aeqx.DotProductAttention(is_causal=True, score_mod=_softcap, implementation="xla")
+    out_mod, lse_mod = core_mod(q, k, v, return_residual=True)
+    out_cap, lse_cap = core_cap(q, k, v, return_residual=True)
+    assert_out_close(out_mod, out_cap, F32)
+    assert_out_close(lse_mod, lse_cap, F32, what="lse")
+
+
+def test_alibi_score_mod_with_args_equals_the_core_attention_call():
+    r = np.random.default_rng(1)
+    layer = aeqx.MultiheadAttention(
+        6, 18, use_query_bias=True, use_output_bias=True, num_kv_heads=2, is_causal=True, score_mod=_alibi,
+        implementation="xla", key=jr.key(0),
+    )  # fmt: skip
+    xq, xk = normal(r, (T, 18)), normal(r, (S, 18))
+    slopes = _slopes(6)[:, None, None]  # [N, 1, 1]: broadcast to [N, T, S]
+    y = layer(xq, xk, xk, score_mod_args=(slopes,))
+
+    q = jax.vmap(layer.query_proj)(xq).reshape(T, 6, 3)
+    k = jax.vmap(layer.key_proj)(xk).reshape(S, 2, 3)
+    v = jax.vmap(layer.value_proj)(xk).reshape(S, 2, 3)
+    attn = attnlib.attention(q, k, v, is_causal=True, score_mod=_alibi, score_mod_args=(slopes,), implementation="xla")
+    expected = jax.vmap(layer.output_proj)(attn.reshape(T, 18))
+    assert_out_close(y, expected, F32)
+
+    # ... which is ALiBi as an explicit bias
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    bias = np.asarray(slopes) * (j - i).astype(np.float32)  # [N, T, S]
+    attn_bias = attnlib.attention(q, k, v, jnp.asarray(bias), is_causal=True, implementation="xla")
+    assert_out_close(y, jax.vmap(layer.output_proj)(attn_bias.reshape(T, 18)), F32, what="vs bias")
+    # different slopes, same layer: the arguments are traced inputs, not part of the layer
+    assert np.abs(np.asarray(layer(xq, xk, xk, score_mod_args=(2 * slopes,)) - y)).max() > 1e-3
+
+
+def test_prefix_lm_mask_mod_equals_the_boolean_mask():
+    r = np.random.default_rng(2)
+    xq, xk = normal(r, (T, 18)), normal(r, (S, 18))
+    plain = aeqx.MultiheadAttention(6, 18, implementation="xla", key=jr.key(0))
+    modded = aeqx.MultiheadAttention(6, 18, mask_mod=_prefix_lm, implementation="xla", key=jr.key(0))
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    mask = jnp.asarray((j <= i) | (j < 3))
+    assert_out_close(modded(xq, xk, xk), plain(xq, xk, xk, mask=mask), F32)
+    # ANDed with a call's mask and the built-in masks
+    extra = _mask(r, (T, S))
+    assert_out_close(modded(xq, xk, xk, mask=extra), plain(xq, xk, xk, mask=mask & extra), F32, what="and mask")
+    causal = aeqx.MultiheadAttention(6, 18, is_causal=True, mask_mod=_prefix_lm, implementation="xla", key=jr.key(0))
+    assert_out_close(causal(xq, xk, xk), plain(xq, xk, xk, mask=jnp.asarray(j <= i)), F32, what="and causal")
+
+    # the core with per-example document ids through score_mod_args: [B, 1, T, 1] and [B, 1, 1, S]
+    def same_document(batch, head, q_idx, kv_idx, q_doc, kv_doc):
+        return q_doc == kv_doc
+
+    q, k, v = normal(r, (2, T, 6, 5)), normal(r, (2, T, 2, 5)), normal(r, (2, T, 2, 3))
+    docs = jnp.asarray([[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 2, 2]], jnp.int32)
+    core = aeqx.DotProductAttention(is_causal=True, mask_mod=same_document, implementation="xla")
+    out = core(q, k, v, score_mod_args=(docs[:, None, :, None], docs[:, None, None, :]))
+    mask = (docs[:, None, :, None] == docs[:, None, None, :])  # [B, 1, T, T]
+    expected = aeqx.DotProductAttention(is_causal=True, implementation="xla")(q, k, v, mask=mask)
+    assert_out_close(out, expected, F32, what="document mask")
+
+
+def test_modifiers_under_jit_vmap_and_grad():
+    r = np.random.default_rng(3)
+    layer = aeqx.MultiheadAttention(
+        6, 18, num_kv_heads=2, score_mod=_alibi, mask_mod=_prefix_lm, implementation="xla", key=jr.key(0)
+    )
+    xb = normal(r, (3, T, 18))
+    slopes = _slopes(6)[:, None, None]
+    eager = jnp.stack([layer(x, x, x, score_mod_args=(slopes,)) for x in xb])
+    run = eqx.filter_jit(lambda m, xb, s: jax.vmap(lambda x: m(x, x, x, score_mod_args=(s,)))(xb))
+    assert_out_close(run(layer, xb, slopes), eager, F32)
+
+    # gradients with respect to the weights and to the traced slopes, against the same layer with an explicit bias
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    offsets = jnp.asarray((j - i).astype(np.float32))[None]  # [1, T, T]
+    mask = jnp.asarray((j <= i) | (j < 3))
+    plain = aeqx.MultiheadAttention(6, 18, num_kv_heads=2, implementation="xla", key=jr.key(0))
+
+    def loss_mod(m, s):
+        return jnp.mean(jax.vmap(lambda x: m(x, x, x, score_mod_args=(s,)))(xb) ** 2)
+
+    def loss_bias(m, s):
+        q = jax.vmap(jax.vmap(m.query_proj))(xb).reshape(3, T, 6, 3)
+        k = jax.vmap(jax.vmap(m.key_proj))(xb).reshape(3, T, 2, 3)
+        v = jax.vmap(jax.vmap(m.value_proj))(xb).reshape(3, T, 2, 3)
+        attn = attnlib.attention(q, k, v, s * offsets, mask, implementation="xla")
+        return jnp.mean(jax.vmap(jax.vmap(m.output_proj))(attn.reshape(3, T, 18)) ** 2)
+
+    g_mod = eqx.filter_jit(eqx.filter_grad(loss_mod))(layer, slopes)
+    g_bias = eqx.filter_jit(eqx.filter_grad(loss_bias))(plain, slopes)
+    for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(g_mod), jax.tree.leaves(g_bias), strict=True):
+        assert_grad_close(a, e, F32, what=jax.tree_util.keystr(path))
+    d_slopes_mod = eqx.filter_jit(jax.grad(loss_mod, argnums=1))(layer, slopes)
+    d_slopes_bias = eqx.filter_jit(jax.grad(loss_bias, argnums=1))(plain, slopes)
+    assert d_slopes_mod.shape == (6, 1, 1) and np.abs(np.asarray(d_slopes_bias)).min() > 0
+    assert_grad_close(d_slopes_mod, d_slopes_bias, F32, what="d slopes")
+
+
+@pytest.mark.parametrize("cls", ["MultiheadAttention", "DotProductAttention"])
+@pytest.mark.parametrize("name", ["score_mod", "mask_mod"])
+def test_non_callable_modifier_is_a_type_error(cls, name):
+    make = (lambda **kw: aeqx.MultiheadAttention(6, 18, **kw, key=jr.key(0))) if cls == "MultiheadAttention" else (
+        lambda **kw: aeqx.DotProductAttention(**kw)
+    )
+    with pytest.raises(TypeError, match=re.escape(f"`{name}` must be None or a function `{name}(") + ".*"
+                       + re.escape(f"Got {name}=3.0.")):  # fmt: skip
+        make(**{name: 3.0})
+
+
+def test_score_mod_args_without_a_modifier_is_an_error():
+    layer = aeqx.MultiheadAttention(6, 18, implementation="xla", key=jr.key(0))
+    x = jnp.zeros((T, 18))
+    with pytest.raises(ValueError, match=re.escape("`score_mod_args` are the extra arguments of `score_mod`")):
+        layer(x, x, x, score_mod_args=(jnp.ones((6, 1, 1)),))
 
 
 # ------------------------------------------------------------------------------------------------------------------

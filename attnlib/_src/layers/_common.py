@@ -6,7 +6,7 @@ Imports neither framework. Messages follow attnlib's style: the argument in back
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -101,6 +101,18 @@ def diagonal_alignment(value: Any) -> str:
         raise ValueError(
             f"`diagonal_alignment` must be 'top_left' or 'bottom_right'. Got diagonal_alignment={value!r}."
         )
+    return value
+
+
+def modifier(name: str, value: Any) -> Callable | None:
+    """`score_mod` / `mask_mod`: None or a callable (kept as given: it is static, part of the layer's structure)."""
+    if value is not None and not callable(value):
+        signature = (
+            "score_mod(score, batch, head, q_idx, kv_idx, *args)"
+            if name == "score_mod"
+            else "mask_mod(batch, head, q_idx, kv_idx, *args)"
+        )
+        raise TypeError(f"`{name}` must be None or a function `{signature}`. Got {name}={value!r}.")
     return value
 
 

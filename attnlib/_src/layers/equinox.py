@@ -72,7 +72,8 @@ class MultiheadAttention(eqx.Module):
 
     Extras, all keyword-only: `num_kv_heads` (grouped-query attention), `is_causal`, `local_window_size`,
     `softmax_type` (`"vanilla"`, `"off_by_one"`, `"learnable"` with a trainable per-head `sinks` field),
-    `logits_soft_cap` and `implementation`.
+    `logits_soft_cap`, `score_mod` / `mask_mod` (custom scores and masks, static fields; their array arguments
+    are the call's `score_mod_args`) and `implementation`.
 
     !!! faq "Differences from `equinox.nn.MultiheadAttention`"
 
@@ -116,6 +117,8 @@ class MultiheadAttention(eqx.Module):
     local_window_size: int | tuple[int, int] | None = eqx.field(static=True)
     softmax_type: str = eqx.field(static=True)
     logits_soft_cap: float | None = eqx.field(static=True)
+    score_mod: Callable | None = eqx.field(static=True)
+    mask_mod: Callable | None = eqx.field(static=True)
     implementation: str | tuple[str, ...] | None = eqx.field(static=True)
 
     def __init__(
@@ -140,6 +143,8 @@ class MultiheadAttention(eqx.Module):
         local_window_size: int | tuple[int, int] | None = None,
         softmax_type: _common.SoftmaxType = "vanilla",
         logits_soft_cap: float | None = None,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
         implementation: str | Sequence[str] | None = None,
         key: PRNGKeyArray,
     ):
@@ -173,13 +178,22 @@ class MultiheadAttention(eqx.Module):
                 `"learnable"` (a trainable per-head logit `sinks` `[num_heads]`, initialised to zeros). Defaults
                 to `"vanilla"`.
             logits_soft_cap: `c` in `s <- c * tanh(s / c)`. Defaults to None (no cap).
+            score_mod: `score_mod(score, batch, head, q_idx, kv_idx, *args) -> score`, written in `jax.numpy` for
+                one score element, as `attnlib.attention`'s (applied after the scale, before `logits_soft_cap` and
+                the masks; `*args` are one element of each of the call's `score_mod_args`). Static: part of the
+                layer's structure, not a parameter. Defaults to None.
+            mask_mod: `mask_mod(batch, head, q_idx, kv_idx, *args) -> bool` (True = may attend), ANDed with the
+                other masks; static. Defaults to None.
             implementation: as `attnlib.attention`'s `implementation`. Defaults to None (automatic).
             key: PRNG key for the parameter initialisation. (Keyword only.)
 
         Raises:
             ValueError: an argument is invalid (the message names it and shows what was given).
+            TypeError: `score_mod` or `mask_mod` is neither None nor callable.
         """
         # Checked here, before anything is built from them; `__check_init__` re-checks every field.
+        score_mod = _common.modifier("score_mod", score_mod)
+        mask_mod = _common.modifier("mask_mod", mask_mod)
         num_heads = _common.positive_int("num_heads", num_heads)
         query_size = _common.positive_int("query_size", query_size)
         dtype = _default_dtype() if dtype is None else dtype
@@ -230,6 +244,8 @@ class MultiheadAttention(eqx.Module):
         self.local_window_size = _common.local_window_size(local_window_size)
         self.softmax_type = softmax_type
         self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
+        self.score_mod = score_mod
+        self.mask_mod = mask_mod
         self.implementation = _common.implementation(implementation)
 
     def __check_init__(self):
@@ -240,6 +256,8 @@ class MultiheadAttention(eqx.Module):
         _common.local_window_size(self.local_window_size)
         _common.softmax_type(self.softmax_type)
         _common.logits_soft_cap(self.logits_soft_cap)
+        _common.modifier("score_mod", self.score_mod)
+        _common.modifier("mask_mod", self.mask_mod)
         _common.implementation(self.implementation)
         _common.dropout_rate("dropout_p", self.dropout.p)
         if (self.sinks is None) != (self.softmax_type != "learnable"):
@@ -260,6 +278,7 @@ class MultiheadAttention(eqx.Module):
         inference: bool | None = None,
         deterministic: bool | None = None,
         process_heads: None | _ProcessHeads = None,
+        score_mod_args: Sequence[Any] = (),
     ) -> Float[Array, "q_seq o_size"]:
         """Multi-head attention of one (unbatched) sequence; `jax.vmap` it over a batch.
 
@@ -275,6 +294,9 @@ class MultiheadAttention(eqx.Module):
             process_heads: a function `(query_heads [q_seq, N, qk], key_heads [kv_seq, K, qk], value_heads
                 [kv_seq, K, vo]) -> (same shapes)`, applied after the projections (e.g. rotary embeddings).
                 (Keyword only.)
+            score_mod_args: arrays that `score_mod` / `mask_mod` receive one element of, each broadcastable to
+                `[num_heads, q_seq, kv_seq]` (e.g. ALiBi slopes `[num_heads, 1, 1]`); traced, float ones
+                differentiable. Needs `score_mod` or `mask_mod`. Defaults to `()`. (Keyword only.)
 
         Returns:
             `[q_seq, output_size]`.
@@ -344,6 +366,9 @@ class MultiheadAttention(eqx.Module):
             is_causal=self.is_causal,
             local_window_size=self.local_window_size,
             logits_soft_cap=self.logits_soft_cap,
+            score_mod=self.score_mod,
+            mask_mod=self.mask_mod,
+            score_mod_args=score_mod_args,
             dropout_rate=rate,
             dropout_key=dropout_key,
             implementation=self.implementation,
@@ -361,9 +386,9 @@ class MultiheadAttention(eqx.Module):
 class DotProductAttention(eqx.Module):
     r"""The attention core of `MultiheadAttention` without projections: `attnlib.attention` as an Equinox layer.
 
-    Holds the static options and, for `softmax_type="learnable"`, the trainable per-head `sinks`; every per-call
-    argument of `attnlib.attention` (bias, mask, padding lengths, segment ids, `cu_seqlens`, page tables) is a
-    `__call__` argument. Shapes are those of `attnlib.attention`: unbatched `[T, N, H]` (the Equinox convention,
+    Holds the static options (including `score_mod` / `mask_mod`) and, for `softmax_type="learnable"`, the
+    trainable per-head `sinks`; every per-call argument of `attnlib.attention` (bias, mask, padding lengths, segment
+    ids, `cu_seqlens`, page tables, `score_mod_args`) is a `__call__` argument. Shapes are those of `attnlib.attention`: unbatched `[T, N, H]` (the Equinox convention,
     `jax.vmap` for a batch) or batched `[*B, T, N, H]`; THD and paged layouts as there.
 
     !!! Example
@@ -382,6 +407,8 @@ class DotProductAttention(eqx.Module):
     local_window_size: int | tuple[int, int] | None = eqx.field(static=True)
     softmax_type: str = eqx.field(static=True)
     logits_soft_cap: float | None = eqx.field(static=True)
+    score_mod: Callable | None = eqx.field(static=True)
+    mask_mod: Callable | None = eqx.field(static=True)
     diagonal_alignment: str = eqx.field(static=True)
     implementation: str | tuple[str, ...] | None = eqx.field(static=True)
 
@@ -399,6 +426,8 @@ class DotProductAttention(eqx.Module):
         inference: bool = False,
         implementation: str | Sequence[str] | None = None,
         dtype: Any = None,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
     ):
         """Stores the options; creates `sinks` (zeros `[num_heads]`) for `softmax_type="learnable"`.
 
@@ -416,10 +445,17 @@ class DotProductAttention(eqx.Module):
             inference: if True, dropout is not applied. Defaults to False.
             implementation: as `attnlib.attention`'s. Defaults to None (automatic).
             dtype: dtype of `sinks`. Defaults to float32 (float64 in JAX's x64 mode).
+            score_mod: `score_mod(score, batch, head, q_idx, kv_idx, *args) -> score`, as `attnlib.attention`'s;
+                static. Defaults to None.
+            mask_mod: `mask_mod(batch, head, q_idx, kv_idx, *args) -> bool` (True = may attend), as
+                `attnlib.attention`'s; static. Defaults to None.
 
         Raises:
             ValueError: an argument is invalid (the message names it and shows what was given).
+            TypeError: `score_mod` or `mask_mod` is neither None nor callable.
         """
+        score_mod = _common.modifier("score_mod", score_mod)
+        mask_mod = _common.modifier("mask_mod", mask_mod)
         softmax_type = _common.softmax_type(softmax_type)
         if num_heads is not None:
             num_heads = _common.positive_int("num_heads", num_heads)
@@ -438,6 +474,8 @@ class DotProductAttention(eqx.Module):
         self.local_window_size = _common.local_window_size(local_window_size)
         self.softmax_type = softmax_type
         self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
+        self.score_mod = score_mod
+        self.mask_mod = mask_mod
         self.diagonal_alignment = _common.diagonal_alignment(diagonal_alignment)
         self.implementation = _common.implementation(implementation)
 
@@ -449,6 +487,8 @@ class DotProductAttention(eqx.Module):
         _common.local_window_size(self.local_window_size)
         _common.softmax_type(self.softmax_type)
         _common.logits_soft_cap(self.logits_soft_cap)
+        _common.modifier("score_mod", self.score_mod)
+        _common.modifier("mask_mod", self.mask_mod)
         _common.diagonal_alignment(self.diagonal_alignment)
         _common.implementation(self.implementation)
         _common.dropout_rate("dropout_p", self.dropout.p)
@@ -476,6 +516,7 @@ class DotProductAttention(eqx.Module):
         page_table: Int[ArrayLike, "num_seqs pages_per_seq"] | None = None,
         return_residual: bool = False,
         deterministic_backward: bool = False,
+        score_mod_args: Sequence[Any] = (),
     ) -> Float[Array, "*B T N Hv"] | tuple[Float[Array, "*B T N Hv"], Float[Array, "*B T N"]]:
         """`attnlib.attention(query, key_, value, bias, mask, ...)` with this layer's options and sinks.
 
@@ -491,6 +532,8 @@ class DotProductAttention(eqx.Module):
                 cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, page_table, return_residual,
                 deterministic_backward: as `attnlib.attention`. A paged decode step passes the page pools as
                 `key_` / `value` with `page_table` and `key_value_seq_lengths`.
+            score_mod_args: arrays that the layer's `score_mod` / `mask_mod` receive one element of, each
+                broadcastable to `[*B, N, T, S]`; traced. Defaults to `()`. (Keyword only.)
 
         Returns:
             `out` `[*B, T, N, Hv]`, or `(out, lse)` with `return_residual=True`.
@@ -524,6 +567,9 @@ class DotProductAttention(eqx.Module):
             is_causal=self.is_causal,
             local_window_size=self.local_window_size,
             logits_soft_cap=self.logits_soft_cap,
+            score_mod=self.score_mod,
+            mask_mod=self.mask_mod,
+            score_mod_args=score_mod_args,
             diagonal_alignment=self.diagonal_alignment,
             query_seq_lengths=query_seq_lengths,
             key_value_seq_lengths=key_value_seq_lengths,

@@ -4,7 +4,7 @@ Imports Haiku; reached only through `attnlib.haiku`, never from `import attnlib`
 """
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import haiku as hk
@@ -42,7 +42,8 @@ class MultiHeadAttention(hk.Module):
     Extras, all keyword-only: `num_kv_heads` (grouped-query attention: the `key` and `value` projections produce
     `num_kv_heads` heads, nothing else changes), `is_causal`, `local_window_size`, `softmax_type` (`"vanilla"`,
     `"off_by_one"`, `"learnable"` with a parameter `sinks` `[num_heads]` of this module, initialised to zeros),
-    `logits_soft_cap`, `dropout_rate` and `implementation`.
+    `logits_soft_cap`, `score_mod` / `mask_mod` (custom scores and masks; their array arguments are the call's
+    `score_mod_args`), `dropout_rate` and `implementation`.
 
     Glossary of shapes: `T` (`T'`) key/value (query) sequence length, `D` embedding size, `H` number of heads.
 
@@ -74,6 +75,8 @@ class MultiHeadAttention(hk.Module):
         logits_soft_cap: float | None = None,
         dropout_rate: float = 0.0,
         implementation: str | Sequence[str] | None = None,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
     ):
         """Initialises the module.
 
@@ -95,10 +98,17 @@ class MultiHeadAttention(hk.Module):
             dropout_rate: dropout probability on the attention weights, in `[0, 1)`; the key comes from
                 `hk.next_rng_key()`. Overridable per call. Defaults to 0.
             implementation: as `attnlib.attention`'s `implementation`. Defaults to None (automatic).
+            score_mod: `score_mod(score, batch, head, q_idx, kv_idx, *args) -> score`, written in `jax.numpy` for
+                one score element, as `attnlib.attention`'s (applied after the scale, before `logits_soft_cap` and
+                the masks; `*args` are one element of each of the call's `score_mod_args`). Not a parameter.
+                Defaults to None.
+            mask_mod: `mask_mod(batch, head, q_idx, kv_idx, *args) -> bool` (True = may attend), ANDed with the
+                other masks. Defaults to None.
 
         Raises:
             ValueError: an argument is invalid (the message names it and shows what was given), or neither or
                 both of `w_init` and `w_init_scale` are given (as Haiku).
+            TypeError: `score_mod` or `mask_mod` is neither None nor callable.
         """
         super().__init__(name=name)
         self.num_heads = _common.positive_int("num_heads", num_heads)
@@ -110,6 +120,8 @@ class MultiHeadAttention(hk.Module):
         self.local_window_size = _common.local_window_size(local_window_size)
         self.softmax_type = _common.softmax_type(softmax_type)
         self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
+        self.score_mod = _common.modifier("score_mod", score_mod)
+        self.mask_mod = _common.modifier("mask_mod", mask_mod)
         self.dropout_rate = _common.dropout_rate("dropout_rate", dropout_rate)
         self.implementation = _common.implementation(implementation)
 
@@ -141,6 +153,7 @@ class MultiHeadAttention(hk.Module):
         mask: jax.Array | None = None,
         *,
         dropout_rate: float | None = None,
+        score_mod_args: Sequence[Any] = (),
     ) -> jax.Array:
         """Computes (optionally masked) multi-head attention with queries, keys and values.
 
@@ -154,6 +167,9 @@ class MultiHeadAttention(hk.Module):
                 attend. Combined with `is_causal` / `local_window_size`.
             dropout_rate: overrides the module's `dropout_rate` for this call (e.g. 0 at evaluation). (Keyword
                 only.)
+            score_mod_args: arrays that `score_mod` / `mask_mod` receive one element of, each broadcastable to
+                `[..., H, T', T]` (e.g. ALiBi slopes `[H, 1, 1]`); float ones differentiable. Needs `score_mod` or
+                `mask_mod`. Defaults to `()`. (Keyword only.)
 
         Returns:
             `[..., T', D']`.
@@ -177,6 +193,9 @@ class MultiHeadAttention(hk.Module):
                 is_causal=self.is_causal,
                 local_window_size=self.local_window_size,
                 logits_soft_cap=self.logits_soft_cap,
+                score_mod=self.score_mod,
+                mask_mod=self.mask_mod,
+                score_mod_args=score_mod_args,
                 dropout_rate=rate,
                 dropout_key=dropout_key,
                 implementation=self.implementation,
@@ -200,9 +219,10 @@ class MultiHeadAttention(hk.Module):
 class DotProductAttention(hk.Module):
     """The attention core without projections: `attnlib.attention` as a Haiku module.
 
-    Holds the static options; with `softmax_type="learnable"` it owns a parameter `sinks` `[N]` (zeros at init;
-    `N` read from `query` on the first call). Every per-call argument of `attnlib.attention` (bias, mask, padding
-    lengths, segment ids, `cu_seqlens`, page tables) is a `__call__` argument; shapes as there
+    Holds the static options (including `score_mod` / `mask_mod`); with `softmax_type="learnable"` it owns a
+    parameter `sinks` `[N]` (zeros at init; `N` read from `query` on the first call). Every per-call argument of
+    `attnlib.attention` (bias, mask, padding lengths, segment ids, `cu_seqlens`, page tables, `score_mod_args`) is
+    a `__call__` argument; shapes as there
     (`[*B, T, N, H]`, unbatched, THD or paged).
 
     !!! Example
@@ -225,6 +245,8 @@ class DotProductAttention(hk.Module):
         dropout_rate: float = 0.0,
         implementation: str | Sequence[str] | None = None,
         name: str | None = None,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
     ):
         """Stores the options.
 
@@ -240,9 +262,14 @@ class DotProductAttention(hk.Module):
                 Defaults to 0.
             implementation: as `attnlib.attention`'s. Defaults to None (automatic).
             name: module name. Defaults to `"dot_product_attention"`.
+            score_mod: `score_mod(score, batch, head, q_idx, kv_idx, *args) -> score`, as `attnlib.attention`'s.
+                Defaults to None.
+            mask_mod: `mask_mod(batch, head, q_idx, kv_idx, *args) -> bool` (True = may attend), as
+                `attnlib.attention`'s. Defaults to None.
 
         Raises:
             ValueError: an argument is invalid (the message names it and shows what was given).
+            TypeError: `score_mod` or `mask_mod` is neither None nor callable.
         """
         super().__init__(name=name)
         self.scale = _common.scale(scale)
@@ -251,6 +278,8 @@ class DotProductAttention(hk.Module):
         self.softmax_type = _common.softmax_type(softmax_type)
         self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
         self.diagonal_alignment = _common.diagonal_alignment(diagonal_alignment)
+        self.score_mod = _common.modifier("score_mod", score_mod)
+        self.mask_mod = _common.modifier("mask_mod", mask_mod)
         self.dropout_rate = _common.dropout_rate("dropout_rate", dropout_rate)
         self.implementation = _common.implementation(implementation)
 
@@ -276,6 +305,7 @@ class DotProductAttention(hk.Module):
         deterministic_backward: bool = False,
         dropout_rate: float | None = None,
         dropout_key: jax.Array | None = None,
+        score_mod_args: Sequence[Any] = (),
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """`attnlib.attention(query, key, value, bias, mask, ...)` with this module's options and sinks.
 
@@ -291,6 +321,8 @@ class DotProductAttention(hk.Module):
                 `key` / `value` with `page_table` and `key_value_seq_lengths`.
             dropout_rate: overrides the module's `dropout_rate` for this call. (Keyword only.)
             dropout_key: PRNG key for dropout. Defaults to `hk.next_rng_key()` when the rate is > 0.
+            score_mod_args: arrays that the module's `score_mod` / `mask_mod` receive one element of, each
+                broadcastable to `[*B, N, T, S]`. Defaults to `()`.
 
         Returns:
             `out` `[*B, T, N, Hv]`, or `(out, lse)` with `return_residual=True`.
@@ -315,6 +347,9 @@ class DotProductAttention(hk.Module):
                 is_causal=self.is_causal,
                 local_window_size=self.local_window_size,
                 logits_soft_cap=self.logits_soft_cap,
+                score_mod=self.score_mod,
+                mask_mod=self.mask_mod,
+                score_mod_args=score_mod_args,
                 diagonal_alignment=self.diagonal_alignment,
                 query_seq_lengths=query_seq_lengths,
                 key_value_seq_lengths=key_value_seq_lengths,
