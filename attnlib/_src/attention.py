@@ -77,11 +77,15 @@ def attention(
     dropout_rate: numbers.Real = 0.0,
     dropout_key: PRNGKeyArray | None = None,
     deterministic_backward: bool = False,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    score_mod_args: Sequence[Any] = (),
 ) -> Float[Array, "..."] | tuple[Float[Array, "..."], Float[Array, "..."]]:
     r"""Scaled dot-product attention: a drop-in for `jax.nn.dot_product_attention` that goes further.
 
-    For one sequence and head, with $s = \mathrm{scale} \cdot q k^\top (+\,\mathrm{bias})$, soft-capped
-    ($s \leftarrow c \tanh(s / c)$) and then masked,
+    For one sequence and head, with $s = \mathrm{scale} \cdot q k^\top (+\,\mathrm{bias})$, modified by
+    `score_mod`, soft-capped ($s \leftarrow c \tanh(s / c)$) and then masked (`mask_mod` AND every built-in mask
+    AND `mask`),
 
     $$p = \frac{e^{s}}{e^{\mathrm{sink}} + \sum_{\mathrm{kept}} e^{s}}, \qquad
       \mathrm{out} = p\, v, \qquad \mathrm{lse} = \log\Big(e^{\mathrm{sink}} + \sum_{\mathrm{kept}} e^{s}\Big).$$
@@ -130,6 +134,18 @@ def attention(
             backward.
         deterministic_backward: the backward is bitwise reproducible run to run (the plain-JAX implementations
             always are).
+        score_mod: `score_mod(score, batch, head, q_idx, kv_idx, *args) -> score`, written in `jax.numpy` for ONE
+            score element (flex attention): `score` is the float32 logit after `scale` and `bias`; `batch` (the
+            flattened `*B` row; THD: the 0-based sequence), `head` (the query head `n`), `q_idx`, `kv_idx` are
+            int32 scalars, the positions within the sequence (per segment / THD sequence) aligned by
+            `diagonal_alignment`; `*args` are one element of each of `score_mod_args`. Returns a float scalar
+            (used as float32). Applied after `bias`, before `logits_soft_cap` and the masks; a score it sets to
+            `-inf` counts as masked. Gradients flow through `score` (and the float `score_mod_args`).
+        mask_mod: `mask_mod(batch, head, q_idx, kv_idx, *args) -> bool`, written like `score_mod`: `True` = may
+            attend. ANDed with every built-in mask and `mask`.
+        score_mod_args: arrays, each broadcastable to `[*B, N, T, S]` (THD: `[N, T, S]`), of any dtype;
+            `score_mod` and `mask_mod` receive the element at their position (e.g. per-head ALiBi slopes
+            `[N, 1, 1]`). Float ones are differentiable. Defaults to `()`.
 
     Returns:
         `out` `[*B, T, N, Hv]` (THD `[T, N, Hv]`) in `query.dtype`; with `return_residual`, `(out, lse)` where
@@ -143,6 +159,11 @@ def attention(
     !!! Example
         ```python
         out = attnlib.attention(q, k, v, is_causal=True, local_window_size=(128, 0))
+
+        # ALiBi and a prefix-LM mask, written for one score element
+        alibi = lambda score, b, h, q_idx, kv_idx, slope: score + slope * (kv_idx - q_idx).astype(jnp.float32)
+        prefix_lm = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 16)
+        out = attnlib.attention(q, k, v, score_mod=alibi, mask_mod=prefix_lm, score_mod_args=(slopes[:, None, None],))
         ```
     """
     arrays = {
@@ -168,6 +189,9 @@ def attention(
         dropout_rate=dropout_rate,
         dropout_key=dropout_key,
         deterministic_backward=deterministic_backward,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        score_mod_args=score_mod_args,
     )
     impl = dispatch.choose(config, implementation)
     out, lse = impl.attention(config, inputs)
@@ -213,7 +237,7 @@ def explain(
         "scale": None, "is_causal": False, "local_window_size": None, "return_residual": False,
         "diagonal_alignment": "top_left", "max_segments_per_row": None, "max_seqlen_q": None,
         "max_seqlen_kv": None, "logits_soft_cap": None, "dropout_rate": 0.0, "dropout_key": None,
-        "deterministic_backward": False,
+        "deterministic_backward": False, "score_mod": None, "mask_mod": None, "score_mod_args": (),
     }  # fmt: skip
     arrays = dict.fromkeys(_ARRAY_ARGS[5:])
     for name, x in kwargs.items():

@@ -1,8 +1,8 @@
 """Every layout as one dense problem for the plain-JAX implementations.
 
 `*B` is flattened to `B`; THD becomes one row of packed tokens (`B = 1`); paged key/value pools are gathered into
-dense `[B, S, K, H]` rows. Bias and mask become rank 4 `[B|1, N|1, T|1, S|1]`. Sequence structure travels as
-`TokenPositions`.
+dense `[B, S, K, H]` rows. Bias, mask and `score_mod_args` become rank 4 `[B|1, N|1, T|1, S|1]`. Sequence
+structure travels as `TokenPositions`.
 """
 
 import math
@@ -27,6 +27,8 @@ class Problem(NamedTuple):
         sinks: float `[N]` or None.
         dropout_seeds: uint32 `[2]` or None.
         positions: sequence ids and aligned positions of query and key tokens.
+        score_mod_args: the arrays `score_mod` / `mask_mod` see one element of, each `[B|1, N|1, T|1, S|1]` in
+            its own dtype; empty without them.
     """
 
     query: jax.Array
@@ -37,6 +39,7 @@ class Problem(NamedTuple):
     sinks: jax.Array | None
     dropout_seeds: jax.Array | None
     positions: positions_lib.TokenPositions
+    score_mod_args: tuple[jax.Array, ...] = ()
 
 
 def _to_rank4(x: jax.Array, batch_shape: tuple[int, ...]) -> jax.Array:
@@ -90,7 +93,8 @@ def canonicalize(config: AttentionConfig, inputs: AttentionInputs) -> Problem:
     seeds = None
     if config.dropout_rate > 0:
         seeds = dropout_lib.dropout_seeds(inputs.dropout_key)
-    return Problem(query, key, value, bias, mask, inputs.sinks, seeds, positions)
+    score_mod_args = tuple(_to_rank4(a, bs) for a in inputs.score_mod_args)
+    return Problem(query, key, value, bias, mask, inputs.sinks, seeds, positions, score_mod_args)
 
 
 def restore(config: AttentionConfig, out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:

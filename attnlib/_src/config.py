@@ -10,6 +10,8 @@ from typing import Literal
 import jax
 import numpy as np
 
+from .modifiers import Modifiers
+
 
 Layout = Literal["dense", "thd", "paged"]
 Alignment = Literal["top_left", "bottom_right"]
@@ -45,6 +47,7 @@ class AttentionConfig:
         dropout_rate: the dropout probability (0 = off).
         return_residual: also return `lse`.
         deterministic_backward: the backward must be bitwise reproducible.
+        modifiers: the call's `score_mod` / `mask_mod` (traced, with a structural key), or None.
     """
 
     layout: Layout
@@ -78,6 +81,7 @@ class AttentionConfig:
     dropout_rate: float
     return_residual: bool
     deterministic_backward: bool
+    modifiers: Modifiers | None = None
 
     @property
     def batch_size(self) -> int:
@@ -97,12 +101,18 @@ class AttentionConfig:
     def has_mask(self) -> bool:
         return self.mask_shape is not None
 
+    @property
+    def has_modifiers(self) -> bool:
+        """A `score_mod` or `mask_mod` was given."""
+        return self.modifiers is not None
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionInputs:
     """The arrays of one call, as the caller gave them (after `jnp.asarray`); None where absent.
 
-    `dropout_key` is kept as given (a typed or raw PRNG key).
+    `dropout_key` is kept as given (a typed or raw PRNG key). `score_mod_args` are the arrays `score_mod` /
+    `mask_mod` see one element of (each broadcastable to `[*B, N, T, S]`; empty without them).
     """
 
     query: jax.Array
@@ -119,3 +129,4 @@ class AttentionInputs:
     page_table: jax.Array | None = None
     sinks: jax.Array | None = None
     dropout_key: jax.Array | None = None
+    score_mod_args: tuple = ()

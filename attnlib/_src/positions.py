@@ -151,3 +151,14 @@ def thd_positions(
         kv_length = cu_kv[seq_index + 1] - cu_kv[seq_index]
         q_position = q_position + kv_length - q_length
     return TokenPositions(q_seg[None], q_position[None], kv_seg[None], kv_position[None])
+
+
+def batch_index(positions: TokenPositions, batch: int, *, thd: bool) -> jax.Array:
+    """int32 index of the sequence a query token belongs to: the `batch` argument of `score_mod` / `mask_mod`.
+
+    Dense and paged rows: `[B, 1]`, the canonical (flattened `*B`) row. THD (one row of packed tokens): `[1, T]`,
+    the 0-based sequence index of each query token (its sequence id - 1), 0 past `cu_seqlens_q[-1]`.
+    """
+    if thd:
+        return jnp.maximum(positions.q_segment - 1, 0).astype(jnp.int32)
+    return jnp.arange(batch, dtype=jnp.int32)[:, None]

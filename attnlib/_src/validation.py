@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import modifiers as modifiers_lib
 from .config import AttentionConfig, AttentionInputs
 
 
@@ -124,6 +125,9 @@ def validate(
     dropout_rate: Any,
     dropout_key: Any,
     deterministic_backward: Any,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    score_mod_args: Any = (),
 ) -> tuple[AttentionConfig, AttentionInputs]:
     """Check every argument of `attention` and describe the call statically.
 
@@ -302,6 +306,13 @@ def validate(
             raise TypeError(f"`mask` must be boolean (True = may attend). Got mask.dtype={mask.dtype}.")
         _check_broadcastable("mask", mask, target, "[*B, N, T, S]")
 
+    # score_mod / mask_mod: traced once on scalars; each argument broadcastable like bias
+    score_mod_args = modifiers_lib.as_arrays(score_mod_args)
+    modifiers = modifiers_lib.describe(score_mod, mask_mod, score_mod_args)
+    args_meaning = "[N, T, S]" if layout == "thd" else "[*B, N, T, S]"
+    for i, arg in enumerate(score_mod_args):
+        _check_broadcastable(f"score_mod_args[{i}]", arg, target, args_meaning)
+
     # scalars and flags
     if scale is None:
         scale = 1.0 / math.sqrt(H)
@@ -367,6 +378,7 @@ def validate(
         dropout_rate=float(dropout_rate),
         return_residual=bool(return_residual),
         deterministic_backward=bool(deterministic_backward),
+        modifiers=modifiers,
     )
     inputs = AttentionInputs(
         query=query,
@@ -383,5 +395,6 @@ def validate(
         page_table=page_table,
         sinks=sinks,
         dropout_key=dropout_key,
+        score_mod_args=score_mod_args,
     )
     return config, inputs

@@ -1,15 +1,25 @@
-"""Scores, visibility and dropout for a block of keys: the pieces both plain-JAX implementations share.
+"""Scores, visibility, modifiers and dropout for a block of keys: the pieces both plain-JAX implementations share.
 
 Scores are laid out `[B, K, G, T, s]` (query head `n = k * G + g`, `G = N // K`) so grouped-query attention never
 repeats key/value heads; `s` is the whole key length (`xla`) or one key block (`xla_chunked`).
+
+`score_mod` / `mask_mod` (written for one score element) are evaluated with `jnp.vectorize` on rank-5 index arrays
+that broadcast against the scores (`batch [B, 1, 1, 1|T, 1]`, `head [1, K, G, 1, 1]`, `q_idx [B, 1, 1, T, 1]`,
+`kv_idx [B, 1, 1, 1, s]`) and the grouped `score_mod_args`: the result is the scalar function applied element by
+element.
 """
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 
-from .. import dropout as dropout_lib, masks
+from .. import dropout as dropout_lib, masks, positions as positions_lib
 from ..canonical import Problem
 from ..config import AttentionConfig
+from ..modifiers import Modifiers
 
 
 def precision(dtype) -> jax.lax.Precision:
@@ -86,3 +96,78 @@ def dropout_keep(
     i = jnp.arange(q_len)[None, None, None, :, None]
     j = (k_start + jnp.arange(k_size))[None, None, None, None, :]
     return dropout_lib.keep_mask_from_seeds(seeds, config.dropout_rate, b, n, i, j)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# score_mod / mask_mod
+
+
+class ModifierFns(NamedTuple):
+    """The element-wise functions of a call's modifiers (None where absent)."""
+
+    score: Callable | None
+    mask: Callable | None
+
+
+def _jaxpr_fn(closed: jex.ClosedJaxpr, consts) -> Callable:
+    fn = jex.jaxpr_as_fun(jex.ClosedJaxpr(closed.jaxpr, list(consts)))
+    return lambda *args: fn(*args)[0]
+
+
+def modifier_fns(modifiers: Modifiers, score_consts=None, mask_consts=None) -> ModifierFns:
+    """The functions to evaluate.
+
+    Without constants: the caller's functions as written (`xla`, where JAX autodiff differentiates them, closures
+    included). With `score_consts` / `mask_consts`: the traced jaxprs evaluated with these arrays in place of the
+    closed-over ones (the same computation; `xla_chunked` passes the constants through its `custom_vjp` explicitly,
+    which may not close over traced values).
+    """
+    score, mask = modifiers.score_mod, modifiers.mask_mod
+    if score is not None and score_consts is not None:
+        score = _jaxpr_fn(modifiers.score_jaxpr, score_consts)
+    if mask is not None and mask_consts is not None:
+        mask = _jaxpr_fn(modifiers.mask_jaxpr, mask_consts)
+    return ModifierFns(score, mask)
+
+
+def modifier_indices(
+    config: AttentionConfig, problem: Problem, k_start: jax.Array | int, k_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """int32 `(batch, head, q_idx, kv_idx)` for keys `k_start : k_start + k_size`, rank 5 against `[B, K, G, T, s]`.
+
+    `batch` is the canonical row (THD: the query's 0-based sequence), `head` the query head `n = k * G + g`,
+    `q_idx` / `kv_idx` the aligned positions within the sequence (`TokenPositions`).
+    """
+    p = problem.positions
+    B = p.q_position.shape[0]
+    batch = positions_lib.batch_index(p, B, thd=config.layout == "thd")[:, None, None, :, None]
+    head = jnp.arange(config.num_q_heads, dtype=jnp.int32)
+    head = jnp.reshape(head, (1, config.num_kv_heads, config.group_size, 1, 1))
+    q_idx = p.q_position.astype(jnp.int32)[:, None, None, :, None]
+    kv_idx = jax.lax.dynamic_slice_in_dim(p.kv_position, k_start, k_size, axis=1).astype(jnp.int32)
+    return batch, head, q_idx, kv_idx[:, None, None, None, :]
+
+
+def grouped_args(config: AttentionConfig, args) -> tuple[jax.Array, ...]:
+    """Rank-4 `score_mod_args` (already sliced to the key block) -> rank 5 `[B|1, K|1, G|1, T|1, s|1]`."""
+    return tuple(grouped_heads(config, a) for a in args)
+
+
+def apply_score_mod(fn: Callable, s: jax.Array, indices, args) -> jax.Array:
+    """float32 `score_mod` of every score of `s [B, K, G, T, s]`, element by element."""
+    return jnp.vectorize(fn)(s, *indices, *args).astype(jnp.float32)
+
+
+def apply_mask_mod(fn: Callable, indices, args) -> jax.Array:
+    """Bool `mask_mod` of every (row, head, query, key) of the block, broadcastable to `[B, K, G, T, s]`."""
+    return jnp.vectorize(fn)(*indices, *args).astype(bool)
+
+
+def modify(fns: ModifierFns, s: jax.Array, allowed: jax.Array, indices, args) -> tuple[jax.Array, jax.Array]:
+    """Raw scores and visibility -> `score_mod`-ified scores and visibility AND `mask_mod` AND (modified != -inf)."""
+    if fns.mask is not None:
+        allowed = allowed & apply_mask_mod(fns.mask, indices, args)
+    if fns.score is not None:
+        s = apply_score_mod(fns.score, s, indices, args)
+        allowed = allowed & (s != -jnp.inf)
+    return s, allowed

@@ -13,8 +13,14 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
     B, T, N, _ = problem.query.shape
     S = problem.key.shape[1]
     q5 = scores.grouped_query(config, problem.query)
-    s = scores.soft_cap(config, scores.raw_scores(config, q5, problem.key, problem.bias))  # [B, K, G, T, S]
+    s = scores.raw_scores(config, q5, problem.key, problem.bias)  # [B, K, G, T, S]
     allowed = scores.visible(config, problem, 0, S, problem.mask)
+    if config.modifiers is not None:
+        # score_mod and mask_mod as written, vectorised; autodiff differentiates them (closures included).
+        indices = scores.modifier_indices(config, problem, 0, S)
+        args = scores.grouped_args(config, problem.score_mod_args)
+        s, allowed = scores.modify(scores.modifier_fns(config.modifiers), s, allowed, indices, args)
+    s = scores.soft_cap(config, s)
 
     s = jnp.where(allowed, s, -jnp.inf)
     row_max = jnp.max(s, axis=-1, initial=-jnp.inf)  # [B, K, G, T]

@@ -3,6 +3,12 @@
 The forward keeps a running maximum, denominator and output per query and visits the keys one block at a time, so
 memory is linear in the key length. The backward (`custom_vjp`) recomputes each block's probabilities from the
 saved `lse` instead of storing them.
+
+`score_mod` / `mask_mod` run on each key block as the jaxprs traced by `modifiers.describe`, with the arrays they
+close over passed through the `custom_vjp` as explicit inputs (a `custom_vjp` may not close over traced values).
+The backward differentiates `score_mod` per block with `jax.vjp`: the raw-score gradient feeds `query`, `key` and
+`bias`; the gradients of float `score_mod_args` (sliced per key block like `bias`) and of float closed-over arrays
+are accumulated exactly.
 """
 
 import functools
@@ -43,6 +49,7 @@ def _pad_keys(problem: canonical.Problem, padded_len: int) -> canonical.Problem:
         bias=pad_last(problem.bias, 0),
         mask=pad_last(problem.mask, False),
         positions=positions,
+        score_mod_args=tuple(pad_last(a, False if a.dtype == jnp.bool_ else 0) for a in problem.score_mod_args),
     )
 
 
@@ -53,16 +60,73 @@ def _slice_keys(x: jax.Array | None, start: jax.Array, size: int) -> jax.Array |
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=3)
 
 
-def _block_probabilities(config, problem, q5, k_start, block, shift):
-    """Recompute one block: soft-capped scores `[B, K, G, T, s]`, visibility, and `exp(s - shift)` where visible."""
-    k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
-    s = scores.soft_cap(config, scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block)))
-    allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
-    p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
-    return s, p
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _forward(config: AttentionConfig, block: int, problem: canonical.Problem):
+def _accumulator_dtype(dtype):
+    """Gradients of modifier inputs are summed in at least float32."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+class _Modifiers:
+    """A call's modifiers for one key block at a time, with explicit closed-over constants.
+
+    `args` are the rank-4 (padded) `score_mod_args`; `score_consts` / `mask_consts` the arrays the functions close
+    over, in the order of their jaxprs' constants.
+    """
+
+    def __init__(self, config: AttentionConfig, problem: canonical.Problem, score_consts, mask_consts):
+        self.config, self.problem = config, problem
+        self.description = config.modifiers
+        self.score_consts, self.mask_consts = tuple(score_consts), tuple(mask_consts)
+        self.fns = scores.modifier_fns(self.description, self.score_consts, self.mask_consts)
+        # float arguments and constants get gradients; the rest are closed over as they are
+        self.float_args = tuple(i for i, a in enumerate(problem.score_mod_args) if _is_float(a))
+        self.float_consts = tuple(i for i, c in enumerate(self.score_consts) if _is_float(c))
+
+    def block_inputs(self, k_start, block):
+        """Index arrays and grouped `score_mod_args` of keys `k_start : k_start + block`."""
+        indices = scores.modifier_indices(self.config, self.problem, k_start, block)
+        args = tuple(_slice_keys(a, k_start, block) for a in self.problem.score_mod_args)
+        return indices, scores.grouped_args(self.config, args)
+
+    def apply(self, s, allowed, k_start, block):
+        """Forward: `score_mod`-ified scores and visibility of one block."""
+        indices, args = self.block_inputs(k_start, block)
+        return scores.modify(self.fns, s, allowed, indices, args)
+
+    def apply_with_vjp(self, s, allowed, k_start, block):
+        """Backward: as `apply`, plus `vjp(ds_mod) -> (ds_raw, d_float_args (grouped blocks), d_float_consts)`."""
+        indices, args = self.block_inputs(k_start, block)
+        if self.fns.mask is not None:
+            allowed = allowed & scores.apply_mask_mod(self.fns.mask, indices, args)
+        if self.fns.score is None:
+            return s, allowed, None
+
+        def modified(s, float_args, float_consts):
+            all_args = _replace_at(args, self.float_args, float_args)
+            consts = _replace_at(self.score_consts, self.float_consts, float_consts)
+            fn = scores.modifier_fns(self.description, consts, self.mask_consts).score
+            return scores.apply_score_mod(fn, s, indices, all_args)
+
+        s, vjp = jax.vjp(
+            modified,
+            s,
+            tuple(args[i] for i in self.float_args),
+            tuple(self.score_consts[i] for i in self.float_consts),
+        )
+        return s, allowed & (s != -jnp.inf), vjp
+
+
+def _replace_at(values: tuple, where: tuple[int, ...], new: tuple) -> tuple:
+    out = list(values)
+    for i, x in zip(where, new, strict=True):
+        out[i] = x
+    return tuple(out)
+
+
+def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mods: _Modifiers | None):
     """Returns `out [B, T, N, Hv]` (query dtype) and `lse [B, K, G, T]` float32."""
     B, T, N, _ = problem.query.shape
     K, G, Hv = config.num_kv_heads, config.group_size, problem.value.shape[-1]
@@ -74,10 +138,11 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem):
         k_start = c * block
         k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
-        s = scores.soft_cap(
-            config, scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block))
-        )
+        s = scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block))
         allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
+        if mods is not None:
+            s, allowed = mods.apply(s, allowed, k_start, block)
+        s = scores.soft_cap(config, s)
         new_max = jnp.maximum(row_max, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
         shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
         rescale = jnp.exp(row_max - shift)  # 0 while nothing was visible (row_max = -inf)
@@ -120,10 +185,14 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem):
     return out, lse
 
 
-def _backward(config: AttentionConfig, block: int, problem: canonical.Problem, out, lse, d_out, d_lse):
-    """Gradients `(dq, dk, dv, dbias, dsinks)` from the saved `lse [B, K, G, T]`, recomputing each block.
+def _backward(
+    config: AttentionConfig, block: int, problem: canonical.Problem, mods: _Modifiers | None, out, lse, d_out, d_lse
+):
+    """Gradients `(dq, dk, dv, dbias, dsinks, d_args, d_score_consts)` from the saved `lse [B, K, G, T]`, recomputing
+    each block.
 
-    `d_lse` is the cotangent of `lse`, also `[B, K, G, T]`.
+    `d_lse` is the cotangent of `lse`, also `[B, K, G, T]`. `d_args` / `d_score_consts` hold the gradients of the
+    float `score_mod_args` / closed-over arrays of `score_mod` (None for the others and without `score_mod`).
     """
     B, T, N, H = problem.query.shape
     S = problem.key.shape[1]
@@ -139,12 +208,23 @@ def _backward(config: AttentionConfig, block: int, problem: canonical.Problem, o
     bias = problem.bias
     f32 = lambda x: x.astype(jnp.float32)
 
+    args = problem.score_mod_args
+    score_vjp = mods is not None and mods.fns.score is not None
+    float_args = mods.float_args if score_vjp else ()
+    float_consts = mods.float_consts if score_vjp else ()
+
     def body(c, carry):
-        dq, dk, dv, dbias = carry
+        dq, dk, dv, dbias, d_args, d_consts = carry
         k_start = c * block
         k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
-        s, p = _block_probabilities(config, problem, q5, k_start, block, shift)
+        s = scores.raw_scores(config, q5, k_blk, _slice_keys(bias, k_start, block))
+        allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
+        mod_vjp = None
+        if mods is not None:
+            s, allowed, mod_vjp = mods.apply_with_vjp(s, allowed, k_start, block)
+        s = scores.soft_cap(config, s)
+        p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
         dp = jnp.einsum(
             "btkgh,bskh->bkgts", do5, v_blk, preferred_element_type=jnp.float32,
             precision=scores.precision(v_blk.dtype),
@@ -160,6 +240,19 @@ def _backward(config: AttentionConfig, block: int, problem: canonical.Problem, o
         ds = p * (dp - correction[..., None])
         if config.logits_soft_cap is not None:
             ds = ds * (1.0 - jnp.square(s / jnp.float32(config.logits_soft_cap)))
+        if mod_vjp is not None:
+            # through score_mod: the gradient of the raw score, and of its float arguments and constants
+            ds, d_args_blk, d_consts_blk = mod_vjp(ds)
+            new_args = []
+            for acc, i, d in zip(d_args, float_args, d_args_blk, strict=True):
+                b, n, t, s_arg = args[i].shape
+                d = jnp.reshape(d, (b, n, t, min(s_arg, block))).astype(acc.dtype)
+                if s_arg == 1:
+                    new_args.append(acc + d)
+                else:
+                    new_args.append(jax.lax.dynamic_update_slice_in_dim(acc, d, k_start, axis=3))
+            d_args = tuple(new_args)
+            d_consts = tuple(acc + d.astype(acc.dtype) for acc, d in zip(d_consts, d_consts_blk, strict=True))
         if bias is not None:
             ds_n = jnp.reshape(ds, (B, N, T, block))
             reduce_axes = tuple(a for a in range(3) if bias.shape[a] == 1)
@@ -173,49 +266,79 @@ def _backward(config: AttentionConfig, block: int, problem: canonical.Problem, o
         dk_blk = jnp.einsum("bkgts,bkgth->bskh", ds, f32(q5), precision=jax.lax.Precision.HIGHEST)
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk, k_start, axis=1)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk, k_start, axis=1)
-        return dq, dk, dv, dbias
+        return dq, dk, dv, dbias, d_args, d_consts
 
     init = (
         jnp.zeros(q5.shape, jnp.float32),
         jnp.zeros(problem.key.shape, jnp.float32),
         jnp.zeros(problem.value.shape, jnp.float32),
         None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+        tuple(jnp.zeros(args[i].shape, _accumulator_dtype(args[i].dtype)) for i in float_args),
+        tuple(
+            jnp.zeros(jnp.shape(mods.score_consts[i]), _accumulator_dtype(mods.score_consts[i].dtype))
+            for i in float_consts
+        ),
     )
-    init = varying.like_inputs(init, problem, out, lse, d_out, d_lse)
-    dq, dk, dv, dbias = jax.lax.fori_loop(0, S // block, body, init)
+    consts = () if mods is None else (mods.score_consts, mods.mask_consts)
+    init = varying.like_inputs(init, problem, consts, out, lse, d_out, d_lse)
+    dq, dk, dv, dbias, d_args, d_consts = jax.lax.fori_loop(0, S // block, body, init)
 
     d_sinks = None
     if problem.sinks is not None:
         # d lse / d sink = p_sink, and the output depends on the sink only through the normaliser.
         p_sink = jnp.exp(scores.grouped_sinks(config, problem.sinks) - lse)
         d_sinks = jnp.reshape(jnp.sum(-p_sink * correction, axis=(0, 3)), (N,)).astype(problem.sinks.dtype)
+    d_args_all = [None] * len(args)
+    for i, d in zip(float_args, d_args, strict=True):
+        d_args_all[i] = d.astype(args[i].dtype)
+    d_consts_all = [None] * (0 if mods is None else len(mods.score_consts))
+    for i, d in zip(float_consts, d_consts, strict=True):
+        d_consts_all[i] = d.astype(mods.score_consts[i].dtype)
     return (
         jnp.reshape(jnp.transpose(dq, (0, 3, 1, 2, 4)), (B, T, N, H)).astype(problem.query.dtype),
         dk.astype(problem.key.dtype),
         dv.astype(problem.value.dtype),
         None if bias is None else dbias.astype(bias.dtype),
         d_sinks,
+        tuple(d_args_all),
+        tuple(d_consts_all),
     )
 
 
+def _problem_and_modifiers(config, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts,
+                           mask_consts):  # fmt: skip
+    problem = canonical.Problem(query, key, value, bias, mask, sinks, seeds, positions, args)
+    mods = None if config.modifiers is None else _Modifiers(config, problem, score_consts, mask_consts)
+    return problem, mods
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunked(config, block, query, key, value, bias, sinks, mask, seeds, positions):
-    problem = canonical.Problem(query, key, value, bias, mask, sinks, seeds, positions)
-    out, lse = _forward(config, block, problem)
+def _chunked(config, block, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts):
+    problem, mods = _problem_and_modifiers(
+        config, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
+    )
+    out, lse = _forward(config, block, problem, mods)
     return out, lse
 
 
-def _chunked_fwd(config, block, query, key, value, bias, sinks, mask, seeds, positions):
-    problem = canonical.Problem(query, key, value, bias, mask, sinks, seeds, positions)
-    out, lse = _forward(config, block, problem)
-    return (out, lse), (problem, out, lse)
+def _chunked_fwd(config, block, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts,
+                 mask_consts):  # fmt: skip
+    problem, mods = _problem_and_modifiers(
+        config, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
+    )
+    out, lse = _forward(config, block, problem, mods)
+    return (out, lse), (problem, score_consts, mask_consts, out, lse)
 
 
 def _chunked_bwd(config, block, residuals, cotangents):
-    problem, out, lse = residuals
+    problem, score_consts, mask_consts, out, lse = residuals
+    mods = None if config.modifiers is None else _Modifiers(config, problem, score_consts, mask_consts)
     d_out, d_lse = cotangents
-    dq, dk, dv, dbias, d_sinks = _backward(config, block, problem, out, lse, d_out, d_lse)
-    return dq, dk, dv, dbias, d_sinks, None, None, None
+    dq, dk, dv, dbias, d_sinks, d_args, d_score_consts = _backward(
+        config, block, problem, mods, out, lse, d_out, d_lse
+    )
+    d_mask_consts = (None,) * len(mask_consts)
+    return dq, dk, dv, dbias, d_sinks, None, None, None, d_args, d_score_consts, d_mask_consts
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -228,14 +351,20 @@ def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int | N
     block = max(1, min(block_k or DEFAULT_BLOCK_K, S))
     # At least one block: with S = 0 a single invisible padding key gives every row out 0 and lse -inf.
     padded = _pad_keys(problem, max(1, -(-S // block)) * block)
+    # The arrays score_mod / mask_mod close over enter the custom_vjp explicitly (it may not close over tracers).
+    modifiers = config.modifiers
+    score_consts = () if modifiers is None else modifiers.score_consts
+    mask_consts = () if modifiers is None else modifiers.mask_consts
     # Inside shard_map, differentiable inputs must vary like the rest so their cotangents (reduced by JAX where an
     # input was replicated) match the custom_vjp's types.
+    vary = lambda xs: tuple(varying.like_inputs(x, padded) if _is_float(x) else x for x in xs)
     query, key, value, bias, sinks = varying.like_inputs(
         (padded.query, padded.key, padded.value, padded.bias, padded.sinks), padded
     )
     out, lse = _chunked(
-        config, block, query, key, value, bias, sinks, padded.mask, padded.dropout_seeds, padded.positions
-    )
+        config, block, query, key, value, bias, sinks, padded.mask, padded.dropout_seeds, padded.positions,
+        vary(padded.score_mod_args), vary(score_consts), tuple(mask_consts),
+    )  # fmt: skip
     # [B, K, G, T] -> [B, T, N]
     lse = jnp.reshape(jnp.transpose(lse, (0, 3, 1, 2)), (B, T, N))
     return out, lse
