@@ -482,7 +482,7 @@ def test_prefix_lm_mask_mod_equals_the_boolean_mask():
     docs = jnp.asarray([[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 2, 2]], jnp.int32)
     core = aeqx.DotProductAttention(is_causal=True, mask_mod=same_document, implementation="xla")
     out = core(q, k, v, score_mod_args=(docs[:, None, :, None], docs[:, None, None, :]))
-    mask = (docs[:, None, :, None] == docs[:, None, None, :])  # [B, 1, T, T]
+    mask = docs[:, None, :, None] == docs[:, None, None, :]  # [B, 1, T, T]
     expected = aeqx.DotProductAttention(is_causal=True, implementation="xla")(q, k, v, mask=mask)
     assert_out_close(out, expected, F32, what="document mask")
 
@@ -527,8 +527,10 @@ def test_modifiers_under_jit_vmap_and_grad():
 @pytest.mark.parametrize("cls", ["MultiheadAttention", "DotProductAttention"])
 @pytest.mark.parametrize("name", ["score_mod", "mask_mod"])
 def test_non_callable_modifier_is_a_type_error(cls, name):
-    make = (lambda **kw: aeqx.MultiheadAttention(6, 18, **kw, key=jr.key(0))) if cls == "MultiheadAttention" else (
-        lambda **kw: aeqx.DotProductAttention(**kw)
+    make = (
+        (lambda **kw: aeqx.MultiheadAttention(6, 18, **kw, key=jr.key(0)))
+        if cls == "MultiheadAttention"
+        else (lambda **kw: aeqx.DotProductAttention(**kw))
     )
     with pytest.raises(TypeError, match=re.escape(f"`{name}` must be None or a function `{name}(") + ".*"
                        + re.escape(f"Got {name}=3.0.")):  # fmt: skip

@@ -22,6 +22,7 @@ from helpers import assert_grad_close, assert_out_close, normal
 from layers_reference import reference_mha
 from reference import reference_attention, reference_attention_vjp
 
+import attnlib
 import attnlib.haiku as ahk
 
 
@@ -339,6 +340,191 @@ def test_dot_product_attention_segments_thd_and_pages():
         key_value_seq_lengths=np.asarray(lens),
     )  # fmt: skip
     assert_out_close(paged, ref, F32, what="paged")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# score_mod / mask_mod (flex attention): plain attributes of the module, `score_mod_args` per call
+
+CAP = 2.5
+
+
+def _softcap(score, batch, head, q_idx, kv_idx):
+    return CAP * jnp.tanh(score / CAP)
+
+
+def _alibi(score, batch, head, q_idx, kv_idx, slope):
+    return score + slope * (kv_idx - q_idx).astype(jnp.float32)
+
+
+def _prefix_lm(batch, head, q_idx, kv_idx, *args):  # `*args`: it also receives every score_mod_args
+    return (kv_idx <= q_idx) | (kv_idx < 3)
+
+
+def _slopes(n):
+    return jnp.asarray(2.0 ** (-8.0 * np.arange(1, n + 1) / n), F32)
+
+
+def _with_args(config, **options):
+    """`hk.transform` of `(q, k, v, mask, score_mod_args) -> y` for one MultiHeadAttention (jitted)."""
+
+    def f(q, k, v, mask=None, score_mod_args=()):
+        mha = ahk.MultiHeadAttention(**config, **options, w_init=hk.initializers.VarianceScaling(1.0),
+                                     b_init=hk.initializers.RandomNormal(0.5))  # fmt: skip
+        return mha(q, k, v, mask, score_mod_args=score_mod_args)
+
+    transformed = hk.transform(f)
+    return hk.Transformed(init=jax.jit(transformed.init), apply=jax.jit(transformed.apply))
+
+
+def _linear(params, x, name):
+    """The Haiku projection `multi_head_attention/{name}`: `x @ w + b`."""
+    p = params[f"multi_head_attention/{name}"]
+    y = x @ p["w"]
+    return y + jnp.broadcast_to(p["b"], y.shape)
+
+
+def _heads(params, x, name, heads, size):
+    """A projection as `[..., T, heads, size]`."""
+    return _linear(params, x, name).reshape(x.shape[:-1] + (heads, size))
+
+
+def test_modifiers_leave_the_parameters_unchanged():
+    q, k, v = _inputs(0)
+    config = CONFIGS["gqa_learnable_sinks"]
+    plain = _transform(ahk.MultiHeadAttention, config).init(jr.key(0), q, k, v)
+    modded = _with_args(config, score_mod=_alibi, mask_mod=_prefix_lm).init(
+        jr.key(0), q, k, v, None, (_slopes(6)[:, None, None],)
+    )
+    assert _structure(modded) == _structure(plain) == _golden("gqa_learnable_sinks")
+    jax.tree.map(np.testing.assert_array_equal, modded, plain)
+
+
+def test_score_mod_softcap_equals_logits_soft_cap():
+    q, k, v = (3.0 * x for x in _inputs(1))  # large logits: the cap matters
+    config = CONFIGS["default"]
+    capped = _transform(ahk.MultiHeadAttention, config, num_kv_heads=2, logits_soft_cap=CAP, implementation="xla")
+    modded = _transform(ahk.MultiHeadAttention, config, num_kv_heads=2, score_mod=_softcap, implementation="xla")
+    uncapped = _transform(ahk.MultiHeadAttention, config, num_kv_heads=2, implementation="xla")
+    params = capped.init(jr.key(1), q, k, v)
+    d_y = normal(np.random.default_rng(2), (2, T, 13))
+    y_cap, g_cap, dx_cap = _value_and_grads(capped, params, d_y, q, k, v)
+    y_mod, g_mod, dx_mod = _value_and_grads(modded, params, d_y, q, k, v)
+    assert_out_close(y_mod, y_cap, F32)
+    assert np.abs(np.asarray(uncapped.apply(params, None, q, k, v) - y_cap)).max() > 1e-2
+    for path, a in jax.tree_util.tree_leaves_with_path(g_mod):
+        assert_grad_close(a, g_cap[path[0].key][path[1].key], F32, what=jax.tree_util.keystr(path))
+    for a, e, what in zip(dx_mod, dx_cap, ("d query", "d key", "d value"), strict=True):
+        assert_grad_close(a, e, F32, what=what)
+
+    # the core
+    r = np.random.default_rng(3)
+    qh, kh, vh = normal(r, (2, T, 6, 5), scale=3.0), normal(r, (2, S, 2, 5), scale=3.0), normal(r, (2, S, 2, 3))
+
+    def cores(qh, kh, vh):
+        cap = ahk.DotProductAttention(is_causal=True, logits_soft_cap=CAP, implementation="xla")
+        mod = ahk.DotProductAttention(is_causal=True, score_mod=_softcap, implementation="xla")
+        return cap(qh, kh, vh, return_residual=True), mod(qh, kh, vh, return_residual=True)
+
+    (out_cap, lse_cap), (out_mod, lse_mod) = jax.jit(hk.transform(cores).apply)({}, None, qh, kh, vh)
+    assert_out_close(out_mod, out_cap, F32)
+    assert_out_close(lse_mod, lse_cap, F32, what="lse")
+
+
+def test_alibi_score_mod_with_args_equals_the_core_attention_call():
+    q, k, v = _inputs(4)
+    f = _with_args(CONFIGS["default"], num_kv_heads=2, is_causal=True, score_mod=_alibi, implementation="xla")
+    slopes = _slopes(6)[:, None, None]  # [N, 1, 1]: broadcast to [*B, N, T, S]
+    params = f.init(jr.key(4), q, k, v, None, (slopes,))
+    y = f.apply(params, None, q, k, v, None, (slopes,))
+
+    qh, kh, vh = _heads(params, q, "query", 6, 5), _heads(params, k, "key", 2, 5), _heads(params, v, "value", 2, 3)
+    attn = attnlib.attention(qh, kh, vh, is_causal=True, score_mod=_alibi, score_mod_args=(slopes,),
+                             implementation="xla")  # fmt: skip
+    assert_out_close(y, _linear(params, attn.reshape(2, T, 18), "linear"), F32)
+
+    # ... which is ALiBi as an explicit bias
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    bias = jnp.asarray(np.asarray(slopes) * (j - i).astype(np.float32))  # [N, T, S]
+    attn_bias = attnlib.attention(qh, kh, vh, bias, is_causal=True, implementation="xla")
+    assert_out_close(y, _linear(params, attn_bias.reshape(2, T, 18), "linear"), F32, what="vs bias")
+    assert np.abs(np.asarray(f.apply(params, None, q, k, v, None, (2 * slopes,)) - y)).max() > 1e-3
+
+
+def test_prefix_lm_mask_mod_equals_the_boolean_mask():
+    q, k, v = _inputs(5)
+    plain = _transform(ahk.MultiHeadAttention, CONFIGS["default"], implementation="xla")
+    modded = _transform(ahk.MultiHeadAttention, CONFIGS["default"], mask_mod=_prefix_lm, implementation="xla")
+    params = plain.init(jr.key(5), q, k, v)
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    mask = jnp.asarray((j <= i) | (j < 3))
+    assert_out_close(modded.apply(params, None, q, k, v), plain.apply(params, None, q, k, v, mask), F32)
+    extra = np.random.default_rng(6).random((2, 1, T, S)) < 0.6
+    extra[..., 0] = True
+    extra = jnp.asarray(extra)
+    both = jnp.broadcast_to(mask, extra.shape) & extra
+    assert_out_close(modded.apply(params, None, q, k, v, extra), plain.apply(params, None, q, k, v, both), F32)
+
+    # the core with per-example document ids through score_mod_args: [B, 1, T, 1] and [B, 1, 1, S]
+    def same_document(batch, head, q_idx, kv_idx, q_doc, kv_doc):
+        return q_doc == kv_doc
+
+    r = np.random.default_rng(7)
+    qh, kh, vh = normal(r, (2, T, 6, 5)), normal(r, (2, T, 2, 5)), normal(r, (2, T, 2, 3))
+    docs = jnp.asarray([[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 2, 2]], jnp.int32)
+
+    def cores(qh, kh, vh, docs):
+        modded = ahk.DotProductAttention(is_causal=True, mask_mod=same_document, implementation="xla")
+        plain = ahk.DotProductAttention(is_causal=True, implementation="xla")
+        mask = docs[:, None, :, None] == docs[:, None, None, :]
+        return modded(qh, kh, vh, score_mod_args=(docs[:, None, :, None], docs[:, None, None, :])), plain(
+            qh, kh, vh, mask=mask
+        )
+
+    out, expected = jax.jit(hk.transform(cores).apply)({}, None, qh, kh, vh, docs)
+    assert_out_close(out, expected, F32, what="document mask")
+
+
+def test_modifiers_under_jit_vmap_and_grad():
+    q, k, v = _inputs(8, lead=(3,))
+    f = _with_args(CONFIGS["default"], num_kv_heads=2, score_mod=_alibi, mask_mod=_prefix_lm, implementation="xla")
+    slopes = _slopes(6)[:, None, None]
+    params = f.init(jr.key(8), q, k, v, None, (slopes,))
+    batched = f.apply(params, None, q, k, v, None, (slopes,))
+    vmapped = jax.jit(jax.vmap(lambda q, k, v: f.apply(params, None, q, k, v, None, (slopes,))))(q, k, v)
+    assert_out_close(vmapped, batched, F32)
+
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    offsets = jnp.asarray((j - i).astype(np.float32))[None]  # [1, T, S]
+    mask = jnp.asarray((j <= i) | (j < 3))
+
+    def loss_mod(params, s):
+        return jnp.mean(f.apply(params, None, q, k, v, None, (s,)) ** 2)
+
+    def loss_bias(params, s):
+        qh, kh, vh = _heads(params, q, "query", 6, 5), _heads(params, k, "key", 2, 5), _heads(params, v, "value", 2, 3)
+        attn = attnlib.attention(qh, kh, vh, s * offsets, mask, implementation="xla")
+        return jnp.mean(_linear(params, attn.reshape(3, T, 18), "linear") ** 2)
+
+    g_mod = jax.jit(jax.grad(loss_mod, argnums=(0, 1)))(params, slopes)
+    g_bias = jax.jit(jax.grad(loss_bias, argnums=(0, 1)))(params, slopes)
+    for path, a in jax.tree_util.tree_leaves_with_path(g_mod[0]):
+        assert_grad_close(a, g_bias[0][path[0].key][path[1].key], F32, what=jax.tree_util.keystr(path))
+    assert g_mod[1].shape == (6, 1, 1) and np.abs(np.asarray(g_bias[1])).min() > 0
+    assert_grad_close(g_mod[1], g_bias[1], F32, what="d slopes")
+
+
+@pytest.mark.parametrize("cls", ["MultiHeadAttention", "DotProductAttention"])
+@pytest.mark.parametrize("name", ["score_mod", "mask_mod"])
+def test_non_callable_modifier_is_a_type_error(cls, name):
+    def f():
+        if cls == "MultiHeadAttention":
+            ahk.MultiHeadAttention(6, 5, w_init=hk.initializers.VarianceScaling(1.0), **{name: "tanh"})
+        else:
+            ahk.DotProductAttention(**{name: "tanh"})
+
+    with pytest.raises(TypeError, match=re.escape(f"`{name}` must be None or a function `{name}(") + ".*"
+                       + re.escape(f"Got {name}='tanh'.")):  # fmt: skip
+        hk.transform(f).init(jr.key(0))
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -388,8 +388,9 @@ class DotProductAttention(eqx.Module):
 
     Holds the static options (including `score_mod` / `mask_mod`) and, for `softmax_type="learnable"`, the
     trainable per-head `sinks`; every per-call argument of `attnlib.attention` (bias, mask, padding lengths, segment
-    ids, `cu_seqlens`, page tables, `score_mod_args`) is a `__call__` argument. Shapes are those of `attnlib.attention`: unbatched `[T, N, H]` (the Equinox convention,
-    `jax.vmap` for a batch) or batched `[*B, T, N, H]`; THD and paged layouts as there.
+    ids, `cu_seqlens`, page tables, `score_mod_args`) is a `__call__` argument. Shapes are those of
+    `attnlib.attention`: unbatched `[T, N, H]` (the Equinox convention, `jax.vmap` for a batch) or batched
+    `[*B, T, N, H]`; THD and paged layouts as there.
 
     !!! Example
         ```python
