@@ -536,7 +536,7 @@ def test_cudnn_ops_dispatch():
     ops = lowering.CudnnOps(g)
     x, y = FakeTensor("x", {}), FakeTensor("y", {})
     c = ops.constant(-math.inf)
-    assert g.calls == [("tensor_scalar", (float(np.float32(-1e30)), F))]
+    assert g.calls == [("tensor_scalar", (float(np.float32(-1e30)), cudnn.scalar_type.RUNTIME_PARAM))]
     assert ops.constant(float("-inf")) is c and lowering.CudnnOps(g).constant(-1e30) is c  # one per value and graph
     for op in ("add", "sub", "mul", "div"):
         t = ops.binary(op, x, y)

@@ -113,8 +113,10 @@ class CudnnOps:
     """`GraphOps` over a cuDNN frontend pygraph.
 
     Every op computes in FLOAT and every result is typed FLOAT (BOOLEAN for compares): without it cuDNN 9.19 finds
-    no engine for the backward. Constants are pass-by-value `tensor_scalar`s, one per value and graph (shared by
-    the forward and backward callbacks of that graph).
+    no engine for the backward. Constants are `tensor_scalar(value, cudnn.scalar_type.RUNTIME_PARAM)`: float32
+    pass-by-value scalars the graph owns (the binding takes a `scalar_type` there, not a data type;
+    `COMPILE_TIME_CONST` needs cuDNN >= 9.22), one per value and graph (shared by the forward and backward callbacks
+    of that graph).
     """
 
     _KEYWORDS = {op: ("a", "b") for op in ("add", "sub", "mul", "div")} | {
@@ -127,6 +129,7 @@ class CudnnOps:
         self.graph = graph
         self._float = cudnn.data_type.FLOAT
         self._bool = cudnn.data_type.BOOLEAN
+        self._runtime = cudnn.scalar_type.RUNTIME_PARAM
         try:
             self._constants = _CONSTANTS.setdefault(graph, {})
         except TypeError:  # not weakly referenceable: one table per CudnnOps
@@ -140,7 +143,8 @@ class CudnnOps:
         value = float(np.float32(_finite(value)))
         key = np.float32(value).tobytes()
         if key not in self._constants:
-            self._constants[key] = self.graph.tensor_scalar(value, self._float)
+            # A pass-by-value scalar: serialized with the graph and bound by the frontend itself at execution.
+            self._constants[key] = self.graph.tensor_scalar(value, self._runtime)
         return self._constants[key]
 
     def binary(self, op: str, a: Any, b: Any) -> Any:
