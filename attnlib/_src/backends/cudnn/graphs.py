@@ -382,16 +382,25 @@ def _modifier_callbacks(modifier: ScoreModifier, args: list[Any]) -> tuple[Any, 
 
     store: dict[Any, Any] = {}
 
-    def indices(graph: Any, like: Any) -> Any:
-        def make() -> list[Any]:
-            made = []
-            for axis in range(4):
-                index = graph.gen_index(input=like, axis=axis)
-                index.set_data_type(cudnn.data_type.INT32)
-                made.append(index)
-            return made
+    class Indices:
+        """batch, head, query row, key column of the callback's score tensor, each created on first use (an unused
+        gen_index would be a dangling node, which cuDNN's fused attention does not build)."""
 
-        return make
+        def __init__(self, graph: Any, like: Any):
+            self.graph, self.like, self.made = graph, like, {}
+
+        def __getitem__(self, axis: int) -> Any:
+            if axis not in self.made:
+                index = self.graph.gen_index(input=self.like, axis=axis)
+                index.set_data_type(cudnn.data_type.INT32)
+                self.made[axis] = index
+            return self.made[axis]
+
+        def __len__(self) -> int:
+            return 4
+
+    def indices(graph: Any, like: Any) -> Any:
+        return lambda: Indices(graph, like)
 
     def forward(graph: Any, score: Any) -> Any:
         ops = lowering.CudnnOps(graph)
