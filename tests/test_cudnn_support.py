@@ -50,6 +50,17 @@ SUPPORTED = [
     ("bottom_right_square_with_bias", {"is_causal": True, "diagonal_alignment": "bottom_right",
                                        "bias_shape": (128, 128)}),
     ("deterministic", {"deterministic_backward": True}),
+    # A boolean mask reaches the graph as an additive bias; a soft cap as a score modifier holding every mask.
+    ("mask", {"mask_shape": (128, 128)}),
+    ("mask_padding_causal", {"mask_shape": (1, 1, 128, 128), "has_kv_lengths": True, "is_causal": True}),
+    ("softcap", {"logits_soft_cap": 30.0}),
+    ("softcap_causal_window_sinks_dropout", {"logits_soft_cap": 30.0, "is_causal": True, "window": (40, 0),
+                                             "has_sinks": True, "dropout_rate": 0.1}),
+    ("softcap_padding", {"logits_soft_cap": 30.0, "has_q_lengths": True, "has_kv_lengths": True}),
+    ("softcap_bottom_right_t_gt_s", {"logits_soft_cap": 30.0, "is_causal": True, "diagonal_alignment": "bottom_right",
+                                     "kv_len": 64}),
+    ("softcap_window_t_gt_s", {"logits_soft_cap": 30.0, "window": (4, 4), "kv_len": 64}),
+    ("softcap_mask", {"logits_soft_cap": 30.0, "mask_shape": (128, 128)}),
 ]
 
 
@@ -62,8 +73,15 @@ DECLINED = [
     ("thd", {"layout": "thd"}, "THD"),
     ("paged", {"layout": "paged"}, "page_table"),
     ("segments", {"has_segments": True}, "segment_ids"),
-    ("mask", {"mask_shape": (128, 128)}, "boolean `mask`"),
-    ("softcap", {"logits_soft_cap": 30.0}, "logits_soft_cap"),
+    ("mask_thd", {"layout": "thd", "num_sequences": 2, "mask_shape": (128, 128)}, "boolean `mask` with THD"),
+    ("softcap_thd", {"layout": "thd", "num_sequences": 2, "logits_soft_cap": 30.0}, "logits_soft_cap"),
+    ("softcap_segments", {"has_segments": True, "max_segments_per_row": 2, "logits_soft_cap": 30.0},
+     "logits_soft_cap"),
+    ("softcap_bias", {"logits_soft_cap": 30.0, "bias_shape": (128, 128)}, "bias"),
+    ("softcap_padding_bottom_right", {"logits_soft_cap": 30.0, "has_kv_lengths": True,
+                                      "diagonal_alignment": "bottom_right"}, "bottom_right"),
+    ("mask_bottom_right", {"mask_shape": (64, 128), "is_causal": True, "diagonal_alignment": "bottom_right",
+                           "q_len": 64}, "boolean `mask`"),
     ("float32", {"dtype": np.dtype("float32")}, "float32"),
     ("head_dim_not_multiple_of_8", {"head_dim": 36, "value_head_dim": 36}, "multiples of 8"),
     ("head_dim_above_256", {"head_dim": 320, "value_head_dim": 320}, "above 256"),
@@ -198,7 +216,7 @@ def test_trimmed_query_lengths_keep_exactly_the_rows_that_see_a_key(causal, wind
     # No memset: cuDNN writes zeros past the trimmed lengths (`probe_unwritten_rows.py`).
     assert plan.rows_by_length and plan.fwd.zero_fill() == () and plan.bwd.zero_fill() == ()
     q_len, kv_len = (jnp.asarray(x.ravel(), jnp.int32) for x in np.meshgrid(np.arange(T + 1), np.arange(S + 1)))
-    valid = np.asarray(dense._row_valid(plan, q_len, kv_len))
+    valid = np.asarray(dense._row_valid(plan, q_len, kv_len))[..., 0]  # [B, T, 1]: one row mask for every head
     trimmed = np.asarray(dense._graph_seq_q(plan, q_len, kv_len))
     np.testing.assert_array_equal(valid, np.arange(T)[None, :] < trimmed[:, None])
     # A sequence without keys runs with one key and no query rows, so cuDNN writes its rows as zeros.

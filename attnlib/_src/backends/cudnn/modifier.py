@@ -159,12 +159,12 @@ def lowering_reason(config: AttentionConfig, offset: int, t: int, s: int) -> str
     if mods is not None and mods.has_traced_consts:
         return (
             "cudnn: the score_mod/mask_mod closes over a traced array (a value computed under jit); pass it in "
-            "`score_mod_args` so the graph can read it"
+            "`score_mod_args` so the graph can read it."
         )
     try:
         modifier = build(config, offset, t, s)
     except Exception as e:  # the user's function failed on scalars: validation reports that to the caller
-        return f"cudnn: the score modifier could not be traced on scalars ({type(e).__name__}: {e})"
+        return f"cudnn: the score modifier could not be traced on scalars ({type(e).__name__}: {e})."
     reason = score_mod_lowering.forward_reason(modifier.jaxpr)
     if reason is None:
         reason = score_mod_lowering.backward_reason(modifier.jaxpr)
