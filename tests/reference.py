@@ -7,8 +7,11 @@ diagonal alignments, segments, THD, paged) are spelled out again here from the c
 Forward, for one query row `i` of batch row `b` and query head `n` (key/value head `n // (N // K)`):
 
     s_j   = scale * q_i . k_j + bias[b, n, i, j]        (float64)
+    s_j   = score_mod(s_j, batch, n, q_idx, kv_idx_j, *args[b, n, i, j])   (when given; see below)
     s_j   = c * tanh(s_j / c)                           (logits_soft_cap c, when given)
-    vis_j = "query i may attend to key j"               (mask, padding, causal/window, segments, THD, paged)
+    vis_j = "query i may attend to key j"               (mask, padding, causal/window, segments, THD, paged,
+                                                         mask_mod(batch, n, q_idx, kv_idx_j, *args[b, n, i, j]),
+                                                         and score_mod's result != -inf)
     lse   = log(exp(sink_n) + sum_{vis} exp(s_j))        (no sink term without sinks; -inf when that sum is empty)
     p_j   = exp(s_j - lse) if vis_j else 0
     out_i = sum_j p_j * keep_j / (1 - rate) * v_j         (out = 0 for a row with no visible key)
@@ -21,17 +24,39 @@ Backward (analytic softmax backward, derived in `reference_attention_vjp`):
     ds_j *= 1 - tanh(s_raw_j / c)**2                    (through the soft cap)
     dbias[b, n, i, j] = ds_j;  dq_i = scale sum_j ds_j k_j;  dk_j += scale ds_j q_i;  dv_j += p_j keep_j/(1-rate) dO_i
     dsink_n += p_sink (dlse_i - D),  p_sink = exp(sink_n - lse)
+    with score_mod f: the ds above is w.r.t. f's output; ds_raw_j = ds_j * df/dscore, and the float
+    score_mod_args get ds_j * df/darg at [b, n, i, j] (summed back to their broadcast shapes)
 
+`score_mod` / `mask_mod` (API.md §1b) are the caller's functions written for one element; the reference calls them
+once per (visible) element on NumPy scalars: the float64 score, int32 `batch` (flattened row; THD: the query's
+0-based sequence), `head`, `q_idx` (the query's position in its sequence plus the bottom-right offset) and `kv_idx`
+(the key's position in its sequence), and one element of each `score_mod_args` (float ones as float64), with
+`jax_enable_x64` and standard dtype promotion so that the function computes in float64. `df/dscore` and
+`df/darg` come from `jax.grad` of the same scalar function.
 The analytic backward is itself checked against central finite differences of the forward in
 `tests/test_conformance.py::test_reference_vjp_matches_finite_differences`.
 """
 
 import math
 
+import jax
 import numpy as np
 
 
 __all__ = ["reference_attention", "reference_attention_vjp", "visibility"]
+
+
+class _float64_jax:
+    """`jax_enable_x64` and standard dtype promotion while the caller's functions run in float64."""
+
+    def __enter__(self):
+        self._contexts = [jax.enable_x64(True), jax.numpy_dtype_promotion("standard")]
+        for c in self._contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self._contexts):
+            c.__exit__(*exc)
 
 
 def _f64(x):
@@ -68,6 +93,9 @@ class _Problem:
         sinks,
         dropout_rate,
         dropout_keep,
+        score_mod=None,
+        mask_mod=None,
+        score_mod_args=(),
     ):
         query, key, value = _f64(query), _f64(key), _f64(value)
         self.layout = "dense"
@@ -184,8 +212,53 @@ class _Problem:
         else:
             self.window = tuple(int(w) for w in local_window_size)
 
+        # score_mod / mask_mod and their arguments, broadcast to [*B, N, T, S] and flattened to [B, N, T, S]
+        assert score_mod_args == () or score_mod is not None or mask_mod is not None
+        self.score_mod, self.mask_mod = score_mod, mask_mod
+        self.args = []
+        self.arg_shapes = []
+        for a in score_mod_args:
+            a = np.asarray(a)
+            if np.issubdtype(a.dtype, np.floating):
+                a = a.astype(np.float64)
+            self.arg_shapes.append(a.shape)
+            self.args.append(np.broadcast_to(a, full).reshape(B, N, T, S))
+        self.float_args = [m for m, a in enumerate(self.args) if np.issubdtype(a.dtype, np.floating)]
+        if score_mod is not None or mask_mod is not None:
+            with _float64_jax():
+                self._score = None if score_mod is None else jax.jit(score_mod)
+                argnums = (0,) + tuple(5 + m for m in self.float_args)
+                self._score_grad = None if score_mod is None else jax.jit(jax.grad(score_mod, argnums=argnums))
+                self._mask = None if mask_mod is None else jax.jit(mask_mod)
+
+    def positions(self, b: int, i: int) -> tuple[int, np.ndarray]:
+        """`(q_idx, kv_idx [S])`: query `i`'s aligned position and the keys' positions within its sequence."""
+        j = np.arange(self.S)
+        if self.segmented:
+            sid = self.qseg[b, i]
+            # positions restart at each segment; lengths are the segment's token counts.
+            q_members = np.flatnonzero(self.qseg[b] == sid)
+            k_members = np.flatnonzero(self.kvseg[b] == sid)
+            q_pos = i - q_members[0]
+            k_pos = j - (k_members[0] if len(k_members) else 0)
+            q_len, k_len = len(q_members), len(k_members)
+        else:
+            q_pos, k_pos = i, j
+            q_len = self.T if self.qlen is None else int(self.qlen[b])
+            k_len = self.S if self.kvlen is None else int(self.kvlen[b])
+        # the query's aligned position on the key axis
+        return int(q_pos + (k_len - q_len if self.bottom_right else 0)), k_pos
+
+    def batch_index(self, b: int, i: int) -> int:
+        """The `batch` a score_mod / mask_mod sees: the flattened row; THD: the query's 0-based sequence (0 past
+        the last one)."""
+        if self.layout == "thd":
+            return max(int(self.qseg[0, i]) - 1, 0)
+        return b
+
     def visible(self, b: int, n: int, i: int) -> np.ndarray:
-        """Boolean `[S]`: which keys query token `i` of batch row `b`, head `n`, may attend to."""
+        """Boolean `[S]`: which keys query token `i` of batch row `b`, head `n`, may attend to (built-in rules,
+        `mask` and `mask_mod`; not `score_mod`'s -inf, see `row_scores`)."""
         S = self.S
         j = np.arange(S)
         vis = np.ones(S, dtype=bool)
@@ -200,48 +273,70 @@ class _Problem:
             if sid == 0:
                 return np.zeros(S, dtype=bool)
             vis &= self.kvseg[b] == sid
-            # positions restart at each segment; lengths are the segment's token counts.
-            q_members = np.flatnonzero(self.qseg[b] == sid)
-            k_members = np.flatnonzero(self.kvseg[b] == sid)
-            q_pos = i - q_members[0]
-            k_pos = j - (k_members[0] if len(k_members) else 0)
-            q_len, k_len = len(q_members), len(k_members)
-        else:
-            q_pos, k_pos = i, j
-            q_len = self.T if self.qlen is None else int(self.qlen[b])
-            k_len = self.S if self.kvlen is None else int(self.kvlen[b])
-        # the query's aligned position on the key axis
-        diag = q_pos + (k_len - q_len if self.bottom_right else 0)
+        diag, k_pos = self.positions(b, i)
         if self.is_causal:
             vis &= k_pos <= diag
         if self.window is not None:
             left, right = self.window
             vis &= (k_pos >= diag - left) & (k_pos <= diag + right)
+        if self.mask_mod is not None:
+            with _float64_jax():
+                for jj in np.flatnonzero(vis):
+                    vis[jj] = bool(self._mask(*self._element(b, n, i, jj, diag, k_pos)[1:]))
         return vis
 
-    def row_logits(self, b: int, n: int, i: int):
-        """`(s_raw, s)`: float64 `[S]` logits of one row before and after the soft cap (bias included)."""
+    def _element(self, b, n, i, j, q_idx, kv_idx):
+        """NumPy scalars `(batch, head, q_idx, kv_idx, *args)` of element `(b, n, i, j)` for score_mod/mask_mod."""
+        idx = (np.int32(self.batch_index(b, i)), np.int32(n), np.int32(q_idx), np.int32(kv_idx[j]))
+        return (None,) + idx + tuple(a[b, n, i, j] for a in self.args)
+
+    def row_scores(self, b: int, n: int, i: int):
+        """`(s_raw, s_mod, s, vis)`: float64 `[S]` logits of one row with bias; after score_mod (= s_raw without
+        it); after the soft cap; and which keys are visible (incl. mask_mod and score_mod's -inf)."""
         kh = n // (self.N // self.K)
         s_raw = self.scale * (self.k[b, :, kh, :] @ self.q[b, i, n, :])
         if self.bias is not None:
             s_raw = s_raw + self.bias[b, n, i]
-        s = s_raw if self.cap is None else self.cap * np.tanh(s_raw / self.cap)
-        return s_raw, s
+        vis = self.visible(b, n, i)
+        s_mod = s_raw.copy()
+        if self.score_mod is not None:
+            diag, k_pos = self.positions(b, i)
+            with _float64_jax():
+                for j in np.flatnonzero(vis):
+                    _, *rest = self._element(b, n, i, j, diag, k_pos)
+                    s_mod[j] = float(self._score(np.float64(s_raw[j]), *rest))
+            vis = vis & (s_mod != -np.inf)
+        s = s_mod if self.cap is None else self.cap * np.tanh(s_mod / self.cap)
+        return s_raw, s_mod, s, vis
+
+    def score_mod_grads(self, b: int, n: int, i: int, s_raw, vis):
+        """`(df/dscore [S], [df/darg [S] for each float arg])` of score_mod at the visible keys (0 elsewhere)."""
+        dscore = np.zeros(self.S)
+        dargs = [np.zeros(self.S) for _ in self.float_args]
+        diag, k_pos = self.positions(b, i)
+        with _float64_jax():
+            for j in np.flatnonzero(vis):
+                _, *rest = self._element(b, n, i, j, diag, k_pos)
+                g = self._score_grad(np.float64(s_raw[j]), *rest)
+                dscore[j] = float(g[0])
+                for m in range(len(self.float_args)):
+                    dargs[m][j] = float(g[1 + m])
+        return dscore, dargs
 
     def row_softmax(self, b: int, n: int, i: int):
-        """`(p, lse, vis, s_raw)` of one row; `p` is zero off `vis`; lse is -inf for an empty row without sinks."""
-        s_raw, s = self.row_logits(b, n, i)
-        vis = self.visible(b, n, i)
+        """`(p, lse, vis, s_mod)` of one row; `p` is zero off `vis`; lse is -inf for an empty row without sinks;
+        `s_mod` the logits before the soft cap."""
+        _, s_mod, s, vis = self.row_scores(b, n, i)
         terms = list(s[vis])
         if self.sinks is not None:
             terms.append(self.sinks[n])
         if not terms:
-            return np.zeros(self.S), -np.inf, vis, s_raw
+            return np.zeros(self.S), -np.inf, vis, s_mod
         terms = np.asarray(terms)
         m = terms.max()
         lse = m + math.log(np.exp(terms - m).sum())
         p = np.where(vis, np.exp(np.where(vis, s, 0.0) - lse), 0.0)
-        return p, lse, vis, s_raw
+        return p, lse, vis, s_mod
 
     def dropped(self, p, b, n, i):
         return p if self.keep_scaled is None else p * self.keep_scaled[b, n, i]
@@ -268,6 +363,9 @@ def _problem(query, key, value, bias, mask, kwargs) -> _Problem:
         sinks=None,
         dropout_rate=0.0,
         dropout_keep=None,
+        score_mod=None,
+        mask_mod=None,
+        score_mod_args=(),
     )
     unknown = set(kwargs) - set(defaults)
     assert not unknown, f"reference: unknown arguments {unknown}"
@@ -317,7 +415,8 @@ def reference_attention_vjp(query, key, value, bias=None, mask=None, *, d_out, d
     """float64 gradients of `<d_out, out> + <d_lse, lse>` for the arguments of `reference_attention`.
 
     Returns a dict with `query`, `key`, `value` (for paged layouts: gradients w.r.t. the page pools), and `bias`,
-    `sinks` when given. `d_out` has the shape of `out`; `d_lse` (optional) the shape of `lse`.
+    `sinks` when given, and `score_mod_args` (a list: the gradient of each float argument, None for the others)
+    when score_mod_args are given. `d_out` has the shape of `out`; `d_lse` (optional) the shape of `lse`.
 
     Derivation for one row (all sums over visible keys j; p_j = exp(s_j - lse), p_sink = exp(sink - lse),
     so sum_j p_j + p_sink = 1; o = sum_j p_j m_j v_j with m_j = keep_j / (1 - rate)):
@@ -342,11 +441,12 @@ def reference_attention_vjp(query, key, value, bias=None, mask=None, *, d_out, d
     dv = np.zeros_like(pr.v)
     dbias = np.zeros((pr.B, pr.N, pr.T, pr.S))
     dsinks = np.zeros(pr.N)
+    dargs = [np.zeros((pr.B, pr.N, pr.T, pr.S)) for _ in pr.float_args]
     for b in range(pr.B):
         for n in range(pr.N):
             kh = n // (pr.N // pr.K)
             for i in range(pr.T):
-                p, lse, vis, s_raw = pr.row_softmax(b, n, i)
+                p, lse, vis, s_mod = pr.row_softmax(b, n, i)
                 g_lse = 0.0 if d_lse is None else d_lse[b, i, n]
                 if lse == -np.inf:
                     continue  # no visible key and no sink: out = 0 and lse = -inf are constants
@@ -362,8 +462,15 @@ def reference_attention_vjp(query, key, value, bias=None, mask=None, *, d_out, d
                     p_sink = math.exp(pr.sinks[n] - lse)
                     dsinks[n] += p_sink * (g_lse - D)
                 if pr.cap is not None:
-                    ds = ds * (1.0 - np.tanh(s_raw / pr.cap) ** 2)
+                    ds = ds * (1.0 - np.tanh(np.where(vis, s_mod, 0.0) / pr.cap) ** 2)
                 ds = np.where(vis, ds, 0.0)
+                if pr.score_mod is not None:
+                    # ds is w.r.t. score_mod's output: chain to the raw score and the float arguments
+                    s_raw = pr.row_scores(b, n, i)[0]
+                    dscore, dfargs = pr.score_mod_grads(b, n, i, s_raw, vis)
+                    for m, df in enumerate(dfargs):
+                        dargs[m][b, n, i] = ds * df
+                    ds = ds * dscore
                 dbias[b, n, i] = ds
                 dq[b, i, n] = pr.scale * (ds @ pr.k[b, :, kh, :])
                 dk[b, :, kh, :] += pr.scale * np.outer(ds, pr.q[b, i, n])
@@ -390,6 +497,11 @@ def reference_attention_vjp(query, key, value, bias=None, mask=None, *, d_out, d
         grads["bias"] = _unbroadcast(dbias.reshape(full), np.shape(bias))
     if pr.sinks is not None:
         grads["sinks"] = dsinks
+    if pr.args:
+        full = tuple(pr.batch_shape) + (pr.N, pr.T, pr.S)
+        grads["score_mod_args"] = [None] * len(pr.args)
+        for m, k in enumerate(pr.float_args):
+            grads["score_mod_args"][k] = _unbroadcast(dargs[m].reshape(full), pr.arg_shapes[k])
     return grads
 
 

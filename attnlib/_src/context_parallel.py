@@ -66,6 +66,8 @@ _UNSUPPORTED = {
     "max_seqlen_kv": "the THD layout (`max_seqlen_kv`) is not sharded by context parallelism",
     "page_table": "paged key/value caches (`page_table`) are for decoding, not context parallelism",
 }
+# `score_mod` / `mask_mod` would see shard-local positions and blocks (checked for anything but None / empty).
+_UNSUPPORTED_MODIFIERS = ("score_mod", "mask_mod", "score_mod_args")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -753,7 +755,8 @@ def attention(
             not a mesh axis bound by `shard_map`.
         TypeError: an unknown option or a non-integer segment id / length array.
         NotImplementedError: an option context parallelism cannot serve yet (`bias`, `mask`, dropout, THD
-            `cu_seqlens_*`, `page_table`, `diagonal_alignment="bottom_right"` with lengths or segment ids).
+            `cu_seqlens_*`, `page_table`, `score_mod` / `mask_mod`, `diagonal_alignment="bottom_right"` with
+            lengths or segment ids).
 
     !!! Example
         ```python
@@ -773,7 +776,17 @@ def attention(
 
 
 def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwargs):
+    for name in _UNSUPPORTED_MODIFIERS:
+        given = kwargs.get(name)
+        if given is not None and not (isinstance(given, (tuple, list)) and len(given) == 0):
+            raise NotImplementedError(
+                f"context parallelism does not support `{name}` yet: `score_mod` / `mask_mod` would see "
+                "shard-local positions and blocks, not the global sequence. Use `attnlib.attention` on the whole "
+                "sequence, or the built-in masks (`is_causal`, `local_window_size`, segment ids)."
+            )
     for name in kwargs:
+        if name in _UNSUPPORTED_MODIFIERS:
+            continue
         if name not in _FORWARDED and name not in _HANDLED and name not in _UNSUPPORTED:
             raise TypeError(f"`attnlib.context_parallel.attention` got an unexpected keyword argument `{name}`.")
     for name, why in _UNSUPPORTED.items():

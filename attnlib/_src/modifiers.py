@@ -243,9 +243,7 @@ def describe(score_mod: Any, mask_mod: Any, score_mod_args: Any) -> Modifiers | 
         avals = (index,) * 4 + arg_avals
         mask_jaxpr, out = _trace("mask_mod", MASK_MOD_SIGNATURE, mask_mod, avals)
         if not isinstance(out, jax.ShapeDtypeStruct) or out.dtype != jnp.bool_:
-            raise TypeError(
-                f"`mask_mod` must return one bool scalar (True = may attend). Got {_aval_text(out)}."
-            )
+            raise TypeError(f"`mask_mod` must return one bool scalar (True = may attend). Got {_aval_text(out)}.")
         if out.shape != ():
             raise ValueError(
                 "`mask_mod` must return one bool scalar (True = may attend, for one element), shape (). "

@@ -334,9 +334,7 @@ def _chunked_bwd(config, block, residuals, cotangents):
     problem, score_consts, mask_consts, out, lse = residuals
     mods = None if config.modifiers is None else _Modifiers(config, problem, score_consts, mask_consts)
     d_out, d_lse = cotangents
-    dq, dk, dv, dbias, d_sinks, d_args, d_score_consts = _backward(
-        config, block, problem, mods, out, lse, d_out, d_lse
-    )
+    dq, dk, dv, dbias, d_sinks, d_args, d_score_consts = _backward(config, block, problem, mods, out, lse, d_out, d_lse)
     d_mask_consts = (None,) * len(mask_consts)
     return dq, dk, dv, dbias, d_sinks, None, None, None, d_args, d_score_consts, d_mask_consts
 
