@@ -373,7 +373,7 @@ class RecordingOps:
                 assert x.kind != "bool", f"a compare result is used in `{x.op}`-consuming arithmetic"
                 if self.phase == "backward":
                     assert id(x) not in self.forward_results, "a forward tensor is read in the bprop"
-                assert not (x.kind == "select" and x.op == "const-select"), "a select of two constants feeds arithmetic"
+                assert x.op != "const-select", "a select with a constant input feeds arithmetic"
 
     @staticmethod
     def _v(x):
@@ -400,9 +400,16 @@ class RecordingOps:
             assert not (isinstance(x, _T) and x.kind == "bool")
             if self.phase == "backward":
                 assert not (isinstance(x, _T) and id(x) in self.forward_results)
-        both_constant = all(isinstance(x, _T) and x.kind == "const" for x in (if_true, if_false))
+        # cuDNN 9.19 reads select(x, constant, mask) as a mask and skips what it masks: a constant is only ever
+        # input1, a masked score (forward) or a zero (bprop), and such a select only feeds selects or the result.
+        assert not (isinstance(if_true, _T) and if_true.kind == "const"), "a constant select input must be input1"
+        constant = isinstance(if_false, _T) and if_false.kind == "const"
+        if constant and self.phase == "forward":
+            assert float(if_false.value) <= -1e29, "a forward select keeps only a masking constant"
+        if constant and self.phase == "backward":
+            assert float(if_false.value) == 0.0
         value = self.np.select(self._v(if_true), self._v(if_false), self._v(mask))
-        op = "const-select" if both_constant else "select"
+        op = "const-select" if constant else "select"
         return self._record(_T(value, "select", op, (if_true, if_false, mask), self.phase))
 
     def backward(self, op, loss, input):
@@ -477,6 +484,34 @@ def test_softcap_backward_reads_the_stored_tensor_through_tanh_backward():
     ops_made = [(t.kind, t.op) for t in ops.made["backward"]]
     # one tanh_backward (recorded as op "tanh"), no recomputed tanh: RecordingOps.unary would have seen it
     assert ops_made.count(("float", "tanh")) == 1
+
+
+def _recorded(fn):
+    ops = RecordingOps()
+    jaxpr = trace(fn)
+    store: dict = {}
+    lowering.emit_forward(ops, jaxpr, SCORE, lambda: GRIDS, [], store)
+    ops.forward_results = {id(t) for t in ops.made["forward"]}
+    ops.phase = "backward"
+    lowering.emit_backward(ops, jaxpr, D_SCORE, lambda: GRIDS, [], store)
+    return {phase: [t.op for t in ops.made[phase]] for phase in ops.made}
+
+
+@pytest.mark.parametrize(
+    "name, forward_constant, backward_constant",
+    [
+        ("causal", True, True),  # the mask: cuDNN may skip what it masks, in both directions
+        ("sliding_window", True, True),
+        ("xor_mask", True, True),
+        ("causal_then_softcap", False, False),  # masked scores become -5: a computed S*0 - 1e30 branch
+        ("multiplicative_mask", False, False),  # masked scores are 0, not masked: dS*0 in the bprop
+        ("two_wheres", False, False),
+    ],
+)
+def test_constant_select_inputs_only_where_the_output_is_masked(name, forward_constant, backward_constant):
+    ops = _recorded(BOTH[name])
+    assert ("const-select" in ops["forward"]) == forward_constant
+    assert ("const-select" in ops["backward"]) == backward_constant
 
 
 def test_backward_without_forward_store_fails_clearly():

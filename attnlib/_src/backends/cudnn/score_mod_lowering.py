@@ -20,10 +20,13 @@ How it works, in two phases:
    cuDNN pygraph, `NumpyOps` for the CPU emulator used by the tests), so the forward has no dangling tensors.
 
 What cuDNN 9.19 accepts shapes every rule (measured on an H200, see `docs/score_mod_cudnn.md`): a comparison's
-boolean result is only ever a select mask (no `logical_and`, no 0/1 floats in arithmetic); the backward modifier
-reads a forward tensor only as the `input=` of `tanh_backward` / `sigmoid_backward`, and recomputes everything else
-(gen_index, constants, args) with fresh ops; every op computes in FLOAT and every result is FLOAT (BOOLEAN for
-compares); integers are FLOAT values (exact below 2**24); constants ±inf become ±1e30.
+boolean result is only ever the mask of one select (no `logical_and`, no 0/1 floats in arithmetic); the backward
+modifier reads a forward tensor only as the `input=` of `tanh_backward` / `sigmoid_backward`, and recomputes
+everything else (gen_index, constants, args) with fresh ops; every op computes in FLOAT and every result is FLOAT
+(BOOLEAN for compares); integers are FLOAT values (exact below 2**24); constants ±inf become ±1e30. cuDNN reads
+`binary_select(x, constant, mask)` as a mask and skips what it masks, in the forward and in the bprop, so a
+constant select input is kept only where the output really is masked (`_finalize`); elsewhere it becomes the
+computed tensor `score * 0 + c` (`dS * 0 + c` in the bprop).
 """
 
 import dataclasses
@@ -288,6 +291,10 @@ class _Sel:
     if_false: Any
 
 
+FRESH_COMPARES = True
+"""Emit a fresh compare for every select mask instead of sharing one boolean between selects (cuDNN 9.19 found no
+engine for a forward whose boolean fed two selects)."""
+
 _TRUE = _Pred("lit", value=True)
 _FALSE = _Pred("lit", value=False)
 _MAX_LEAVES = 64
@@ -391,7 +398,9 @@ class _Builder:
         if k == "lit":
             return t if pred.value else f
         if k == "cmp":
-            return self._node("select", "", (t, f, self._node("compare", pred.op, pred.args)))
+            # One compare per select: a boolean is consumed exactly once, the form measured on cuDNN 9.19.
+            mask = _Node("compare", pred.op, pred.args) if FRESH_COMPARES else self._node("compare", pred.op, pred.args)
+            return self._node("select", "", (t, f, mask))
         if k == "not":
             return self.select(pred.args[0], f, t)
         p, q = pred.args[0], pred.args[1]
@@ -852,6 +861,99 @@ def _input_key(out_key: Any) -> tuple[str, Any]:
     return ("input", out_key)
 
 
+_MASKED_ZERO = object()
+_MASKED_ZERO_INDEX = "masked"
+MASKED_BELOW = -1e29
+"""A constant at or below this is a masked score (the forward's -inf / -1e30)."""
+
+
+def _is_zero(g: Any) -> bool:
+    return g is None or g is _MASKED_ZERO
+
+
+def _masking_selects(lo: "_Lowering") -> dict[int, int]:
+    """The `select_n` equations on the output's select chain (reached from the output through pass-through ops and
+    select cases only) with a case that is a constant <= -1e29: `id(eqn) -> that case`. Where such a select picks
+    its constant, the forward output is a masked score."""
+    flat = lo.flat
+    chain = {flat.out}
+    found: dict[int, int] = {}
+    for e in reversed(flat.eqns):
+        if not e.outs or e.outs[0] not in chain:
+            continue
+        if e.prim in _PASS_PRIMS or (e.prim == "convert_element_type" and e.in_avals[0].kind == "float"):
+            chain.update(x for x in e.ins[:1] if not isinstance(x, _Lit))
+        elif e.prim == "select_n" and e.in_avals[0].kind == "bool" and len(e.ins) == 3:
+            for i, case in enumerate(e.ins[1:]):
+                v = lo.value(case)
+                if isinstance(v, _Node) and v.is_const and v.value <= MASKED_BELOW:
+                    found[id(e)] = i
+                elif not isinstance(case, _Lit):
+                    chain.add(case)
+    return found
+
+
+_NEGATED = {"eq": "neq", "neq": "eq", "lt": "ge", "ge": "lt", "le": "gt", "gt": "le"}
+
+
+def _finalize(b: "_Builder", root: _Node, zero_source: _Node, *, backward: bool) -> tuple[_Node, Callable]:
+    """Where a select may keep a constant input (measured on cuDNN 9.19): cuDNN reads
+    `binary_select(x, constant, mask)` as a mask and skips what it masks (in the forward and in the bprop), which
+    is exact only where the output is a masked score there. So a constant select input survives only on the
+    output's select chain (the root select and the select inputs of chain selects), as `input1`, and only if it is
+    <= -1e29 (forward) or a zero at forward-masked positions (bprop); every other constant becomes a computed tensor
+    `zero_source * 0 + c`. Compares are flipped (`lt` <-> `ge`, ...) to put a kept constant in `input1`."""
+    memo: dict[tuple[int, bool], _Node] = {}
+
+    def keep(n: _Node, chain: bool) -> bool:
+        if not (chain and n.is_const):
+            return False
+        return n.index == _MASKED_ZERO_INDEX if backward else n.value <= MASKED_BELOW
+
+    def tensor(c: _Node) -> _Node:
+        zero = b._node("binary", "mul", (zero_source, b.const(0.0)))
+        return zero if c.value == 0.0 else b._node("binary", "add", (zero, b.const(c.value)))
+
+    def branch(n: _Node, chain: bool) -> _Node:
+        return tensor(n) if n.is_const else rw(n, chain)
+
+    def rw(n: _Node, chain: bool) -> _Node:
+        key = (id(n), chain)
+        if key in memo:
+            return memo[key]
+        if n.kind == "select":
+            t, f, mask = n.args
+            mask_args = tuple(rw(a, False) for a in mask.args)
+            if keep(t, chain) and not keep(f, chain):
+                t, f = f, t
+                mask = _Node("compare", _NEGATED[mask.op], mask_args)
+            elif mask_args != mask.args:
+                mask = _Node("compare", mask.op, mask_args)
+            new_f = f if keep(f, chain) else branch(f, chain)
+            out = b._node("select", "", (branch(t, chain), new_f, mask))
+            if out.args == n.args:
+                out = n
+        elif n.args:
+            args = tuple(n.args[:1] if n.kind == "backward" else n.args)
+            new = tuple(rw(a, False) for a in args)
+            if new == args:
+                out = n
+            else:
+                out = b._node(n.kind, n.op, new + tuple(n.args[len(args) :]))
+        else:
+            out = n
+        memo[key] = out
+        return out
+
+    new_root = rw(root, True)
+
+    def lookup(n: _Node) -> _Node | None:
+        """The rewritten version of `n` (its arithmetic use first)."""
+        return memo.get((id(n), False), memo.get((id(n), True)))
+
+    return new_root, lookup
+
+
 def _depends(flat: _Flat) -> set[Any]:
     dep = {flat.invars[0]}
     for e in flat.eqns:
@@ -874,44 +976,50 @@ class _Backward:
         self.lo, self.b = lo, lo.b
         flat = lo.flat
         self.dep = _depends(flat)
+        self.masking = _masking_selects(lo)
         self.custom: LoweringError | None = None
         ct: dict[Any, Any] = {}
         if not isinstance(flat.out, _Lit) and flat.out in self.dep:
             ct[flat.out] = d_score
         for e in reversed(flat.eqns):
             outs = [ct.pop(k, None) if k is not None else None for k in e.outs]
-            if all(g is None for g in outs):
+            if all(_is_zero(g) for g in outs):
                 continue
             for x, g in self._eqn(e, outs):
-                if g is not None and not isinstance(x, _Lit) and x in self.dep:
+                if not _is_zero(g) and not isinstance(x, _Lit) and x in self.dep:
                     ct[x] = self.add(ct.get(x), g)
         if self.custom is not None:
             raise self.custom
         result = ct.get(flat.invars[0])
-        if result is None:  # the output does not depend on the score: a zero gradient, still a computed tensor
+        if _is_zero(result):  # the output does not depend on the score: a zero gradient, still a computed tensor
             self.out = self.b.binary("mul", d_score, self.b.const(0.0))
         else:
             self.out = self.materialize(result)
 
-    # ---- cotangent algebra (None is a symbolic zero)
+    # ---- cotangent algebra. Zeros are symbolic: None, or _MASKED_ZERO where the forward output is masked (a
+    # select to <= -1e29 on the output's select chain), the only zeros emitted as a constant select input.
     def sel(self, pred: _Pred, t: Any, f: Any) -> Any:
         if pred.kind == "lit":
             return t if pred.value else f
         if t is f:
             return t
+        if _is_zero(t) and _is_zero(f):
+            return _MASKED_ZERO if _MASKED_ZERO in (t, f) else None
         return _Sel(pred, t, f)
 
     def map(self, fn: Callable[[_Node], Any], g: Any) -> Any:
-        if g is None:
-            return None
+        if _is_zero(g):
+            return g
         if isinstance(g, _Sel):
             return self.sel(g.pred, self.map(fn, g.if_true), self.map(fn, g.if_false))
         return fn(g)
 
     def add(self, g: Any, h: Any) -> Any:
-        if g is None:
+        if _is_zero(g) and _is_zero(h):
+            return _MASKED_ZERO if _MASKED_ZERO in (g, h) else None
+        if _is_zero(g):
             return h
-        if h is None:
+        if _is_zero(h):
             return g
         if _leaves(g) * _leaves(h) > _MAX_LEAVES:
             return self.b.binary("add", self.materialize(g), self.materialize(h))
@@ -925,6 +1033,8 @@ class _Backward:
 
     def scale(self, g: Any, op: str, v: Any) -> Any:
         """`g * v` or `g / v` for a score-independent value `v` (a node or a lazy select of constants)."""
+        if _is_zero(g):
+            return g
         if isinstance(v, _Sel):
             return self.sel(v.pred, self.scale(g, op, v.if_true), self.scale(g, op, v.if_false))
         if op == "mul" and v.is_const and v.value == 0.0:
@@ -934,6 +1044,8 @@ class _Backward:
     def materialize(self, g: Any) -> _Node:
         if g is None:
             return self.b.const(0.0)
+        if g is _MASKED_ZERO:
+            return self.b._node("const", value=0.0, index=_MASKED_ZERO_INDEX)
         if isinstance(g, _Sel):
             return self.b.select(g.pred, self.materialize(g.if_true), self.materialize(g.if_false))
         return g
@@ -1008,7 +1120,10 @@ class _Backward:
             if e.in_avals[0].kind == "bool":
                 if len(cases) == 1:
                     return [(cases[0], g)]
-                return [(cases[1], self.sel(which, g, None)), (cases[0], self.sel(which, None, g))]
+                # where the other case is a masking constant of the output's select chain, the zero is masked
+                zero1 = _MASKED_ZERO if self.masking.get(id(e)) == 0 else None
+                zero0 = _MASKED_ZERO if self.masking.get(id(e)) == 1 else None
+                return [(cases[1], self.sel(which, g, zero1)), (cases[0], self.sel(which, zero0, g))]
             return [(c, self.sel(b.compare("eq", which, b.const(float(i))), g, None)) for i, c in enumerate(cases)]
         if prim in ("tanh", "logistic"):
             op = "tanh" if prim == "tanh" else "sigmoid"
@@ -1128,11 +1243,12 @@ def _symbolic(closed: Any, args: Sequence[Any] | None, first: str) -> tuple[_Fla
     return flat, b, _Lowering(flat, b, inputs)
 
 
-def _result(b: _Builder, v: Any) -> _Node:
+def _result(b: _Builder, v: Any, zero_source: _Node, *, backward: bool = False) -> tuple[_Node, Callable]:
+    """The root of a callback, and a map from a node of the symbolic lowering to its rewritten version."""
     node = b.materialize(v)
     if node.kind in ("input", "const"):  # a callback must return a computed tensor
         node = b._node("unary", "identity", (node,))
-    return node
+    return _finalize(b, node, zero_source, backward=backward)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1148,7 +1264,7 @@ def forward_reason(jaxpr: Any) -> str | None:
     """
     try:
         _, b, lo = _symbolic(jaxpr, None, "score")
-        _result(b, lo.out)
+        _result(b, lo.out, b.input("score"))
     except LoweringError as e:
         return str(e)
     return None
@@ -1157,9 +1273,9 @@ def forward_reason(jaxpr: Any) -> str | None:
 def backward_reason(jaxpr: Any) -> str | None:
     """Why `emit_backward` cannot lower the gradient of `jaxpr` (or its forward), or None. Pure Python."""
     try:
-        flat, b, lo = _symbolic(jaxpr, None, "score")
-        _result(b, lo.out)
-        _Backward(lo, b.input("d_score"))
+        _, b, lo = _symbolic(jaxpr, None, "score")
+        _result(b, lo.out, b.input("score"))
+        _result(b, _Backward(lo, b.input("d_score")).out, b.input("d_score"), backward=True)
     except LoweringError as e:
         return str(e)
     return None
@@ -1181,7 +1297,9 @@ def emit_forward(
             -> f32[]`, traced on scalars; its constants are baked in.
         score: the callback's score tensor.
         indices: returns `[batch, head, q, kv]` gen_index tensors of this callback; called at most once, and only
-            when the modifier reads an index.
+            when the modifier reads an index. Only the axes the modifier reads are indexed, so return a lazy
+            sequence that creates each gen_index on first access: on cuDNN 9.19 (H200) a gen_index tensor that
+            reaches no output makes the backward graph give wrong gradients (dQ/dK/dV off by ~40, no error).
         args: one tensor per trailing jaxpr input, or a Python / NumPy scalar to bake as a constant.
         store: filled with the forward tensor of every jaxpr variable (keyed by the variable; `(path, var)` inside
             inlined calls) for `emit_backward` in the same graph.
@@ -1193,17 +1311,25 @@ def emit_forward(
         LoweringError: the modifier uses something cuDNN's pointwise ops cannot express.
     """
     _, b, lo = _symbolic(jaxpr, args, "score")
-    root = _result(b, lo.out)
+    root, rewritten = _result(b, lo.out, b.input("score"))
     emitter = _Emitter(ops, _sources(("score", score), indices, args), None)
     out = emitter.emit(root)
     memo = emitter.memo
+
+    def emitted(v: Any) -> Any:
+        new = rewritten(v) if isinstance(v, _Node) else None
+        return None if new is None else memo.get(id(new))
+
     for key, v in lo.values.items():
-        if isinstance(v, _Node) and id(v) in memo:
-            store[key] = memo[id(v)]
+        tensor = emitted(v)
+        if tensor is not None:
+            store[key] = tensor
     for e in lo.flat.eqns:
         v = lo.values.get(e.outs[0])
-        if e.prim in ("tanh", "logistic") and isinstance(v, _Node) and v.kind == "unary" and id(v) in memo:
-            store[_input_key(e.outs[0])] = memo[id(v.args[0])]
+        if e.prim in ("tanh", "logistic") and isinstance(v, _Node) and v.kind == "unary":
+            new = rewritten(v)
+            if new is not None and id(new) in memo:
+                store[_input_key(e.outs[0])] = memo[id(new.args[0])]
     return out
 
 
@@ -1232,5 +1358,5 @@ def emit_backward(
         LoweringError: the gradient cannot be expressed (e.g. `exp(s)`, `s * s`, `where(s > 0, ...)`).
     """
     _, b, lo = _symbolic(jaxpr, args, "score")
-    root = _result(b, _Backward(lo, b.input("d_score")).out)
+    root, _ = _result(b, _Backward(lo, b.input("d_score")).out, b.input("d_score"), backward=True)
     return _Emitter(ops, _sources(("d_score", d_score), indices, args), store).emit(root)
