@@ -292,8 +292,8 @@ class _Sel:
 
 
 FRESH_COMPARES = True
-"""Emit a fresh compare for every select mask instead of sharing one boolean between selects (cuDNN 9.19 found no
-engine for a forward whose boolean fed two selects)."""
+"""Emit a fresh compare for every select mask instead of sharing one boolean between selects: every form measured
+on cuDNN 9.19 consumes each boolean once (a shared one is unmeasured)."""
 
 _TRUE = _Pred("lit", value=True)
 _FALSE = _Pred("lit", value=False)
