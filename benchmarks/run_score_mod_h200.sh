@@ -14,7 +14,7 @@ tests=(tests/test_score_mod_gpu.py)
 [ "${ATTNLIB_REGRESSION:-1}" = 1 ] && tests+=(tests/test_cudnn_gpu.py)
 if [ "$tests_s" != 0 ]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false ATTNLIB_REQUIRE_GPU=1 timeout "$tests_s" python3 -m pytest "${tests[@]}" \
-    -p no:cacheprovider -n "${ATTNLIB_WORKERS:-8}" -v -rfE --tb=short ${ATTNLIB_PYTEST_ARGS:-} 2>&1 \
+    -p no:cacheprovider -p no:benchmark -n "${ATTNLIB_WORKERS:-8}" -v -rfE --tb=short ${ATTNLIB_PYTEST_ARGS:-} 2>&1 \
     | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
 fi
 if [ "$bench_s" != 0 ]; then
