@@ -352,7 +352,12 @@ def test_against_reference_bfloat16(impl, name):
 
 
 def _call(impl, q, k, v, **kw):
-    return attnlib.attention(q, k, v, implementation=impl, return_residual=True, **kw)
+    """`attention(..., return_residual=True)` under `jit` (array arguments traced, the rest static)."""
+    is_array = lambda x: isinstance(x, jax.Array) or (isinstance(x, tuple) and all(isinstance(a, jax.Array) for a in x))
+    arrays = {n: x for n, x in kw.items() if is_array(x)}
+    static = {n: x for n, x in kw.items() if n not in arrays}
+    f = lambda q, k, v, a: attnlib.attention(q, k, v, implementation=impl, return_residual=True, **a, **static)
+    return jax.jit(f)(q, k, v, arrays)
 
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
@@ -441,18 +446,21 @@ def test_vmap_over_a_batch_axis(impl):
     q, k, v = qkv(r, batch=(VB, B))
     slopes = normal(r, (VB, N, 1, 1), jnp.float32, 0.3)
     bias = normal(r, (VB, N, T, S))
-    f = lambda q, k, v, b, s: _call(impl, q, k, v, bias=b, score_mod=alibi, mask_mod=prefix_lm, score_mod_args=(s,),
-                                    is_causal=True, diagonal_alignment="bottom_right")  # fmt: skip
-    out, lse = jax.vmap(f)(q, k, v, bias, slopes)
+    f = lambda q, k, v, b, s: attnlib.attention(
+        q, k, v, b, implementation=impl, return_residual=True, score_mod=alibi, mask_mod=prefix_lm,
+        score_mod_args=(s,), is_causal=True, diagonal_alignment="bottom_right",
+    )  # fmt: skip
+    out, lse = jax.jit(jax.vmap(f))(q, k, v, bias, slopes)
     cot = normal(r, out.shape)
     loss = lambda q, k, v, b, s: jnp.sum(jax.vmap(f)(q, k, v, b, s)[0] * cot)
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, bias, slopes)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, bias, slopes)
+    f_one = jax.jit(f)
+    grad_one = jax.jit(jax.grad(lambda q, k, v, b, s, c: jnp.sum(f(q, k, v, b, s)[0] * c), argnums=(0, 1, 2, 3, 4)))
     for e in range(VB):
-        o, l = f(q[e], k[e], v[e], bias[e], slopes[e])
+        o, l = f_one(q[e], k[e], v[e], bias[e], slopes[e])
         np.testing.assert_allclose(np.asarray(out[e]), np.asarray(o), atol=1e-6, rtol=1e-6)
         np.testing.assert_allclose(np.asarray(lse[e]), np.asarray(l), atol=1e-6, rtol=1e-6)
-        loss_e = lambda q_, k_, v_, b_, s_: jnp.sum(f(q_, k_, v_, b_, s_)[0] * cot[e])
-        g_e = jax.grad(loss_e, argnums=(0, 1, 2, 3, 4))(q[e], k[e], v[e], bias[e], slopes[e])
+        g_e = grad_one(q[e], k[e], v[e], bias[e], slopes[e], cot[e])
         for got, want in zip(grads, g_e, strict=True):
             assert_grad_close(got[e], to_f64(want), jnp.float32)
         ref_out, _ = reference_attention(
