@@ -162,7 +162,7 @@ def attention(
 
         # ALiBi and a prefix-LM mask, written for one score element
         alibi = lambda score, b, h, q_idx, kv_idx, slope: score + slope * (kv_idx - q_idx).astype(jnp.float32)
-        prefix_lm = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 16)
+        prefix_lm = lambda b, h, q_idx, kv_idx, slope: (kv_idx <= q_idx) | (kv_idx < 16)  # sees the args too
         out = attnlib.attention(q, k, v, score_mod=alibi, mask_mod=prefix_lm, score_mod_args=(slopes[:, None, None],))
         ```
     """
