@@ -839,3 +839,38 @@ def test_reference_vjp_matches_finite_differences():
         # central differences in float64: truncation ~ step**2, rounding ~ 1e-16 / step -> ~1e-9 absolute
         np.testing.assert_allclose(grads[name], fd, atol=1e-7, rtol=1e-6, err_msg=f"d{name}")
     assert math.isfinite(loss(args))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked"])
+def test_shard_map_with_replicated_and_varying_args(implementation, monkeypatch):
+    """Inside `shard_map`: replicated slopes, a varying per-row argument, an integer argument and a closure over a
+    replicated traced value; forward and gradients equal the unsharded call."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import attnlib._src.backends.xla_chunked as chunked
+
+    monkeypatch.setattr(chunked, "DEFAULT_BLOCK_K", 5)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("b",))
+    r = np.random.default_rng(11)
+    q, k, v = qkv(r)
+    slopes = _slopes(r)
+    w = normal(r, (B, 1, T, S), jnp.float32, 0.5)
+    kv_doc = jnp.asarray(np.arange(S) // 7, jnp.int32)
+    table = normal(r, (N,), jnp.float32, 0.3)
+
+    def local(q, k, v, slopes, w, table):
+        def score_mod(score, b, h, i, j, slope, w_, doc):
+            return score + slope * (j - i).astype(score.dtype) + w_ + table[h] * doc.astype(score.dtype)
+
+        mask_mod = lambda b, h, i, j, slope, w_, doc: (doc <= i // 5) | (j <= i)
+        return attnlib.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, score_mod_args=(slopes, w, kv_doc),
+                                 is_causal=True, diagonal_alignment="bottom_right", implementation=implementation)  # fmt: skip
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("b"),) * 3 + (P(), P("b"), P()), out_specs=P("b"))
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+    argnums = (0, 1, 2, 3, 4, 5)
+    out, grads = jax.jit(jax.value_and_grad(loss(sharded), argnums=argnums))(q, k, v, slopes, w, table)
+    expected, expected_grads = jax.jit(jax.value_and_grad(loss(local), argnums=argnums))(q, k, v, slopes, w, table)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert_grad_close(got, to_f64(want), jnp.float32)

@@ -11,6 +11,7 @@ The backward differentiates `score_mod` per block with `jax.vjp`: the raw-score 
 are accumulated exactly.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -84,31 +85,37 @@ class _Modifiers:
         # float arguments and constants get gradients; the rest are closed over as they are
         self.float_args = tuple(i for i, a in enumerate(problem.score_mod_args) if _is_float(a))
         self.float_consts = tuple(i for i, c in enumerate(self.score_consts) if _is_float(c))
+        # inside shard_map the jaxprs were traced on scalars varying over these axes (see `_for_varying_inputs`)
+        self.axes = varying.union_axes(problem)
+
+    def vary(self, x):
+        return varying.vary_over(x, self.axes)
 
     def block_inputs(self, k_start, block):
         """Index arrays and grouped `score_mod_args` of keys `k_start : k_start + block`."""
         indices = scores.modifier_indices(self.config, self.problem, k_start, block)
         args = tuple(_slice_keys(a, k_start, block) for a in self.problem.score_mod_args)
-        return indices, scores.grouped_args(self.config, args)
+        return tuple(map(self.vary, indices)), scores.grouped_args(self.config, args)
 
     def apply(self, s, allowed, k_start, block):
         """Forward: `score_mod`-ified scores and visibility of one block."""
         indices, args = self.block_inputs(k_start, block)
-        return scores.modify(self.fns, s, allowed, indices, args)
+        args = tuple(map(self.vary, args))
+        return scores.modify(self.fns, self.vary(s), allowed, indices, args)
 
     def apply_with_vjp(self, s, allowed, k_start, block):
         """Backward: as `apply`, plus `vjp(ds_mod) -> (ds_raw, d_float_args (grouped blocks), d_float_consts)`."""
         indices, args = self.block_inputs(k_start, block)
         if self.fns.mask is not None:
-            allowed = allowed & scores.apply_mask_mod(self.fns.mask, indices, args)
+            allowed = allowed & scores.apply_mask_mod(self.fns.mask, indices, tuple(map(self.vary, args)))
         if self.fns.score is None:
             return s, allowed, None
 
         def modified(s, float_args, float_consts):
-            all_args = _replace_at(args, self.float_args, float_args)
+            all_args = tuple(map(self.vary, _replace_at(args, self.float_args, float_args)))
             consts = _replace_at(self.score_consts, self.float_consts, float_consts)
             fn = scores.modifier_fns(self.description, consts, self.mask_consts).score
-            return scores.apply_score_mod(fn, s, indices, all_args)
+            return scores.apply_score_mod(fn, self.vary(s), indices, all_args)
 
         s, vjp = jax.vjp(
             modified,
@@ -268,19 +275,21 @@ def _backward(
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk, k_start, axis=1)
         return dq, dk, dv, dbias, d_args, d_consts
 
-    init = (
+    init = (  # dq, dk, dv, dbias, d_args (+ d_consts below)
         jnp.zeros(q5.shape, jnp.float32),
         jnp.zeros(problem.key.shape, jnp.float32),
         jnp.zeros(problem.value.shape, jnp.float32),
         None if bias is None else jnp.zeros(bias.shape, jnp.float32),
         tuple(jnp.zeros(args[i].shape, _accumulator_dtype(args[i].dtype)) for i in float_args),
+    )
+    init = varying.like_inputs(init, problem, out, lse, d_out, d_lse)
+    # a closed-over array's gradient varies like the array (replicated ones are summed over the mesh by the vjp)
+    init = init + (
         tuple(
-            jnp.zeros(jnp.shape(mods.score_consts[i]), _accumulator_dtype(mods.score_consts[i].dtype))
-            for i in float_consts
+            varying.like_inputs(jnp.zeros(jnp.shape(c), _accumulator_dtype(c.dtype)), c)
+            for c in (mods.score_consts[i] for i in float_consts)
         ),
     )
-    consts = () if mods is None else (mods.score_consts, mods.mask_consts)
-    init = varying.like_inputs(init, problem, consts, out, lse, d_out, d_lse)
     dq, dk, dv, dbias, d_args, d_consts = jax.lax.fori_loop(0, S // block, body, init)
 
     d_sinks = None
@@ -342,6 +351,26 @@ def _chunked_bwd(config, block, residuals, cotangents):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
+def _for_varying_inputs(config: AttentionConfig, problem: canonical.Problem) -> AttentionConfig:
+    """Inside `shard_map`: `config` with the modifiers' jaxprs traced again on scalars that vary over the problem's
+    mesh axes, as the values they are evaluated on will (then the jaxprs carry the `pvary`s JAX inserts for
+    replicated constants and literals). Outside `shard_map` (nothing varies) `config` is returned as it is.
+    """
+    axes = varying.union_axes(problem)
+    if not axes:
+        return config
+    description = config.modifiers
+    scalar = lambda dtype: varying.vary_over(jnp.zeros((), dtype), axes)
+    indices = tuple(scalar(jnp.int32) for _ in range(4))
+    args = tuple(scalar(d) for d in description.arg_dtypes)
+    retraced = {}
+    if description.score_mod is not None:
+        retraced["score_jaxpr"] = jax.make_jaxpr(description.score_mod)(scalar(jnp.float32), *indices, *args)
+    if description.mask_mod is not None:
+        retraced["mask_jaxpr"] = jax.make_jaxpr(description.mask_mod)(*indices, *args)
+    return dataclasses.replace(config, modifiers=dataclasses.replace(description, **retraced))
+
+
 def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int | None = None):
     """Canonical attention: `out [B, T, N, Hv]` in the query dtype and float32 `lse [B, T, N]`."""
     B, T, N, _ = problem.query.shape
@@ -349,19 +378,20 @@ def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int | N
     block = max(1, min(block_k or DEFAULT_BLOCK_K, S))
     # At least one block: with S = 0 a single invisible padding key gives every row out 0 and lse -inf.
     padded = _pad_keys(problem, max(1, -(-S // block)) * block)
-    # The arrays score_mod / mask_mod close over enter the custom_vjp explicitly (it may not close over tracers).
-    modifiers = config.modifiers
-    score_consts = () if modifiers is None else modifiers.score_consts
-    mask_consts = () if modifiers is None else modifiers.mask_consts
     # Inside shard_map, differentiable inputs must vary like the rest so their cotangents (reduced by JAX where an
     # input was replicated) match the custom_vjp's types.
-    vary = lambda xs: tuple(varying.like_inputs(x, padded) if _is_float(x) else x for x in xs)
     query, key, value, bias, sinks = varying.like_inputs(
         (padded.query, padded.key, padded.value, padded.bias, padded.sinks), padded
     )
+    args = tuple(varying.like_inputs(a, padded) if _is_float(a) else a for a in padded.score_mod_args)
+    # The arrays score_mod / mask_mod close over enter the custom_vjp explicitly (it may not close over tracers).
+    if config.modifiers is not None:
+        config = _for_varying_inputs(config, padded)
+    score_consts = () if config.modifiers is None else config.modifiers.score_consts
+    mask_consts = () if config.modifiers is None else config.modifiers.mask_consts
     out, lse = _chunked(
-        config, block, query, key, value, bias, sinks, padded.mask, padded.dropout_seeds, padded.positions,
-        vary(padded.score_mod_args), vary(score_consts), tuple(mask_consts),
+        config, block, query, key, value, bias, sinks, padded.mask, padded.dropout_seeds, padded.positions, args,
+        score_consts, mask_consts,
     )  # fmt: skip
     # [B, K, G, T] -> [B, T, N]
     lse = jnp.reshape(jnp.transpose(lse, (0, 3, 1, 2)), (B, T, N))
