@@ -37,6 +37,7 @@ from reference import reference_attention, reference_attention_vjp
 
 import attnlib
 from attnlib._src import modifiers
+from attnlib._src.dropout import dropout_keep_mask
 
 
 B, T, S, N, K, H, HV = 2, 13, 19, 6, 2, 16, 24
@@ -222,6 +223,16 @@ CASES: dict[str, Callable] = {
         args=_args(r),
     ),  # fmt: skip
     "paged": lambda r, d: _paged(r, d),
+    "dropout": lambda r, d: make(
+        r,
+        d,
+        dropout_rate=0.3,
+        dropout_key=jax.random.key(7),
+        score_mod=head_sin,
+        mask_mod=prefix_lm,
+        is_causal=True,
+        diagonal_alignment="bottom_right",
+    ),  # fmt: skip
 }
 
 
@@ -249,8 +260,12 @@ def _is_float(x) -> bool:
 
 
 def reference_kwargs(case: Case) -> dict:
-    kw = {n: to_f64(x) for n, x in case.arrays.items()}
+    kw = {n: to_f64(x) for n, x in case.arrays.items() if n != "dropout_key"}
     kw.update(case.static)
+    if case.static.get("dropout_rate", 0.0) > 0:
+        q, k = case.arrays["query"], case.arrays["key"]
+        shape = (math.prod(q.shape[:-3]), q.shape[-2], q.shape[-3], k.shape[-3])
+        kw["dropout_keep"] = np.asarray(dropout_keep_mask(case.arrays["dropout_key"], kw["dropout_rate"], shape))
     kw.update(score_mod=case.score_mod, mask_mod=case.mask_mod, score_mod_args=tuple(to_f64(a) for a in case.args))
     return kw
 
@@ -426,6 +441,23 @@ def test_fully_masked_by_mask_mod_everywhere(impl):
 
 # ------------------------------------------------------------------------------------------------------------------
 # transformations
+
+
+def test_checkpoint(impl):
+    case = build("args_all_dtypes")
+    a = case.arrays
+    cot = normal(np.random.default_rng(12), (B, T, N, HV))
+
+    def loss(q, k, v, args):
+        out = attnlib.attention(q, k, v, implementation=impl, score_mod=args_score, mask_mod=args_mask,
+                                score_mod_args=args)  # fmt: skip
+        return jnp.sum(out * cot)
+
+    grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2)))(a["query"], a["key"], a["value"], case.args)
+    plain = grad(loss)
+    for policy in (None, jax.checkpoint_policies.nothing_saveable):
+        for x, y in zip(plain, grad(jax.checkpoint(loss, policy=policy)), strict=True):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-6, atol=1e-6)
 
 
 def test_jit_and_eager_agree(impl):
@@ -641,6 +673,8 @@ def test_score_mod_args_rules(inputs):
         attn, jnp.ones((5, N, H)), jnp.ones((7, K, H)), jnp.ones((7, K, H)), score_mod=alibi,
         score_mod_args=(jnp.ones((2, N, 5, 7)),), cu_seqlens_q=lengths([0, 5]), cu_seqlens_kv=lengths([0, 7]),
     )  # fmt: skip
+    check_error(TypeError, "score_mod_args[0]", "ShapeDtypeStruct", attn, *inputs, score_mod=alibi,
+                score_mod_args=(jax.ShapeDtypeStruct((N, 1, 1), jnp.float32),))  # fmt: skip
     # Python scalars and lists are arrays too; an empty tuple without functions is fine
     out = attn(*inputs, score_mod=alibi, score_mod_args=[0.0])
     np.testing.assert_allclose(np.asarray(out), np.asarray(attn(*inputs)), atol=1e-6, rtol=1e-6)
@@ -863,8 +897,10 @@ def test_shard_map_with_replicated_and_varying_args(implementation, monkeypatch)
             return score + slope * (j - i).astype(score.dtype) + w_ + table[h] * doc.astype(score.dtype)
 
         mask_mod = lambda b, h, i, j, slope, w_, doc: (doc <= i // 5) | (j <= i)
-        return attnlib.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, score_mod_args=(slopes, w, kv_doc),
-                                 is_causal=True, diagonal_alignment="bottom_right", implementation=implementation)  # fmt: skip
+        return attnlib.attention(
+            q, k, v, score_mod=score_mod, mask_mod=mask_mod, score_mod_args=(slopes, w, kv_doc), is_causal=True,
+            diagonal_alignment="bottom_right", implementation=implementation,
+        )  # fmt: skip
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("b"),) * 3 + (P(), P("b"), P()), out_specs=P("b"))
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)

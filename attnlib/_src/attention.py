@@ -175,6 +175,9 @@ def attention(
             strict=True,
         )
     }  # fmt: skip
+    for i, arg in enumerate(score_mod_args):
+        if isinstance(arg, jax.ShapeDtypeStruct):  # only `explain` takes shapes without values
+            raise TypeError(f"`score_mod_args[{i}]` must be an array. Got a jax.ShapeDtypeStruct {arg}.")
     config, inputs = validation.validate(
         **arrays,
         scale=scale,
