@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from attnlib._src.backends.cudnn.modifier import ScoreModifier
 from attnlib._src.backends.cudnn import cache as cache_lib, graphs, support
 
 
@@ -63,6 +64,7 @@ VARIATIONS = {
     "scale": 0.2, "alignment": "bottom_right", "left_bound": 17, "right_bound": 0, "padding": True, "bias_b": 1,
     "bias_n": 8, "dropout": 0.1, "sinks": True, "deterministic": True, "ragged": True, "t_total": 2048,
     "s_total": 4096, "pages": (64, 16, 8), "stats": False, "ragged_stats": True, "memset_rows": True,
+    "modifier": ScoreModifier(jaxpr=None, function=None, arg_dims=(), key="a modifier"), "bias_grad": False,
 }
 
 
@@ -182,3 +184,36 @@ def test_persistence_across_real_processes(tmp_path):
     ]
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
     assert [r.stdout.strip() for r in runs] == ["1", "0"]
+
+
+_MODIFIER_KEY_SNIPPET = r"""
+import dataclasses, sys
+import jax.numpy as jnp
+from attnlib._src.backends.cudnn import attention as dense, cache, support
+from attnlib._src.config import AttentionConfig
+from attnlib._src import modifiers
+import test_cudnn_support as ts
+
+def alibi(score, batch, head, q_idx, kv_idx, slope):
+    return score - slope * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
+
+mods = modifiers.describe(alibi, lambda b, h, i, j, slope: j <= i + 3, (jnp.ones((8, 1, 1)),))
+config = dataclasses.replace(ts.BASE, modifiers=mods, logits_soft_cap=30.0, is_causal=True)
+plan = dense.make_plan(config, 2, config.q_len, None)
+device = support.Device((9, 0), "NVIDIA H200", 91900)
+print(cache.key_digest(dense.graphs.cache_key(plan.fwd, device)), cache.key_digest(dense.graphs.cache_key(plan.bwd, device)))
+"""
+
+
+def test_modifier_graph_keys_are_stable_across_processes_and_distinct():
+    """The same score_mod / mask_mod in a fresh process gives the same graph keys (a disk-cache hit); changing the
+    function gives other keys."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
+    run = lambda code: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    first, second = run(_MODIFIER_KEY_SNIPPET).stdout.split(), run(_MODIFIER_KEY_SNIPPET).stdout.split()
+    assert first == second and len(first) == 2 and first[0] != first[1]
+    other = run(_MODIFIER_KEY_SNIPPET.replace("i + 3", "i + 4")).stdout.split()
+    assert not set(other) & set(first)

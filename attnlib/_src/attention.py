@@ -196,8 +196,7 @@ def attention(
         mask_mod=mask_mod,
         score_mod_args=score_mod_args,
     )
-    impl = dispatch.choose(config, implementation)
-    out, lse = impl.attention(config, inputs)
+    out, lse = dispatch.run(config, inputs, implementation)
     return (out, lse) if return_residual else out
 
 

@@ -45,12 +45,6 @@ def uses_modifier(config: AttentionConfig) -> bool:
     return config.modifiers is not None or config.logits_soft_cap is not None
 
 
-def changes_scores(config: AttentionConfig) -> bool:
-    """Whether the modifier changes scores (not only masks them): then a `bias` would have to enter before it."""
-    has_score_mod = config.modifiers is not None and config.modifiers.score_mod is not None
-    return config.logits_soft_cap is not None or has_score_mod
-
-
 def folded_scale(config: AttentionConfig) -> float:
     """The graph's `attn_scale`. A soft cap without a `score_mod` folds its `1/c` into it, so the modifier is
     `c * tanh(x)` on scores cuDNN already scaled (one multiply per score fewer)."""

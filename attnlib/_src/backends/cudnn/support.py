@@ -281,10 +281,11 @@ def graph_rows(config: AttentionConfig) -> tuple[int, int]:
 def _modifier_reason(config: AttentionConfig) -> str | None:
     """The limits of dense graphs with a score modifier (`modifier.py`)."""
     padded = config.has_q_lengths or config.has_kv_lengths
-    if config.has_bias and modifier_lib.changes_scores(config):
+    if config.has_bias:
         return (
-            "cudnn: a `bias` together with `score_mod` or `logits_soft_cap` is not supported (cuDNN adds its bias "
-            "after the score modifier; attnlib's order is bias first)."
+            "cudnn: a `bias` together with `score_mod`, `mask_mod` or `logits_soft_cap` is not supported (cuDNN adds "
+            "its bias after the score modifier, while attnlib's order is bias first, and with a mask_mod alone the "
+            "H200 gave wrong results with cuDNN 9.19: benchmarks/results/gpu_tests_h200_score_mod_run2.log)."
         )
     if padded and config.diagonal_alignment == "bottom_right":
         return (
