@@ -171,3 +171,19 @@ def test_automatic_dispatch_serves_softcap_on_cudnn():
     q = jnp.zeros((2, 256, 8, 64), jnp.bfloat16)
     explanation = attnlib.explain(q, q, q, is_causal=True, logits_soft_cap=50.0)
     assert explanation.implementation == "cudnn", str(explanation)
+
+
+def test_vmap_of_a_batch_reading_modifier():
+    """A modifier that reads `batch` under `vmap` sees each example's own rows (the mapped axis is looped)."""
+    import attnlib
+
+    q, k, v = _qkv(13, (3, 2), 40, 56, 4, 2, 64, 64, jnp.bfloat16)
+    score_mod = lambda s, b, h, i, j: s * (1.0 + 0.5 * b.astype(jnp.float32))
+    run = lambda impl, q, k, v: jax.vmap(
+        lambda q, k, v: attnlib.attention(q, k, v, implementation=impl, score_mod=score_mod, is_causal=True)
+    )(q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    np.testing.assert_allclose(
+        np.asarray(run("cudnn", q, k, v), np.float32), np.asarray(run("xla", f32(q), f32(k), f32(v))),
+        atol=2e-2, rtol=1e-2,
+    )

@@ -89,8 +89,9 @@ def graph_call(spec: GraphSpec) -> Any:
         uids = spec.in_uids()
         out_uids = spec.out_uids()
         shared_batched = any(b for u, b in zip(uids, in_batched) if u not in _BATCH_MAJOR and u not in _BIAS)
-        if shared_batched:
-            # Per-example sinks or dropout seeds cannot share one graph call: loop over the mapped axis.
+        if shared_batched or (spec.modifier is not None and spec.modifier.reads_batch):
+            # Per-example sinks, dropout seeds or modifier arguments cannot share one graph call, nor can a modifier
+            # that reads the batch index (it would see the folded batch): loop over the mapped axis.
             batched_ops = tuple(x for x, b in zip(operands, in_batched) if b)
 
             def one(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:

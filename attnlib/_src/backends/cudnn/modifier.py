@@ -64,12 +64,15 @@ class ScoreModifier:
         function: the composed Python function (for the plain-JAX reference of `lse` gradients).
         arg_dims: rank-4 dims `[1, N|1, t|1, s|1]` of each `score_mod_args` tensor as the graph binds it.
         key: a structural description: equal keys give identical graphs, in every process.
+        reads_batch: the function uses its `batch` index (then `vmap` cannot fold a mapped axis into the graph's
+            batch: the index would run over every example instead of each one's own rows).
     """
 
     jaxpr: Any
     function: Callable[..., jax.Array]
     arg_dims: tuple[tuple[int, int, int, int], ...]
     key: str
+    reads_batch: bool = True
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ScoreModifier) and other.key == self.key
@@ -136,7 +139,10 @@ def _build(config: AttentionConfig, offset: int, t: int, s: int) -> ScoreModifie
         "modifier/1", None if mods is None else mods.key, config.logits_soft_cap, config.is_causal, window, offset,
         dims, str(jaxpr),
     ))  # fmt: skip
-    return ScoreModifier(jaxpr, fn, dims, key)
+    batch = jaxpr.jaxpr.invars[1]
+    used = [v for eqn in jaxpr.jaxpr.eqns for v in eqn.invars] + list(jaxpr.jaxpr.outvars)
+    reads_batch = any(v is batch for v in used)
+    return ScoreModifier(jaxpr, fn, dims, key, reads_batch)
 
 
 def build(config: AttentionConfig, offset: int, t: int, s: int) -> ScoreModifier:
