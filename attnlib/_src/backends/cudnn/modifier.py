@@ -91,8 +91,10 @@ def _compose(config: AttentionConfig, offset: int) -> Callable[..., jax.Array]:
         right = 0 if right is None else min(right, 0)
     masked = mask_mod is not None or left is not None or right is not None
 
+    # Index arithmetic is emitted only where it is not zero: a causal mask is then exactly cuDNN's own pattern
+    # `row >= col` (the form whose masked tiles cuDNN 9.19 skipped in ../shared/reference/cudnn-score-mod.md's probe).
     def modifier(score, batch, head, row, col, *args):
-        q_idx = row + offset
+        q_idx = row + offset if offset else row
         kv_idx = col
         s = score
         if score_mod is not None:
@@ -101,13 +103,16 @@ def _compose(config: AttentionConfig, offset: int) -> Callable[..., jax.Array]:
             s = cap * jnp.tanh(s / cap if score_mod is not None else s)  # else 1/cap is in the graph's scale
         if not masked:
             return s
-        keep = jnp.asarray(True)
-        if mask_mod is not None:
-            keep = keep & jnp.asarray(mask_mod(batch, head, q_idx, kv_idx, *args))
-        if left is not None:
-            keep = keep & (kv_idx >= q_idx - left)
+        conditions = []
         if right is not None:
-            keep = keep & (kv_idx <= q_idx + right)
+            conditions.append(q_idx >= kv_idx if right == 0 else q_idx + right >= kv_idx)
+        if left is not None:
+            conditions.append(kv_idx >= q_idx - left)
+        if mask_mod is not None:
+            conditions.append(jnp.asarray(mask_mod(batch, head, q_idx, kv_idx, *args)))
+        keep = conditions[0]
+        for condition in conditions[1:]:
+            keep = keep & condition
         return jnp.where(keep, s, -jnp.inf)
 
     return modifier
