@@ -20,7 +20,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def best_per_call(fn, args, loop: int, reps: int = 5) -> float:

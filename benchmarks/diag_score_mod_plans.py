@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 import attnlib
-from attnlib._src.backends.cudnn import attention as dense, graphs
+from attnlib._src.backends.cudnn import attention as dense
 
 
 def main() -> None:
@@ -26,7 +26,6 @@ def main() -> None:
         print(name, flush=True)
     for key, entry in list(dense.CACHE._memory.items()):
         print(entry.label, "|", entry.plan, flush=True)
-    del graphs
 
 
 if __name__ == "__main__":

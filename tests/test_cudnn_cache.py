@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from attnlib._src.backends.cudnn.modifier import ScoreModifier
 from attnlib._src.backends.cudnn import cache as cache_lib, graphs, support
+from attnlib._src.backends.cudnn.modifier import ScoreModifier
 
 
 DEVICE = support.Device((9, 0), "NVIDIA H200", 91900)
@@ -201,7 +201,7 @@ mods = modifiers.describe(alibi, lambda b, h, i, j, slope: j <= i + 3, (jnp.ones
 config = dataclasses.replace(ts.BASE, modifiers=mods, logits_soft_cap=30.0, is_causal=True)
 plan = dense.make_plan(config, 2, config.q_len, None)
 device = support.Device((9, 0), "NVIDIA H200", 91900)
-print(cache.key_digest(dense.graphs.cache_key(plan.fwd, device)), cache.key_digest(dense.graphs.cache_key(plan.bwd, device)))
+print(*(cache.key_digest(dense.graphs.cache_key(spec, device)) for spec in (plan.fwd, plan.bwd)))
 """
 
 

@@ -25,7 +25,7 @@ def _emulate_numpy(spec: GraphSpec, *operands):
     from attnlib._src.backends.cudnn import score_mod_lowering as lowering
 
     vals = dict(zip(spec.in_uids(), (np.asarray(x) for x in operands)))
-    b, t, s, g = spec.b, spec.t, spec.s, spec.n // spec.k
+    b, g = spec.b, spec.n // spec.k
     heads_first = lambda x: np.transpose(np.asarray(x, np.float32), (0, 2, 1, 3))
     q = heads_first(vals[Uid.Q])
     k = np.repeat(heads_first(vals[Uid.K]), g, axis=1)

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from test_cudnn_gpu import _compare, _qkv, DTYPE_IDS, DTYPES
 
 
