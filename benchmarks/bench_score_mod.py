@@ -16,21 +16,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
-
-
-def best_per_call(fn, args, loop: int, reps: int = 5) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(loop):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / loop)
-    return best
+from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 
 
 def alibi_slopes(n: int) -> jax.Array:
