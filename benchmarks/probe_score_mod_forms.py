@@ -5,7 +5,9 @@ Each case builds an SDPA forward and backward graph with a modifier, runs them o
 dK, dV with a float32 torch autograd reference of the same math. Prints one JSON line per case and writes
 `$OUT/probe_score_mod_forms.json`.
 
-Run on the GPU machine with the cuDNN frontend wheel on PYTHONPATH: `python benchmarks/probe_score_mod_forms.py`.
+Run on the GPU machine with the cuDNN frontend wheel on PYTHONPATH: `python benchmarks/probe_score_mod_forms.py`
+(`PROBE_ROUND=1`: the first set of forms, `2` (default): the backward forms, `3`: kernel time of soft cap + causal
+in several forms, at b4 · s4096 · 32/8 heads · d128).
 """
 
 import json
@@ -182,7 +184,7 @@ def case_full_additive_tensor():
 
 
 def case_ops_zoo():
-    """sin / exp / log / sqrt / rsqrt / max / min / floor / mod / pow / sigmoid / reciprocal / neg / gen_index axes 0, 1."""
+    """sin, exp, log, sqrt, rsqrt, max, min, floor, mod, pow, sigmoid, reciprocal, neg; gen_index axes 0 and 1."""
 
     def body(o, s):
         r, c = o.idx(s, 2, F32), o.idx(s, 3, F32)
@@ -198,7 +200,8 @@ def case_ops_zoo():
         y = o.add(y, o.unary("reciprocal", o.add(r, o.c("one"))))
         y = o.add(y, f32(o.g.max(input0=o.unary("neg", s), input1=o.c("zero"), compute_data_type=F32)))
         y = o.add(y, f32(o.g.min(input0=s, input1=o.c("one"), compute_data_type=F32)))
-        y = o.add(y, f32(o.g.pow(input0=o.add(o.unary("abs", s), o.c("one")), input1=o.c("half"), compute_data_type=F32)))
+        root = f32(o.g.pow(input0=o.add(o.unary("abs", s), o.c("one")), input1=o.c("half"), compute_data_type=F32))
+        y = o.add(y, root)
         y = o.add(y, o.unary("exp", o.mul(s, o.c("tenth"))))
         return y
 
@@ -502,7 +505,110 @@ def dropout_case(b=2, hq=4, hkv=2, t=192, s=256, d=64):
     return res
 
 
+def time_forms(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0):
+    """Round 3: kernel time of soft cap + causal written in several forms (which one lets cuDNN skip masked tiles).
+
+    The soft cap's 1/c is folded into attn_scale as attnlib does; the modifier is c * tanh(identity(s)) and the mask
+    a select to -1e30 (a pass-by-value scalar); the backward is tanh_backward on the stored identity, then the same
+    mask with 0.
+    """
+    scale = 1 / math.sqrt(d)
+    q = torch.randn(b, t, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, t, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, t, hkv, d, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    O, dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    ST = torch.empty(b, hq, t, 1, device="cuda", dtype=torch.float32)
+    runtime = cudnn.scalar_type.RUNTIME_PARAM
+
+    def mask(g, x, fill, form):
+        if form == "none":
+            return x
+        r, c = g.gen_index(input=x, axis=2), g.gen_index(input=x, axis=3)
+        r.set_data_type(I32)
+        c.set_data_type(I32)
+        compute = BOOL if form.endswith("bool") else F32
+        m = g.cmp_le(input=c, comparison=r, compute_data_type=compute) if form.startswith("le") else g.cmp_ge(
+            input=r, comparison=c, compute_data_type=compute)
+        m.set_data_type(BOOL)
+        return f32(g.binary_select(input0=x, input1=g.tensor_scalar(fill, runtime), mask=m, compute_data_type=F32))
+
+    def fwd(g, sc, st, form, softcap):
+        if softcap:
+            x = f32(g.identity(input=sc, compute_data_type=F32))
+            st["x"] = x
+            sc = f32(g.mul(a=f32(g.tanh(input=x, compute_data_type=F32)), b=g.tensor_scalar(cap, runtime),
+                           compute_data_type=F32))
+        return mask(g, sc, NEG, form)
+
+    def bwd(g, ds, st, form, softcap):
+        if softcap:
+            ds = f32(g.mul(a=ds, b=g.tensor_scalar(cap, runtime), compute_data_type=F32))
+            ds = f32(g.tanh_backward(loss=ds, input=st["x"], compute_data_type=F32))
+        return mask(g, ds, 0.0, form)
+
+    def timed(g, pack, ws):
+        for _ in range(3):
+            g.execute(pack, ws, handle=HANDLE)
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        best = 1e9
+        for _ in range(3):
+            e0.record()
+            for _ in range(10):
+                g.execute(pack, ws, handle=HANDLE)
+            e1.record()
+            torch.cuda.synchronize()
+            best = min(best, e0.elapsed_time(e1) / 10)
+        return round(best, 4)
+
+    results = {}
+    forms = [("builtin_causal", None, False), ("softcap_ge_float", "ge_float", True),
+             ("softcap_ge_bool", "ge_bool", True), ("softcap_le_float", "le_float", True),
+             ("softcap_no_mask", "none", True),
+             ("causal_ge_float", "ge_float", False), ("causal_ge_bool", "ge_bool", False)]
+    for name, form, softcap in forms:
+        row = {}
+        try:
+            g = cudnn.pygraph(io_data_type=BF, intermediate_data_type=F32, compute_data_type=F32, handle=HANDLE)
+            tq, tk, tv = g.tensor_like(T_(q)), g.tensor_like(T_(k)), g.tensor_like(T_(v))
+            st = {}
+            kw = dict(use_causal_mask=True) if form is None else dict(
+                score_mod=lambda gg, sc: fwd(gg, sc, st, form, softcap))
+            o_t, s_t = g.sdpa(name="a", q=tq, k=tk, v=tv, generate_stats=True,
+                              attn_scale=scale / cap if softcap else scale, **kw)
+            o_t.set_output(True).set_dim(list(T_(O).size())).set_stride(list(T_(O).stride()))
+            s_t.set_output(True).set_data_type(F32)
+            build(g)
+            ws = torch.empty(g.get_workspace_size(), device="cuda", dtype=torch.uint8)
+            row["fwd_ms"] = timed(g, {tq: T_(q), tk: T_(k), tv: T_(v), o_t: T_(O), s_t: ST}, ws)
+            gb = cudnn.pygraph(io_data_type=BF, intermediate_data_type=F32, compute_data_type=F32, handle=HANDLE)
+            bq, bk, bv, bo, bdo, bst = (gb.tensor_like(x) for x in (T_(q), T_(k), T_(v), T_(O), T_(do), ST))
+            stb = {}
+            bkw = dict(use_causal_mask=True) if form is None else dict(
+                score_mod=lambda gg, sc: fwd(gg, sc, stb, form, softcap),
+                score_mod_bprop=lambda gg, ds: bwd(gg, ds, stb, form, softcap))
+            rq, rk, rv = gb.sdpa_backward(name="b", q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bst,
+                                          attn_scale=scale / cap if softcap else scale, **bkw)
+            for tt, x in ((rq, dq), (rk, dk), (rv, dv)):
+                tt.set_output(True).set_dim(list(T_(x).size())).set_stride(list(T_(x).stride()))
+            build(gb)
+            wsb = torch.empty(gb.get_workspace_size(), device="cuda", dtype=torch.uint8)
+            row["bwd_ms"] = timed(gb, {bq: T_(q), bk: T_(k), bv: T_(v), bo: T_(O), bdo: T_(do), bst: ST,
+                                       rq: T_(dq), rk: T_(dk), rv: T_(dv)}, wsb)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = str(e)[:300]
+        results[name] = row
+        print(name, json.dumps(row), flush=True)
+    return results
+
+
 def main():
+    if os.environ.get("PROBE_ROUND", "2") == "3":
+        results = {"cudnn": cudnn.backend_version(), "timing": time_forms()}
+        with open(os.path.join(OUT, "probe_score_mod_forms_timing.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        return
     results = {"cudnn": cudnn.backend_version()}
     import functools
     round1 = [(n, f, {}) for n, f in CASES.items()] + [
