@@ -234,3 +234,23 @@ def test_bottom_right_padded_graphs_mask_rows_instead():
     )
     plan = dense.make_plan(config, 2, 128, None)
     assert not plan.rows_by_length and plan.fwd.zero_fill() == () and plan.bwd.zero_fill() == ()
+
+
+def test_score_mod_policies():
+    """Dense calls with a score_mod are served when cuDNN can express them; otherwise the reason names why."""
+    import jax.numpy as jnp
+
+    from attnlib._src import modifiers
+
+    def config(score_mod=None, mask_mod=None, args=(), **changes):
+        return _config(modifiers=modifiers.describe(score_mod, mask_mod, args), **changes)
+
+    alibi = lambda s, b, h, i, j, slope: s - slope * jnp.abs(i - j).astype(jnp.float32)
+    assert _reason(config(alibi, args=(jnp.ones((8, 1, 1)),), is_causal=True)) is None
+    assert _reason(config(mask_mod=lambda b, h, i, j: i // 16 == j // 16, logits_soft_cap=30.0)) is None
+    assert "exp" in _reason(config(lambda s, b, h, i, j: jnp.exp(s)))
+    assert "batch dims" in _reason(config(alibi, args=(jnp.ones((2, 8, 1, 1)),), batch_shape=(2,)))
+    masked = lambda s, b, h, i, j: jnp.where(j <= i, s, -jnp.inf)
+    assert _reason(config(masked)) is None
+    assert "-inf" in _reason(config(masked, logits_soft_cap=30.0))
+    assert "bias" in _reason(config(mask_mod=lambda b, h, i, j: j <= i, bias_shape=(128, 128)))

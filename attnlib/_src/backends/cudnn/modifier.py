@@ -156,11 +156,40 @@ def build(config: AttentionConfig, offset: int, t: int, s: int) -> ScoreModifier
     return _build(config, int(offset), int(t), int(s))
 
 
+def _has_infinite_constant(jaxpr: Any) -> bool:
+    """Whether a closed jaxpr (or one nested in it) holds an infinite literal or constant."""
+    import jax.extend.core as jex
+
+    def infinite(x: Any) -> bool:
+        try:
+            return bool(np.any(np.isinf(np.asarray(x))))
+        except (TypeError, ValueError):
+            return False
+
+    def walk(j: Any) -> bool:
+        for eqn in j.eqns:
+            if any(isinstance(v, jex.Literal) and infinite(v.val) for v in eqn.invars):
+                return True
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns") and walk(inner):
+                    return True
+        return False
+
+    return any(infinite(c) for c in jaxpr.consts) or walk(jaxpr.jaxpr)
+
+
 def lowering_reason(config: AttentionConfig, offset: int, t: int, s: int) -> str | None:
     """Why the modifier of `config` cannot become cuDNN graph ops (forward or backward), or None."""
     from . import score_mod_lowering
 
     mods = config.modifiers
+    if mods is not None and mods.score_jaxpr is not None and config.logits_soft_cap is not None:
+        if _has_infinite_constant(mods.score_jaxpr):
+            return (
+                "cudnn: a `score_mod` that can return -inf together with `logits_soft_cap` is not supported (the "
+                "soft cap would turn the masked score into -c inside the graph); mask with `mask_mod` instead."
+            )
     if mods is not None and mods.has_traced_consts:
         return (
             "cudnn: the score_mod/mask_mod closes over a traced array (a value computed under jit); pass it in "
