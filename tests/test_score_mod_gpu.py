@@ -38,6 +38,10 @@ def document(batch, head, q_idx, kv_idx):
     return q_idx // 32 == kv_idx // 32
 
 
+def banded_neg_inf(score, batch, head, q_idx, kv_idx):
+    return jnp.where(kv_idx <= q_idx + 2, score, -jnp.inf)  # a score_mod that masks by returning -inf
+
+
 def late_rows(batch, head, q_idx, kv_idx):
     return q_idx >= 20  # rows 0..19 see no key at all
 
@@ -66,6 +70,7 @@ CASES = [
     ("alibi_args_causal", 96, 120, N, 2, 64, 64,
      dict(score_mod=alibi, score_mod_args="slopes", is_causal=True)),
     ("head_sin", 80, 80, N, 2, 64, 64, dict(score_mod=head_sin)),
+    ("score_mod_neg_inf", 80, 96, N, 2, 64, 64, dict(score_mod=banded_neg_inf, sinks="random")),
     ("prefix_lm", 96, 96, N, 2, 64, 64, dict(mask_mod=prefix_lm)),
     ("sliding_as_mask_mod", 128, 128, N, 2, 64, 64, dict(mask_mod=sliding)),
     ("document", 128, 128, N, 2, 64, 64, dict(mask_mod=document)),
