@@ -254,3 +254,35 @@ def test_score_mod_policies():
     assert _reason(config(masked)) is None
     assert "-inf" in _reason(config(masked, logits_soft_cap=30.0))
     assert "bias" in _reason(config(mask_mod=lambda b, h, i, j: j <= i, bias_shape=(128, 128)))
+
+
+def test_graph_rejected_at_build_falls_back_unless_named_alone(monkeypatch, caplog):
+    """A cuDNN graph that the policy accepted but cuDNN refuses at build time: an automatic choice (or a sequence)
+    runs the next implementation and logs it; `implementation="cudnn"` alone raises."""
+    import logging
+
+    import jax.numpy as jnp
+
+    import attnlib
+    from attnlib._src import dispatch
+
+    class Refusing:
+        name = "cudnn"
+
+        def decline_reason(self, config, *, explicit):
+            return None
+
+        def attention(self, config, inputs):
+            raise graphs.GraphRejected("cudnn: cuDNN rejected the fwd graph (test): no engine")
+
+    monkeypatch.setitem(dispatch.REGISTRY, "cudnn", Refusing())
+    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    expected = attnlib.attention(q, q, q, implementation="xla")
+    with caplog.at_level(logging.WARNING, logger="attnlib"):
+        out = attnlib.attention(q, q, q)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+    assert any("failed to build its kernel" in r.getMessage() for r in caplog.records)
+    out = attnlib.attention(q, q, q, implementation=["cudnn", "xla"])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+    with pytest.raises(graphs.GraphRejected, match="no engine"):
+        attnlib.attention(q, q, q, implementation="cudnn")
