@@ -61,6 +61,11 @@ SUPPORTED = [
                                      "kv_len": 64}),
     ("softcap_window_t_gt_s", {"logits_soft_cap": 30.0, "window": (4, 4), "kv_len": 64}),
     ("softcap_mask", {"logits_soft_cap": 30.0, "mask_shape": (128, 128)}),
+    # Packed rows or per-sequence alignment with a mask or modifier: the sequence structure is an additive bias.
+    ("softcap_segments", {"has_segments": True, "logits_soft_cap": 30.0, "is_causal": True}),
+    ("mask_segments", {"has_segments": True, "mask_shape": (128, 128)}),
+    ("softcap_padding_bottom_right_bias_route", {"logits_soft_cap": 30.0, "has_kv_lengths": True, "is_causal": True,
+                                                  "diagonal_alignment": "bottom_right"}),
 ]
 
 
@@ -75,11 +80,7 @@ DECLINED = [
     ("segments", {"has_segments": True}, "segment_ids"),
     ("mask_thd", {"layout": "thd", "num_sequences": 2, "mask_shape": (128, 128)}, "boolean `mask` with THD"),
     ("softcap_thd", {"layout": "thd", "num_sequences": 2, "logits_soft_cap": 30.0}, "logits_soft_cap"),
-    ("softcap_segments", {"has_segments": True, "max_segments_per_row": 2, "logits_soft_cap": 30.0},
-     "logits_soft_cap"),
     ("softcap_bias", {"logits_soft_cap": 30.0, "bias_shape": (128, 128)}, "bias"),
-    ("softcap_padding_bottom_right", {"logits_soft_cap": 30.0, "has_kv_lengths": True,
-                                      "diagonal_alignment": "bottom_right"}, "bottom_right"),
     ("mask_bottom_right", {"mask_shape": (64, 128), "is_causal": True, "diagonal_alignment": "bottom_right",
                            "q_len": 64}, "boolean `mask`"),
     ("float32", {"dtype": np.dtype("float32")}, "float32"),
@@ -254,6 +255,10 @@ def test_score_mod_policies():
     assert _reason(config(masked)) is None
     assert "-inf" in _reason(config(masked, logits_soft_cap=30.0))
     assert "bias" in _reason(config(mask_mod=lambda b, h, i, j: j <= i, bias_shape=(128, 128)))
+    reads_q = lambda b, h, i, j: i // 16 == j // 16
+    assert "q_idx" in _reason(config(mask_mod=reads_q, has_segments=True))
+    assert "q_idx" in _reason(config(mask_mod=reads_q, has_kv_lengths=True, diagonal_alignment="bottom_right"))
+    assert _reason(config(mask_mod=lambda b, h, i, j: h > 0, has_segments=True, is_causal=True)) is None
 
 
 def test_graph_rejected_at_build_falls_back_unless_named_alone(monkeypatch, caplog):

@@ -79,6 +79,16 @@ CASES = [
     ("mask_mod_softcap_causal_window", 128, 128, N, 2, 64, 64,
      dict(mask_mod=document, logits_soft_cap=30.0, is_causal=True, local_window_size=(40, 0))),
     ("bottom_right_mask_mod", 48, 160, N, 2, 64, 64, dict(mask_mod=sliding, diagonal_alignment="bottom_right")),
+    # Sequence structure as an additive bias (dense graph): packed rows, and lengths with a bottom-right diagonal.
+    ("segments_softcap_causal", 96, 96, N, 2, 64, 64, dict(logits_soft_cap=30.0, is_causal=True, q_segment_ids="runs")),
+    ("segments_head_mask_window", 96, 96, N, 2, 64, 64,
+     dict(mask_mod=lambda b, h, i, j: h != 1, local_window_size=(9, 3), q_segment_ids="runs")),
+    ("cross_segments_softcap_bottom_right", 64, 96, N, 2, 64, 64,
+     dict(logits_soft_cap=30.0, is_causal=True, diagonal_alignment="bottom_right", q_segment_ids="runs",
+          kv_segment_ids="runs")),
+    ("padding_bottom_right_softcap", 80, 112, N, 2, 64, 64,
+     dict(logits_soft_cap=30.0, is_causal=True, diagonal_alignment="bottom_right", query_seq_lengths=[70, 9],
+          key_value_seq_lengths=[112, 40])),
 ]
 
 
@@ -91,6 +101,14 @@ def _materialize(kw, n, t, s, dtype, seed):
         kw["bias"] = (0.5 * jax.random.normal(key, (2, n, t, s), jnp.float32)).astype(dtype)
     if kw.get("score_mod_args") == "slopes":
         kw["score_mod_args"] = (slopes(n),)
+    for name, length in (("q_segment_ids", t), ("kv_segment_ids", s)):
+        if kw.get(name) == "runs":  # row 0: four segments and padding; row 1: two segments
+            cuts = [0, length // 5, length // 2, (3 * length) // 4, length - 3]
+            row0 = np.zeros(length, np.int32)
+            for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+                row0[a:b] = i + 1
+            row1 = np.where(np.arange(length) < (2 * length) // 3, 1, 2).astype(np.int32)
+            kw[name] = jnp.asarray(np.stack([row0, row1]))
     for name in ("query_seq_lengths", "key_value_seq_lengths"):
         if name in kw:
             kw[name] = jnp.asarray(kw[name], jnp.int32)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import dropout as dropout_lib, ffi, varying
+from ... import dropout as dropout_lib, ffi, masks as masks_lib, positions as positions_lib, varying
 from ...config import AttentionConfig, AttentionInputs
 from . import graphs, modifier as modifier_lib, support
 from .cache import GraphCache, GraphEntry
@@ -441,13 +441,33 @@ def _bias_rank4(bias: jax.Array, batch_shape: tuple[int, ...], n: int, t: int, s
     return jnp.broadcast_to(x, (x.shape[0], heads, t, s)).astype(dtype)
 
 
-def _mask_bias(config, inputs, B, N, t, S, skip, seq_kv, dtype) -> jax.Array | None:
+def _visibility(config: AttentionConfig, inputs: AttentionInputs) -> jax.Array:
+    """Bool `[B, 1, T, S]`: which keys each query sees by the sequence structure (lengths, segment ids) and the
+    built-in causal / window masks, per-sequence alignment included (`modifier.visibility_as_bias`)."""
+    B, T, S = config.batch_size, config.q_len, config.kv_len
+    flat = lambda x: None if x is None else jnp.reshape(x, (B,) + x.shape[len(config.batch_shape) :])
+    q_seg = flat(inputs.q_segment_ids)
+    kv_seg = flat(inputs.kv_segment_ids)
+    p = positions_lib.dense_positions(
+        B, T, S, bottom_right=config.diagonal_alignment == "bottom_right",
+        query_seq_lengths=flat(inputs.query_seq_lengths), key_value_seq_lengths=flat(inputs.key_value_seq_lengths),
+        q_segment_ids=q_seg, kv_segment_ids=q_seg if kv_seg is None and q_seg is not None else kv_seg,
+    )
+    seen = masks_lib.visible(
+        p.q_segment, p.q_position, p.kv_segment, p.kv_position, is_causal=config.is_causal, window=config.window
+    )
+    return seen[:, None]
+
+
+def _mask_bias(config, inputs, B, N, t, S, skip, seq_kv, dtype, visibility=None) -> jax.Array | None:
     """The additive bias `[B|1, N|1, t, S]` (0 = kept, `modifier.mask_bias_value` = masked) that carries a boolean
-    `mask` and, in a graph with a score modifier, key padding; None when there is neither."""
+    `mask`, the `visibility` of `_visibility`, and, in a graph with a score modifier, key padding; None when there is
+    none of them."""
     masked = modifier_lib.mask_bias_value(dtype)
-    keep = None
+    keep = visibility
     if inputs.mask is not None:
-        keep = _bias_rank4(inputs.mask, config.batch_shape, N, config.q_len, S, jnp.bool_)[:, :, skip:, :]
+        mask = _bias_rank4(inputs.mask, config.batch_shape, N, config.q_len, S, jnp.bool_)[:, :, skip:, :]
+        keep = mask if keep is None else keep & mask
     if modifier_lib.uses_modifier(config) and seq_kv is not None:
         keys = (jnp.arange(S, dtype=jnp.int32)[None, :] < seq_kv[:, None])[:, None, None, :]
         keep = keys if keep is None else keep & keys
@@ -482,10 +502,14 @@ def attention(
     reason = support.decline_reason(config)
     if reason is not None:
         raise NotImplementedError(reason)
-    if config.layout != "dense" or config.has_segments:
+    if config.layout != "dense" or (config.has_segments and not modifier_lib.visibility_as_bias(config)):
         from . import varlen
 
         return varlen.attention(config, inputs, explicit=explicit)
+    visibility = None
+    if modifier_lib.visibility_as_bias(config):
+        visibility = _visibility(config, inputs)
+        config = modifier_lib.without_visibility(config)
     batch_shape = () if config.unbatched else config.batch_shape
     B, T, S, N = config.batch_size, config.q_len, config.kv_len, config.num_q_heads
     dtype = inputs.query.dtype
@@ -519,7 +543,7 @@ def attention(
     bias = None
     if inputs.bias is not None:
         bias = _bias_rank4(inputs.bias, config.batch_shape, N, T, S, dtype)[:, :, skip:, :]
-    masks = _mask_bias(config, inputs, B, N, t, S, skip, seq_kv, dtype)
+    masks = _mask_bias(config, inputs, B, N, t, S, skip, seq_kv, dtype, visibility)
     bias_grad = bias is not None
     if masks is not None:
         bias = masks if bias is None else bias + masks

@@ -45,6 +45,41 @@ def uses_modifier(config: AttentionConfig) -> bool:
     return config.modifiers is not None or config.logits_soft_cap is not None
 
 
+def visibility_as_bias(config: AttentionConfig) -> bool:
+    """Whether the call's visibility (segments, lengths, causal, window: per-sequence positions) must reach a dense
+    graph as an additive bias: packed rows with a boolean `mask` or a modifier (cuDNN's ragged graphs take neither),
+    or a modifier with padding lengths and a bottom-right diagonal (per-sequence offsets, which cuDNN 9.19 cannot
+    compare inside a modifier). The graph then computes every tile."""
+    if config.layout != "dense":
+        return False
+    if config.has_segments:
+        return config.has_mask or uses_modifier(config)
+    padded = config.has_q_lengths or config.has_kv_lengths
+    return uses_modifier(config) and padded and config.diagonal_alignment == "bottom_right"
+
+
+def without_visibility(config: AttentionConfig) -> AttentionConfig:
+    """`config` with its sequence structure and built-in masks removed (they travel in the bias instead)."""
+    return dataclasses.replace(
+        config, is_causal=False, window=None, has_q_lengths=False, has_kv_lengths=False, has_segments=False,
+        max_segments_per_row=None, diagonal_alignment="top_left",
+    )
+
+
+def reads_positions(config: AttentionConfig) -> bool:
+    """Whether the caller's `score_mod` / `mask_mod` reads `q_idx` or `kv_idx`."""
+    mods = config.modifiers
+    if mods is None:
+        return False
+    reads = []
+    for jaxpr, first in ((mods.score_jaxpr, 3), (mods.mask_jaxpr, 2)):
+        if jaxpr is None:
+            continue
+        used = [v for eqn in jaxpr.jaxpr.eqns for v in eqn.invars] + list(jaxpr.jaxpr.outvars)
+        reads += [any(v is index for v in used) for index in jaxpr.jaxpr.invars[first : first + 2]]
+    return any(reads)
+
+
 def folded_scale(config: AttentionConfig) -> float:
     """The graph's `attn_scale`. A soft cap without a `score_mod` folds its `1/c` into it, so the modifier is
     `c * tanh(x)` on scores cuDNN already scaled (one multiply per score fewer)."""

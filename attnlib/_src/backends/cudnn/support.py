@@ -189,6 +189,15 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
 
 def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_version: int) -> str | None:
     """Why cuDNN cannot serve `config` on a GPU of `capability` with cuDNN `cudnn_version`, or None if it can."""
+    if modifier_lib.visibility_as_bias(config):
+        # Segments / per-sequence alignment travel in an additive bias: the graph is a plain dense one.
+        if modifier_lib.reads_positions(config):
+            return (
+                "cudnn: a `score_mod`/`mask_mod` that reads `q_idx`/`kv_idx` together with segment ids, or with "
+                "padding lengths and `diagonal_alignment='bottom_right'`, is not supported (the positions restart per "
+                "sequence, and cuDNN 9.19 cannot compare index tensors against per-sequence offsets)."
+            )
+        config = modifier_lib.without_visibility(config)
     T, S, H, Hv = config.q_len, config.kv_len, config.head_dim, config.value_head_dim
     padded = config.has_q_lengths or config.has_kv_lengths
     bottom_right = _bottom_right(config)
@@ -280,17 +289,11 @@ def graph_rows(config: AttentionConfig) -> tuple[int, int]:
 
 def _modifier_reason(config: AttentionConfig) -> str | None:
     """The limits of dense graphs with a score modifier (`modifier.py`)."""
-    padded = config.has_q_lengths or config.has_kv_lengths
     if config.has_bias:
         return (
             "cudnn: a `bias` together with `score_mod`, `mask_mod` or `logits_soft_cap` is not supported (cuDNN adds "
             "its bias after the score modifier, while attnlib's order is bias first, and with a mask_mod alone the "
             "H200 gave wrong results with cuDNN 9.19: benchmarks/results/gpu_tests_h200_score_mod_run2.log)."
-        )
-    if padded and config.diagonal_alignment == "bottom_right":
-        return (
-            "cudnn: `diagonal_alignment='bottom_right'` with padding lengths and a score modifier is not supported "
-            "(per-sequence offsets inside cuDNN 9.19's score_mod give wrong results)."
         )
     mods = config.modifiers
     if mods is not None:
