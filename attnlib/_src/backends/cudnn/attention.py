@@ -535,11 +535,9 @@ def attention(
         seq_kv = jnp.minimum(full(inputs.key_value_seq_lengths, S), S)
 
     # Bottom-right with more queries than keys: the first T - S queries see nothing (a causal mask or a window
-    # with right <= 0; policy guarantees it for graphs without a modifier).
-    right = support.effective_right(config)
-    skip = T - S if (config.diagonal_alignment == "bottom_right" and T > S and not padded
-                     and right is not None and right <= 0) else 0
-    t = T - skip
+    # with right <= 0; policy guarantees it for graphs without a modifier) and are not computed.
+    t, _ = support.graph_rows(config)
+    skip = T - t
     bias = None
     if inputs.bias is not None:
         bias = _bias_rank4(inputs.bias, config.batch_shape, N, T, S, dtype)[:, :, skip:, :]
