@@ -57,6 +57,11 @@ PYPLAN_MAGIC = b"CUDNN_FE_PYPLAN"
 MAX_AUTOTUNE_CANDIDATES = 4
 """How many of the heuristics' backend plans autotuning builds and times."""
 
+MAX_AUTOTUNE_CANDIDATES_MODIFIER = 2
+"""The same for graphs with a score modifier, whose plans are compiled at build time (about 0.5 s each): their
+third and fourth candidates repeated the first two engines with other knobs and never won on the H200
+(`docs/performance.md`)."""
+
 
 class GraphRejected(NotImplementedError):
     """cuDNN refused to build a graph that attnlib's policy expected it to accept (its message says why)."""
@@ -635,7 +640,8 @@ def build(spec: GraphSpec) -> GraphEntry:
         graph = _define(spec)
         candidates = backend_plan_indices([p.engine_id for p in graph.plans], cudnn.engines.is_backend_engine)
         tune = autotune_enabled()
-        built = _build_candidates(spec, graph, candidates, MAX_AUTOTUNE_CANDIDATES if tune else 1)
+        wanted = MAX_AUTOTUNE_CANDIDATES if spec.modifier is None else MAX_AUTOTUNE_CANDIDATES_MODIFIER
+        built = _build_candidates(spec, graph, candidates, wanted if tune else 1)
         if not tune:
             chosen, record = built[0], f"{built[0].name} (heuristics' first)"
         elif len(built) == 1:
