@@ -199,3 +199,18 @@ def run_pytest_on_simulated_devices(test_file: str, num_devices: int) -> None:
     report = (proc.stdout + proc.stderr)[-20000:]
     assert proc.returncode == 0, f"tests/{test_file} failed (exit {proc.returncode}):\n{report}"
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, report
+
+
+def assert_matches_finite_differences(grads: dict, loss, args: dict, step: float = 1e-6) -> None:
+    """`grads[name]` equals the central differences of the float64 scalar `loss(args)` for every array in `args`."""
+    for name, x in args.items():
+        fd = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            plus, minus = dict(args), dict(args)
+            plus[name] = x.copy()
+            plus[name][idx] += step
+            minus[name] = x.copy()
+            minus[name][idx] -= step
+            fd[idx] = (loss(plus) - loss(minus)) / (2 * step)
+        # central differences in float64: truncation ~ step**2, rounding ~ 1e-16 / step -> ~1e-9 absolute
+        np.testing.assert_allclose(grads[name], fd, atol=1e-7, rtol=1e-6, err_msg=f"d{name}")

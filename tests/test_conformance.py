@@ -24,6 +24,7 @@ from helpers import (
     assert_finite,
     assert_grad_close,
     assert_lse_close,
+    assert_matches_finite_differences,
     assert_out_close,
     B,
     bitwise_equal,
@@ -589,18 +590,7 @@ def test_reference_vjp_matches_finite_differences(options):
         args["query"], args["key"], args["value"], args["bias"], d_out=d_out, d_lse=d_lse, **options,
         **({"sinks": args["sinks"]} if "sinks" in args else {}),
     )  # fmt: skip
-    step = 1e-6
-    for name, x in args.items():
-        fd = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            plus, minus = dict(args), dict(args)
-            plus[name] = x.copy()
-            plus[name][idx] += step
-            minus[name] = x.copy()
-            minus[name][idx] -= step
-            fd[idx] = (loss(plus) - loss(minus)) / (2 * step)
-        # central differences in float64: truncation ~ step**2, rounding ~ 1e-16 / step -> ~1e-9 absolute
-        np.testing.assert_allclose(grads[name], fd, atol=1e-7, rtol=1e-6, err_msg=f"d{name}")
+    assert_matches_finite_differences(grads, loss, args)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -52,6 +52,27 @@ def _to_rank4(x: jax.Array, batch_shape: tuple[int, ...]) -> jax.Array:
     return jnp.reshape(x, (math.prod(batch_shape),) + x.shape[nb:])
 
 
+def dense_token_positions(config: AttentionConfig, inputs: AttentionInputs) -> positions_lib.TokenPositions:
+    """Positions of a dense or paged call's `[B, T]` queries and `[B, S]` keys (`*B` flattened): padding lengths and
+    segment ids (`kv_segment_ids` defaulting to `q_segment_ids`), aligned by `diagonal_alignment`."""
+    B = config.batch_size
+    flat = lambda x: None if x is None else jnp.reshape(x, (B,) + x.shape[len(config.batch_shape) :])
+    q_seg = flat(inputs.q_segment_ids)
+    kv_seg = flat(inputs.kv_segment_ids)
+    if q_seg is not None and kv_seg is None:
+        kv_seg = q_seg
+    return positions_lib.dense_positions(
+        B,
+        config.q_len,
+        config.kv_len,
+        bottom_right=config.diagonal_alignment == "bottom_right",
+        query_seq_lengths=flat(inputs.query_seq_lengths),
+        key_value_seq_lengths=flat(inputs.key_value_seq_lengths),
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+    )
+
+
 def canonicalize(config: AttentionConfig, inputs: AttentionInputs) -> Problem:
     """Build the canonical problem of a validated call."""
     bs = config.batch_shape
@@ -72,21 +93,7 @@ def canonicalize(config: AttentionConfig, inputs: AttentionInputs) -> Problem:
         else:
             key = jnp.reshape(inputs.key, (B,) + inputs.key.shape[-3:])
             value = jnp.reshape(inputs.value, (B,) + inputs.value.shape[-3:])
-        flat = lambda x: None if x is None else jnp.reshape(x, (B,) + x.shape[len(bs) :])
-        q_seg = flat(inputs.q_segment_ids)
-        kv_seg = flat(inputs.kv_segment_ids)
-        if q_seg is not None and kv_seg is None:
-            kv_seg = q_seg
-        positions = positions_lib.dense_positions(
-            B,
-            config.q_len,
-            config.kv_len,
-            bottom_right=bottom_right,
-            query_seq_lengths=flat(inputs.query_seq_lengths),
-            key_value_seq_lengths=flat(inputs.key_value_seq_lengths),
-            q_segment_ids=q_seg,
-            kv_segment_ids=kv_seg,
-        )
+        positions = dense_token_positions(config, inputs)
 
     bias = None if inputs.bias is None else _to_rank4(inputs.bias, bs)
     mask = None if inputs.mask is None else _to_rank4(inputs.mask, bs)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import dropout as dropout_lib, ffi, masks as masks_lib, positions as positions_lib, varying
+from ... import canonical, dropout as dropout_lib, ffi, masks as masks_lib, varying
 from ...config import AttentionConfig, AttentionInputs
 from . import graphs, modifier as modifier_lib, support
 from .cache import GraphCache, GraphEntry
@@ -444,15 +444,7 @@ def _bias_rank4(bias: jax.Array, batch_shape: tuple[int, ...], n: int, t: int, s
 def _visibility(config: AttentionConfig, inputs: AttentionInputs) -> jax.Array:
     """Bool `[B, 1, T, S]`: which keys each query sees by the sequence structure (lengths, segment ids) and the
     built-in causal / window masks, per-sequence alignment included (`modifier.visibility_as_bias`)."""
-    B, T, S = config.batch_size, config.q_len, config.kv_len
-    flat = lambda x: None if x is None else jnp.reshape(x, (B,) + x.shape[len(config.batch_shape) :])
-    q_seg = flat(inputs.q_segment_ids)
-    kv_seg = flat(inputs.kv_segment_ids)
-    p = positions_lib.dense_positions(
-        B, T, S, bottom_right=config.diagonal_alignment == "bottom_right",
-        query_seq_lengths=flat(inputs.query_seq_lengths), key_value_seq_lengths=flat(inputs.key_value_seq_lengths),
-        q_segment_ids=q_seg, kv_segment_ids=q_seg if kv_seg is None and q_seg is not None else kv_seg,
-    )
+    p = canonical.dense_token_positions(config, inputs)
     seen = masks_lib.visible(
         p.q_segment, p.q_position, p.kv_segment, p.kv_position, is_causal=config.is_causal, window=config.window
     )

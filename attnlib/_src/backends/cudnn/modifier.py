@@ -75,9 +75,15 @@ def reads_positions(config: AttentionConfig) -> bool:
     for jaxpr, first in ((mods.score_jaxpr, 3), (mods.mask_jaxpr, 2)):
         if jaxpr is None:
             continue
-        used = [v for eqn in jaxpr.jaxpr.eqns for v in eqn.invars] + list(jaxpr.jaxpr.outvars)
-        reads += [any(v is index for v in used) for index in jaxpr.jaxpr.invars[first : first + 2]]
+        reads += [_reads_input(jaxpr, i) for i in (first, first + 1)]
     return any(reads)
+
+
+def _reads_input(jaxpr: Any, index: int) -> bool:
+    """Whether the closed jaxpr uses its input `index` (an equation or the output reads it)."""
+    var = jaxpr.jaxpr.invars[index]
+    used = [v for eqn in jaxpr.jaxpr.eqns for v in eqn.invars] + list(jaxpr.jaxpr.outvars)
+    return any(v is var for v in used)
 
 
 def folded_scale(config: AttentionConfig) -> float:
@@ -179,10 +185,7 @@ def _build(config: AttentionConfig, offset: int, t: int, s: int) -> ScoreModifie
         "modifier/1", None if mods is None else mods.key, config.logits_soft_cap, config.is_causal, window, offset,
         dims, str(jaxpr),
     ))  # fmt: skip
-    batch = jaxpr.jaxpr.invars[1]
-    used = [v for eqn in jaxpr.jaxpr.eqns for v in eqn.invars] + list(jaxpr.jaxpr.outvars)
-    reads_batch = any(v is batch for v in used)
-    return ScoreModifier(jaxpr, fn, dims, key, reads_batch)
+    return ScoreModifier(jaxpr, fn, dims, key, _reads_input(jaxpr, 1))
 
 
 def build(config: AttentionConfig, offset: int, t: int, s: int) -> ScoreModifier:
