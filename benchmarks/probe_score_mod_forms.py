@@ -7,7 +7,7 @@ dK, dV with a float32 torch autograd reference of the same math. Prints one JSON
 
 Run on the GPU machine with the cuDNN frontend wheel on PYTHONPATH: `python benchmarks/probe_score_mod_forms.py`
 (`PROBE_ROUND=1`: the first set of forms, `2` (default): the backward forms, `3`: kernel time of soft cap + causal
-in several forms, at b4 · s4096 · 32/8 heads · d128).
+in several forms, at b4 · s4096 · 32/8 heads · d128; `4`: op order, gen_index inputs, two combined masks).
 """
 
 import json
@@ -310,19 +310,24 @@ def run(name, make, b=2, hq=4, hkv=2, t=192, s=256, d=64, extra=None):
     v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
     do = torch.randn(b, t, hq, d, device="cuda", dtype=torch.bfloat16)
     consts = {
-        "neg": torch.full((1, 1, 1, 1), NEG), "zero": torch.zeros(1, 1, 1, 1), "one": torch.ones(1, 1, 1, 1),
-        "half": torch.full((1, 1, 1, 1), 0.5), "w": torch.full((1, 1, 1, 1), W), "cap": torch.full((1, 1, 1, 1), 20.0),
-        "tenth": torch.full((1, 1, 1, 1), 0.1), "two": torch.full((1, 1, 1, 1), 2.0),
+        "neg": torch.full((1, 1, 1, 1), NEG),
+        "zero": torch.zeros(1, 1, 1, 1),
+        "one": torch.ones(1, 1, 1, 1),
+        "half": torch.full((1, 1, 1, 1), 0.5),
+        "w": torch.full((1, 1, 1, 1), W),
+        "cap": torch.full((1, 1, 1, 1), 20.0),
+        "tenth": torch.full((1, 1, 1, 1), 0.1),
+        "two": torch.full((1, 1, 1, 1), 2.0),
         "slope": (2.0 ** -torch.arange(1, hq + 1, dtype=torch.float32)).reshape(1, hq, 1, 1),
         "hscale": (1.0 + 0.25 * torch.arange(hq, dtype=torch.float32)).reshape(1, hq, 1, 1),
         "boff": torch.tensor([s - t, s - t - 7], dtype=torch.float32).reshape(b, 1, 1, 1),
     }
     am = torch.zeros(b, 1, t, s)
-    am[0, 0, :, s - 50:] = NEG
+    am[0, 0, :, s - 50 :] = NEG
     am[1, 0, 10:, :30] = NEG
     consts["amask"] = am
     km = torch.zeros(b, 1, 1, s)
-    km[1, 0, 0, s - 37:] = NEG
+    km[1, 0, 0, s - 37 :] = NEG
     consts["kmask"] = km
     consts = {n: x.cuda().contiguous() for n, x in consts.items()}
     res = {}
@@ -348,8 +353,16 @@ def run(name, make, b=2, hq=4, hkv=2, t=192, s=256, d=64, extra=None):
         bias = (torch.randn(1, hq, t, s, device="cuda") * 0.5).to(torch.bfloat16)
         tb = g.tensor_like(bias)
         opts["bias"] = tb
-    o_t, st_t = g.sdpa(name="a", q=tq, k=tk, v=tv, generate_stats=True, attn_scale=scale,
-                       score_mod=lambda gg, sc: fwd_mod(Ops(gg, gc), sc, st), **opts)
+    o_t, st_t = g.sdpa(
+        name="a",
+        q=tq,
+        k=tk,
+        v=tv,
+        generate_stats=True,
+        attn_scale=scale,
+        score_mod=lambda gg, sc: fwd_mod(Ops(gg, gc), sc, st),
+        **opts,
+    )
     o_t.set_output(True).set_dim(list(T_(O).size())).set_stride(list(T_(O).stride()))
     st_t.set_output(True).set_data_type(F32)
     try:
@@ -412,9 +425,17 @@ def run(name, make, b=2, hq=4, hkv=2, t=192, s=256, d=64, extra=None):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     try:
         rq, rk, rv = gb.sdpa_backward(
-            name="b", q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bst, attn_scale=scale,
+            name="b",
+            q=bq,
+            k=bk,
+            v=bv,
+            o=bo,
+            dO=bdo,
+            stats=bst,
+            attn_scale=scale,
             score_mod=lambda gg, sc: fwd_mod(Ops(gg, gcb), sc, stb),
-            score_mod_bprop=lambda gg, ds: bwd_mod(Ops(gg, gcb), ds, stb), **bopts,
+            score_mod_bprop=lambda gg, ds: bwd_mod(Ops(gg, gcb), ds, stb),
+            **bopts,
         )
         for tt, x in ((rq, dq), (rk, dk), (rv, dv)):
             tt.set_output(True).set_dim(list(T_(x).size())).set_stride(list(T_(x).stride()))
@@ -457,8 +478,9 @@ def dropout_case(b=2, hq=4, hkv=2, t=192, s=256, d=64):
         kw = {} if mode == "plain" else {"score_mod": lambda gg, sc: f32(gg.mul(a=sc, b=tone, compute_data_type=F32))}
         O = torch.empty_like(q)
         ST = torch.empty(b, hq, t, 1, device="cuda", dtype=torch.float32)
-        o_t, st_t = g.sdpa(name="a", q=tq, k=tk, v=tv, generate_stats=True, attn_scale=1 / math.sqrt(d),
-                           dropout=(0.25, ts, to_), **kw)
+        o_t, st_t = g.sdpa(
+            name="a", q=tq, k=tk, v=tv, generate_stats=True, attn_scale=1 / math.sqrt(d), dropout=(0.25, ts, to_), **kw
+        )
         o_t.set_output(True).set_dim(list(T_(O).size())).set_stride(list(T_(O).stride()))
         st_t.set_output(True).set_data_type(F32)
         try:
@@ -476,14 +498,28 @@ def dropout_case(b=2, hq=4, hkv=2, t=192, s=256, d=64):
         gb = cudnn.pygraph(io_data_type=BF, intermediate_data_type=F32, compute_data_type=F32, handle=HANDLE)
         bq, bk, bv, bo, bdo, bst = (gb.tensor_like(x) for x in (T_(q), T_(k), T_(v), T_(O), T_(do), ST))
         bs, bo_, bone = gb.tensor_like(seed), gb.tensor_like(off), gb.tensor_like(one)
-        bkw = {} if mode == "plain" else {
-            "score_mod": lambda gg, sc: f32(gg.mul(a=sc, b=bone, compute_data_type=F32)),
-            "score_mod_bprop": lambda gg, ds: f32(gg.mul(a=ds, b=bone, compute_data_type=F32)),
-        }
+        bkw = (
+            {}
+            if mode == "plain"
+            else {
+                "score_mod": lambda gg, sc: f32(gg.mul(a=sc, b=bone, compute_data_type=F32)),
+                "score_mod_bprop": lambda gg, ds: f32(gg.mul(a=ds, b=bone, compute_data_type=F32)),
+            }
+        )
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         try:
-            rq, rk, rv = gb.sdpa_backward(name="b", q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bst,
-                                          attn_scale=1 / math.sqrt(d), dropout=(0.25, bs, bo_), **bkw)
+            rq, rk, rv = gb.sdpa_backward(
+                name="b",
+                q=bq,
+                k=bk,
+                v=bv,
+                o=bo,
+                dO=bdo,
+                stats=bst,
+                attn_scale=1 / math.sqrt(d),
+                dropout=(0.25, bs, bo_),
+                **bkw,
+            )
             for tt, x in ((rq, dq), (rk, dk), (rv, dv)):
                 tt.set_output(True).set_dim(list(T_(x).size())).set_stride(list(T_(x).stride()))
             build(gb)
@@ -491,8 +527,19 @@ def dropout_case(b=2, hq=4, hkv=2, t=192, s=256, d=64):
             res[mode + "_bwd_build"] = str(e)[:300]
             continue
         wsb = torch.empty(gb.get_workspace_size(), device="cuda", dtype=torch.uint8)
-        bpack = {bq: T_(q), bk: T_(k), bv: T_(v), bo: T_(O), bdo: T_(do), bst: ST, rq: T_(dq), rk: T_(dk),
-                 rv: T_(dv), bs: seed, bo_: off}
+        bpack = {
+            bq: T_(q),
+            bk: T_(k),
+            bv: T_(v),
+            bo: T_(O),
+            bdo: T_(do),
+            bst: ST,
+            rq: T_(dq),
+            rk: T_(dk),
+            rv: T_(dv),
+            bs: seed,
+            bo_: off,
+        }
         if mode == "mod":
             bpack[bone] = one
         gb.execute(bpack, wsb, handle=HANDLE)
@@ -508,9 +555,11 @@ def dropout_case(b=2, hq=4, hkv=2, t=192, s=256, d=64):
 def time_forms(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0):
     """Round 3: kernel time of soft cap + causal written in several forms (which one lets cuDNN skip masked tiles).
 
-    The soft cap's 1/c is folded into attn_scale as attnlib does; the modifier is c * tanh(identity(s)) and the mask
-    a select to -1e30 (a pass-by-value scalar); the backward is tanh_backward on the stored identity, then the same
-    mask with 0.
+    A form is (mask, soft cap, scalar kind, fold): the mask is `row >= col` (`ge`) or `col <= row` (`le`) computed
+    in FLOAT or BOOLEAN, or none; the soft cap is c * tanh(s / c) with 1/c folded into attn_scale (`fold`) or divided
+    inside the modifier; scalars are `tensor_scalar(RUNTIME_PARAM)` (`rt`, attnlib's form) or pass-by-value graph
+    tensors bound in the variant pack (`pbv`, the form of ../shared/reference/probes/score_mod_softcap_causal.py).
+    The backward is tanh_backward on the stored pre-tanh tensor, then the same mask with 0.
     """
     scale = 1 / math.sqrt(d)
     q = torch.randn(b, t, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -521,81 +570,346 @@ def time_forms(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0):
     ST = torch.empty(b, hq, t, 1, device="cuda", dtype=torch.float32)
     runtime = cudnn.scalar_type.RUNTIME_PARAM
 
-    def mask(g, x, fill, form):
+    class Scalars:
+        def __init__(self, g, kind):
+            self.g, self.kind, self.pack, self.made = g, kind, {}, {}
+
+        def __call__(self, value):
+            if value not in self.made:
+                if self.kind == "rt":
+                    self.made[value] = self.g.tensor_scalar(value, runtime)
+                else:
+                    host = torch.full((1, 1, 1, 1), value, dtype=torch.float32)
+                    tensor = self.g.tensor(
+                        name=f"c{len(self.made)}",
+                        dim=[1, 1, 1, 1],
+                        stride=[1, 1, 1, 1],
+                        is_pass_by_value=True,
+                        data_type=F32,
+                    )
+                    self.pack[tensor] = host
+                    self.made[value] = tensor
+            return self.made[value]
+
+    def mask(g, x, fill, form, sc):
         if form == "none":
             return x
         r, c = g.gen_index(input=x, axis=2), g.gen_index(input=x, axis=3)
         r.set_data_type(I32)
         c.set_data_type(I32)
         compute = BOOL if form.endswith("bool") else F32
-        m = g.cmp_le(input=c, comparison=r, compute_data_type=compute) if form.startswith("le") else g.cmp_ge(
-            input=r, comparison=c, compute_data_type=compute)
+        m = (
+            g.cmp_le(input=c, comparison=r, compute_data_type=compute)
+            if form.startswith("le")
+            else g.cmp_ge(input=r, comparison=c, compute_data_type=compute)
+        )
         m.set_data_type(BOOL)
-        return f32(g.binary_select(input0=x, input1=g.tensor_scalar(fill, runtime), mask=m, compute_data_type=F32))
+        return f32(g.binary_select(input0=x, input1=sc(fill), mask=m, compute_data_type=F32))
 
-    def fwd(g, sc, st, form, softcap):
+    def fwd(g, s, st, form, softcap, fold, sc):
         if softcap:
-            x = f32(g.identity(input=sc, compute_data_type=F32))
+            x = (
+                f32(g.identity(input=s, compute_data_type=F32))
+                if fold
+                else f32(g.div(a=s, b=sc(cap), compute_data_type=F32))
+            )
             st["x"] = x
-            sc = f32(g.mul(a=f32(g.tanh(input=x, compute_data_type=F32)), b=g.tensor_scalar(cap, runtime),
-                           compute_data_type=F32))
-        return mask(g, sc, NEG, form)
+            s = f32(g.mul(a=f32(g.tanh(input=x, compute_data_type=F32)), b=sc(cap), compute_data_type=F32))
+        return mask(g, s, NEG, form, sc)
 
-    def bwd(g, ds, st, form, softcap):
+    def bwd(g, ds, st, form, softcap, fold, sc):
         if softcap:
-            ds = f32(g.mul(a=ds, b=g.tensor_scalar(cap, runtime), compute_data_type=F32))
+            ds = f32(g.mul(a=ds, b=sc(cap), compute_data_type=F32))
             ds = f32(g.tanh_backward(loss=ds, input=st["x"], compute_data_type=F32))
-        return mask(g, ds, 0.0, form)
+            if not fold:
+                ds = f32(g.div(a=ds, b=sc(cap), compute_data_type=F32))
+        return mask(g, ds, 0.0, form, sc)
 
-    def timed(g, pack, ws):
-        for _ in range(3):
-            g.execute(pack, ws, handle=HANDLE)
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = 1e9
-        for _ in range(3):
-            e0.record()
-            for _ in range(10):
-                g.execute(pack, ws, handle=HANDLE)
-            e1.record()
-            torch.cuda.synchronize()
-            best = min(best, e0.elapsed_time(e1) / 10)
-        return round(best, 4)
+    def plans(g):
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans(cudnn.build_plan_policy.ALL)
+        return g.get_execution_plan_count()
+
+    def timed_plans(g, pack, ws_size):
+        """Time every plan; returns {index: ms} (plan 0 is the heuristics' first)."""
+        times = {}
+        for i in range(g.get_execution_plan_count()):
+            try:
+                ws = torch.empty(max(ws_size, g.get_workspace_size_plan_at_index(i)), device="cuda", dtype=torch.uint8)
+                for _ in range(2):
+                    g.execute_plan_at_index(pack, ws, i, handle=HANDLE)
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(10):
+                    g.execute_plan_at_index(pack, ws, i, handle=HANDLE)
+                e1.record()
+                torch.cuda.synchronize()
+                times[i] = round(e0.elapsed_time(e1) / 10, 4)
+            except Exception as e:  # noqa: BLE001
+                times[i] = str(e)[:80]
+        return times
 
     results = {}
-    forms = [("builtin_causal", None, False), ("softcap_ge_float", "ge_float", True),
-             ("softcap_ge_bool", "ge_bool", True), ("softcap_le_float", "le_float", True),
-             ("softcap_no_mask", "none", True),
-             ("causal_ge_float", "ge_float", False), ("causal_ge_bool", "ge_bool", False)]
-    for name, form, softcap in forms:
+    # name: (mask form or None = builtin, softcap, scalar kind, fold)
+    forms = {
+        "builtin_causal": ("builtin", False, "rt", True),
+        "builtin_full": ("builtin_full", False, "rt", True),
+        "orig_probe_div_ge_bool_pbv": ("ge_bool", True, "pbv", False),
+        "softcap_ge_bool_pbv": ("ge_bool", True, "pbv", True),
+        "softcap_ge_bool_rt": ("ge_bool", True, "rt", True),
+        "softcap_ge_float_rt_attnlib": ("ge_float", True, "rt", True),
+        "softcap_le_float_rt": ("le_float", True, "rt", True),
+        "softcap_div_ge_bool_rt": ("ge_bool", True, "rt", False),
+        "softcap_no_mask_rt": ("none", True, "rt", True),
+        "softcap_no_mask_pbv": ("none", True, "pbv", True),
+        "causal_ge_float_rt": ("ge_float", False, "rt", True),
+        "causal_ge_bool_rt": ("ge_bool", False, "rt", True),
+        "causal_ge_bool_pbv": ("ge_bool", False, "pbv", True),
+    }
+    for name, (form, softcap, kind, fold) in forms.items():
         row = {}
         try:
             g = cudnn.pygraph(io_data_type=BF, intermediate_data_type=F32, compute_data_type=F32, handle=HANDLE)
             tq, tk, tv = g.tensor_like(T_(q)), g.tensor_like(T_(k)), g.tensor_like(T_(v))
-            st = {}
-            kw = dict(use_causal_mask=True) if form is None else dict(
-                score_mod=lambda gg, sc: fwd(gg, sc, st, form, softcap))
-            o_t, s_t = g.sdpa(name="a", q=tq, k=tk, v=tv, generate_stats=True,
-                              attn_scale=scale / cap if softcap else scale, **kw)
+            st, sc = {}, Scalars(g, kind)
+            attn_scale = scale / cap if softcap and fold else scale
+            if form.startswith("builtin"):
+                kw = dict(use_causal_mask=form == "builtin")
+            else:
+                kw = dict(score_mod=lambda gg, x: fwd(gg, x, st, form, softcap, fold, sc))
+            o_t, s_t = g.sdpa(name="a", q=tq, k=tk, v=tv, generate_stats=True, attn_scale=attn_scale, **kw)
             o_t.set_output(True).set_dim(list(T_(O).size())).set_stride(list(T_(O).stride()))
             s_t.set_output(True).set_data_type(F32)
-            build(g)
-            ws = torch.empty(g.get_workspace_size(), device="cuda", dtype=torch.uint8)
-            row["fwd_ms"] = timed(g, {tq: T_(q), tk: T_(k), tv: T_(v), o_t: T_(O), s_t: ST}, ws)
+            row["fwd_plans"] = plans(g)
+            pack = {tq: T_(q), tk: T_(k), tv: T_(v), o_t: T_(O), s_t: ST, **sc.pack}
+            row["fwd_ms_per_plan"] = timed_plans(g, pack, g.get_workspace_size())
+            gb = cudnn.pygraph(io_data_type=BF, intermediate_data_type=F32, compute_data_type=F32, handle=HANDLE)
+            bq, bk, bv, bo, bdo, bst = (gb.tensor_like(x) for x in (T_(q), T_(k), T_(v), T_(O), T_(do), ST))
+            stb, scb = {}, Scalars(gb, kind)
+            if form.startswith("builtin"):
+                bkw = dict(use_causal_mask=form == "builtin")
+            else:
+                bkw = dict(
+                    score_mod=lambda gg, x: fwd(gg, x, stb, form, softcap, fold, scb),
+                    score_mod_bprop=lambda gg, ds: bwd(gg, ds, stb, form, softcap, fold, scb),
+                )
+            rq, rk, rv = gb.sdpa_backward(
+                name="b", q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bst, attn_scale=attn_scale, **bkw
+            )
+            for tt, x in ((rq, dq), (rk, dk), (rv, dv)):
+                tt.set_output(True).set_dim(list(T_(x).size())).set_stride(list(T_(x).stride()))
+            row["bwd_plans"] = plans(gb)
+            bpack = {
+                bq: T_(q),
+                bk: T_(k),
+                bv: T_(v),
+                bo: T_(O),
+                bdo: T_(do),
+                bst: ST,
+                rq: T_(dq),
+                rk: T_(dk),
+                rv: T_(dv),
+                **scb.pack,
+            }
+            row["bwd_ms_per_plan"] = timed_plans(gb, bpack, gb.get_workspace_size())
+        except Exception as e:  # noqa: BLE001
+            row["error"] = str(e)[:300]
+        results[name] = row
+        print(name, json.dumps(row), flush=True)
+    return results
+
+
+def time_orders(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0, prefix=1024, window=1024):
+    """Round 4: which details of a masked modifier decide whether cuDNN 9.19 skips masked tiles: the tensor each
+    gen_index reads, the order ops are created in, operand order, and (prefix-LM, sliding window) how two conditions
+    combine. Scalars are RUNTIME_PARAM, 1/c is folded into attn_scale; kernel time of every plan."""
+    scale = 1 / math.sqrt(d)
+    q = torch.randn(b, t, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, t, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, t, hkv, d, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    O, dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    ST = torch.empty(b, hq, t, 1, device="cuda", dtype=torch.float32)
+    runtime = cudnn.scalar_type.RUNTIME_PARAM
+
+    def const(g, value):
+        return g.tensor_scalar(value, runtime)
+
+    def index(g, like, axis):
+        x = g.gen_index(input=like, axis=axis)
+        x.set_data_type(I32)
+        return x
+
+    def cmp(g, op, a, c):
+        m = getattr(g, "cmp_" + op)(input=a, comparison=c, compute_data_type=F32)
+        m.set_data_type(BOOL)
+        return m
+
+    def sel(g, x, y, m):
+        return f32(g.binary_select(input0=x, input1=y, mask=m, compute_data_type=F32))
+
+    def softcap(g, s, st, const_first=False):
+        x = f32(g.identity(input=s, compute_data_type=F32))
+        st["x"] = x
+        th = f32(g.tanh(input=x, compute_data_type=F32))
+        c = const(g, cap)
+        return f32(g.mul(a=c, b=th, compute_data_type=F32) if const_first else g.mul(a=th, b=c, compute_data_type=F32))
+
+    def softcap_bwd(g, ds, st):
+        ds = f32(g.mul(a=ds, b=const(g, cap), compute_data_type=F32))
+        return f32(g.tanh_backward(loss=ds, input=st["x"], compute_data_type=F32))
+
+    # Each form: (forward(g, s, st, fill), backward(g, ds, st, fill)); `fill` is -1e30 forward, 0 backward.
+    def causal_after(like_score, col_first, const_first):
+        def fwd(g, s, st, fill):
+            y = softcap(g, s, st, const_first)
+            like = s if like_score else y
+            c, r = (index(g, like, 3), index(g, like, 2)) if col_first else (None, None)
+            if not col_first:
+                r, c = index(g, like, 2), index(g, like, 3)
+            return sel(g, y, const(g, fill), cmp(g, "ge", r, c))
+
+        def bwd(g, ds, st, fill):
+            y = softcap_bwd(g, ds, st)
+            like = ds if like_score else y
+            if col_first:
+                c, r = index(g, like, 3), index(g, like, 2)
+            else:
+                r, c = index(g, like, 2), index(g, like, 3)
+            return sel(g, y, const(g, fill), cmp(g, "ge", r, c))
+
+        return fwd, bwd
+
+    def causal_before(const_first):
+        """attnlib today: col, row, compare, fill constant first; then the soft cap; then the select."""
+
+        def fwd(g, s, st, fill):
+            c, r = index(g, s, 3), index(g, s, 2)
+            m = cmp(g, "ge", r, c)
+            f = const(g, fill)
+            return sel(g, softcap(g, s, st, const_first), f, m)
+
+        def bwd(g, ds, st, fill):
+            c, r = index(g, ds, 3), index(g, ds, 2)
+            m = cmp(g, "ge", r, c)
+            f = const(g, fill)
+            return sel(g, softcap_bwd(g, ds, st), f, m)
+
+        return fwd, bwd
+
+    def two_masks(kind):
+        def both(g, x, fill):
+            c, r = index(g, x, 3), index(g, x, 2)
+            f = const(g, fill)
+            if kind == "prefix_attnlib":  # (c < P) | (c <= r), as attnlib lowers it today
+                return sel(g, x, sel(g, x, f, cmp(g, "le", c, r)), cmp(g, "lt", c, const(g, float(prefix))))
+            if kind == "prefix_ge_nested":
+                return sel(g, x, sel(g, x, f, cmp(g, "ge", r, c)), cmp(g, "lt", c, const(g, float(prefix))))
+            if kind == "prefix_causal_outer":
+                return sel(g, x, sel(g, x, f, cmp(g, "lt", c, const(g, float(prefix)))), cmp(g, "ge", r, c))
+            if kind == "prefix_max":  # max(r, P - 1) >= c
+                top = f32(g.max(input0=r, input1=const(g, float(prefix - 1)), compute_data_type=F32))
+                return sel(g, x, f, cmp(g, "ge", top, c))
+            if kind == "window_nested":  # r >= c and c + W > r
+                inner = sel(g, x, f, cmp(g, "ge", r, c))
+                near = cmp(g, "gt", f32(g.add(a=c, b=const(g, float(window)), compute_data_type=F32)), r)
+                return sel(g, inner, f, near)
+            if kind == "window_nested_rev":
+                near = cmp(g, "gt", f32(g.add(a=c, b=const(g, float(window)), compute_data_type=F32)), r)
+                return sel(g, sel(g, x, f, near), f, cmp(g, "ge", r, c))
+            raise ValueError(kind)
+
+        return (lambda g, s, st, fill: both(g, s, fill)), (lambda g, ds, st, fill: both(g, ds, fill))
+
+    forms = {
+        "softcap_causal_idx_of_y_row_first": causal_after(False, False, False),
+        "softcap_causal_idx_of_score_row_first": causal_after(True, False, False),
+        "softcap_causal_idx_of_y_col_first": causal_after(False, True, False),
+        "softcap_causal_idx_of_y_const_first": causal_after(False, False, True),
+        "softcap_causal_attnlib_order": causal_before(True),
+        "softcap_causal_before_mul_th_c": causal_before(False),
+        "prefix_attnlib": two_masks("prefix_attnlib"),
+        "prefix_ge_nested": two_masks("prefix_ge_nested"),
+        "prefix_causal_outer": two_masks("prefix_causal_outer"),
+        "prefix_max": two_masks("prefix_max"),
+        "window_nested": two_masks("window_nested"),
+        "window_nested_rev": two_masks("window_nested_rev"),
+    }
+
+    def plans(g):
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans(cudnn.build_plan_policy.ALL)
+        return g.get_execution_plan_count()
+
+    def timed_plans(g, pack):
+        times = {}
+        for i in range(g.get_execution_plan_count()):
+            try:
+                ws = torch.empty(g.get_workspace_size_plan_at_index(i), device="cuda", dtype=torch.uint8)
+                for _ in range(2):
+                    g.execute_plan_at_index(pack, ws, i, handle=HANDLE)
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(10):
+                    g.execute_plan_at_index(pack, ws, i, handle=HANDLE)
+                e1.record()
+                torch.cuda.synchronize()
+                times[i] = round(e0.elapsed_time(e1) / 10, 4)
+            except Exception as e:  # noqa: BLE001
+                times[i] = str(e)[:80]
+        return times
+
+    results = {}
+    for name, (fwd, bwd) in forms.items():
+        row = {}
+        soft = name.startswith("softcap")
+        attn_scale = scale / cap if soft else scale
+        try:
+            g = cudnn.pygraph(io_data_type=BF, intermediate_data_type=F32, compute_data_type=F32, handle=HANDLE)
+            tq, tk, tv = g.tensor_like(T_(q)), g.tensor_like(T_(k)), g.tensor_like(T_(v))
+            st = {}
+            o_t, s_t = g.sdpa(
+                name="a",
+                q=tq,
+                k=tk,
+                v=tv,
+                generate_stats=True,
+                attn_scale=attn_scale,
+                score_mod=lambda gg, x: fwd(gg, x, st, NEG),
+            )
+            o_t.set_output(True).set_dim(list(T_(O).size())).set_stride(list(T_(O).stride()))
+            s_t.set_output(True).set_data_type(F32)
+            row["fwd_plans"] = plans(g)
+            row["fwd_ms_per_plan"] = timed_plans(g, {tq: T_(q), tk: T_(k), tv: T_(v), o_t: T_(O), s_t: ST})
             gb = cudnn.pygraph(io_data_type=BF, intermediate_data_type=F32, compute_data_type=F32, handle=HANDLE)
             bq, bk, bv, bo, bdo, bst = (gb.tensor_like(x) for x in (T_(q), T_(k), T_(v), T_(O), T_(do), ST))
             stb = {}
-            bkw = dict(use_causal_mask=True) if form is None else dict(
-                score_mod=lambda gg, sc: fwd(gg, sc, stb, form, softcap),
-                score_mod_bprop=lambda gg, ds: bwd(gg, ds, stb, form, softcap))
-            rq, rk, rv = gb.sdpa_backward(name="b", q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bst,
-                                          attn_scale=scale / cap if softcap else scale, **bkw)
+            rq, rk, rv = gb.sdpa_backward(
+                name="b",
+                q=bq,
+                k=bk,
+                v=bv,
+                o=bo,
+                dO=bdo,
+                stats=bst,
+                attn_scale=attn_scale,
+                score_mod=lambda gg, x: fwd(gg, x, stb, NEG),
+                score_mod_bprop=lambda gg, ds: bwd(gg, ds, stb, 0.0),
+            )
             for tt, x in ((rq, dq), (rk, dk), (rv, dv)):
                 tt.set_output(True).set_dim(list(T_(x).size())).set_stride(list(T_(x).stride()))
-            build(gb)
-            wsb = torch.empty(gb.get_workspace_size(), device="cuda", dtype=torch.uint8)
-            row["bwd_ms"] = timed(gb, {bq: T_(q), bk: T_(k), bv: T_(v), bo: T_(O), bdo: T_(do), bst: ST,
-                                       rq: T_(dq), rk: T_(dk), rv: T_(dv)}, wsb)
+            row["bwd_plans"] = plans(gb)
+            bpack = {bq: T_(q), bk: T_(k), bv: T_(v), bo: T_(O), bdo: T_(do), bst: ST, rq: T_(dq), rk: T_(dk)}
+            bpack[rv] = T_(dv)
+            row["bwd_ms_per_plan"] = timed_plans(gb, bpack)
         except Exception as e:  # noqa: BLE001
             row["error"] = str(e)[:300]
         results[name] = row
@@ -604,20 +918,30 @@ def time_forms(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0):
 
 
 def main():
-    if os.environ.get("PROBE_ROUND", "2") == "3":
-        results = {"cudnn": cudnn.backend_version(), "timing": time_forms()}
-        with open(os.path.join(OUT, "probe_score_mod_forms_timing.json"), "w") as f:
+    if os.environ.get("PROBE_ROUND", "2") in ("3", "4"):
+        probe = time_forms if os.environ["PROBE_ROUND"] == "3" else time_orders
+        results = {"cudnn": cudnn.backend_version(), "timing": probe()}
+        name = "probe_score_mod_forms_timing" + ("" if probe is time_forms else "_round4")
+        with open(os.path.join(OUT, name + ".json"), "w") as f:
             json.dump(results, f, indent=1)
         return
     results = {"cudnn": cudnn.backend_version()}
     import functools
+
     round1 = [(n, f, {}) for n, f in CASES.items()] + [
         ("softcap_with_sinks", case_softcap_device_scalar_arith_bwd, {"sinks": True}),
         ("softcap_with_bias", case_softcap_device_scalar_arith_bwd, {"bias": True}),
         ("nested_selects_gqa_odd", case_nested_selects, {}),
     ]
-    forms = ("tanh_backward", "recompute_from_x", "from_y", "from_y_single_use", "derivative_in_fwd",
-             "identity_stored", "mul_one_stored")
+    forms = (
+        "tanh_backward",
+        "recompute_from_x",
+        "from_y",
+        "from_y_single_use",
+        "derivative_in_fwd",
+        "identity_stored",
+        "mul_one_stored",
+    )
     round2 = [("bprop_" + f, functools.partial(case_softcap_bprop, f), {}) for f in forms]
     round2 += [("bprop_" + f + "_causal", functools.partial(case_softcap_bprop, f, causal=True), {}) for f in forms]
     round2 += [("bprop_" + f + "_sinks", functools.partial(case_softcap_bprop, f), {"sinks": True}) for f in forms]

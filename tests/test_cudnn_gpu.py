@@ -453,8 +453,8 @@ def test_decline_reasons_on_gpu():
     with pytest.raises(NotImplementedError, match="multiples of 8"):
         attnlib.attention(q, q, q, implementation="cudnn")
     q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="logits_soft_cap"):
-        attnlib.attention(q, q, q, implementation="cudnn", logits_soft_cap=30.0)
+    with pytest.raises(NotImplementedError, match="atan2"):
+        attnlib.attention(q, q, q, implementation="cudnn", score_mod=lambda s, b, h, i, j: jnp.arctan2(s, 2.0))
 
 
 def test_auto_dispatch_picks_cudnn():

@@ -309,7 +309,8 @@ class MultiheadAttention(eqx.Module):
         if deterministic is not None:
             inference = deterministic
             warnings.warn(
-                "MultiheadAttention()(deterministic=...) is deprecated in favour of MultiheadAttention()(inference=...)",
+                "MultiheadAttention()(deterministic=...) is deprecated in favour of "
+                "MultiheadAttention()(inference=...)",
                 DeprecationWarning,
                 stacklevel=3,
             )

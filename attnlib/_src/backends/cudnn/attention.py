@@ -194,13 +194,12 @@ def _graph_seq_kv(plan: Plan, seq_kv: jax.Array | None) -> jax.Array | None:
     return jnp.maximum(seq_kv, 1)
 
 
-def _static_rows_valid(spec: GraphSpec, left: int | None, right: int | None, bottom_right: bool) -> bool:
-    if spec.padding:
-        return False
-    i = np.arange(spec.t)
-    diagonal = i + (spec.s - spec.t if bottom_right else 0)
+def _static_rows_valid(t: int, s: int, left: int | None, right: int | None, bottom_right: bool) -> bool:
+    """Whether each of `t` unpadded query rows sees at least one of `s` keys through the band `left`, `right`."""
+    i = np.arange(t)
+    diagonal = i + (s - t if bottom_right else 0)
     lo = np.zeros_like(diagonal) if left is None else np.maximum(diagonal - left, 0)
-    hi = np.full_like(diagonal, spec.s - 1) if right is None else np.minimum(diagonal + right, spec.s - 1)
+    hi = np.full_like(diagonal, s - 1) if right is None else np.minimum(diagonal + right, s - 1)
     return bool(np.all(lo <= hi))
 
 
@@ -378,12 +377,19 @@ those zeros (the probe, and the GPU tests' exact-zero checks, would show it)."""
 
 
 def make_plan(
-    config: AttentionConfig, b: int, t: int, bias_shape: tuple[int, int] | None, *, bias_grad: bool = True
+    config: AttentionConfig,
+    b: int,
+    t: int,
+    bias_shape: tuple[int, int] | None,
+    *,
+    bias_grad: bool = True,
+    mask_bias: bool = False,
 ) -> Plan:
     """The graphs for a `[b, t, N, H]` problem (`t` after any bottom-right slicing) of `config`.
 
     With a score modifier (`modifier.uses_modifier`) causal, window and bottom-right alignment live in the modifier
     and key padding in the bias (`bias_shape` must then include it), so the graphs have no built-in mask.
+    `mask_bias`: the bias carries masks (`_mask_bias`), so rows may see no key.
     """
     s = config.kv_len
     padded = config.has_q_lengths or config.has_kv_lengths
@@ -392,6 +398,7 @@ def make_plan(
     bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
     if bottom_right and t == s and not padded:
         bottom_right = False
+    rows_valid = not padded and _static_rows_valid(t, s, left, right, bottom_right)
     score_modifier = None
     if modifier_lib.uses_modifier(config):
         offset = s - t if config.diagonal_alignment == "bottom_right" else 0
@@ -416,13 +423,14 @@ def make_plan(
     )
     fwd = GraphSpec(direction="fwd", **common)
     bwd = GraphSpec(direction="bwd", deterministic=config.deterministic_backward, **common)
-    detect = score_modifier is not None or config.has_mask
+    # Rows that see no key are found from the statistics when a caller's mask or modifier may hide a row's keys, or
+    # when a band inside the modifier hides some row's (a soft cap alone is finite: no pass over the output).
+    detect = config.has_mask or config.modifiers is not None or mask_bias
+    detect = detect or (score_modifier is not None and not rows_valid)
     inference = None
-    if not config.return_residual and config.dropout_rate == 0 and not detect:
+    if not config.return_residual and config.dropout_rate == 0 and score_modifier is None and not detect:
         inference = dataclasses.replace(fwd, stats=False)
-    all_valid = _static_rows_valid(fwd, left, right, bottom_right) and not detect
-    if detect and (config.has_q_lengths or config.has_kv_lengths):
-        all_valid = False
+    all_valid = rows_valid and not detect
     return Plan(
         fwd, bwd, left, right, bottom_right, all_valid, inference, detect_masked=detect,
         masked_below=modifier_lib.masked_below(config.dtype),
@@ -543,7 +551,7 @@ def attention(
         seeds = jax.lax.bitcast_convert_type(dropout_lib.dropout_seeds(inputs.dropout_key), jnp.int32)
 
     bias_shape = None if bias is None else (bias.shape[0], bias.shape[1])
-    plan = make_plan(config, B, t, bias_shape, bias_grad=bias_grad)
+    plan = make_plan(config, B, t, bias_shape, bias_grad=bias_grad, mask_bias=masks is not None)
     # Inside shard_map: differentiable inputs vary like the rest, so custom_vjp cotangent types match.
     q, k, v, bias, sinks = varying.like_inputs((q, k, v, bias, sinks), (q, k, v, bias, sinks, seq_q, seq_kv, seeds))
     out, lse = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds, args)

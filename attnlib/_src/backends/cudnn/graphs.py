@@ -57,10 +57,11 @@ PYPLAN_MAGIC = b"CUDNN_FE_PYPLAN"
 MAX_AUTOTUNE_CANDIDATES = 4
 """How many of the heuristics' backend plans autotuning builds and times."""
 
-MAX_AUTOTUNE_CANDIDATES_MODIFIER = 2
-"""The same for graphs with a score modifier, whose plans are compiled at build time (about 0.5 s each): their
-third and fourth candidates repeated the first two engines with other knobs and never won on the H200
-(`docs/performance.md`)."""
+MAX_AUTOTUNE_CANDIDATES_MODIFIER = 1
+"""The same for graphs with a score modifier, whose plans are compiled at build time (about 0.5 s each): the
+heuristics' first plan was the fastest or within 2 % of it for the modifier forms timed on the H200
+(`benchmarks/results/probe_score_mod_forms_round{3,4}_h200.log`), so they are not autotuned. The exception, an `or`
+of two masks that cannot merge into one compare (second plan 11 % faster), is 4.5x slower either way."""
 
 
 class GraphRejected(NotImplementedError):
