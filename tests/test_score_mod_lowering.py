@@ -513,10 +513,10 @@ def test_bounds_merge_only_when_exact():
     assert [t.kind for t in ops.made["forward"]].count("select") == 2
 
 
-@pytest.mark.parametrize("name", ["softcap_then_causal", "window_softcap_alibi", "prefix_lm", "causal_offset"])
+@pytest.mark.parametrize("name", ["softcap_then_causal", "causal", "prefix_lm", "logistic_masked", "jit_helper"])
 def test_masking_selects_read_positions_of_their_input(name):
-    """A select that masks (keeps a constant input1) compares `gen_index` of its own input0, never of the raw
-    score, and only as `row >= col`-style `ge`/`gt` (cuDNN 9.19 skips masked tiles only in that form)."""
+    """A select that masks (keeps a constant input1) with a plain bound compares `gen_index` of its own input0,
+    never of the raw score, as `row >= col`-style `ge`/`gt` (cuDNN 9.19 skips masked tiles only in that form)."""
     ops = _both_phases(BOTH[name])
     for phase in ("forward", "backward"):
         masking = [t for t in ops.made[phase] if t.op == "const-select"]
@@ -533,11 +533,26 @@ def test_masking_selects_read_positions_of_their_input(name):
             assert positions and all(p.inputs[0] is kept for p in positions), phase
 
 
+@pytest.mark.parametrize("name", ["causal_offset", "sliding_window", "window_softcap_alibi", "document"])
+def test_other_masks_read_positions_of_the_score(name):
+    """`row + c >= col`, `c > row - col`, ... with the select's own positions gave wrong results on the H200: a
+    graph with such a mask reads every position from the raw score (through `indices`), in both callbacks."""
+    ops = _both_phases(BOTH[name])
+    for phase in ("forward", "backward"):
+        assert not [t for t in ops.made[phase] if t.kind == "index"], phase
+
+
 def test_compares_are_canonical():
+    """A constant is the second operand, and two tensors compare with `>=` / `>` (`k <= q` as `q >= k`)."""
     for name, fn in STRUCTURE_CASES.items():
         ops = RecordingOps()
         lowering.emit_forward(ops, trace(fn), SCORE, lambda: GRIDS, [], {})
-        assert not {t.op for t in ops.made["forward"] if t.kind == "bool"} & {"lt", "le"}, name
+        for t in ops.made["forward"]:
+            if t.kind == "bool":
+                first, second = t.inputs
+                assert not (isinstance(first, _T) and first.kind == "const"), (name, t.op)
+                if t.op in ("lt", "le"):
+                    assert isinstance(second, _T) and second.kind == "const", (name, t.op)
 
 
 def test_softcap_backward_reads_the_stored_tensor_through_tanh_backward():

@@ -324,13 +324,29 @@ def _const_tree(v: Any) -> bool:
     return isinstance(v, _Node) and v.is_const
 
 
-_SWAPPED = {"lt": "gt", "le": "ge"}
+_SWAPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
 
 
 def _canonical(op: str, a: _Node, b: _Node) -> tuple[str, _Node, _Node]:
-    """`a < b` as `b > a`, `a <= b` as `b >= a`: cuDNN 9.19 skips the tiles a causal mask hides only when it reads
-    `row >= col`; `col <= row` runs every tile (docs/score_mod_cudnn.md)."""
-    return (_SWAPPED[op], b, a) if op in _SWAPPED else (op, a, b)
+    """A constant second, and between two tensors `>=` / `>`: `col <= row` becomes `row >= col` (cuDNN 9.19 skips
+    the tiles a causal mask hides only in that form; docs/score_mod_cudnn.md)."""
+    if b.is_const:
+        return op, a, b
+    if op not in _SWAPPED:  # eq / neq
+        return (op, b, a) if a.is_const else (op, a, b)
+    if a.is_const or op in ("lt", "le"):
+        return _SWAPPED[op], b, a
+    return op, a, b
+
+
+def _upper(pred: _Pred) -> tuple[str, _Node, _Node] | None:
+    """A compare as `hi >= lo` or `hi > lo`: `(op, hi, lo)`; None for (in)equality."""
+    op, a, b = pred.op, *pred.args
+    if op in ("ge", "gt"):
+        return op, a, b
+    if op in ("le", "lt"):
+        return _SWAPPED[op], b, a
+    return None
 
 
 def _integral(n: _Node) -> bool:
@@ -514,19 +530,22 @@ class _Builder:
         `a >= x | b >= x` is `max(a, b) >= x`, `x >= a & x >= b` is `x >= max(a, b)`, ... (`>` with `>=` only on
         integer values, through `a > x` = `a - 1 >= x`). One masking select instead of two nested ones: cuDNN 9.19
         runs an or of two selects 4.5x slower than full attention (docs/score_mod_cudnn.md)."""
-        if p.kind != "cmp" or q.kind != "cmp" or p.op not in ("ge", "gt") or q.op not in ("ge", "gt"):
+        if p.kind != "cmp" or q.kind != "cmp":
             return None
-        (a1, x1), (a2, x2) = p.args, q.args
+        bp, bq = _upper(p), _upper(q)
+        if bp is None or bq is None:
+            return None
+        (op1, a1, x1), (op2, a2, x2) = bp, bq
         shared_right = x1 is x2
         if not shared_right and a1 is not a2:
             return None
-        op = p.op
-        if p.op != q.op:
+        op = op1
+        if op1 != op2:
             if not all(_integral(n) for n in (a1, x1, a2, x2)):
                 return None
             # rewrite the `>` one as `>=`, moving the 1 to the side that is not shared
             one = self.const(1.0)
-            if p.op == "gt":
+            if op1 == "gt":
                 a1, x1 = (self.binary("sub", a1, one), x1) if shared_right else (a1, self.binary("add", x1, one))
             else:
                 a2, x2 = (self.binary("sub", a2, one), x2) if shared_right else (a2, self.binary("add", x2, one))
@@ -963,6 +982,22 @@ def _masking_selects(lo: "_Lowering") -> dict[int, int]:
 _NEGATED = {"eq": "neq", "neq": "eq", "lt": "ge", "ge": "lt", "le": "gt", "gt": "le"}
 
 
+def _plain_bound(compare: _Node) -> bool:
+    """`a >= b` / `a > b` where each side is a position, a constant, or the max / min of a position and a constant
+    (the masks whose own-position form matched the reference on the H200: causal, prefix-LM, row ranges)."""
+
+    def plain(n: _Node) -> bool:
+        if n.is_const or (n.kind == "input" and n.op == "index"):
+            return True
+        return (
+            n.kind == "binary"
+            and n.op in ("max", "min")
+            and all(a.is_const or (a.kind == "input" and a.op == "index") for a in n.args)
+        )
+
+    return compare.op in ("ge", "gt") and all(plain(a) for a in compare.args)
+
+
 def _finalize(b: "_Builder", root: _Node, zero_source: _Node, *, backward: bool) -> tuple[_Node, Callable]:
     """Where a select may keep a constant input (measured on cuDNN 9.19): cuDNN reads
     `binary_select(x, constant, mask)` as a mask and skips what it masks (in the forward and in the bprop), which
@@ -971,9 +1006,12 @@ def _finalize(b: "_Builder", root: _Node, zero_source: _Node, *, backward: bool)
     <= -1e29 (forward) or a zero at forward-masked positions (bprop); every other constant becomes a computed tensor
     `zero_source * 0 + c`. Compares are flipped (`lt` <-> `ge`, ...) to put a kept constant in `input1`.
 
-    The positions a masking select's compare reads are `gen_index` of the select's own `input0` (an `"index"` node):
-    cuDNN 9.19 skips masked tiles only then; with indices of the raw score the same graph runs every tile, 1.8x
-    slower for soft cap + causal (docs/score_mod_cudnn.md)."""
+    When every masking select's compare is a plain bound (`_plain_bound`: `row >= col`, `max(row, c) >= col`, ...),
+    each reads positions as `gen_index` of the select's own `input0` (an `"index"` node): cuDNN 9.19 skips masked
+    tiles only then; with positions of the raw score the same graph runs every tile, 1.8x slower for soft cap +
+    causal. Otherwise all keep the raw score's positions: with their own positions, `row + c >= col` and
+    `c > row - col` gave wrong results on the H200, and mixing both kinds in one graph is unmeasured
+    (docs/score_mod_cudnn.md)."""
     memo: dict[tuple[int, bool], _Node] = {}
     full: dict[int, bool] = {}
 
@@ -1023,7 +1061,8 @@ def _finalize(b: "_Builder", root: _Node, zero_source: _Node, *, backward: bool)
             new_t = branch(t, chain)
             if keep(f, chain):
                 new_f = f
-                if score_shaped(new_t):
+                masking.append(mask)
+                if own_positions and score_shaped(new_t):
                     local = tuple(localized(a, new_t) for a in mask.args)
                     if local != mask.args:
                         mask = _Node("compare", mask.op, local)
@@ -1044,7 +1083,13 @@ def _finalize(b: "_Builder", root: _Node, zero_source: _Node, *, backward: bool)
         memo[key] = out
         return out
 
+    masking: list[_Node] = []
+    own_positions = False
     new_root = rw(root, True)
+    if masking and all(_plain_bound(m) for m in masking):
+        own_positions = True
+        memo.clear()
+        new_root = rw(root, True)
 
     def lookup(n: _Node) -> _Node | None:
         """The rewritten version of `n` (its arithmetic use first)."""
