@@ -349,6 +349,12 @@ def _upper(pred: _Pred) -> tuple[str, _Node, _Node] | None:
     return None
 
 
+def _plain(n: _Node) -> bool:
+    """A position, a constant, or the max / min of a position and a constant."""
+    position = lambda a: a.is_const or (a.kind == "input" and a.op == "index")  # noqa: E731
+    return position(n) or (n.kind == "binary" and n.op in ("max", "min") and all(position(a) for a in n.args))
+
+
 def _integral(n: _Node) -> bool:
     """Whether `n` only takes integer values (positions, integer constants, and sums / products / bounds of them)."""
     if n.is_const:
@@ -487,7 +493,6 @@ class _Builder:
             return self.psel(b.pred, self.compare(op, a, b.if_true), self.compare(op, a, b.if_false))
         if a.is_const and b.is_const:
             return _TRUE if bool(_FOLD.compare(op, np.float32(a.value), np.float32(b.value))) else _FALSE
-        op, a, b = _canonical(op, a, b)
         return self._pred("cmp", op, (a, b))
 
     def not_(self, p: _Pred) -> _Pred:
@@ -528,8 +533,9 @@ class _Builder:
     def _merge(self, p: _Pred, q: _Pred, *, either: bool) -> _Pred | None:
         """`p | q` (`either`) or `p & q` as one compare when both bound the same value from the same side:
         `a >= x | b >= x` is `max(a, b) >= x`, `x >= a & x >= b` is `x >= max(a, b)`, ... (`>` with `>=` only on
-        integer values, through `a > x` = `a - 1 >= x`). One masking select instead of two nested ones: cuDNN 9.19
-        runs an or of two selects 4.5x slower than full attention (docs/score_mod_cudnn.md)."""
+        integer values, through `a > x` = `a - 1 >= x`), when the result is a plain bound (`_plain`). One masking
+        select instead of two nested ones: cuDNN 9.19 runs an or of two selects 4.5x slower than full attention
+        (docs/score_mod_cudnn.md)."""
         if p.kind != "cmp" or q.kind != "cmp":
             return None
         bp, bq = _upper(p), _upper(q)
@@ -552,9 +558,13 @@ class _Builder:
             op = "ge"
         if shared_right:  # a1 op x, a2 op x
             first, second = (a2, a1) if a1.is_const else (a1, a2)
-            return self.compare(op, self.binary("max" if either else "min", first, second), x1)
-        first, second = (x2, x1) if x1.is_const else (x1, x2)  # a op x1, a op x2
-        return self.compare(op, a1, self.binary("min" if either else "max", first, second))
+            merged = (self.binary("max" if either else "min", first, second), x1)
+        else:  # a op x1, a op x2
+            first, second = (x2, x1) if x1.is_const else (x1, x2)
+            merged = (a1, self.binary("min" if either else "max", first, second))
+        if not all(_plain(n) for n in merged):
+            return None  # only merged forms measured on the H200
+        return self.compare(op, *merged)
 
     def xor(self, p: _Pred, q: _Pred) -> _Pred:
         if p.kind == "lit":
@@ -983,19 +993,9 @@ _NEGATED = {"eq": "neq", "neq": "eq", "lt": "ge", "ge": "lt", "le": "gt", "gt": 
 
 
 def _plain_bound(compare: _Node) -> bool:
-    """`a >= b` / `a > b` where each side is a position, a constant, or the max / min of a position and a constant
-    (the masks whose own-position form matched the reference on the H200: causal, prefix-LM, row ranges)."""
-
-    def plain(n: _Node) -> bool:
-        if n.is_const or (n.kind == "input" and n.op == "index"):
-            return True
-        return (
-            n.kind == "binary"
-            and n.op in ("max", "min")
-            and all(a.is_const or (a.kind == "input" and a.op == "index") for a in n.args)
-        )
-
-    return compare.op in ("ge", "gt") and all(plain(a) for a in compare.args)
+    """An order compare of plain sides (`_plain`): the masks whose own-position, canonical form (`_canonical`)
+    matched the reference on the H200 (causal, prefix-LM, row ranges)."""
+    return compare.op in _SWAPPED and all(_plain(a) for a in compare.args)
 
 
 def _finalize(b: "_Builder", root: _Node, zero_source: _Node, *, backward: bool) -> tuple[_Node, Callable]:
@@ -1006,12 +1006,13 @@ def _finalize(b: "_Builder", root: _Node, zero_source: _Node, *, backward: bool)
     <= -1e29 (forward) or a zero at forward-masked positions (bprop); every other constant becomes a computed tensor
     `zero_source * 0 + c`. Compares are flipped (`lt` <-> `ge`, ...) to put a kept constant in `input1`.
 
-    When every masking select's compare is a plain bound (`_plain_bound`: `row >= col`, `max(row, c) >= col`, ...),
-    each reads positions as `gen_index` of the select's own `input0` (an `"index"` node): cuDNN 9.19 skips masked
-    tiles only then; with positions of the raw score the same graph runs every tile, 1.8x slower for soft cap +
-    causal. Otherwise all keep the raw score's positions: with their own positions, `row + c >= col` and
-    `c > row - col` gave wrong results on the H200, and mixing both kinds in one graph is unmeasured
-    (docs/score_mod_cudnn.md)."""
+    When every masking select's compare is a plain bound (`_plain_bound`: `row >= col`, `col <= max(row, c)`, ...),
+    each becomes canonical (`row >= col`, constants second) and reads positions as `gen_index` of the select's own
+    `input0` (an `"index"` node): cuDNN 9.19 skips masked tiles only then; with positions of the raw score, or as
+    `col <= row`, the same graph runs every tile, 1.8x slower for soft cap + causal. Otherwise every compare stays as
+    the function wrote it, on the raw score's positions, the form verified on the H200 for windows, offsets and
+    documents: own positions gave wrong results for `row + c >= col` and `c > row - col`, and `row + 2 >= col`
+    written as `col <= row + 2` was wrong next to sinks (docs/score_mod_cudnn.md)."""
     memo: dict[tuple[int, bool], _Node] = {}
     full: dict[int, bool] = {}
 
@@ -1054,8 +1055,7 @@ def _finalize(b: "_Builder", root: _Node, zero_source: _Node, *, backward: bool)
             mask_args = tuple(rw(a, False) for a in mask.args)
             if keep(t, chain) and not keep(f, chain):
                 t, f = f, t
-                op, lhs, rhs = _canonical(_NEGATED[mask.op], *mask_args)
-                mask = _Node("compare", op, (lhs, rhs))
+                mask = _Node("compare", _NEGATED[mask.op], mask_args)
             elif mask_args != mask.args:
                 mask = _Node("compare", mask.op, mask_args)
             new_t = branch(t, chain)
@@ -1063,9 +1063,8 @@ def _finalize(b: "_Builder", root: _Node, zero_source: _Node, *, backward: bool)
                 new_f = f
                 masking.append(mask)
                 if own_positions and score_shaped(new_t):
-                    local = tuple(localized(a, new_t) for a in mask.args)
-                    if local != mask.args:
-                        mask = _Node("compare", mask.op, local)
+                    op, lhs, rhs = _canonical(mask.op, *mask.args)
+                    mask = _Node("compare", op, (localized(lhs, new_t), localized(rhs, new_t)))
             else:
                 new_f = branch(f, chain)
             out = b._node("select", "", (new_t, new_f, mask))
