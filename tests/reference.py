@@ -40,10 +40,11 @@ The analytic backward is itself checked against central finite differences of th
 import math
 
 import jax
+import ml_dtypes
 import numpy as np
 
 
-__all__ = ["reference_attention", "reference_attention_vjp", "visibility"]
+__all__ = ["e4m3", "reference_attention", "reference_attention_vjp", "reference_fp8_attention", "visibility"]
 
 
 class _float64_jax:
@@ -390,6 +391,45 @@ def reference_attention(query, key, value, bias=None, mask=None, **kwargs):
                 p, row_lse, _, _ = pr.row_softmax(b, n, i)
                 lse[b, i, n] = row_lse
                 out[b, i, n] = pr.dropped(p, b, n, i) @ pr.v[b, :, kh, :]
+    return _unflatten(pr, out), _unflatten(pr, lse)
+
+
+def e4m3(x):
+    """float64 values rounded to the nearest float8_e4m3fn (saturating at ±448), as float64."""
+    return np.clip(np.asarray(x, np.float64), -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def reference_fp8_attention(query8, key8, value8, bias=None, mask=None, *, scales, **kwargs):
+    """float64 `(out, lse)` of FP8 attention (API.md §1c, docs/fp8.md) on E4M3 values `query8`, `key8`, `value8`
+    (any float arrays holding E4M3 values) with dequantization scales `scales = (d_q, d_k, d_v)`.
+
+    For one row, on the dequantized inputs `x̂ = x8 · d_x`: `p` and `lse` as `reference_attention`; with `m` the
+    row's largest logit (or sink), `p̃ = exp(s - m) = p / max(p, p_sink)`, `P8 = e4m3(448 p̃) / 448`,
+    `o = (P8 · v̂) / Σ p̃` (the sum including the sink term), `out = e4m3(o · c) / c` with
+    `c = 448 / (1.25 · max|v̂|)`. Dropout is not part of it.
+    """
+    d_q, d_k, d_v = (float(x) for x in scales)
+    q = np.asarray(query8, np.float64) * d_q
+    k = np.asarray(key8, np.float64) * d_k
+    v = np.asarray(value8, np.float64) * d_v
+    pr = _problem(q, k, v, bias, mask, kwargs)
+    vmax = np.max(np.abs(pr.v))
+    c = 448.0 / (1.25 * vmax) if vmax > 0 else 1.0
+    out = np.zeros((pr.B, pr.T, pr.N, pr.Hv))
+    lse = np.full((pr.B, pr.T, pr.N), -np.inf)
+    for b in range(pr.B):
+        for n in range(pr.N):
+            kh = n // (pr.N // pr.K)
+            for i in range(pr.T):
+                p, row_lse, _, _ = pr.row_softmax(b, n, i)
+                lse[b, i, n] = row_lse
+                if row_lse == -np.inf:
+                    continue
+                p_sink = 0.0 if pr.sinks is None else math.exp(pr.sinks[n] - row_lse)
+                largest = max(p.max(), p_sink)  # exp(m - lse)
+                p8 = e4m3(448.0 * p / largest) / 448.0
+                o = (p8 @ pr.v[b, :, kh, :]) * largest
+                out[b, i, n] = e4m3(o * c) / c
     return _unflatten(pr, out), _unflatten(pr, lse)
 
 

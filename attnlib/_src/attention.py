@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from beartype import beartype, BeartypeConf
 from jaxtyping import Array, ArrayLike, Float, jaxtyped, PRNGKeyArray, Shaped, TypeCheckError
 
-from . import dispatch, validation
+from . import dispatch, fp8 as fp8_lib, validation
 
 
 # Array shapes and dtypes are checked by `validation` (with attnlib's messages: shapes are documented in the
@@ -80,6 +80,7 @@ def attention(
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
     score_mod_args: Sequence[Any] = (),
+    fp8: str | fp8_lib.Fp8Scales | None = None,
 ) -> Float[Array, "..."] | tuple[Float[Array, "..."], Float[Array, "..."]]:
     r"""Scaled dot-product attention: a drop-in for `jax.nn.dot_product_attention` that goes further.
 
@@ -146,6 +147,11 @@ def attention(
         score_mod_args: arrays, each broadcastable to `[*B, N, T, S]` (THD: `[N, T, S]`), of any dtype;
             `score_mod` and `mask_mod` receive the element at their position (e.g. per-head ALiBi slopes
             `[N, 1, 1]`). Float ones are differentiable. Defaults to `()`.
+        fp8: None (off), `"current"`: quantize `query`, `key`, `value` to float8_e4m3fn with per-tensor scales
+            from their current amax, attend in FP8 and return `query.dtype` (gradients with straight-through
+            quantizers), or an `attnlib.Fp8Scales` for inputs that are already float8_e4m3fn (its scales
+            dequantize them; the result is its `output_dtype`). The semantics are in `docs/fp8.md`; `xla`
+            emulates them exactly; cuDNN's FP8 graphs are not wired yet.
 
     Returns:
         `out` `[*B, T, N, Hv]` (THD `[T, N, Hv]`) in `query.dtype`; with `return_residual`, `(out, lse)` where
@@ -195,6 +201,7 @@ def attention(
         score_mod=score_mod,
         mask_mod=mask_mod,
         score_mod_args=score_mod_args,
+        fp8=fp8,
     )
     out, lse = dispatch.run(config, inputs, implementation)
     return (out, lse) if return_residual else out
@@ -239,7 +246,7 @@ def explain(
         "scale": None, "is_causal": False, "local_window_size": None, "return_residual": False,
         "diagonal_alignment": "top_left", "max_segments_per_row": None, "max_seqlen_q": None,
         "max_seqlen_kv": None, "logits_soft_cap": None, "dropout_rate": 0.0, "dropout_key": None,
-        "deterministic_backward": False, "score_mod": None, "mask_mod": None, "score_mod_args": (),
+        "deterministic_backward": False, "score_mod": None, "mask_mod": None, "score_mod_args": (), "fp8": None,
     }  # fmt: skip
     arrays = dict.fromkeys(_ARRAY_ARGS[5:])
     for name, x in kwargs.items():

@@ -5,7 +5,7 @@ Shape letters (jax.nn): `B` batch (flattened `*B`), `T` query length, `S` key/va
 """
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -48,6 +48,8 @@ class AttentionConfig:
         return_residual: also return `lse`.
         deterministic_backward: the backward must be bitwise reproducible.
         modifiers: the call's `score_mod` / `mask_mod` (traced, with a structural key), or None.
+        fp8: `"current"` (16/32-bit inputs quantized by the call), `"scaled"` (float8_e4m3fn inputs with
+            `Fp8Scales`) or None (see `fp8.py`).
     """
 
     layout: Layout
@@ -82,6 +84,7 @@ class AttentionConfig:
     return_residual: bool
     deterministic_backward: bool
     modifiers: Modifiers | None = None
+    fp8: Literal["current", "scaled"] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -112,7 +115,8 @@ class AttentionInputs:
     """The arrays of one call, as the caller gave them (after `jnp.asarray`); None where absent.
 
     `dropout_key` is kept as given (a typed or raw PRNG key). `score_mod_args` are the arrays `score_mod` /
-    `mask_mod` see one element of (each broadcastable to `[*B, N, T, S]`; empty without them).
+    `mask_mod` see one element of (each broadcastable to `[*B, N, T, S]`; empty without them). `fp8_scales`: the
+    `Fp8Scales` of pre-quantized inputs (`config.fp8 == "scaled"`), else None.
     """
 
     query: jax.Array
@@ -130,3 +134,4 @@ class AttentionInputs:
     sinks: jax.Array | None = None
     dropout_key: jax.Array | None = None
     score_mod_args: tuple = ()
+    fp8_scales: Any = None

@@ -65,6 +65,7 @@ _UNSUPPORTED = {
     "max_seqlen_q": "the THD layout (`max_seqlen_q`) is not sharded by context parallelism",
     "max_seqlen_kv": "the THD layout (`max_seqlen_kv`) is not sharded by context parallelism",
     "page_table": "paged key/value caches (`page_table`) are for decoding, not context parallelism",
+    "fp8": "per-tensor FP8 scales would have to be agreed across the shards",
 }
 # `score_mod` / `mask_mod` would see shard-local positions and blocks (checked for anything but None / empty).
 _UNSUPPORTED_MODIFIERS = ("score_mod", "mask_mod", "score_mod_args")

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import modifiers as modifiers_lib
+from . import fp8 as fp8_lib, modifiers as modifiers_lib
 from .config import AttentionConfig, AttentionInputs
 
 
@@ -63,6 +63,35 @@ def _check_broadcastable(name: str, x: Any, target: tuple[int, ...], meaning: st
         raise ValueError(
             f"`{name}` must be broadcastable to {meaning}={target}. Got {name}.shape={shape}."
         )
+
+
+def _fp8(fp8: Any, query: Any, key: Any, value: Any) -> tuple[str | None, fp8_lib.Fp8Scales | None]:
+    """`(mode, scales)` of the `fp8` argument: None, `"current"` or an `Fp8Scales` for float8_e4m3fn inputs."""
+    if fp8 is None:
+        return None, None
+    if isinstance(fp8, str) and fp8 == "current":
+        return "current", None
+    if not isinstance(fp8, fp8_lib.Fp8Scales):
+        raise ValueError(f"`fp8` must be None, 'current' or an attnlib.Fp8Scales. Got fp8={fp8!r}.")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.dtype != fp8_lib.E4M3:
+            raise TypeError(
+                f"`{name}` must have dtype float8_e4m3fn with fp8=Fp8Scales(...) (use fp8='current' to quantize "
+                f"16-bit inputs). Got {name}.dtype={x.dtype}."
+            )
+    for field in ("q", "k", "v"):
+        scale = getattr(fp8, field)
+        shape = tuple(getattr(scale, "shape", np.shape(scale)))
+        dtype = getattr(scale, "dtype", np.asarray(scale).dtype)
+        if shape not in ((), (1,)) or not _is_float(dtype):
+            raise ValueError(
+                f"`fp8.{field}` must be a float scalar (shape () or (1,)). Got shape {shape}, dtype {dtype}."
+            )
+    if np.dtype(fp8.output_dtype) not in [np.dtype(d) for d in _FLOAT_DTYPES]:
+        raise TypeError(
+            f"`fp8.output_dtype` must be float16, bfloat16 or float32. Got output_dtype={fp8.output_dtype!r}."
+        )
+    return "scaled", fp8
 
 
 def _window(local_window_size: Any) -> tuple[int, int] | None:
@@ -128,13 +157,22 @@ def validate(
     score_mod: Any = None,
     mask_mod: Any = None,
     score_mod_args: Any = (),
+    fp8: Any = None,
 ) -> tuple[AttentionConfig, AttentionInputs]:
     """Check every argument of `attention` and describe the call statically.
 
     Array arguments may be arrays or `jax.ShapeDtypeStruct`s. Returns the static configuration and the arrays.
     """
     # dtypes
+    fp8_mode, fp8_scales = _fp8(fp8, query, key, value)
     for name, x in (("query", query), ("key", key), ("value", value)):
+        if fp8_mode == "scaled":
+            continue
+        if x.dtype == fp8_lib.E4M3:
+            raise TypeError(
+                f"`{name}` of dtype float8_e4m3fn needs `fp8=attnlib.Fp8Scales(q=..., k=..., v=...)` (the "
+                f"dequantization scales). Got {name}.dtype={x.dtype} with fp8={fp8!r}."
+            )
         if not _is_float(x.dtype) or x.dtype not in _FLOAT_DTYPES:
             raise TypeError(
                 f"`{name}` must have dtype float16, bfloat16 or float32. Got {name}.dtype={x.dtype}."
@@ -379,6 +417,7 @@ def validate(
         return_residual=bool(return_residual),
         deterministic_backward=bool(deterministic_backward),
         modifiers=modifiers,
+        fp8=fp8_mode,
     )
     inputs = AttentionInputs(
         query=query,
@@ -396,5 +435,6 @@ def validate(
         sinks=sinks,
         dropout_key=dropout_key,
         score_mod_args=score_mod_args,
+        fp8_scales=fp8_scales,
     )
     return config, inputs

@@ -402,6 +402,11 @@ class _XlaChunked:
     name = "xla_chunked"
 
     def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None:
+        if config.fp8 is not None:
+            return (
+                "xla_chunked: FP8 emulation rounds each probability against its row's final max, which the online "
+                "softmax does not know yet; `xla` emulates it"
+            )
         if explicit:
             return None
         score_bytes = 4 * config.batch_size * config.num_q_heads * config.q_len * config.kv_len
