@@ -839,3 +839,25 @@ def test_gpu_cudnn_core_and_layer_under_vmap():
     assert eqx.filter_jit(eqx.filter_grad(loss)).lower(layer).as_text().count("custom_call @attnlib_cudnn_graph") == 2
     g = eqx.filter_jit(eqx.filter_grad(loss))(layer)
     assert np.isfinite(np.asarray(g.sinks, np.float32)).all() and np.abs(np.asarray(g.sinks, np.float32)).min() > 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# FP8 (`fp8="current"`): a static option passed to every attention call
+
+
+def test_fp8_reaches_the_attention_call():
+    r = np.random.default_rng(5)
+    q, k, v = normal(r, (2, T, 6, 8), scale=2.0), normal(r, (2, S, 2, 8)), normal(r, (2, S, 2, 4), scale=3.0)
+    core = aeqx.DotProductAttention(is_causal=True, fp8="current")
+    expected = attnlib.attention(q, k, v, is_causal=True, fp8="current")
+    np.testing.assert_array_equal(np.asarray(core(q, k, v)), np.asarray(expected))
+    assert np.abs(np.asarray(expected - attnlib.attention(q, k, v, is_causal=True))).max() > 1e-3
+
+    layer = aeqx.MultiheadAttention(6, 16, num_kv_heads=2, is_causal=True, fp8="current", key=jr.key(0))
+    plain = aeqx.MultiheadAttention(6, 16, num_kv_heads=2, is_causal=True, key=jr.key(0))  # the same weights
+    x = normal(r, (T, 16))
+    y, y_plain = layer(x, x, x), plain(x, x, x)
+    gap = np.abs(np.asarray(y - y_plain)).max() / np.abs(np.asarray(y_plain)).max()
+    assert 1e-4 < gap < 0.2, gap  # FP8 rounding: visible, but small
+    with pytest.raises(ValueError, match=r"`fp8` must be None or 'current' .* Got fp8='delayed'"):
+        aeqx.DotProductAttention(fp8="delayed")

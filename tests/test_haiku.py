@@ -770,3 +770,27 @@ def test_gpu_cudnn_layer_matches_xla():
     assert jax.jit(jax.grad(loss)).lower(mha_params).as_text().count("custom_call @attnlib_cudnn_graph") == 2
     g = jax.jit(jax.grad(loss))(mha_params)["multi_head_attention"]["sinks"]
     assert np.isfinite(np.asarray(g, np.float32)).all() and np.abs(np.asarray(g, np.float32)).min() > 0
+
+
+def test_fp8_reaches_the_attention_call():
+    r = np.random.default_rng(5)
+    qh, kh, vh = normal(r, (2, T, 6, 8), scale=2.0), normal(r, (2, S, 2, 8)), normal(r, (2, S, 2, 4), scale=3.0)
+    out = jax.jit(hk.transform(lambda q, k, v: ahk.DotProductAttention(is_causal=True, fp8="current")(q, k, v)).apply)(
+        {}, None, qh, kh, vh
+    )
+    expected = attnlib.attention(qh, kh, vh, is_causal=True, fp8="current")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)  # jit vs eager: 1 ulp
+
+    def mha(fp8):
+        return hk.transform(
+            lambda x: ahk.MultiHeadAttention(num_heads=6, key_size=8, w_init=hk.initializers.VarianceScaling(1.0),
+                                             num_kv_heads=2, is_causal=True, fp8=fp8)(x, x, x)
+        )  # fmt: skip
+
+    x = normal(r, (T, 16))
+    params = mha("current").init(jr.key(0), x)
+    y, y_plain = mha("current").apply(params, None, x), mha(None).apply(params, None, x)
+    gap = np.abs(np.asarray(y - y_plain)).max() / np.abs(np.asarray(y_plain)).max()
+    assert 1e-4 < gap < 0.2, gap
+    with pytest.raises(ValueError, match=r"`fp8` must be None or 'current'"):
+        hk.transform(lambda x: ahk.DotProductAttention(fp8="delayed")(x, x, x)).init(jr.key(0), qh)

@@ -61,14 +61,18 @@ def softmax_type(value: Any) -> str:
 def logits_soft_cap(value: Any) -> float | None:
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"`logits_soft_cap` must be None or a positive finite float. Got logits_soft_cap={value!r}.")
     return float(value)
+
+
+def fp8(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and value == "current"):
+        return value
+    raise ValueError(
+        "`fp8` must be None or 'current' (a layer quantizes its own projections; pre-quantized inputs with "
+        f"attnlib.Fp8Scales go to attnlib.attention). Got fp8={value!r}."
+    )
 
 
 def scale(value: Any) -> float | None:

@@ -72,7 +72,7 @@ class MultiheadAttention(eqx.Module):
 
     Extras, all keyword-only: `num_kv_heads` (grouped-query attention), `is_causal`, `local_window_size`,
     `softmax_type` (`"vanilla"`, `"off_by_one"`, `"learnable"` with a trainable per-head `sinks` field),
-    `logits_soft_cap`, `score_mod` / `mask_mod` (custom scores and masks, static fields; their array arguments
+    `logits_soft_cap`, `fp8`, `score_mod` / `mask_mod` (custom scores and masks, static fields; their array arguments
     are the call's `score_mod_args`) and `implementation`.
 
     !!! faq "Differences from `equinox.nn.MultiheadAttention`"
@@ -117,6 +117,7 @@ class MultiheadAttention(eqx.Module):
     local_window_size: int | tuple[int, int] | None = eqx.field(static=True)
     softmax_type: str = eqx.field(static=True)
     logits_soft_cap: float | None = eqx.field(static=True)
+    fp8: str | None = eqx.field(static=True)
     score_mod: Callable | None = eqx.field(static=True)
     mask_mod: Callable | None = eqx.field(static=True)
     implementation: str | tuple[str, ...] | None = eqx.field(static=True)
@@ -143,6 +144,7 @@ class MultiheadAttention(eqx.Module):
         local_window_size: int | tuple[int, int] | None = None,
         softmax_type: _common.SoftmaxType = "vanilla",
         logits_soft_cap: float | None = None,
+        fp8: str | None = None,
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,
         implementation: str | Sequence[str] | None = None,
@@ -178,6 +180,8 @@ class MultiheadAttention(eqx.Module):
                 `"learnable"` (a trainable per-head logit `sinks` `[num_heads]`, initialised to zeros). Defaults
                 to `"vanilla"`.
             logits_soft_cap: `c` in `s <- c * tanh(s / c)`. Defaults to None (no cap).
+            fp8: None or `"current"`: attention in FP8 with per-tensor scales from the projected query, key and
+                value (`attnlib.attention`'s `fp8`, docs/fp8.md). Static. Defaults to None.
             score_mod: `score_mod(score, batch, head, q_idx, kv_idx, *args) -> score`, written in `jax.numpy` for
                 one score element, as `attnlib.attention`'s (applied after the scale, before `logits_soft_cap` and
                 the masks; `*args` are one element of each of the call's `score_mod_args`). Static: part of the
@@ -244,6 +248,7 @@ class MultiheadAttention(eqx.Module):
         self.local_window_size = _common.local_window_size(local_window_size)
         self.softmax_type = softmax_type
         self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
+        self.fp8 = _common.fp8(fp8)
         self.score_mod = score_mod
         self.mask_mod = mask_mod
         self.implementation = _common.implementation(implementation)
@@ -256,6 +261,7 @@ class MultiheadAttention(eqx.Module):
         _common.local_window_size(self.local_window_size)
         _common.softmax_type(self.softmax_type)
         _common.logits_soft_cap(self.logits_soft_cap)
+        _common.fp8(self.fp8)
         _common.modifier("score_mod", self.score_mod)
         _common.modifier("mask_mod", self.mask_mod)
         _common.implementation(self.implementation)
@@ -367,6 +373,7 @@ class MultiheadAttention(eqx.Module):
             is_causal=self.is_causal,
             local_window_size=self.local_window_size,
             logits_soft_cap=self.logits_soft_cap,
+            fp8=self.fp8,
             score_mod=self.score_mod,
             mask_mod=self.mask_mod,
             score_mod_args=score_mod_args,
@@ -409,6 +416,7 @@ class DotProductAttention(eqx.Module):
     local_window_size: int | tuple[int, int] | None = eqx.field(static=True)
     softmax_type: str = eqx.field(static=True)
     logits_soft_cap: float | None = eqx.field(static=True)
+    fp8: str | None = eqx.field(static=True)
     score_mod: Callable | None = eqx.field(static=True)
     mask_mod: Callable | None = eqx.field(static=True)
     diagonal_alignment: str = eqx.field(static=True)
@@ -423,6 +431,7 @@ class DotProductAttention(eqx.Module):
         local_window_size: int | tuple[int, int] | None = None,
         softmax_type: _common.SoftmaxType = "vanilla",
         logits_soft_cap: float | None = None,
+        fp8: str | None = None,
         diagonal_alignment: str = "top_left",
         dropout_p: float = 0.0,
         inference: bool = False,
@@ -441,6 +450,8 @@ class DotProductAttention(eqx.Module):
             local_window_size: `w` or `(left, right)`. Defaults to None (no window).
             softmax_type: `"vanilla"`, `"off_by_one"` or `"learnable"`. Defaults to `"vanilla"`.
             logits_soft_cap: `c` in `s <- c * tanh(s / c)`. Defaults to None.
+            fp8: None or `"current"`: attention in FP8 with per-tensor scales from the projected query, key and
+                value (`attnlib.attention`'s `fp8`, docs/fp8.md). Static. Defaults to None.
             diagonal_alignment: `"top_left"` or `"bottom_right"` (decoding, chunked prefill). Defaults to
                 `"top_left"`.
             dropout_p: dropout probability on the attention weights, in `[0, 1)`. Defaults to 0.
@@ -476,6 +487,7 @@ class DotProductAttention(eqx.Module):
         self.local_window_size = _common.local_window_size(local_window_size)
         self.softmax_type = softmax_type
         self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
+        self.fp8 = _common.fp8(fp8)
         self.score_mod = score_mod
         self.mask_mod = mask_mod
         self.diagonal_alignment = _common.diagonal_alignment(diagonal_alignment)
@@ -489,6 +501,7 @@ class DotProductAttention(eqx.Module):
         _common.local_window_size(self.local_window_size)
         _common.softmax_type(self.softmax_type)
         _common.logits_soft_cap(self.logits_soft_cap)
+        _common.fp8(self.fp8)
         _common.modifier("score_mod", self.score_mod)
         _common.modifier("mask_mod", self.mask_mod)
         _common.diagonal_alignment(self.diagonal_alignment)
@@ -559,9 +572,9 @@ class DotProductAttention(eqx.Module):
             value,
             bias,
             mask,
-            sinks=None if num_heads is None else _common.sinks_for(
-                self.softmax_type, self.sinks, num_heads, jnp.result_type(query)
-            ),
+            sinks=None
+            if num_heads is None
+            else _common.sinks_for(self.softmax_type, self.sinks, num_heads, jnp.result_type(query)),
             dropout_rate=rate,
             dropout_key=dropout_key,
             implementation=self.implementation,
@@ -569,6 +582,7 @@ class DotProductAttention(eqx.Module):
             is_causal=self.is_causal,
             local_window_size=self.local_window_size,
             logits_soft_cap=self.logits_soft_cap,
+            fp8=self.fp8,
             score_mod=self.score_mod,
             mask_mod=self.mask_mod,
             score_mod_args=score_mod_args,

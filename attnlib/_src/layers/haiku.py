@@ -42,7 +42,7 @@ class MultiHeadAttention(hk.Module):
     Extras, all keyword-only: `num_kv_heads` (grouped-query attention: the `key` and `value` projections produce
     `num_kv_heads` heads, nothing else changes), `is_causal`, `local_window_size`, `softmax_type` (`"vanilla"`,
     `"off_by_one"`, `"learnable"` with a parameter `sinks` `[num_heads]` of this module, initialised to zeros),
-    `logits_soft_cap`, `score_mod` / `mask_mod` (custom scores and masks; their array arguments are the call's
+    `logits_soft_cap`, `fp8`, `score_mod` / `mask_mod` (custom scores and masks; their array arguments are the call's
     `score_mod_args`), `dropout_rate` and `implementation`.
 
     Glossary of shapes: `T` (`T'`) key/value (query) sequence length, `D` embedding size, `H` number of heads.
@@ -73,6 +73,7 @@ class MultiHeadAttention(hk.Module):
         local_window_size: int | tuple[int, int] | None = None,
         softmax_type: _common.SoftmaxType = "vanilla",
         logits_soft_cap: float | None = None,
+        fp8: str | None = None,
         dropout_rate: float = 0.0,
         implementation: str | Sequence[str] | None = None,
         score_mod: Callable | None = None,
@@ -95,6 +96,8 @@ class MultiHeadAttention(hk.Module):
             local_window_size: `w` or `(left, right)`: query `i` sees keys `i - left … i + right`. Defaults to None.
             softmax_type: `"vanilla"`, `"off_by_one"` or `"learnable"`. Defaults to `"vanilla"`.
             logits_soft_cap: `c` in `s <- c * tanh(s / c)`. Defaults to None.
+            fp8: None or `"current"`: attention in FP8 with per-tensor scales from the projected query, key and
+                value (`attnlib.attention`'s `fp8`, docs/fp8.md). Static. Defaults to None.
             dropout_rate: dropout probability on the attention weights, in `[0, 1)`; the key comes from
                 `hk.next_rng_key()`. Overridable per call. Defaults to 0.
             implementation: as `attnlib.attention`'s `implementation`. Defaults to None (automatic).
@@ -120,6 +123,7 @@ class MultiHeadAttention(hk.Module):
         self.local_window_size = _common.local_window_size(local_window_size)
         self.softmax_type = _common.softmax_type(softmax_type)
         self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
+        self.fp8 = _common.fp8(fp8)
         self.score_mod = _common.modifier("score_mod", score_mod)
         self.mask_mod = _common.modifier("mask_mod", mask_mod)
         self.dropout_rate = _common.dropout_rate("dropout_rate", dropout_rate)
@@ -193,6 +197,7 @@ class MultiHeadAttention(hk.Module):
                 is_causal=self.is_causal,
                 local_window_size=self.local_window_size,
                 logits_soft_cap=self.logits_soft_cap,
+                fp8=self.fp8,
                 score_mod=self.score_mod,
                 mask_mod=self.mask_mod,
                 score_mod_args=score_mod_args,
@@ -241,6 +246,7 @@ class DotProductAttention(hk.Module):
         local_window_size: int | tuple[int, int] | None = None,
         softmax_type: _common.SoftmaxType = "vanilla",
         logits_soft_cap: float | None = None,
+        fp8: str | None = None,
         diagonal_alignment: str = "top_left",
         dropout_rate: float = 0.0,
         implementation: str | Sequence[str] | None = None,
@@ -256,6 +262,8 @@ class DotProductAttention(hk.Module):
             local_window_size: `w` or `(left, right)`. Defaults to None (no window).
             softmax_type: `"vanilla"`, `"off_by_one"` or `"learnable"`. Defaults to `"vanilla"`.
             logits_soft_cap: `c` in `s <- c * tanh(s / c)`. Defaults to None.
+            fp8: None or `"current"`: attention in FP8 with per-tensor scales from the projected query, key and
+                value (`attnlib.attention`'s `fp8`, docs/fp8.md). Static. Defaults to None.
             diagonal_alignment: `"top_left"` or `"bottom_right"` (decoding, chunked prefill). Defaults to
                 `"top_left"`.
             dropout_rate: dropout probability on the attention weights, in `[0, 1)`; overridable per call.
@@ -277,6 +285,7 @@ class DotProductAttention(hk.Module):
         self.local_window_size = _common.local_window_size(local_window_size)
         self.softmax_type = _common.softmax_type(softmax_type)
         self.logits_soft_cap = _common.logits_soft_cap(logits_soft_cap)
+        self.fp8 = _common.fp8(fp8)
         self.diagonal_alignment = _common.diagonal_alignment(diagonal_alignment)
         self.score_mod = _common.modifier("score_mod", score_mod)
         self.mask_mod = _common.modifier("mask_mod", mask_mod)
@@ -347,6 +356,7 @@ class DotProductAttention(hk.Module):
                 is_causal=self.is_causal,
                 local_window_size=self.local_window_size,
                 logits_soft_cap=self.logits_soft_cap,
+                fp8=self.fp8,
                 score_mod=self.score_mod,
                 mask_mod=self.mask_mod,
                 score_mod_args=score_mod_args,
