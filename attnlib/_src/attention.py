@@ -150,8 +150,8 @@ def attention(
         fp8: None (off), `"current"`: quantize `query`, `key`, `value` to float8_e4m3fn with per-tensor scales
             from their current amax, attend in FP8 and return `query.dtype` (gradients with straight-through
             quantizers), or an `attnlib.Fp8Scales` for inputs that are already float8_e4m3fn (its scales
-            dequantize them; the result is its `output_dtype`). The semantics are in `docs/fp8.md`; `xla`
-            emulates them exactly; cuDNN's FP8 graphs are not wired yet.
+            dequantize them; the result is its `output_dtype`). The semantics are in `docs/fp8.md`; `xla` and
+            `xla_chunked` emulate them exactly; cuDNN's FP8 graphs are not wired yet.
 
     Returns:
         `out` `[*B, T, N, Hv]` (THD `[T, N, Hv]`) in `query.dtype`; with `return_residual`, `(out, lse)` where

@@ -17,11 +17,15 @@ the gradient of 16-bit attention evaluated at `q̂`, `k̂`, `v̂`, with `P8` in 
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from . import canonical
+from .config import AttentionConfig, AttentionInputs
 
 
 E4M3 = jnp.float8_e4m3fn
@@ -140,3 +144,23 @@ def plan(
     dequantize = Dequantizer(mode, per_tensor)  # pyright: ignore[reportArgumentType]
     value_amax = jnp.max(jnp.abs(dequantize(value, 2)))
     return dequantize, Rounding(output_scale(value_amax), out_dtype)
+
+
+def emulate(
+    config: AttentionConfig,
+    inputs: AttentionInputs,
+    attend: Callable[[canonical.Problem], tuple[jax.Array, jax.Array]],
+) -> tuple[jax.Array, jax.Array]:
+    """`(out, lse)` of an FP8 call (`config.fp8` set) on a plain-JAX implementation.
+
+    `attend(problem)` gets the canonical problem with float32 `q̂`, `k̂`, `v̂` and returns the canonical float32
+    output `o` (probabilities rounded, output not yet) and `lse`; this rounds the output and restores the layout.
+    """
+    dequantize, rounding = plan(config.fp8, inputs.query, inputs.key, inputs.value, inputs.fp8_scales)
+    problem = canonical.canonicalize(config, inputs)
+    problem = problem._replace(
+        query=dequantize(problem.query, 0), key=dequantize(problem.key, 1), value=dequantize(problem.value, 2)
+    )
+    out, lse = attend(problem)
+    out, lse = canonical.restore(config, rounding.output(out), lse)
+    return out.astype(rounding.output_dtype), lse

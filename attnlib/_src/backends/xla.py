@@ -8,13 +8,11 @@ from ..config import AttentionConfig, AttentionInputs
 from . import scores
 
 
-def attend(
-    config: AttentionConfig, problem: canonical.Problem, fp8: fp8_lib.Rounding | None = None
-) -> tuple[jax.Array, jax.Array]:
+def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Array, jax.Array]:
     """Canonical attention: `out [B, T, N, Hv]` in the query dtype and float32 `lse [B, T, N]`.
 
-    `fp8`: round the probabilities and the output as an FP8 kernel would (`fp8.py`); the problem's query, key and
-    value are then the dequantized float32 inputs.
+    With `config.fp8` the probabilities are rounded as an FP8 kernel rounds them (`fp8.py`; the problem then holds
+    the dequantized float32 inputs and `fp8.emulate` rounds the output).
     """
     B, T, N, _ = problem.query.shape
     S = problem.key.shape[1]
@@ -43,8 +41,8 @@ def attend(
     safe_denominator = jnp.where(has_mass, denominator, 1.0)
     lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), -jnp.inf)
     weights = unnormalised  # normalised after the PV product: one pass over [T, S] fewer
-    if fp8 is not None:
-        weights = fp8.probabilities(weights)
+    if config.fp8 is not None:
+        weights = fp8_lib.Rounding.probabilities(weights)
     if problem.dropout_seeds is not None:
         keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, 0, S)
         weights = jnp.where(keep, weights / (1.0 - config.dropout_rate), 0.0)
@@ -57,8 +55,6 @@ def attend(
         precision=scores.precision(problem.value.dtype),
     )
     out = out / safe_denominator[..., None]
-    if fp8 is not None:
-        out = fp8.output(out)
     out = jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (B, T, N, config.value_head_dim))
     out = out.astype(problem.query.dtype)
     lse = jnp.transpose(jnp.reshape(lse, (B, N, T)), (0, 2, 1))
@@ -74,15 +70,9 @@ class _Xla:
         return None
 
     def attention(self, config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
-        problem = canonical.canonicalize(config, inputs)
-        if config.fp8 is None:
-            return canonical.restore(config, *attend(config, problem))
-        dequantize, rounding = fp8_lib.plan(config.fp8, inputs.query, inputs.key, inputs.value, inputs.fp8_scales)
-        problem = problem._replace(
-            query=dequantize(problem.query, 0), key=dequantize(problem.key, 1), value=dequantize(problem.value, 2)
-        )
-        out, lse = canonical.restore(config, *attend(config, problem, rounding))
-        return out.astype(rounding.output_dtype), lse
+        if config.fp8 is not None:
+            return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem))
+        return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs)))
 
 
 IMPLEMENTATION = _Xla()

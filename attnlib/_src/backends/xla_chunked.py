@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .. import canonical, varying
+from .. import canonical, fp8 as fp8_lib, varying
 from ..config import AttentionConfig, AttentionInputs
 from ..positions import TokenPositions
 from . import scores
@@ -192,14 +192,75 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mo
     return out, lse
 
 
+def _forward_fp8(config: AttentionConfig, block: int, problem: canonical.Problem, mods: _Modifiers | None):
+    """FP8 emulation (`fp8.py`): each probability is rounded against its row's final max, so a first pass over the
+    key blocks finds that max and a second accumulates. Returns `o [B, T, N, Hv]` float32 (the output before its
+    rounding), `lse` and that max (the probabilities' shift), both `[B, K, G, T]` float32. No dropout."""
+    B, T, N, _ = problem.query.shape
+    K, G, Hv = config.num_kv_heads, config.group_size, problem.value.shape[-1]
+    q5 = scores.grouped_query(config, problem.query)
+    num_blocks = problem.key.shape[1] // block
+
+    def block_scores(c):
+        k_start = c * block
+        k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
+        s = scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block))
+        allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
+        if mods is not None:
+            s, allowed = mods.apply(s, allowed, k_start, block)
+        return scores.soft_cap(config, s), allowed
+
+    def max_body(c, row_max):
+        s, allowed = block_scores(c)
+        return jnp.maximum(row_max, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
+
+    empty = jnp.full((B, K, G, T), -jnp.inf, jnp.float32)
+    row_max = jax.lax.fori_loop(0, num_blocks, max_body, varying.like_inputs(empty, problem))
+    if problem.sinks is not None:
+        sinks = scores.grouped_sinks(config, problem.sinks)
+        row_max = jnp.maximum(row_max, sinks)
+    shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+
+    def body(c, carry):
+        denominator, acc = carry
+        s, allowed = block_scores(c)
+        p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
+        v_blk = jax.lax.dynamic_slice_in_dim(problem.value, c * block, block, axis=1)
+        pv = jnp.einsum(
+            "bkgts,bskh->bkgth", fp8_lib.Rounding.probabilities(p), v_blk, preferred_element_type=jnp.float32,
+            precision=jax.lax.Precision.HIGHEST,
+        )  # fmt: skip
+        return denominator + jnp.sum(p, axis=-1), acc + pv
+
+    init = (jnp.zeros((B, K, G, T), jnp.float32), jnp.zeros((B, K, G, T, Hv), jnp.float32))
+    denominator, acc = jax.lax.fori_loop(0, num_blocks, body, varying.like_inputs(init, problem))
+    if problem.sinks is not None:
+        denominator = denominator + jnp.exp(sinks - shift)
+    has_mass = denominator > 0
+    safe_denominator = jnp.where(has_mass, denominator, 1.0)
+    lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), -jnp.inf)
+    out = acc / safe_denominator[..., None]
+    return jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (B, T, N, Hv)), lse, shift
+
+
 def _backward(
-    config: AttentionConfig, block: int, problem: canonical.Problem, mods: _Modifiers | None, out, lse, d_out, d_lse
+    config: AttentionConfig,
+    block: int,
+    problem: canonical.Problem,
+    mods: _Modifiers | None,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    fp8_shift=None,
 ):
     """Gradients `(dq, dk, dv, dbias, dsinks, d_args, d_score_consts)` from the saved `lse [B, K, G, T]`, recomputing
     each block.
 
     `d_lse` is the cotangent of `lse`, also `[B, K, G, T]`. `d_args` / `d_score_consts` hold the gradients of the
     float `score_mod_args` / closed-over arrays of `score_mod` (None for the others and without `score_mod`).
+    `fp8_shift` (FP8 emulation): the forward's row max; `dV` then takes the rounded probabilities (straight-through
+    rounding, as autodiff of `xla`'s emulation gives), and `out` is the output before its rounding.
     """
     B, T, N, H = problem.query.shape
     S = problem.key.shape[1]
@@ -211,6 +272,9 @@ def _backward(
     correction = to_kgt(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1))
     correction = correction - d_lse.astype(jnp.float32)
     shift = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    if fp8_shift is not None:
+        # the row sum l of the forward's exp(s - max): P8 / l is what multiplied V
+        row_sum = jnp.where(jnp.isfinite(lse), jnp.exp(lse - fp8_shift), 1.0)
     keep_scale = 1.0 / (1.0 - config.dropout_rate)
     bias = problem.bias
     f32 = lambda x: x.astype(jnp.float32)
@@ -237,6 +301,9 @@ def _backward(
             precision=scores.precision(v_blk.dtype),
         )
         p_kept = p
+        if fp8_shift is not None:
+            p_tilde = jnp.exp(jnp.where(allowed, s - fp8_shift[..., None], -jnp.inf))
+            p_kept = fp8_lib.Rounding.probabilities(p_tilde) / row_sum[..., None]
         if problem.dropout_seeds is not None:
             keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, k_start, block)
             p_kept = jnp.where(keep, p * keep_scale, 0.0)
@@ -323,10 +390,9 @@ def _problem_and_modifiers(config, query, key, value, bias, sinks, mask, seeds, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _chunked(config, block, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts):
-    problem, mods = _problem_and_modifiers(
-        config, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
+    (out, lse), _ = _chunked_fwd(
+        config, block, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
     )
-    out, lse = _forward(config, block, problem, mods)
     return out, lse
 
 
@@ -335,15 +401,20 @@ def _chunked_fwd(config, block, query, key, value, bias, sinks, mask, seeds, pos
     problem, mods = _problem_and_modifiers(
         config, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
     )
-    out, lse = _forward(config, block, problem, mods)
-    return (out, lse), (problem, score_consts, mask_consts, out, lse)
+    if config.fp8 is not None:
+        out, lse, fp8_shift = _forward_fp8(config, block, problem, mods)
+    else:
+        (out, lse), fp8_shift = _forward(config, block, problem, mods), None
+    return (out, lse), (problem, score_consts, mask_consts, out, lse, fp8_shift)
 
 
 def _chunked_bwd(config, block, residuals, cotangents):
-    problem, score_consts, mask_consts, out, lse = residuals
+    problem, score_consts, mask_consts, out, lse, fp8_shift = residuals
     mods = None if config.modifiers is None else _Modifiers(config, problem, score_consts, mask_consts)
     d_out, d_lse = cotangents
-    dq, dk, dv, dbias, d_sinks, d_args, d_score_consts = _backward(config, block, problem, mods, out, lse, d_out, d_lse)
+    dq, dk, dv, dbias, d_sinks, d_args, d_score_consts = _backward(
+        config, block, problem, mods, out, lse, d_out, d_lse, fp8_shift
+    )
     d_mask_consts = (None,) * len(mask_consts)
     return dq, dk, dv, dbias, d_sinks, None, None, None, d_args, d_score_consts, d_mask_consts
 
@@ -402,11 +473,8 @@ class _XlaChunked:
     name = "xla_chunked"
 
     def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None:
-        if config.fp8 is not None:
-            return (
-                "xla_chunked: FP8 emulation rounds each probability against its row's final max, which the online "
-                "softmax does not know yet; `xla` emulates it"
-            )
+        if config.fp8 is not None and config.dropout_rate > 0:
+            return "xla_chunked: dropout together with FP8 attention (`fp8=`) is not supported"
         if explicit:
             return None
         score_bytes = 4 * config.batch_size * config.num_q_heads * config.q_len * config.kv_len
@@ -419,8 +487,9 @@ class _XlaChunked:
         return None
 
     def attention(self, config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
-        out, lse = attend(config, canonical.canonicalize(config, inputs))
-        return canonical.restore(config, out, lse)
+        if config.fp8 is not None:
+            return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem))
+        return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs)))
 
 
 IMPLEMENTATION = _XlaChunked()

@@ -190,7 +190,7 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
 def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_version: int) -> str | None:
     """Why cuDNN cannot serve `config` on a GPU of `capability` with cuDNN `cudnn_version`, or None if it can."""
     if config.fp8 is not None:
-        return "cudnn: FP8 attention (`fp8=`) does not run on cuDNN in this version; `xla` emulates it"
+        return "cudnn: FP8 attention (`fp8=`) does not run on cuDNN in this version; `xla` and `xla_chunked` emulate it"
     if modifier_lib.visibility_as_bias(config):
         # Segments / per-sequence alignment travel in an additive bias: the graph is a plain dense one.
         if modifier_lib.reads_positions(config):
