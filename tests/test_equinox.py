@@ -82,7 +82,7 @@ def test_import_attnlib_equinox_imports_equinox_but_not_haiku():
 def test_fields_and_call_signature_match_equinox():
     ours = aeqx.MultiheadAttention(6, 18, key=jr.key(0))
     theirs = eqx.nn.MultiheadAttention(6, 18, key=jr.key(0))
-    extras = ["sinks", "num_kv_heads", "is_causal", "local_window_size", "softmax_type", "logits_soft_cap",
+    extras = ["sinks", "num_kv_heads", "is_causal", "local_window_size", "softmax_type", "logits_soft_cap", "fp8",
               "score_mod", "mask_mod", "implementation"]  # fmt: skip
     our_fields = [f.name for f in dataclasses.fields(ours)]
     assert [f for f in our_fields if f not in extras] == [f.name for f in dataclasses.fields(theirs)]
