@@ -102,7 +102,8 @@ def attention(
         query: `[*B, T, N, H]`; `[T, N, H]` when unbatched or THD.
         key: `[*B, S, K, H]`; a page pool `[P, page_size, K, H]` with `page_table`.
         value: `[*B, S, K, Hv]`; a page pool `[P, page_size, K, Hv]` with `page_table`. Same dtype as `query`
-            and `key` (float16, bfloat16 or float32).
+            and `key` (float16, bfloat16, float32, or float64 under `jax_enable_x64` on `xla` / `xla_chunked`;
+            float8_e4m3fn with `fp8=Fp8Scales(...)`).
         bias: broadcastable to `[*B, N, T, S]`; added to the scaled logits; differentiable.
         mask: bool, broadcastable to `[*B, N, T, S]`; `True` = may attend.
         scale: logit scale. Defaults to `1/sqrt(H)`.

@@ -794,6 +794,11 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
         value_ = kwargs.get(name)
         if value_ is not None and not (name == "dropout_rate" and value_ == 0):
             raise NotImplementedError(f"context parallelism does not support `{name}` yet: {why}.")
+    if getattr(query, "dtype", None) == jnp.float64:
+        raise NotImplementedError(
+            "context parallelism does not support float64 inputs yet (it merges partial results in float32); use "
+            "attnlib.attention on the whole sequence."
+        )
     if strategy not in _STRATEGIES:
         raise ValueError(f"`strategy` must be one of {list(_STRATEGIES)}. Got {strategy!r}.")
     if not isinstance(load_balanced, (bool, np.bool_)):

@@ -113,8 +113,8 @@ def dense_positions(
                 q_position = q_position + (kv_len - q_len)
             return TokenPositions(None, q_position, None, kv_position)
         if bottom_right:
-            q_count = jnp.sum(q_ids, axis=1, keepdims=True)
-            kv_count = jnp.sum(kv_ids, axis=1, keepdims=True)
+            q_count = jnp.sum(q_ids, axis=1, keepdims=True, dtype=jnp.int32)
+            kv_count = jnp.sum(kv_ids, axis=1, keepdims=True, dtype=jnp.int32)
             q_position = q_position + (kv_count - q_count)
         return TokenPositions(q_ids, q_position, kv_ids, kv_position)
 

@@ -18,7 +18,7 @@ from . import fp8 as fp8_lib, modifiers as modifiers_lib
 from .config import AttentionConfig, AttentionInputs
 
 
-_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
 def _is_float(dtype) -> bool:
@@ -70,6 +70,8 @@ def _fp8(fp8: Any, query: Any, key: Any, value: Any) -> tuple[str | None, fp8_li
     if fp8 is None:
         return None, None
     if isinstance(fp8, str) and fp8 == "current":
+        if query.dtype == jnp.float64:
+            raise TypeError("`fp8='current'` quantizes float16, bfloat16 or float32 inputs. Got query.dtype=float64.")
         return "current", None
     if not isinstance(fp8, fp8_lib.Fp8Scales):
         raise ValueError(f"`fp8` must be None, 'current' or an attnlib.Fp8Scales. Got fp8={fp8!r}.")
@@ -87,7 +89,7 @@ def _fp8(fp8: Any, query: Any, key: Any, value: Any) -> tuple[str | None, fp8_li
             raise ValueError(
                 f"`fp8.{field}` must be a float scalar (shape () or (1,)). Got shape {shape}, dtype {dtype}."
             )
-    if np.dtype(fp8.output_dtype) not in [np.dtype(d) for d in _FLOAT_DTYPES]:
+    if np.dtype(fp8.output_dtype) not in [np.dtype(d) for d in _FLOAT_DTYPES[:3]]:
         raise TypeError(
             f"`fp8.output_dtype` must be float16, bfloat16 or float32. Got output_dtype={fp8.output_dtype!r}."
         )
@@ -175,7 +177,7 @@ def validate(
             )
         if not _is_float(x.dtype) or x.dtype not in _FLOAT_DTYPES:
             raise TypeError(
-                f"`{name}` must have dtype float16, bfloat16 or float32. Got {name}.dtype={x.dtype}."
+                f"`{name}` must have dtype float16, bfloat16, float32 or float64. Got {name}.dtype={x.dtype}."
             )
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(

@@ -23,8 +23,13 @@ from ..modifiers import Modifiers
 
 
 def precision(dtype) -> jax.lax.Precision:
-    """Full float32 matmuls for float32 inputs (no TF32 on GPUs); the default for 16-bit inputs."""
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    """Full-precision matmuls for float32 / float64 inputs (no TF32 on GPUs); the default for 16-bit inputs."""
+    return jax.lax.Precision.HIGHEST if dtype in (jnp.float32, jnp.float64) else jax.lax.Precision.DEFAULT
+
+
+def accumulator(dtype) -> type:
+    """The dtype of scores, softmax statistics and accumulators: float64 for float64 inputs, else float32."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
 def grouped_query(config: AttentionConfig, query: jax.Array) -> jax.Array:
@@ -42,12 +47,12 @@ def grouped_heads(config: AttentionConfig, x: jax.Array) -> jax.Array:
 
 
 def grouped_sinks(config: AttentionConfig, sinks: jax.Array) -> jax.Array:
-    """`[N]` -> float32 `[1, K, G, 1]`."""
-    return jnp.reshape(sinks.astype(jnp.float32), (1, config.num_kv_heads, config.group_size, 1))
+    """`[N]` -> `[1, K, G, 1]` in the accumulator dtype (float32; float64 for float64 inputs)."""
+    return jnp.reshape(sinks.astype(accumulator(config.dtype)), (1, config.num_kv_heads, config.group_size, 1))
 
 
 def raw_scores(config: AttentionConfig, q5: jax.Array, key: jax.Array, bias: jax.Array | None) -> jax.Array:
-    """float32 `[B, K, G, T, s]` scores `scale * q.k (+ bias)`, before soft-capping.
+    """`[B, K, G, T, s]` scores `scale * q.k (+ bias)` in the accumulator dtype, before soft-capping.
 
     Args:
         q5: `[B, K, G, T, H]`.
@@ -55,11 +60,11 @@ def raw_scores(config: AttentionConfig, q5: jax.Array, key: jax.Array, bias: jax
         bias: rank-4 bias block or None.
     """
     s = jnp.einsum(
-        "bkgth,bskh->bkgts", q5, key, preferred_element_type=jnp.float32, precision=precision(q5.dtype)
+        "bkgth,bskh->bkgts", q5, key, preferred_element_type=accumulator(q5.dtype), precision=precision(q5.dtype)
     )
-    s = s * jnp.float32(config.scale)
+    s = s * jnp.asarray(config.scale, s.dtype)
     if bias is not None:
-        s = s + grouped_heads(config, bias).astype(jnp.float32)
+        s = s + grouped_heads(config, bias).astype(s.dtype)
     return s
 
 
@@ -67,7 +72,7 @@ def soft_cap(config: AttentionConfig, s: jax.Array) -> jax.Array:
     """`c * tanh(s / c)` when `logits_soft_cap` is set."""
     if config.logits_soft_cap is None:
         return s
-    c = jnp.float32(config.logits_soft_cap)
+    c = jnp.asarray(config.logits_soft_cap, s.dtype)
     return c * jnp.tanh(s / c)
 
 
@@ -154,8 +159,8 @@ def grouped_args(config: AttentionConfig, args) -> tuple[jax.Array, ...]:
 
 
 def apply_score_mod(fn: Callable, s: jax.Array, indices, args) -> jax.Array:
-    """float32 `score_mod` of every score of `s [B, K, G, T, s]`, element by element."""
-    return jnp.vectorize(fn)(s, *indices, *args).astype(jnp.float32)
+    """`score_mod` of every score of `s [B, K, G, T, s]`, element by element, in `s`'s dtype."""
+    return jnp.vectorize(fn)(s, *indices, *args).astype(s.dtype)
 
 
 def apply_mask_mod(fn: Callable, indices, args) -> jax.Array:

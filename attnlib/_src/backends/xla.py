@@ -51,7 +51,7 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
         "bkgts,bskh->bkgth",
         weights.astype(problem.value.dtype),
         problem.value,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=scores.accumulator(problem.value.dtype),
         precision=scores.precision(problem.value.dtype),
     )
     out = out / safe_denominator[..., None]

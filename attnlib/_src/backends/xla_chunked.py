@@ -134,8 +134,9 @@ def _replace_at(values: tuple, where: tuple[int, ...], new: tuple) -> tuple:
 
 
 def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mods: _Modifiers | None):
-    """Returns `out [B, T, N, Hv]` (query dtype) and `lse [B, K, G, T]` float32."""
+    """Returns `out [B, T, N, Hv]` (query dtype) and `lse [B, K, G, T]` in the accumulator dtype."""
     B, T, N, _ = problem.query.shape
+    acc_dtype = scores.accumulator(problem.query.dtype)
     K, G, Hv = config.num_kv_heads, config.group_size, problem.value.shape[-1]
     q5 = scores.grouped_query(config, problem.query)
     num_blocks = problem.key.shape[1] // block
@@ -162,16 +163,16 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mo
             "bkgts,bskh->bkgth",
             p.astype(problem.value.dtype),
             v_blk,
-            preferred_element_type=jnp.float32,
+            preferred_element_type=acc_dtype,
             precision=scores.precision(problem.value.dtype),
         )
         acc = acc * rescale[..., None] + pv
         return new_max, denominator, acc
 
     init = (
-        jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
-        jnp.zeros((B, K, G, T), jnp.float32),
-        jnp.zeros((B, K, G, T, Hv), jnp.float32),
+        jnp.full((B, K, G, T), -jnp.inf, acc_dtype),
+        jnp.zeros((B, K, G, T), acc_dtype),
+        jnp.zeros((B, K, G, T, Hv), acc_dtype),
     )
     row_max, denominator, acc = jax.lax.fori_loop(0, num_blocks, body, varying.like_inputs(init, problem))
 
@@ -269,15 +270,16 @@ def _backward(
     to_kgt = lambda x: jnp.transpose(jnp.reshape(x, (B, T, K, G)), (0, 2, 3, 1))
     do5 = jnp.reshape(d_out, (B, T, K, G, config.value_head_dim))
     # D = rowsum(dO * O): the softmax Jacobian's diagonal correction; d_lse enters every score with weight p.
-    correction = to_kgt(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1))
-    correction = correction - d_lse.astype(jnp.float32)
+    acc_dtype = scores.accumulator(problem.query.dtype)
+    correction = to_kgt(jnp.sum(d_out.astype(acc_dtype) * out.astype(acc_dtype), axis=-1))
+    correction = correction - d_lse.astype(acc_dtype)
     shift = jnp.where(jnp.isfinite(lse), lse, 0.0)
     if fp8_shift is not None:
         # the row sum l of the forward's exp(s - max): P8 / l is what multiplied V
         row_sum = jnp.where(jnp.isfinite(lse), jnp.exp(lse - fp8_shift), 1.0)
     keep_scale = 1.0 / (1.0 - config.dropout_rate)
     bias = problem.bias
-    f32 = lambda x: x.astype(jnp.float32)
+    f32 = lambda x: x.astype(acc_dtype)  # float32, or float64 for float64 inputs
 
     args = problem.score_mod_args
     score_vjp = mods is not None and mods.fns.score is not None
@@ -297,7 +299,7 @@ def _backward(
         s = scores.soft_cap(config, s)
         p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
         dp = jnp.einsum(
-            "btkgh,bskh->bkgts", do5, v_blk, preferred_element_type=jnp.float32,
+            "btkgh,bskh->bkgts", do5, v_blk, preferred_element_type=acc_dtype,
             precision=scores.precision(v_blk.dtype),
         )
         p_kept = p
@@ -313,7 +315,7 @@ def _backward(
         )
         ds = p * (dp - correction[..., None])
         if config.logits_soft_cap is not None:
-            ds = ds * (1.0 - jnp.square(s / jnp.float32(config.logits_soft_cap)))
+            ds = ds * (1.0 - jnp.square(s / jnp.asarray(config.logits_soft_cap, s.dtype)))
         if mod_vjp is not None:
             # through score_mod: the gradient of the raw score, and of its float arguments and constants
             ds, d_args_blk, d_consts_blk = mod_vjp(ds)
@@ -335,7 +337,7 @@ def _backward(
                 dbias = dbias + jnp.sum(ds_n, axis=3, keepdims=True)
             else:
                 dbias = jax.lax.dynamic_update_slice_in_dim(dbias, ds_n, k_start, axis=3)
-        ds = ds * jnp.float32(config.scale)
+        ds = ds * jnp.asarray(config.scale, ds.dtype)
         dq = dq + jnp.einsum("bkgts,bskh->bkgth", ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
         dk_blk = jnp.einsum("bkgts,bkgth->bskh", ds, f32(q5), precision=jax.lax.Precision.HIGHEST)
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk, k_start, axis=1)
@@ -343,10 +345,10 @@ def _backward(
         return dq, dk, dv, dbias, d_args, d_consts
 
     init = (  # dq, dk, dv, dbias, d_args (+ d_consts below)
-        jnp.zeros(q5.shape, jnp.float32),
-        jnp.zeros(problem.key.shape, jnp.float32),
-        jnp.zeros(problem.value.shape, jnp.float32),
-        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+        jnp.zeros(q5.shape, acc_dtype),
+        jnp.zeros(problem.key.shape, acc_dtype),
+        jnp.zeros(problem.value.shape, acc_dtype),
+        None if bias is None else jnp.zeros(bias.shape, acc_dtype),
         tuple(jnp.zeros(args[i].shape, _accumulator_dtype(args[i].dtype)) for i in float_args),
     )
     init = varying.like_inputs(init, problem, out, lse, d_out, d_lse)
@@ -475,6 +477,11 @@ class _XlaChunked:
     def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None:
         if config.fp8 is not None and config.dropout_rate > 0:
             return "xla_chunked: dropout together with FP8 attention (`fp8=`) is not supported"
+        if config.modifiers is not None and config.modifiers.score_mod is not None and config.dtype == jnp.float64:
+            return (
+                "xla_chunked: a `score_mod` with float64 inputs is not supported (it runs traced at float32); `xla` "
+                "serves it"
+            )
         if explicit:
             return None
         score_bytes = 4 * config.batch_size * config.num_q_heads * config.q_len * config.kv_len

@@ -18,7 +18,7 @@ from ..attention import attention
 
 SoftmaxType = Literal["vanilla", "off_by_one", "learnable"]
 SOFTMAX_TYPES: tuple[str, ...] = ("vanilla", "off_by_one", "learnable")
-_ATTENTION_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+_ATTENTION_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -135,9 +135,8 @@ def attention_dtype(layer: str, x: jax.Array) -> None:
     """The projected heads must have a dtype attnlib computes in."""
     if x.dtype not in _ATTENTION_DTYPES:
         raise TypeError(
-            f"{layer} computes attention in float16, bfloat16 or float32, but the projected heads have dtype "
-            f"{x.dtype} (JAX's x64 mode makes float64 the default parameter dtype: pass `dtype=jnp.float32`). "
-            f"Got heads.dtype={x.dtype}."
+            f"{layer} computes attention in float16, bfloat16, float32 or float64, but the projected heads have "
+            f"dtype {x.dtype}. Got heads.dtype={x.dtype}."
         )
 
 

@@ -83,7 +83,8 @@ class MultiheadAttention(eqx.Module):
           differ from Equinox's for the same `key`; the rate, scaling and `inference` rules are the same.
           `dropout.p` must be a concrete Python float (it is static to attnlib).
         - `mask` may also have size-1 (broadcast) dimensions and any dtype (nonzero = may attend).
-        - The projected heads must be float16, bfloat16 or float32 (no float64).
+        - The projected heads may be float16, bfloat16, float32 or float64 (float64 on the plain-JAX
+          implementations).
 
     !!! Example
         ```python
