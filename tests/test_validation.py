@@ -207,9 +207,7 @@ def test_lengths_wrong_dtype(name):
 @pytest.mark.parametrize("rate", [1.0, -0.1, 1.5], ids=["one", "negative", "above_one"])
 def test_dropout_rate_out_of_range(rate):
     q, k, v = _inputs()
-    check_error(
-        ValueError, "dropout_rate", repr(rate), attn, q, k, v, dropout_rate=rate, dropout_key=jax.random.key(0)
-    )
+    check_error(ValueError, "dropout_rate", repr(rate), attn, q, k, v, dropout_rate=rate, dropout_key=jax.random.key(0))
 
 
 def test_dropout_without_key():
@@ -442,3 +440,34 @@ def test_message_style_example():
     with pytest.raises(ValueError) as info:
         attn(q, k, v)
     assert re.search(r"Got .*\(2, 13, 6, 8\).*\(2, 17, 4, 8\)", str(info.value)), str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# padding lengths: range checked when concrete, clamped when traced; Python lists accepted as jax.nn accepts them
+
+
+@pytest.mark.parametrize(
+    "name,values,message",
+    [
+        ("key_value_seq_lengths", [20, 16], "must be in [0, S=16]. Got key_value_seq_lengths[0]=20"),
+        ("key_value_seq_lengths", [3, -1], "must be in [0, S=16]. Got key_value_seq_lengths[1]=-1"),
+        ("query_seq_lengths", [4, 13], "must be in [0, T=12]. Got query_seq_lengths[1]=13"),
+    ],
+)
+def test_lengths_out_of_range_name_the_argument(name, values, message):
+    q, kv = jnp.zeros((2, 12, 2, 8)), jnp.zeros((2, 16, 2, 8))
+    with pytest.raises(ValueError, match=re.escape(f"`{name}` {message}")):
+        attnlib.attention(q, kv, kv, **{name: jnp.asarray(values, jnp.int32)})
+
+
+def test_lengths_as_lists_and_traced_lengths_are_clamped():
+    r = np.random.default_rng(0)
+    q = jnp.asarray(r.standard_normal((2, 12, 2, 8)), jnp.float32)
+    kv = jnp.asarray(r.standard_normal((2, 16, 2, 8)), jnp.float32)
+    as_array = attnlib.attention(q, kv, kv, key_value_seq_lengths=jnp.asarray([16, 0], jnp.int32))
+    as_list = attnlib.attention(q, kv, kv, key_value_seq_lengths=[16, 0])
+    np.testing.assert_array_equal(np.asarray(as_list), np.asarray(as_array))
+    clamped = jax.jit(lambda n: attnlib.attention(q, kv, kv, key_value_seq_lengths=n))
+    traced = clamped(jnp.asarray([40, -5], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(traced), np.asarray(clamped(jnp.asarray([16, 0], jnp.int32))))
+    np.testing.assert_allclose(np.asarray(traced), np.asarray(as_array), rtol=1e-6, atol=1e-6)  # jit vs eager

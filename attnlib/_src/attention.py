@@ -58,8 +58,8 @@ def attention(
     *,
     scale: numbers.Real | None = None,
     is_causal: bool = False,
-    query_seq_lengths: Shaped[ArrayLike, "..."] | None = None,
-    key_value_seq_lengths: Shaped[ArrayLike, "..."] | None = None,
+    query_seq_lengths: Shaped[ArrayLike, "..."] | Sequence[int] | None = None,
+    key_value_seq_lengths: Shaped[ArrayLike, "..."] | Sequence[int] | None = None,
     local_window_size: numbers.Integral | Sequence[Any] | None = None,
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
@@ -108,8 +108,11 @@ def attention(
         mask: bool, broadcastable to `[*B, N, T, S]`; `True` = may attend.
         scale: logit scale. Defaults to `1/sqrt(H)`.
         is_causal: causal mask, aligned by `diagonal_alignment`. Defaults to False.
-        query_seq_lengths: int `[*B]`: valid query prefix lengths (padding rows output 0).
-        key_value_seq_lengths: int `[*B]`: valid key/value prefix lengths. Required with `page_table`.
+        query_seq_lengths: int `[*B]` (an array or a list of ints): valid query prefix lengths in `[0, T]`
+            (padding rows output 0). Concrete values outside that range raise `ValueError`; traced ones (under
+            `jit`) are clamped to it.
+        key_value_seq_lengths: int `[*B]` (array or list): valid key/value prefix lengths in `[0, S]` (paged:
+            `S = pages_per_seq * page_size`), checked or clamped likewise. Required with `page_table`.
         local_window_size: `int w` = `(w, w)`, or `(left, right)`: a query at aligned position `i` sees keys
             `i - left … i + right`.
         implementation: `None` (the first of `"cudnn"`, `"xla_chunked"`, `"xla"` that can serve the call),

@@ -309,11 +309,23 @@ def validate(
         max_q = T if max_q is None else max_q
         max_kv = S if max_kv is None else max_kv
 
-    # padding lengths
-    for name, x in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)):
+    # padding lengths: in [0, T] / [0, S] (checked when concrete; traced values are clamped to that range)
+    for name, x, limit, letter in (
+        ("query_seq_lengths", query_seq_lengths, T, "T"),
+        ("key_value_seq_lengths", key_value_seq_lengths, S, "S"),
+    ):
         if x is not None:
             _require_int_array(name, x)
             _require_shape(name, x, batch_shape, "*B")
+            if _is_concrete(x):
+                values = np.asarray(x)
+                outside = (values < 0) | (values > limit)
+                if outside.any():
+                    index = tuple(int(i) for i in np.argwhere(outside)[0])
+                    raise ValueError(
+                        f"`{name}` must be in [0, {letter}={limit}]. Got {name}{list(index)}={int(values[index])} "
+                        f"({name}={values.tolist()})."
+                    )
 
     # segments
     if kv_segment_ids is not None and q_segment_ids is None:

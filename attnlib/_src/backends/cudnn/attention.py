@@ -531,8 +531,8 @@ def attention(
     seq_q = seq_kv = None
     if padded:
         full = lambda x, n: jnp.full((B,), n, jnp.int32) if x is None else jnp.reshape(x, (B,)).astype(jnp.int32)
-        seq_q = jnp.minimum(full(inputs.query_seq_lengths, T), T)
-        seq_kv = jnp.minimum(full(inputs.key_value_seq_lengths, S), S)
+        seq_q = jnp.clip(full(inputs.query_seq_lengths, T), 0, T)
+        seq_kv = jnp.clip(full(inputs.key_value_seq_lengths, S), 0, S)
 
     # Bottom-right with more queries than keys: the first T - S queries see nothing (a causal mask or a window
     # with right <= 0; policy guarantees it for graphs without a modifier) and are not computed.

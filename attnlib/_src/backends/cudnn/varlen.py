@@ -470,11 +470,11 @@ def _paged_attention(
 ) -> tuple[jax.Array, jax.Array]:
     B, T, N = config.batch_size, config.q_len, config.num_q_heads
     q = jnp.reshape(inputs.query, (B, T, N, config.head_dim))
-    seq_kv = jnp.minimum(jnp.reshape(inputs.key_value_seq_lengths, (B,)).astype(jnp.int32), config.kv_len)
+    seq_kv = jnp.clip(jnp.reshape(inputs.key_value_seq_lengths, (B,)).astype(jnp.int32), 0, config.kv_len)
     if inputs.query_seq_lengths is None:
         seq_q = jnp.full((B,), T, jnp.int32)
     else:
-        seq_q = jnp.minimum(jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32), T)
+        seq_q = jnp.clip(jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32), 0, T)
     left = None if config.window is None else config.window[0]
     right = support.effective_right(config)
     bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
