@@ -105,3 +105,27 @@ def test_cache_is_a_pytree():
     leaves, treedef = jax.tree_util.tree_flatten(cache)
     assert len(leaves) == 6
     assert jax.tree_util.tree_unflatten(treedef, leaves).page_size == 4
+
+
+def test_the_cache_itself_as_key():
+    """`attention(q, cache, None)` is the long form with the cache's pools, page table and lengths."""
+    r = np.random.default_rng(11)
+    cache = attnlib.PagedKVCache.create(2, 8, 4, 2, 16, dtype=jnp.float32)
+    new = lambda: jnp.asarray(r.standard_normal((2, 6, 2, 16)), jnp.float32)  # noqa: E731
+    cache = cache.append(new(), new(), lengths=jnp.asarray([6, 3], jnp.int32))
+    q = jnp.asarray(r.standard_normal((2, 1, 4, 16)), jnp.float32)
+    kw = dict(is_causal=True, diagonal_alignment="bottom_right")
+    long_form = attnlib.attention(
+        q, cache.k_pages, cache.v_pages, page_table=cache.page_table, key_value_seq_lengths=cache.lengths, **kw
+    )
+    np.testing.assert_array_equal(np.asarray(attnlib.attention(q, cache, None, **kw)), np.asarray(long_form))
+    np.testing.assert_array_equal(np.asarray(attnlib.attention(q, cache, cache, **kw)), np.asarray(long_form))
+    jitted = jax.jit(lambda q, c: attnlib.attention(q, c, None, **kw))(q, cache)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(long_form), rtol=1e-6, atol=1e-6)
+    assert attnlib.explain(q, cache, None).implementation is not None
+    with pytest.raises(TypeError, match=r"pass value=None \(the cache holds both pools\)"):
+        attnlib.attention(q, cache, q)
+    with pytest.raises(ValueError, match="`page_table` comes from the cache"):
+        attnlib.attention(q, cache, None, page_table=cache.page_table)
+    with pytest.raises(TypeError, match="`value` is required"):
+        attnlib.attention(q, q, None)

@@ -12,6 +12,7 @@ from beartype import beartype, BeartypeConf
 from jaxtyping import Array, ArrayLike, Float, jaxtyped, PRNGKeyArray, Shaped, TypeCheckError
 
 from . import dispatch, fp8 as fp8_lib, validation
+from .paged import PagedKVCache
 
 
 # Array shapes and dtypes are checked by `validation` (with attnlib's messages: shapes are documented in the
@@ -47,12 +48,32 @@ _ARRAY_ARGS = (
 
 
 @jax.named_scope("attnlib.attention")
+def _unpack_cache(key: Any, value: Any, page_table: Any, key_value_seq_lengths: Any) -> tuple[Any, Any, Any, Any]:
+    """`(key, value, page_table, key_value_seq_lengths)`: a `PagedKVCache` passed as `key` unpacked into its pools,
+    page table and lengths (API.md §1, "Paged KV cache")."""
+    if not isinstance(key, PagedKVCache):
+        if isinstance(value, PagedKVCache):
+            raise TypeError("Pass a PagedKVCache as `key` with value=None: attnlib.attention(q, cache, None, ...).")
+        if value is None:
+            raise TypeError("`value` is required (None only with a PagedKVCache as `key`). Got value=None.")
+        return key, value, page_table, key_value_seq_lengths
+    if value is not None and value is not key:
+        raise TypeError(
+            "With a PagedKVCache as `key`, pass value=None (the cache holds both pools): "
+            f"attnlib.attention(q, cache, None, ...). Got value of type {type(value).__name__}."
+        )
+    for name, given in (("page_table", page_table), ("key_value_seq_lengths", key_value_seq_lengths)):
+        if given is not None:
+            raise ValueError(f"With a PagedKVCache as `key`, `{name}` comes from the cache; do not pass it. Got both.")
+    return key.k_pages, key.v_pages, key.page_table, key.lengths
+
+
 @_concise_type_errors
 @jaxtyped(typechecker=_typechecker)
 def attention(
     query: Shaped[ArrayLike, "..."],
-    key: Shaped[ArrayLike, "..."],
-    value: Shaped[ArrayLike, "..."],
+    key: Shaped[ArrayLike, "..."] | PagedKVCache,
+    value: Shaped[ArrayLike, "..."] | PagedKVCache | None,
     bias: Shaped[ArrayLike, "..."] | None = None,
     mask: Shaped[ArrayLike, "..."] | None = None,
     *,
@@ -100,7 +121,8 @@ def attention(
 
     Args:
         query: `[*B, T, N, H]`; `[T, N, H]` when unbatched or THD.
-        key: `[*B, S, K, H]`; a page pool `[P, page_size, K, H]` with `page_table`.
+        key: `[*B, S, K, H]`; a page pool `[P, page_size, K, H]` with `page_table`; or an `attnlib.PagedKVCache`
+            (then `value` is None and the page table and lengths come from the cache).
         value: `[*B, S, K, Hv]`; a page pool `[P, page_size, K, Hv]` with `page_table`. Same dtype as `query`
             and `key` (float16, bfloat16, float32, or float64 under `jax_enable_x64` on `xla` / `xla_chunked`;
             float8_e4m3fn with `fp8=Fp8Scales(...)`).
@@ -176,6 +198,7 @@ def attention(
         out = attnlib.attention(q, k, v, score_mod=alibi, mask_mod=prefix_lm, score_mod_args=(slopes[:, None, None],))
         ```
     """
+    key, value, page_table, key_value_seq_lengths = _unpack_cache(key, value, page_table, key_value_seq_lengths)
     arrays = {
         name: None if x is None else jnp.asarray(x)
         for name, x in zip(
@@ -218,8 +241,8 @@ Shaped = ArrayLike | jax.ShapeDtypeStruct
 @_typechecker
 def explain(
     query: Shaped,
-    key: Shaped,
-    value: Shaped,
+    key: Shaped | PagedKVCache,
+    value: Shaped | PagedKVCache | None,
     bias: Shaped | None = None,
     mask: Shaped | None = None,
     *,
@@ -260,6 +283,9 @@ def explain(
             options[name] = x
         else:
             raise TypeError(f"explain() got an unexpected keyword argument `{name}`.")
+    key, value, arrays["page_table"], arrays["key_value_seq_lengths"] = _unpack_cache(
+        key, value, arrays["page_table"], arrays["key_value_seq_lengths"]
+    )
     config, _ = validation.validate(
         as_shaped(query), as_shaped(key), as_shaped(value), as_shaped(bias), as_shaped(mask), **arrays, **options
     )

@@ -173,10 +173,7 @@ def attend(
 ) -> Any:
     """The one `attnlib.attention` call behind every layer.
 
-    Decoding hook: a `PagedKVCache` (API.md §1) will be accepted here, the only place that needs to unpack it
-    into `key=cache.k_pages`, `value=cache.v_pages`, `page_table=cache.page_table` and
-    `key_value_seq_lengths=cache.lengths`; the layers' `page_table` / `key_value_seq_lengths` arguments already
-    reach this function unchanged.
+    A `PagedKVCache` as `key` (with `value=None`) reaches `attnlib.attention` unchanged, which unpacks it.
     """
     if dropout_rate == 0.0:
         dropout_key = None
