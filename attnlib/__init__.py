@@ -9,4 +9,7 @@ from ._src.fp8 import Fp8Scales as Fp8Scales
 from ._src.paged import PagedKVCache as PagedKVCache
 
 
-__version__ = importlib.metadata.version("attnlib")
+try:
+    __version__ = importlib.metadata.version("attnlib")
+except importlib.metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"

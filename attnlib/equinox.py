@@ -4,6 +4,14 @@
 without projections.
 """
 
+try:
+    import equinox as _equinox  # noqa: F401
+except ModuleNotFoundError as e:  # pragma: no cover - depends on the environment
+    raise ModuleNotFoundError(
+        "attnlib.equinox needs Equinox: pip install equinox (or attnlib's `equinox` extra: "
+        "pip install 'attnlib[equinox]')."
+    ) from e
+
 from ._src.layers.equinox import (
     DotProductAttention as DotProductAttention,
     MultiheadAttention as MultiheadAttention,

@@ -26,7 +26,10 @@ def _load() -> tuple[types.ModuleType | None, str | None]:
     try:
         from attnlib import _attnlib_ffi  # pyright: ignore[reportAttributeAccessIssue]
     except ImportError as e:
-        return None, f"attnlib was built without its native extension ({e})"
+        return None, (
+            "attnlib's native cuDNN extension is not built (it compiles only where the CUDA headers are found at "
+            f"install time; reinstall there to get it). Python said: {e}"
+        )
     compiled = _frontend_version_string(_attnlib_ffi.frontend_version())
     try:
         installed = importlib.metadata.version("nvidia-cudnn-frontend")
