@@ -669,9 +669,18 @@ BUILD_TIMES: list[tuple[str, float]] = []
 """(label, seconds) of every graph built in this process (for the benchmark)."""
 
 
+def _frontend_package_version() -> str:
+    """The installed nvidia-cudnn-frontend version ("absent" on a pure-JAX install, where no graph is ever built)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("nvidia-cudnn-frontend")
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
 def cache_key(spec: GraphSpec, device: "support.Device") -> dict[str, Any]:
     """Everything the serialized graph depends on."""
-    import importlib.metadata
 
     described = dataclasses.asdict(dataclasses.replace(spec, modifier=None))
     described["modifier"] = None if spec.modifier is None else spec.modifier.key
@@ -680,7 +689,7 @@ def cache_key(spec: GraphSpec, device: "support.Device") -> dict[str, Any]:
         "spec": described,
         "plan_selection": "autotuned" if autotune_enabled() else "heuristics",
         "cudnn": device.cudnn_version,
-        "cudnn_frontend": importlib.metadata.version("nvidia-cudnn-frontend"),
+        "cudnn_frontend": _frontend_package_version(),
         "compute_capability": list(device.compute_capability),
         "gpu": device.name,
     }
