@@ -44,7 +44,14 @@ import ml_dtypes
 import numpy as np
 
 
-__all__ = ["e4m3", "reference_attention", "reference_attention_vjp", "reference_fp8_attention", "visibility"]
+__all__ = [
+    "e4m3",
+    "reference_attention",
+    "reference_attention_vjp",
+    "reference_fp8_attention",
+    "reference_max_logit",
+    "visibility",
+]
 
 
 class _float64_jax:
@@ -392,6 +399,23 @@ def reference_attention(query, key, value, bias=None, mask=None, **kwargs):
                 lse[b, i, n] = row_lse
                 out[b, i, n] = pr.dropped(p, b, n, i) @ pr.v[b, :, kh, :]
     return _unflatten(pr, out), _unflatten(pr, lse)
+
+
+def reference_max_logit(query, key, value, bias=None, mask=None, **kwargs):
+    """float64 `max_logit` (API.md §1d): per batch row and query head `[*B, N]` (THD: per sequence `[B, N]`), the
+    largest logit (after bias, score_mod and soft cap) of any visible query-key pair; -inf where none is."""
+    pr = _problem(query, key, value, bias, mask, kwargs)
+    rows = pr.B if pr.layout != "thd" else int(pr.qseg.max(initial=0))
+    out = np.full((rows, pr.N), -np.inf)
+    for b in range(pr.B):
+        for n in range(pr.N):
+            for i in range(pr.T):
+                _, _, s, vis = pr.row_scores(b, n, i)
+                if not vis.any():
+                    continue
+                row = b if pr.layout != "thd" else int(pr.qseg[0, i]) - 1
+                out[row, n] = max(out[row, n], s[vis].max())
+    return out if pr.layout == "thd" else out.reshape(tuple(pr.out_batch_shape) + (pr.N,))
 
 
 def e4m3(x):

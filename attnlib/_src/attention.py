@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from beartype import beartype, BeartypeConf
 from jaxtyping import Array, ArrayLike, Float, jaxtyped, PRNGKeyArray, Shaped, TypeCheckError
 
-from . import dispatch, fp8 as fp8_lib, validation
+from . import dispatch, fp8 as fp8_lib, max_logit as max_logit_lib, validation
 from .paged import PagedKVCache
 
 
@@ -102,7 +102,8 @@ def attention(
     mask_mod: Callable | None = None,
     score_mod_args: Sequence[Any] = (),
     fp8: str | fp8_lib.Fp8Scales | None = None,
-) -> Float[Array, "..."] | tuple[Float[Array, "..."], Float[Array, "..."]]:
+    return_max_logit: bool = False,
+) -> Float[Array, "..."] | tuple[Float[Array, "..."], ...]:
     r"""Scaled dot-product attention: a drop-in for `jax.nn.dot_product_attention` that goes further.
 
     For one sequence and head, with $s = \mathrm{scale} \cdot q k^\top (+\,\mathrm{bias})$, modified by
@@ -178,10 +179,14 @@ def attention(
             quantizers), or an `attnlib.Fp8Scales` for inputs that are already float8_e4m3fn (its scales
             dequantize them; the result is its `output_dtype`). The semantics are in `docs/fp8.md`; `xla` and
             `xla_chunked` emulate them exactly; cuDNN's FP8 graphs are not wired yet.
+        return_max_logit: also return `max_logit`, float32 `[*B, N]` (THD `[B, N]`, one row per sequence): the
+            largest logit any kept query-key pair of that row and head reached (after bias, `score_mod` and soft
+            cap; -inf where nothing is kept), for QK-clip. Not differentiable. Defaults to False.
 
     Returns:
         `out` `[*B, T, N, Hv]` (THD `[T, N, Hv]`) in `query.dtype`; with `return_residual`, `(out, lse)` where
-        `lse` is float32 `[*B, T, N]` (THD `[T, N]`).
+        `lse` is float32 `[*B, T, N]` (THD `[T, N]`); with `return_max_logit`, `max_logit` after them:
+        `(out, max_logit)` or `(out, lse, max_logit)`.
 
     Raises:
         ValueError: a shape or value is invalid (the message names the argument and shows what was given).
@@ -230,8 +235,15 @@ def attention(
         score_mod_args=score_mod_args,
         fp8=fp8,
     )
+    if not isinstance(return_max_logit, bool):
+        raise TypeError(f"`return_max_logit` must be a Python bool. Got {return_max_logit!r}.")
     out, lse = dispatch.run(config, inputs, implementation)
-    return (out, lse) if return_residual else out
+    results = (
+        (out,)
+        + ((lse,) if return_residual else ())
+        + ((max_logit_lib.max_logit(config, inputs),) if return_max_logit else ())
+    )
+    return results[0] if len(results) == 1 else results
 
 
 Shaped = ArrayLike | jax.ShapeDtypeStruct
@@ -266,8 +278,8 @@ def explain(
         print(attnlib.explain(q, q, q, is_causal=True))
         ```
     """
-    as_shaped = lambda x: x if x is None or isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "dtype") else (
-        jnp.asarray(x)
+    as_shaped = lambda x: (
+        x if x is None or isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "dtype") else (jnp.asarray(x))
     )
     options = {
         "scale": None, "is_causal": False, "local_window_size": None, "return_residual": False,
@@ -276,6 +288,7 @@ def explain(
         "deterministic_backward": False, "score_mod": None, "mask_mod": None, "score_mod_args": (), "fp8": None,
     }  # fmt: skip
     arrays = dict.fromkeys(_ARRAY_ARGS[5:])
+    kwargs = {n: x for n, x in kwargs.items() if n != "return_max_logit"}  # a statistic: no effect on dispatch
     for name, x in kwargs.items():
         if name in arrays:
             arrays[name] = as_shaped(x)

@@ -471,6 +471,33 @@ def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int | N
     return out, lse
 
 
+def row_max(config: AttentionConfig, problem: canonical.Problem, block_k: int | None = None) -> jax.Array:
+    """`[B, K, G, T]`: each query row's largest visible logit (after bias, `score_mod` and soft cap; -inf where
+    nothing is visible), one key block at a time. Not differentiable (a statistic)."""
+    problem = jax.lax.stop_gradient(problem)
+    B, T, _, _ = problem.query.shape
+    S = problem.key.shape[1]
+    block = max(1, min(block_k or DEFAULT_BLOCK_K, S))
+    padded = _pad_keys(problem, max(1, -(-S // block)) * block)
+    q5 = scores.grouped_query(config, padded.query)
+    fns = None if config.modifiers is None else scores.modifier_fns(config.modifiers)
+
+    def body(c, best):
+        k_start = c * block
+        k_blk = jax.lax.dynamic_slice_in_dim(padded.key, k_start, block, axis=1)
+        s = scores.raw_scores(config, q5, k_blk, _slice_keys(padded.bias, k_start, block))
+        allowed = scores.visible(config, padded, k_start, block, _slice_keys(padded.mask, k_start, block))
+        if fns is not None:
+            indices = scores.modifier_indices(config, padded, k_start, block)
+            args = scores.grouped_args(config, tuple(_slice_keys(a, k_start, block) for a in padded.score_mod_args))
+            s, allowed = scores.modify(fns, s, allowed, indices, args)
+        s = scores.soft_cap(config, s)
+        return jnp.maximum(best, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
+
+    empty = jnp.full((B, config.num_kv_heads, config.group_size, T), -jnp.inf, scores.accumulator(q5.dtype))
+    return jax.lax.fori_loop(0, padded.key.shape[1] // block, body, varying.like_inputs(empty, padded))
+
+
 class _XlaChunked:
     name = "xla_chunked"
 

@@ -1,0 +1,39 @@
+"""`return_max_logit=True` (API.md §1d): per batch row (THD: per sequence) and query head, the largest logit any kept
+query-key pair reached, for QK-clip / MuonClip. A statistic: not differentiable.
+
+It is computed by its own blocked plain-JAX pass over the keys (`xla_chunked.row_max`), whatever implementation
+produced the output: memory linear in the key length, the same numbers on every implementation.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from . import canonical, fp8 as fp8_lib, positions as positions_lib
+from .backends import scores, xla_chunked
+from .config import AttentionConfig, AttentionInputs
+
+
+def max_logit(config: AttentionConfig, inputs: AttentionInputs) -> jax.Array:
+    """float32 `[*B, N]` (THD: `[B, N]` with `B = len(cu_seqlens_q) - 1`; float64 for float64 inputs): the largest
+    logit (after bias, `score_mod` and soft cap, before softmax) of any kept pair of the row and head; -inf where
+    nothing is kept."""
+    problem = canonical.canonicalize(config, inputs)
+    if config.fp8 is not None:  # the logits an FP8 kernel computes: from the quantized inputs
+        dequantize, _ = fp8_lib.plan(config.fp8, inputs.query, inputs.key, inputs.value, inputs.fp8_scales)
+        problem = problem._replace(query=dequantize(problem.query, 0), key=dequantize(problem.key, 1))
+    rows = xla_chunked.row_max(config, problem)  # [B, K, G, T]
+    B, K, G, T = rows.shape
+    rows = jnp.reshape(rows, (B, K * G, T))
+    acc = scores.accumulator(config.dtype)
+    if config.layout == "thd":
+        sequence = positions_lib.batch_index(problem.positions, B, thd=True)[0]  # [T]
+        per_token = jnp.transpose(rows[0])  # [T, N]
+        out = jax.ops.segment_max(per_token, sequence, num_segments=config.num_sequences)
+        out = jnp.where(jnp.isfinite(out), out, -jnp.inf)  # segment_max fills empty segments with the dtype's min
+        return jax.lax.stop_gradient(out.astype(acc))
+    out = jnp.max(rows, axis=-1)  # [B, N]
+    if not config.unbatched:
+        out = jnp.reshape(out, config.batch_shape + (config.num_q_heads,))
+    else:
+        out = out[0]
+    return jax.lax.stop_gradient(out.astype(acc))
