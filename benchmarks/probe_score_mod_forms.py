@@ -552,6 +552,37 @@ def dropout_case(b=2, hq=4, hkv=2, t=192, s=256, d=64):
     return res
 
 
+def plans(g):
+    """Build every plan the heuristics (A, then the fallback list) propose; returns how many."""
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans(cudnn.build_plan_policy.ALL)
+    return g.get_execution_plan_count()
+
+
+def timed_plans(g, pack):
+    """Kernel time of each built plan, `{index: ms}` (plan 0 is the heuristics' first), 10 calls after 2 warm-ups."""
+    times = {}
+    for i in range(g.get_execution_plan_count()):
+        try:
+            ws = torch.empty(g.get_workspace_size_plan_at_index(i), device="cuda", dtype=torch.uint8)
+            for _ in range(2):
+                g.execute_plan_at_index(pack, ws, i, handle=HANDLE)
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(10):
+                g.execute_plan_at_index(pack, ws, i, handle=HANDLE)
+            e1.record()
+            torch.cuda.synchronize()
+            times[i] = round(e0.elapsed_time(e1) / 10, 4)
+        except Exception as e:  # noqa: BLE001
+            times[i] = str(e)[:80]
+    return times
+
+
 def time_forms(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0):
     """Round 3: kernel time of soft cap + causal written in several forms (which one lets cuDNN skip masked tiles).
 
@@ -625,34 +656,6 @@ def time_forms(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0):
                 ds = f32(g.div(a=ds, b=sc(cap), compute_data_type=F32))
         return mask(g, ds, 0.0, form, sc)
 
-    def plans(g):
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans(cudnn.build_plan_policy.ALL)
-        return g.get_execution_plan_count()
-
-    def timed_plans(g, pack, ws_size):
-        """Time every plan; returns {index: ms} (plan 0 is the heuristics' first)."""
-        times = {}
-        for i in range(g.get_execution_plan_count()):
-            try:
-                ws = torch.empty(max(ws_size, g.get_workspace_size_plan_at_index(i)), device="cuda", dtype=torch.uint8)
-                for _ in range(2):
-                    g.execute_plan_at_index(pack, ws, i, handle=HANDLE)
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(10):
-                    g.execute_plan_at_index(pack, ws, i, handle=HANDLE)
-                e1.record()
-                torch.cuda.synchronize()
-                times[i] = round(e0.elapsed_time(e1) / 10, 4)
-            except Exception as e:  # noqa: BLE001
-                times[i] = str(e)[:80]
-        return times
-
     results = {}
     # name: (mask form or None = builtin, softcap, scalar kind, fold)
     forms = {
@@ -686,7 +689,7 @@ def time_forms(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0):
             s_t.set_output(True).set_data_type(F32)
             row["fwd_plans"] = plans(g)
             pack = {tq: T_(q), tk: T_(k), tv: T_(v), o_t: T_(O), s_t: ST, **sc.pack}
-            row["fwd_ms_per_plan"] = timed_plans(g, pack, g.get_workspace_size())
+            row["fwd_ms_per_plan"] = timed_plans(g, pack)
             gb = cudnn.pygraph(io_data_type=BF, intermediate_data_type=F32, compute_data_type=F32, handle=HANDLE)
             bq, bk, bv, bo, bdo, bst = (gb.tensor_like(x) for x in (T_(q), T_(k), T_(v), T_(O), T_(do), ST))
             stb, scb = {}, Scalars(gb, kind)
@@ -715,7 +718,7 @@ def time_forms(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0):
                 rv: T_(dv),
                 **scb.pack,
             }
-            row["bwd_ms_per_plan"] = timed_plans(gb, bpack, gb.get_workspace_size())
+            row["bwd_ms_per_plan"] = timed_plans(gb, bpack)
         except Exception as e:  # noqa: BLE001
             row["error"] = str(e)[:300]
         results[name] = row
@@ -839,33 +842,6 @@ def time_orders(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0, prefix=1024, window=
         "window_nested": two_masks("window_nested"),
         "window_nested_rev": two_masks("window_nested_rev"),
     }
-
-    def plans(g):
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans(cudnn.build_plan_policy.ALL)
-        return g.get_execution_plan_count()
-
-    def timed_plans(g, pack):
-        times = {}
-        for i in range(g.get_execution_plan_count()):
-            try:
-                ws = torch.empty(g.get_workspace_size_plan_at_index(i), device="cuda", dtype=torch.uint8)
-                for _ in range(2):
-                    g.execute_plan_at_index(pack, ws, i, handle=HANDLE)
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(10):
-                    g.execute_plan_at_index(pack, ws, i, handle=HANDLE)
-                e1.record()
-                torch.cuda.synchronize()
-                times[i] = round(e0.elapsed_time(e1) / 10, 4)
-            except Exception as e:  # noqa: BLE001
-                times[i] = str(e)[:80]
-        return times
 
     results = {}
     for name, (fwd, bwd) in forms.items():
