@@ -50,7 +50,7 @@ _ARRAY_ARGS = (
 @jax.named_scope("attnlib.attention")
 def _unpack_cache(key: Any, value: Any, page_table: Any, key_value_seq_lengths: Any) -> tuple[Any, Any, Any, Any]:
     """`(key, value, page_table, key_value_seq_lengths)`: a `PagedKVCache` passed as `key` unpacked into its pools,
-    page table and lengths (API.md §1, "Paged KV cache")."""
+    page table and lengths (docs/semantics.md, `page_table`)."""
     if not isinstance(key, PagedKVCache):
         if isinstance(value, PagedKVCache):
             raise TypeError("Pass a PagedKVCache as `key` with value=None: attnlib.attention(q, cache, None, ...).")

@@ -1,5 +1,5 @@
-"""`return_max_logit=True` (API.md §1d): per batch row (THD: per sequence) and query head, the largest logit any kept
-query-key pair reached, for QK-clip / MuonClip. A statistic: not differentiable.
+"""`return_max_logit=True` (docs/semantics.md): per batch row (THD: per sequence) and query head, the largest logit any
+kept query-key pair reached, for QK-clip / MuonClip. A statistic: not differentiable.
 
 It is computed by its own blocked plain-JAX pass over the keys (`xla_chunked.row_max`), whatever implementation
 produced the output: memory linear in the key length, the same numbers on every implementation.

@@ -1,4 +1,4 @@
-"""The static description of a call's custom score and mask functions (`score_mod`, `mask_mod`, API.md §1b).
+"""The static description of a call's custom score and mask functions (`score_mod`, `mask_mod`; docs/flex_attention.md).
 
 Both functions are written in `jax.numpy` for ONE score element:
 
