@@ -92,3 +92,21 @@ def test_notebook_committed_executed(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_in_docs_nav(path):
     assert f"notebooks/{path.name}" in (ROOT / "mkdocs.yml").read_text(), f"{path.name} is not in mkdocs.yml nav"
+
+
+def _snippet_pages() -> list[pathlib.Path]:
+    return sorted(p for p in (ROOT / "docs").glob("*.md") if "```python" in p.read_text())
+
+
+@pytest.mark.parametrize("page", _snippet_pages(), ids=lambda p: p.name)
+def test_every_python_snippet_in_the_docs_runs(page, tmp_path, monkeypatch):
+    """The `python` blocks of a page run top to bottom in one namespace, as a reader pasting them in order would
+    (signature sketches are fenced as `text`). They run in a scratch directory (one writes a checkpoint)."""
+    import jax
+
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    with jax.numpy_dtype_promotion("standard"):  # the docs use JAX's defaults, not the suite's strict promotion
+        for i, block in enumerate(blocks):
+            exec(compile(block, f"{page.name}, python block {i}", "exec"), namespace)
