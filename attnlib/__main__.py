@@ -5,6 +5,7 @@ and gradient) with its maximum error against a float64 NumPy reference and its t
 """
 
 import argparse
+import pathlib
 import sys
 import time
 
@@ -48,7 +49,9 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     args = parser.parse_args(argv)
 
-    print(f"attnlib {attnlib.__version__}, jax {jax.__version__}, devices: {jax.devices()}")
+    location = pathlib.Path(attnlib.__file__).resolve().parent
+    installed = "" if attnlib.__version__ != "0+unknown" else " — a source tree that is not installed"
+    print(f"attnlib {attnlib.__version__} from {location}{installed}; jax {jax.__version__}, devices: {jax.devices()}")
     on_gpu = any(d.platform == "gpu" for d in jax.devices())
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     keys = jax.random.split(jax.random.key(0), 4)
