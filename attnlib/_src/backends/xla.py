@@ -66,7 +66,7 @@ class _Xla:
 
     def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None:
         if config.fp8 is not None and config.dropout_rate > 0:
-            return "xla: dropout together with FP8 attention (`fp8=`) is not supported"
+            return "dropout together with FP8 attention (`fp8=`) is not supported"
         return None
 
     def attention(self, config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:

@@ -503,10 +503,10 @@ class _XlaChunked:
 
     def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None:
         if config.fp8 is not None and config.dropout_rate > 0:
-            return "xla_chunked: dropout together with FP8 attention (`fp8=`) is not supported"
+            return "dropout together with FP8 attention (`fp8=`) is not supported"
         if config.modifiers is not None and config.modifiers.score_mod is not None and config.dtype == jnp.float64:
             return (
-                "xla_chunked: a `score_mod` with float64 inputs is not supported (it runs traced at float32); `xla` "
+                "a `score_mod` with float64 inputs is not supported (it runs traced at float32); `xla` "
                 "serves it"
             )
         if explicit:
@@ -514,7 +514,7 @@ class _XlaChunked:
         score_bytes = 4 * config.batch_size * config.num_q_heads * config.q_len * config.kv_len
         if score_bytes < AUTO_MIN_SCORE_BYTES:
             return (
-                f"xla_chunked: the materialised scores take only {score_bytes / 2**20:.1f} MiB "
+                f"the materialised scores take only {score_bytes / 2**20:.1f} MiB "
                 f"(< {AUTO_MIN_SCORE_BYTES // 2**20} MiB), below which automatic dispatch uses `xla`; "
                 "name it to force it"
             )
