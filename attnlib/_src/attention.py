@@ -47,7 +47,6 @@ _ARRAY_ARGS = (
 )  # fmt: skip
 
 
-@jax.named_scope("attnlib.attention")
 def _unpack_cache(key: Any, value: Any, page_table: Any, key_value_seq_lengths: Any) -> tuple[Any, Any, Any, Any]:
     """`(key, value, page_table, key_value_seq_lengths)`: a `PagedKVCache` passed as `key` unpacked into its pools,
     page table and lengths (docs/semantics.md, `page_table`)."""
@@ -68,6 +67,7 @@ def _unpack_cache(key: Any, value: Any, page_table: Any, key_value_seq_lengths: 
     return key.k_pages, key.v_pages, key.page_table, key.lengths
 
 
+@jax.named_scope("attnlib.attention")
 @_concise_type_errors
 @jaxtyped(typechecker=_typechecker)
 def attention(
@@ -235,8 +235,6 @@ def attention(
         score_mod_args=score_mod_args,
         fp8=fp8,
     )
-    if not isinstance(return_max_logit, bool):
-        raise TypeError(f"`return_max_logit` must be a Python bool. Got {return_max_logit!r}.")
     out, lse = dispatch.run(config, inputs, implementation)
     results = (
         (out,)

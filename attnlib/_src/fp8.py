@@ -75,11 +75,6 @@ def current_scale(x: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(jnp.where(amax > 0, amax / E4M3_MAX, 1.0))
 
 
-def quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """`x` as float8_e4m3fn with dequantization scale `scale` (`x ≈ result × scale`)."""
-    return jnp.clip(x.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
-
-
 @dataclasses.dataclass(frozen=True)
 class Rounding:
     """What the emulated kernel rounds after the inputs: the probabilities (always) and the output.

@@ -28,8 +28,7 @@ def max_logit(config: AttentionConfig, inputs: AttentionInputs) -> jax.Array:
     if config.layout == "thd":
         sequence = positions_lib.batch_index(problem.positions, B, thd=True)[0]  # [T]
         per_token = jnp.transpose(rows[0])  # [T, N]
-        out = jax.ops.segment_max(per_token, sequence, num_segments=config.num_sequences)
-        out = jnp.where(jnp.isfinite(out), out, -jnp.inf)  # segment_max fills empty segments with the dtype's min
+        out = jax.ops.segment_max(per_token, sequence, num_segments=config.num_sequences)  # empty: -inf
         return jax.lax.stop_gradient(out.astype(acc))
     out = jnp.max(rows, axis=-1)  # [B, N]
     if not config.unbatched:

@@ -133,6 +133,28 @@ def _replace_at(values: tuple, where: tuple[int, ...], new: tuple) -> tuple:
     return tuple(out)
 
 
+def _block_scores(config: AttentionConfig, problem: canonical.Problem, q5, mods: _Modifiers | None, k_start, block):
+    """Scores (after bias, the modifiers and the soft cap) and visibility of keys `k_start : k_start + block`."""
+    k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
+    s = scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block))
+    allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
+    if mods is not None:
+        s, allowed = mods.apply(s, allowed, k_start, block)
+    return scores.soft_cap(config, s), allowed
+
+
+def _max_visible(config: AttentionConfig, block: int, problem: canonical.Problem, q5, mods: _Modifiers | None):
+    """`[B, K, G, T]`: each query row's largest visible score over the key blocks (-inf where none is visible)."""
+    B, K, G, T, _ = q5.shape
+
+    def body(c, best):
+        s, allowed = _block_scores(config, problem, q5, mods, c * block, block)
+        return jnp.maximum(best, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
+
+    empty = jnp.full((B, K, G, T), -jnp.inf, scores.accumulator(q5.dtype))
+    return jax.lax.fori_loop(0, problem.key.shape[1] // block, body, varying.like_inputs(empty, problem))
+
+
 def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mods: _Modifiers | None):
     """Returns `out [B, T, N, Hv]` (query dtype) and `lse [B, K, G, T]` in the accumulator dtype."""
     B, T, N, _ = problem.query.shape
@@ -144,13 +166,8 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mo
     def body(c, carry):
         row_max, denominator, acc = carry
         k_start = c * block
-        k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
-        s = scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block))
-        allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
-        if mods is not None:
-            s, allowed = mods.apply(s, allowed, k_start, block)
-        s = scores.soft_cap(config, s)
+        s, allowed = _block_scores(config, problem, q5, mods, k_start, block)
         new_max = jnp.maximum(row_max, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
         shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
         rescale = jnp.exp(row_max - shift)  # 0 while nothing was visible (row_max = -inf)
@@ -201,22 +218,7 @@ def _forward_fp8(config: AttentionConfig, block: int, problem: canonical.Problem
     K, G, Hv = config.num_kv_heads, config.group_size, problem.value.shape[-1]
     q5 = scores.grouped_query(config, problem.query)
     num_blocks = problem.key.shape[1] // block
-
-    def block_scores(c):
-        k_start = c * block
-        k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
-        s = scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block))
-        allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
-        if mods is not None:
-            s, allowed = mods.apply(s, allowed, k_start, block)
-        return scores.soft_cap(config, s), allowed
-
-    def max_body(c, row_max):
-        s, allowed = block_scores(c)
-        return jnp.maximum(row_max, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
-
-    empty = jnp.full((B, K, G, T), -jnp.inf, jnp.float32)
-    row_max = jax.lax.fori_loop(0, num_blocks, max_body, varying.like_inputs(empty, problem))
+    row_max = _max_visible(config, block, problem, q5, mods)
     if problem.sinks is not None:
         sinks = scores.grouped_sinks(config, problem.sinks)
         row_max = jnp.maximum(row_max, sinks)
@@ -224,7 +226,7 @@ def _forward_fp8(config: AttentionConfig, block: int, problem: canonical.Problem
 
     def body(c, carry):
         denominator, acc = carry
-        s, allowed = block_scores(c)
+        s, allowed = _block_scores(config, problem, q5, mods, c * block, block)
         p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, c * block, block, axis=1)
         pv = jnp.einsum(
@@ -475,27 +477,14 @@ def row_max(config: AttentionConfig, problem: canonical.Problem, block_k: int | 
     """`[B, K, G, T]`: each query row's largest visible logit (after bias, `score_mod` and soft cap; -inf where
     nothing is visible), one key block at a time. Not differentiable (a statistic)."""
     problem = jax.lax.stop_gradient(problem)
-    B, T, _, _ = problem.query.shape
     S = problem.key.shape[1]
     block = max(1, min(block_k or DEFAULT_BLOCK_K, S))
     padded = _pad_keys(problem, max(1, -(-S // block)) * block)
-    q5 = scores.grouped_query(config, padded.query)
-    fns = None if config.modifiers is None else scores.modifier_fns(config.modifiers)
-
-    def body(c, best):
-        k_start = c * block
-        k_blk = jax.lax.dynamic_slice_in_dim(padded.key, k_start, block, axis=1)
-        s = scores.raw_scores(config, q5, k_blk, _slice_keys(padded.bias, k_start, block))
-        allowed = scores.visible(config, padded, k_start, block, _slice_keys(padded.mask, k_start, block))
-        if fns is not None:
-            indices = scores.modifier_indices(config, padded, k_start, block)
-            args = scores.grouped_args(config, tuple(_slice_keys(a, k_start, block) for a in padded.score_mod_args))
-            s, allowed = scores.modify(fns, s, allowed, indices, args)
-        s = scores.soft_cap(config, s)
-        return jnp.maximum(best, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
-
-    empty = jnp.full((B, config.num_kv_heads, config.group_size, T), -jnp.inf, scores.accumulator(q5.dtype))
-    return jax.lax.fori_loop(0, padded.key.shape[1] // block, body, varying.like_inputs(empty, padded))
+    description = config.modifiers
+    mods = None
+    if description is not None:
+        mods = _Modifiers(config, padded, description.score_consts, description.mask_consts)
+    return _max_visible(config, block, padded, scores.grouped_query(config, padded.query), mods)
 
 
 class _XlaChunked:
