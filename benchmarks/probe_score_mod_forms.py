@@ -7,7 +7,8 @@ dK, dV with a float32 torch autograd reference of the same math. Prints one JSON
 
 Run on the GPU machine with the cuDNN frontend wheel on PYTHONPATH: `python benchmarks/probe_score_mod_forms.py`
 (`PROBE_ROUND=1`: the first set of forms, `2` (default): the backward forms, `3`: kernel time of soft cap + causal
-in several forms, at b4 · s4096 · 32/8 heads · d128; `4`: op order, gen_index inputs, two combined masks).
+in several forms, at b4 · s4096 · 32/8 heads · d128; `4`: op order, gen_index inputs, two combined masks; `5`:
+cheaper soft-cap forms, timed and checked against attnlib's).
 """
 
 import json
@@ -893,11 +894,122 @@ def time_orders(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0, prefix=1024, window=
     return results
 
 
+def time_softcap_variants(b=4, hq=32, hkv=8, t=4096, d=128, cap=50.0):
+    """Round 5: cheaper soft-cap forms, kernel time of every plan plus outputs checked against attnlib's form.
+
+    `tanh` is attnlib's form (scale/c folded into attn_scale, `c * tanh(x)`, bprop `tanh_backward(dS * c, x)`).
+    `sigmoid_shift` uses c * tanh(x) = 2c * sigmoid(2x) - c and drops the `- c` (softmax ignores a constant shift;
+    the stats come out larger by c): 2 * scale / c folded, `2c * sigmoid(x)`, bprop `sigmoid_backward(dS * 2c, x)`.
+    `tanh_mul_after` multiplies by c after tanh_backward. `tanh_no_cap` (wrong result, timing only) drops the cap
+    multiply: a lower bound of what the modifier costs. All with a `row >= col` mask on the score's own positions.
+    """
+    scale = 1 / math.sqrt(d)
+    torch.manual_seed(0)
+    q = torch.randn(b, t, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, t, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, t, hkv, d, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    runtime = cudnn.scalar_type.RUNTIME_PARAM
+
+    def const(g, value):
+        return g.tensor_scalar(value, runtime)
+
+    def mask(g, x, fill):
+        r, c = g.gen_index(input=x, axis=2), g.gen_index(input=x, axis=3)
+        r.set_data_type(I32)
+        c.set_data_type(I32)
+        m = g.cmp_ge(input=r, comparison=c, compute_data_type=F32)
+        m.set_data_type(BOOL)
+        return f32(g.binary_select(input0=x, input1=const(g, fill), mask=m, compute_data_type=F32))
+
+    def fwd(g, s, st, form):
+        x = f32(g.identity(input=s, compute_data_type=F32))
+        st["x"] = x
+        op, mult = ("sigmoid", 2 * cap) if form == "sigmoid_shift" else ("tanh", cap)
+        y = f32(getattr(g, op)(input=x, compute_data_type=F32))
+        if form != "tanh_no_cap":
+            y = f32(g.mul(a=y, b=const(g, mult), compute_data_type=F32))
+        return mask(g, y, NEG)
+
+    def bwd(g, ds, st, form):
+        if form == "sigmoid_shift":
+            ds = f32(g.mul(a=ds, b=const(g, 2 * cap), compute_data_type=F32))
+            ds = f32(g.sigmoid_backward(loss=ds, input=st["x"], compute_data_type=F32))
+        elif form == "tanh_mul_after":
+            ds = f32(g.tanh_backward(loss=ds, input=st["x"], compute_data_type=F32))
+            ds = f32(g.mul(a=ds, b=const(g, cap), compute_data_type=F32))
+        elif form == "tanh_no_cap":
+            ds = f32(g.tanh_backward(loss=ds, input=st["x"], compute_data_type=F32))
+        else:
+            ds = f32(g.mul(a=ds, b=const(g, cap), compute_data_type=F32))
+            ds = f32(g.tanh_backward(loss=ds, input=st["x"], compute_data_type=F32))
+        return mask(g, ds, 0.0)
+
+    results, outputs = {}, {}
+    for form in ("builtin_causal", "tanh", "sigmoid_shift", "tanh_mul_after", "tanh_no_cap"):
+        row = {}
+        O, dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        ST = torch.empty(b, hq, t, 1, device="cuda", dtype=torch.float32)
+        try:
+            attn_scale = scale if form == "builtin_causal" else scale * (2 if form == "sigmoid_shift" else 1) / cap
+            st = {}
+            if form == "builtin_causal":
+                kw = dict(use_causal_mask=True)
+            else:
+                kw = dict(score_mod=lambda gg, x: fwd(gg, x, st, form))
+            g = cudnn.pygraph(io_data_type=BF, intermediate_data_type=F32, compute_data_type=F32, handle=HANDLE)
+            tq, tk, tv = g.tensor_like(T_(q)), g.tensor_like(T_(k)), g.tensor_like(T_(v))
+            o_t, s_t = g.sdpa(name="a", q=tq, k=tk, v=tv, generate_stats=True, attn_scale=attn_scale, **kw)
+            o_t.set_output(True).set_dim(list(T_(O).size())).set_stride(list(T_(O).stride()))
+            s_t.set_output(True).set_data_type(F32)
+            row["fwd_plans"] = plans(g)
+            pack = {tq: T_(q), tk: T_(k), tv: T_(v), o_t: T_(O), s_t: ST}
+            row["fwd_ms_per_plan"] = timed_plans(g, pack)
+            ws = torch.empty(g.get_workspace_size_plan_at_index(0), device="cuda", dtype=torch.uint8)
+            g.execute_plan_at_index(pack, ws, 0, handle=HANDLE)
+            gb = cudnn.pygraph(io_data_type=BF, intermediate_data_type=F32, compute_data_type=F32, handle=HANDLE)
+            bq, bk, bv, bo, bdo, bst = (gb.tensor_like(x) for x in (T_(q), T_(k), T_(v), T_(O), T_(do), ST))
+            stb = {}
+            if form == "builtin_causal":
+                bkw = dict(use_causal_mask=True)
+            else:
+                bkw = dict(
+                    score_mod=lambda gg, x: fwd(gg, x, stb, form),
+                    score_mod_bprop=lambda gg, ds: bwd(gg, ds, stb, form),
+                )
+            rq, rk, rv = gb.sdpa_backward(
+                name="b", q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bst, attn_scale=attn_scale, **bkw
+            )
+            for tt, x in ((rq, dq), (rk, dk), (rv, dv)):
+                tt.set_output(True).set_dim(list(T_(x).size())).set_stride(list(T_(x).stride()))
+            row["bwd_plans"] = plans(gb)
+            bpack = {bq: T_(q), bk: T_(k), bv: T_(v), bo: T_(O), bdo: T_(do), bst: ST, rq: T_(dq), rk: T_(dk),
+                     rv: T_(dv)}
+            row["bwd_ms_per_plan"] = timed_plans(gb, bpack)
+            ws = torch.empty(gb.get_workspace_size_plan_at_index(0), device="cuda", dtype=torch.uint8)
+            gb.execute_plan_at_index(bpack, ws, 0, handle=HANDLE)
+            torch.cuda.synchronize()
+            stats = ST - (cap if form == "sigmoid_shift" else 0.0)
+            outputs[form] = {"o": O, "stats": stats, "dq": dq, "dk": dk, "dv": dv}
+            if form != "tanh" and "tanh" in outputs:
+                ref = outputs["tanh"]
+                row["max_abs_diff_vs_tanh"] = {
+                    n: float((outputs[form][n].float() - ref[n].float()).abs().max()) for n in ref
+                }
+                row["ref_absmax"] = {n: float(ref[n].float().abs().max()) for n in ref}
+        except Exception as e:  # noqa: BLE001
+            row["error"] = str(e)[:300]
+        results[form] = row
+        print(form, json.dumps(row), flush=True)
+    return results
+
+
 def main():
-    if os.environ.get("PROBE_ROUND", "2") in ("3", "4"):
-        probe = time_forms if os.environ["PROBE_ROUND"] == "3" else time_orders
+    timing_rounds = {"3": (time_forms, ""), "4": (time_orders, "_round4"), "5": (time_softcap_variants, "_round5")}
+    if os.environ.get("PROBE_ROUND", "2") in timing_rounds:
+        probe, suffix = timing_rounds[os.environ["PROBE_ROUND"]]
         results = {"cudnn": cudnn.backend_version(), "timing": probe()}
-        name = "probe_score_mod_forms_timing" + ("" if probe is time_forms else "_round4")
+        name = "probe_score_mod_forms_timing" + suffix
         with open(os.path.join(OUT, name + ".json"), "w") as f:
             json.dump(results, f, indent=1)
         return
