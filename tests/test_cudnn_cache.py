@@ -65,6 +65,7 @@ VARIATIONS = {
     "bias_n": 8, "dropout": 0.1, "sinks": True, "deterministic": True, "ragged": True, "t_total": 2048,
     "s_total": 4096, "pages": (64, 16, 8), "stats": False, "ragged_stats": True, "memset_rows": True,
     "modifier": ScoreModifier(jaxpr=None, function=None, arg_dims=(), key="a modifier"), "bias_grad": False,
+    "fp8": True,
 }
 
 

@@ -210,7 +210,7 @@ def test_unsupported_combinations_name_the_feature():
         max_seqlen_kv=None, page_table=None, logits_soft_cap=None, sinks=None, dropout_rate=0.0, dropout_key=None,
         deterministic_backward=False, fp8="current",
     )  # fmt: skip
-    assert "FP8" in support.policy_reason(config, (9, 0), 91900)
+    assert "FP8 tensor cores" in support.policy_reason(config, (8, 0), 91900)
 
 
 def test_context_parallelism_refuses_fp8():

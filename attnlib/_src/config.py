@@ -50,6 +50,7 @@ class AttentionConfig:
         modifiers: the call's `score_mod` / `mask_mod` (traced, with a structural key), or None.
         fp8: `"current"` (16/32-bit inputs quantized by the call), `"scaled"` (float8_e4m3fn inputs with
             `Fp8Scales`) or None (see `fp8.py`).
+        fp8_output_dtype: with `fp8="scaled"`, `Fp8Scales.output_dtype`; else None.
     """
 
     layout: Layout
@@ -85,6 +86,12 @@ class AttentionConfig:
     deterministic_backward: bool
     modifiers: Modifiers | None = None
     fp8: Literal["current", "scaled"] | None = None
+    fp8_output_dtype: np.dtype | None = None
+
+    @property
+    def output_dtype(self) -> np.dtype:
+        """The dtype of the result: `dtype`, or `Fp8Scales.output_dtype` for pre-quantized inputs."""
+        return self.dtype if self.fp8_output_dtype is None else self.fp8_output_dtype
 
     @property
     def batch_size(self) -> int:

@@ -432,6 +432,7 @@ def validate(
         deterministic_backward=bool(deterministic_backward),
         modifiers=modifiers,
         fp8=fp8_mode,
+        fp8_output_dtype=None if fp8_scales is None else np.dtype(fp8_scales.output_dtype),
     )
     inputs = AttentionInputs(
         query=query,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import canonical, dropout as dropout_lib, ffi, masks as masks_lib, varying
+from ... import canonical, dropout as dropout_lib, ffi, fp8 as fp8_lib, masks as masks_lib, varying
 from ...config import AttentionConfig, AttentionInputs
 from . import graphs, modifier as modifier_lib, support
 from .cache import GraphCache, GraphEntry
@@ -117,6 +117,9 @@ def graph_call(spec: GraphSpec) -> Any:
         outs = graph_call(big)(*folded)
         unfolded = []
         for uid, y in zip(out_uids, outs):
+            if uid in graphs.FP8_AMAXES:  # one amax of the whole folded call
+                unfolded.append(jnp.broadcast_to(y, (V,) + y.shape))
+                continue
             y = jnp.reshape(y, (V, B) + y.shape[1:])
             if uid in _BIAS and spec.bias_b == 1:
                 y = jnp.sum(y.astype(jnp.float32), axis=1, keepdims=True).astype(y.dtype)
@@ -226,8 +229,48 @@ def _arg_values(args: tuple[jax.Array, ...]) -> dict[int, jax.Array]:
     return {graphs.MODIFIER_ARG_UID + i: a for i, a in enumerate(args)}
 
 
-def _forward(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, spec: GraphSpec | None = None):
-    """(out, stats or None, valid rows `[B, T, 1|N]` or None) of the forward graph `spec` (default `plan.fwd`)."""
+@dataclasses.dataclass(frozen=True)
+class Fp8Operands:
+    """What an FP8 forward graph reads: float8_e4m3fn `[B, T|S, N|K, H]` query, key, value and the float32 `[1]`
+    scales of `graphs.FP8_SCALES` (dequantization of q, k, v and the probabilities; quantization of the probabilities
+    and the output)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    scales: tuple[jax.Array, ...]
+
+    @property
+    def output_scale(self) -> jax.Array:
+        return self.scales[-1]
+
+
+jax.tree_util.register_dataclass(Fp8Operands, data_fields=["q", "k", "v", "scales"], meta_fields=[])
+
+
+def _fp8_inputs(config: AttentionConfig, inputs: AttentionInputs, q, k, v, dtype) -> tuple[Any, Any, Any, Fp8Operands]:
+    """`(q̂, k̂, v̂, operands)` of an `fp8=` call (`fp8.py`): the dequantized inputs in the 16-bit `dtype`, which the
+    backward graph differentiates (straight through the rounding with `fp8="current"`), and the FP8 graph's operands."""
+    dequantize, rounding = fp8_lib.plan(config.fp8, inputs.query, inputs.key, inputs.value, inputs.fp8_scales)
+    stop = jax.lax.stop_gradient
+    if config.fp8 == "current":
+        quantize = lambda x, i: jnp.clip(stop(x).astype(jnp.float32) / dequantize.scales[i], -448.0, 448.0)
+        q8, k8, v8 = (quantize(x, i).astype(fp8_lib.E4M3) for i, x in enumerate((q, k, v)))
+    else:
+        q8, k8, v8 = stop(q), stop(k), stop(v)
+    per_tensor = [jnp.reshape(stop(x), (1,)).astype(jnp.float32) for x in dequantize.scales]
+    probability = jnp.full((1,), fp8_lib.PROBABILITY_SCALE, jnp.float32)
+    scales = (*per_tensor, 1 / probability, probability, jnp.reshape(stop(rounding.output_scale), (1,)))
+    q_hat, k_hat, v_hat = (dequantize(x, i).astype(dtype) for i, x in enumerate((q, k, v)))
+    return q_hat, k_hat, v_hat, Fp8Operands(q8, k8, v8, scales)
+
+
+def _forward(
+    plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8: Fp8Operands | None = None,
+    spec: GraphSpec | None = None,
+):
+    """(out, stats or None, valid rows `[B, T, 1|N]` or None) of the forward graph `spec` (default `plan.fwd`).
+    An FP8 graph reads `fp8` instead of `q`, `k`, `v`; its output is dequantized to `q`'s dtype."""
     spec = plan.fwd if spec is None else spec
     seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
     values = {
@@ -235,8 +278,13 @@ def _forward(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, spec:
         Uid.SEQ_KV: _graph_seq_kv(plan, seq_kv), Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks,
         **_arg_values(args),
     }
+    if spec.fp8:
+        assert fp8 is not None
+        values.update({Uid.Q: fp8.q, Uid.K: fp8.k, Uid.V: fp8.v, **dict(zip(graphs.FP8_SCALES, fp8.scales))})
     results = graph_call(spec)(*_operands(spec, values))
-    out, stats = results if spec.stats else (results[0], None)
+    out, stats = (results[0], results[1]) if spec.stats else (results[0], None)
+    if spec.fp8:
+        out = (out.astype(jnp.float32) / fp8.output_scale[0]).astype(q.dtype)  # pyright: ignore[reportOptionalMemberAccess]
     valid = None if plan.all_rows_valid else _row_valid(plan, seq_q, seq_kv)
     if plan.detect_masked:
         # A row whose every score was masked (about -1e30) has a statistic far below any real one.
@@ -244,7 +292,7 @@ def _forward(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, spec:
         valid = seen if valid is None else valid & seen
         out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
     elif valid is not None:
-        if not plan.rows_by_length:
+        if not plan.rows_by_length or spec.fp8:
             out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
         if stats is not None:
             # Rows that see no key: finite stats make the backward's probabilities exactly zero there.
@@ -287,17 +335,17 @@ def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, args) -> jax
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sdpa(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args):
+def _sdpa(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8):
     if plan.inference is not None:
-        out, _, _ = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, spec=plan.inference)
+        out, _, _ = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, spec=plan.inference)
         # The caller drops lse (return_residual=False); it only has to have lse's type.
         unused = jnp.full((plan.fwd.b, plan.fwd.t, plan.fwd.n), -jnp.inf, jnp.float32)
         return out, varying.vary_over(unused, varying.union_axes(out))
-    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args)
+    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
     return out, _masked_lse(stats, valid, sinks)
 
 
-def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args):
+def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8):
     is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
     if any(x.perturbed for x in jax.tree.leaves(args, is_leaf=is_primal) if is_primal(x)):
         raise NotImplementedError(
@@ -308,15 +356,17 @@ def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args):
     if plan.bwd.modifier is not None:
         get_entry(plan.bwd)  # build the backward now: a modifier cuDNN rejects fails here, where dispatch can fall back
     unwrap = lambda x: x.value if is_primal(x) else x
-    primals = jax.tree.map(unwrap, (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args), is_leaf=is_primal)
-    q, k, v, bias, sinks, seq_q, seq_kv, seeds, args = primals
-    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args)
-    residuals = (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, out, stats, valid)
+    primals = jax.tree.map(unwrap, (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8), is_leaf=is_primal)
+    q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8 = primals
+    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
+    # An FP8 forward is differentiated by the 16-bit backward graph at the dequantized inputs q, k, v (`fp8.py`).
+    residuals = (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, jax.tree.map(lambda _: None, fp8), out, stats,
+                 valid)
     return (out, _masked_lse(stats, valid, sinks)), residuals
 
 
 def _sdpa_bwd(plan: Plan, residuals, cotangents):
-    q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, out, stats, valid = residuals
+    q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, no_fp8, out, stats, valid = residuals
     d_out, d_lse = cotangents
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
@@ -362,7 +412,7 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
             dbias = dbias + extra[3].astype(dbias.dtype)
         if sinks is not None:
             dsinks = dsinks + extra[4].astype(dsinks.dtype)
-    return dq, dk, dv, dbias, dsinks, None, None, None, jax.tree.map(lambda _: None, args)
+    return dq, dk, dv, dbias, dsinks, None, None, None, jax.tree.map(lambda _: None, args), no_fp8
 
 
 _sdpa.defvjp(_sdpa_fwd, _sdpa_bwd, symbolic_zeros=True)
@@ -406,7 +456,7 @@ def make_plan(
         left = right = None
         bottom_right = padded = False
     common = dict(
-        dtype=np.dtype(config.dtype).name,
+        dtype=np.dtype(config.output_dtype).name,
         b=b, t=t, s=s, n=config.num_q_heads, k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim,
         scale=float(modifier_lib.folded_scale(config)),
         alignment="bottom_right" if bottom_right else "top_left",
@@ -421,7 +471,7 @@ def make_plan(
         modifier=score_modifier,
         bias_grad=bias_grad,
     )
-    fwd = GraphSpec(direction="fwd", **common)
+    fwd = GraphSpec(direction="fwd", fp8=config.fp8 is not None, **common)
     bwd = GraphSpec(direction="bwd", deterministic=config.deterministic_backward, **common)
     # Rows that see no key are found from the statistics when a caller's mask or modifier may hide a row's keys, or
     # when a band inside the modifier hides some row's (a soft cap alone is finite: no pass over the output).
@@ -512,7 +562,7 @@ def attention(
         config = modifier_lib.without_visibility(config)
     batch_shape = () if config.unbatched else config.batch_shape
     B, T, S, N = config.batch_size, config.q_len, config.kv_len, config.num_q_heads
-    dtype = inputs.query.dtype
+    dtype = np.dtype(config.output_dtype)
     q = jnp.reshape(inputs.query, (B, T, N, config.head_dim))
     k = jnp.reshape(inputs.key, (B, S, config.num_kv_heads, config.head_dim))
     v = jnp.reshape(inputs.value, (B, S, config.num_kv_heads, config.value_head_dim))
@@ -527,6 +577,9 @@ def attention(
         empty = jnp.full((B, T, N), -jnp.inf, jnp.float32) if sinks is None else jnp.broadcast_to(sinks, (B, T, N))
         return finish(out, empty)
 
+    fp8 = None
+    if config.fp8 is not None:
+        q, k, v, fp8 = _fp8_inputs(config, inputs, q, k, v, dtype)
     padded = config.has_q_lengths or config.has_kv_lengths
     seq_q = seq_kv = None
     if padded:
@@ -554,7 +607,9 @@ def attention(
     plan = make_plan(config, B, t, bias_shape, bias_grad=bias_grad, mask_bias=masks is not None)
     # Inside shard_map: differentiable inputs vary like the rest, so custom_vjp cotangent types match.
     q, k, v, bias, sinks = varying.like_inputs((q, k, v, bias, sinks), (q, k, v, bias, sinks, seq_q, seq_kv, seeds))
-    out, lse = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds, args)
+    if fp8 is not None and skip:
+        fp8 = dataclasses.replace(fp8, q=fp8.q[:, skip:])
+    out, lse = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
     if skip:
         out = jnp.concatenate([jnp.zeros((B, skip) + out.shape[2:], out.dtype), out], axis=1)
         head = jnp.full((B, skip, N), -jnp.inf, jnp.float32) if sinks is None else jnp.broadcast_to(sinks, (B, skip, N))

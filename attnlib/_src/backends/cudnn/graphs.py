@@ -99,6 +99,21 @@ class Uid(enum.IntEnum):
     SEED = 21
     OFFSET = 22
     SINK = 23
+    DESCALE_Q = 24
+    DESCALE_K = 25
+    DESCALE_V = 26
+    DESCALE_S = 27
+    SCALE_S = 28
+    SCALE_O = 29
+    AMAX_S = 30
+    AMAX_O = 31
+
+
+FP8_SCALES = (Uid.DESCALE_Q, Uid.DESCALE_K, Uid.DESCALE_V, Uid.DESCALE_S, Uid.SCALE_S, Uid.SCALE_O)
+"""The per-tensor float32 scale inputs of an FP8 forward graph (`GraphSpec.fp8`), in `sdpa_fp8`'s order."""
+
+FP8_AMAXES = (Uid.AMAX_S, Uid.AMAX_O)
+"""The amax outputs `sdpa_fp8` always produces (attnlib chooses its output scale without them)."""
 
 
 MODIFIER_ARG_UID = 100
@@ -149,6 +164,9 @@ class GraphSpec:
             `MODIFIER_ARG_UID + i`. None = no modifier.
         bias_grad: the backward writes dBias (False when the bias only carries masks: a boolean `mask` array or
             key padding of a modifier graph).
+        fp8: forward only: an `sdpa_fp8` graph. Q, K, V and O are float8_e4m3fn (Hopper writes O in FP8), the
+            per-tensor scales of `FP8_SCALES` are inputs, `FP8_AMAXES` extra outputs; `dtype` is then the 16-bit
+            type of the rest of the call (its backward graph).
         memset_rows: a dense padded top-left graph (`rows_by_length`) zeroes O, dQ, dK and dV with a memset before
             it runs (`zero_fill`; `attention.MEMSET_ROWS`, the fallback should cuDNN stop writing zeros past the
             lengths). Not part of the cuDNN graph itself. Ragged graphs never memset: `row_fill.set_rows` sets the
@@ -183,6 +201,7 @@ class GraphSpec:
     memset_rows: bool = False
     modifier: ScoreModifier | None = None
     bias_grad: bool = True
+    fp8: bool = False
 
     @property
     def label(self) -> str:
@@ -190,6 +209,8 @@ class GraphSpec:
         direction = self.direction if self.stats else "fwd_nostats"
         if self.modifier is not None:
             kind += "mod_"
+        if self.fp8:
+            kind += "fp8_"
         return f"sdpa_{kind}{direction}_b{self.b}_t{self.t}_s{self.s}_n{self.n}_k{self.k}_h{self.h}_hv{self.hv}"
 
     def in_uids(self) -> tuple[Uid, ...]:
@@ -212,11 +233,14 @@ class GraphSpec:
             uids.append(Uid.SINK)
         if self.modifier is not None:
             uids += [MODIFIER_ARG_UID + i for i in range(len(self.modifier.arg_dims))]
+        if self.fp8:
+            uids += FP8_SCALES
         return tuple(uids)
 
     def out_uids(self) -> tuple[Uid, ...]:
         if self.direction == "fwd":
-            return (Uid.O, Uid.STATS) if self.stats else (Uid.O,)
+            outs = (Uid.O, Uid.STATS) if self.stats else (Uid.O,)
+            return outs + FP8_AMAXES if self.fp8 else outs
         return (Uid.DQ, Uid.DK, Uid.DV) + ((Uid.DBIAS,) if self.bias_b and self.bias_grad else ())
 
     @property
@@ -243,6 +267,10 @@ class GraphSpec:
         b, t, s, n, k, h, hv = self.b, self.t, self.s, self.n, self.k, self.h, self.hv
         if self.modifier is not None and uid >= MODIFIER_ARG_UID:
             return self.modifier.arg_dims[uid - MODIFIER_ARG_UID], "float32"
+        if uid in FP8_SCALES or uid in FP8_AMAXES:
+            return (1,), "float32"
+        if self.fp8 and uid in (Uid.Q, Uid.K, Uid.V, Uid.O):
+            return self._dense_shape(uid), "float8_e4m3fn"
         if self.ragged:
             if tokens is None:
                 raise ValueError("ragged graphs need the packed token counts to shape their arrays")
@@ -263,15 +291,9 @@ class GraphSpec:
                 return (num_pages, page_size, k, hv), self.dtype
             if uid in (Uid.PT_K, Uid.PT_V):
                 return (b, pages_per_seq), "int32"
+        if uid in (Uid.Q, Uid.DQ, Uid.K, Uid.DK, Uid.V, Uid.DV, Uid.O, Uid.DO):
+            return self._dense_shape(uid), self.dtype
         return {
-            Uid.Q: ((b, t, n, h), self.dtype),
-            Uid.DQ: ((b, t, n, h), self.dtype),
-            Uid.K: ((b, s, k, h), self.dtype),
-            Uid.DK: ((b, s, k, h), self.dtype),
-            Uid.V: ((b, s, k, hv), self.dtype),
-            Uid.DV: ((b, s, k, hv), self.dtype),
-            Uid.O: ((b, t, n, hv), self.dtype),
-            Uid.DO: ((b, t, n, hv), self.dtype),
             Uid.STATS: ((b, n, t), "float32"),
             Uid.BIAS: ((self.bias_b, self.bias_n, t, s), self.dtype),
             Uid.DBIAS: ((self.bias_b, self.bias_n, t, s), self.dtype),
@@ -281,6 +303,12 @@ class GraphSpec:
             Uid.OFFSET: ((1,), "int32"),
             Uid.SINK: ((n,), "float32"),
         }[uid]
+
+    def _dense_shape(self, uid: Uid) -> tuple[int, ...]:
+        """`[b, rows, heads, dim]` of a dense Q, K, V, O or gradient."""
+        rows, heads = (self.t, self.n) if uid in (Uid.Q, Uid.DQ, Uid.O, Uid.DO) else (self.s, self.k)
+        dim = self.h if uid in (Uid.Q, Uid.DQ, Uid.K, Uid.DK) else self.hv
+        return (self.b, rows, heads, dim)
 
 
 def _layout(uid: Uid, spec: GraphSpec) -> tuple[list[int], list[int]]:
@@ -313,7 +341,7 @@ def _layout(uid: Uid, spec: GraphSpec) -> tuple[list[int], list[int]]:
         return [spec.bias_b, spec.bias_n, t, s], [spec.bias_n * t * s, t * s, s, 1]
     if uid in (Uid.SEQ_Q, Uid.SEQ_KV):
         return [b, 1, 1, 1], [1, 1, 1, 1]
-    if uid in (Uid.SEED, Uid.OFFSET):
+    if uid in (Uid.SEED, Uid.OFFSET) or uid in FP8_SCALES or uid in FP8_AMAXES:
         return [1, 1, 1, 1], [1, 1, 1, 1]
     if uid == Uid.SINK:
         return [1, n, 1, 1], [n, 1, 1, 1]
@@ -364,6 +392,7 @@ def _data_type(cudnn: Any, name: str) -> Any:
         "float32": cudnn.data_type.FLOAT,
         "int32": cudnn.data_type.INT32,
         "int64": cudnn.data_type.INT64,
+        "float8_e4m3fn": cudnn.data_type.FP8_E4M3,
     }[name]
 
 
@@ -423,7 +452,7 @@ def _define(spec: GraphSpec) -> Any:
     """The pygraph of `spec` with its execution plans created (heuristics A, then the fallback list)."""
     import cudnn
 
-    io = _data_type(cudnn, spec.dtype)
+    io = _data_type(cudnn, "float8_e4m3fn" if spec.fp8 else spec.dtype)
     graph = cudnn.pygraph(
         name=f"attnlib_{spec.direction}",
         io_data_type=io,
@@ -484,7 +513,18 @@ def _define(spec: GraphSpec) -> Any:
         if _ragged_offset(uid, spec) is not None:
             t.set_ragged_offset(tensors[_ragged_offset(uid, spec)])
 
-    if spec.direction == "fwd":
+    if spec.direction == "fwd" and spec.fp8:
+        scales = [tensors[u] for u in FP8_SCALES]
+        o, stats, amax_s, amax_o = graph.sdpa_fp8(
+            tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], *scales, generate_stats=spec.stats, name="sdpa_fp8",
+            **options,
+        )
+        set_output(o, Uid.O)
+        if spec.stats:
+            set_output(stats, Uid.STATS)
+        set_output(amax_s, Uid.AMAX_S)
+        set_output(amax_o, Uid.AMAX_O)
+    elif spec.direction == "fwd":
         o, stats = graph.sdpa(
             tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], generate_stats=spec.stats, name="sdpa", **options
         )
@@ -538,7 +578,7 @@ def _finish(graph: Any, index: int) -> _BuiltPlan:
     return _BuiltPlan(index, name, ffi.extension().canonicalize_graph(blob), workspace)
 
 
-_ITEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}
+_ITEM_BYTES = {"float8_e4m3fn": 1, "float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}
 
 
 RAGGED_TIMING_TOKENS = 65536

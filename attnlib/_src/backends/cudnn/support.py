@@ -190,7 +190,9 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
 def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_version: int) -> str | None:
     """Why cuDNN cannot serve `config` on a GPU of `capability` with cuDNN `cudnn_version`, or None if it can."""
     if config.fp8 is not None:
-        return "cudnn: FP8 attention (`fp8=`) does not run on cuDNN in this version; `xla` and `xla_chunked` emulate it"
+        reason = fp8_reason(config, capability)
+        if reason is not None:
+            return reason
     if modifier_lib.visibility_as_bias(config):
         # Segments / per-sequence alignment travel in an additive bias: the graph is a plain dense one.
         if modifier_lib.reads_positions(config):
@@ -208,7 +210,7 @@ def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_ve
     layout_reason = _layout_reason(config, capability, cudnn_version)
     if layout_reason is not None:
         return layout_reason
-    dtype = np.dtype(config.dtype)
+    dtype = np.dtype(config.output_dtype)
     if dtype not in (np.dtype("float16"), np.dtype("bfloat16")):
         return f"cudnn: dtype {dtype.name} is not supported; cuDNN fused attention runs float16 and bfloat16 only."
     if H % 8 or Hv % 8:
@@ -274,6 +276,42 @@ def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_ve
             return f"cudnn: `deterministic_backward` with a bias or dropout is not supported on {sm}."
     if with_modifier:
         return _modifier_reason(config)
+    return None
+
+
+FP8_FEATURES = "GQA/MQA, causal (both alignments), windows and padding lengths"
+"""What attnlib's cuDNN FP8 graphs serve (the GPU tests' matrix, tests/test_fp8_gpu.py)."""
+
+
+def fp8_reason(config: AttentionConfig, capability: tuple[int, int]) -> str | None:
+    """Why cuDNN's FP8 graphs (`sdpa_fp8` forward, 16-bit backward) cannot serve the `fp8=` call `config`."""
+    sm = f"sm_{capability[0]}{capability[1]}"
+    if capability < (9, 0):
+        return f"cudnn: FP8 attention needs FP8 tensor cores of compute capability 9.0 or newer; the GPU is {sm}."
+    H, Hv = config.head_dim, config.value_head_dim
+    if H != Hv or H % 16 or H > 128:
+        return (
+            f"cudnn: FP8 attention needs equal head dims that are multiples of 16 up to 128; got H={H}, Hv={Hv}."
+        )
+    unsupported = [
+        name
+        for name, present in (
+            ("a `bias`", config.has_bias),
+            ("a boolean `mask`", config.has_mask),
+            ("`score_mod`/`mask_mod`", config.has_modifiers),
+            ("`logits_soft_cap`", config.logits_soft_cap is not None),
+            ("`sinks`", config.has_sinks),
+            ("segment ids", config.has_segments),
+            ("THD (`cu_seqlens`)", config.layout == "thd"),
+            ("a paged KV cache", config.layout == "paged"),
+        )
+        if present
+    ]
+    if unsupported:
+        return (
+            f"cudnn: FP8 attention with {', '.join(unsupported)} is not supported; attnlib's cuDNN FP8 graphs serve "
+            f"{FP8_FEATURES}."
+        )
     return None
 
 
