@@ -1,0 +1,162 @@
+"""H200 benchmark of FP8 attention on cuDNN (`fp8="current"` and pre-quantized `Fp8Scales` inputs) against attnlib's
+bfloat16 cuDNN call and `jax.nn.dot_product_attention(implementation="cudnn")`, all in one process.
+
+Usage: python benchmarks/bench_fp8.py [--json out.json] [--quick]
+
+Timing as `bench_cudnn.py`: wall clock under `jax.jit`, 2 warm-up calls, then the best of several repetitions of a
+loop of calls ending in one `block_until_ready`; the variants of one shape are timed round-robin (best of 3 rounds).
+`fp8="current"` includes its amax reductions, quantization and output dequantization; the pre-quantized variant
+starts from E4M3 arrays. Forward TFLOP/s count `4 · b · n · t · s · d` (halved when causal).
+Accuracy: rms / max error of each forward against float64 attention on the last 256 query rows of batch 0 (numpy),
+both on the unquantized inputs and on the FP8-dequantized ones.
+"""
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
+
+
+def _scales(q, k, v):
+    return [jnp.max(jnp.abs(x.astype(jnp.float32))) / 448.0 for x in (q, k, v)]
+
+
+def variants(causal: bool):
+    """name -> (fn(q, k, v) -> out, differentiable)."""
+    import attnlib
+
+    def prequantized(q, k, v):
+        s = _scales(q, k, v)
+        return [(x.astype(jnp.float32) / sc).astype(jnp.float8_e4m3fn) for x, sc in zip((q, k, v), s)], s
+
+    return {
+        "attnlib_cudnn_bf16": (lambda q, k, v: attnlib.attention(q, k, v, is_causal=causal, implementation="cudnn"),
+                               True),
+        "attnlib_cudnn_fp8_current": (lambda q, k, v: attnlib.attention(
+            q, k, v, is_causal=causal, implementation="cudnn", fp8="current"), True),
+        "attnlib_cudnn_fp8_prequantized": ("prequantized", False),
+        "jax_nn_cudnn_bf16": (lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"), True),
+    }, prequantized  # fmt: skip
+
+
+def _reference_rows(q, k, v, causal: bool, rows: int = 256) -> np.ndarray:
+    """float64 attention of the last `rows` queries of batch 0, `[rows, n, d]`."""
+    q64, k64, v64 = (np.asarray(x[0].astype(jnp.float32), np.float64) for x in (q, k, v))
+    t, n, d = q64.shape
+    s, kh = k64.shape[0], k64.shape[1]
+    qs = q64[t - rows :]
+    kr, vr = np.repeat(k64, n // kh, axis=1), np.repeat(v64, n // kh, axis=1)
+    logits = np.einsum("ind,jnd->nij", qs, kr, optimize=True) / np.sqrt(d)
+    if causal:
+        i = np.arange(t - rows, t)[:, None] + (s - t)
+        logits = np.where(np.arange(s)[None, :] <= i, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("nij,jnd->ind", p, vr, optimize=True)
+
+
+def _errors(out, exact) -> dict:
+    err = np.abs(np.asarray(out[0, -exact.shape[0] :].astype(jnp.float32), np.float64) - exact)
+    return {"rms": float(np.sqrt(np.mean(err**2))), "max": float(err.max()), "ref_rms": float(np.sqrt(np.mean(exact**2)))}
+
+
+def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool) -> dict:
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (b, t, n, d), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
+    flops = 4 * b * n * t * t * d * (0.5 if causal else 1.0)
+    table, prequantize = variants(causal)
+    exact = _reference_rows(q, k, v, causal)
+    (q8, k8, v8), scales = prequantize(q, k, v)
+    deq = [x.astype(jnp.float32) * s for x, s in zip((q8, k8, v8), scales)]
+    exact_fp8_inputs = _reference_rows(*deq, causal)
+    result = {"shape": f"b{b} s{t} {n}/{kh} heads d{d} {'causal' if causal else 'full'}", "variants": {}}
+    timed = {}
+    for name, (fn, differentiable) in table.items():
+        try:
+            if fn == "prequantized":
+                import attnlib
+
+                given = attnlib.Fp8Scales(q=scales[0], k=scales[1], v=scales[2])
+                fwd = jax.jit(lambda q, k, v: attnlib.attention(
+                    q, k, v, is_causal=causal, implementation="cudnn", fp8=given))  # fmt: skip
+                args = (q8, k8, v8)
+            else:
+                fwd, args = jax.jit(fn), (q, k, v)
+            out = jax.block_until_ready(fwd(*args))
+            row = {"err_vs_f64": _errors(out, exact), "err_vs_f64_on_dequantized_inputs": _errors(out, exact_fp8_inputs)}
+            fwd_bwd = None
+            if differentiable:
+                loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32))
+                fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+                jax.block_until_ready(fwd_bwd(q, k, v))
+            timed[name] = (fwd, fwd_bwd, args)
+            result["variants"][name] = row
+        except Exception as e:  # noqa: BLE001  (reported, not fatal)
+            result["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    loops = (3, 2) if quick else (20, 10)
+    for _ in range(1 if quick else 3):  # round-robin
+        for name, (fwd, fwd_bwd, args) in timed.items():
+            row = result["variants"][name]
+            row["fwd_ms"] = min(row.get("fwd_ms", 1e9), 1e3 * best_per_call(fwd, args, loops[0], 3))
+            row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+            if fwd_bwd is not None:
+                ms = 1e3 * best_per_call(fwd_bwd, (q, k, v), loops[1], 3)
+                row["fwd_bwd_ms"] = min(row.get("fwd_bwd_ms", 1e9), ms)
+    base = result["variants"].get("attnlib_cudnn_bf16", {})
+    for row in result["variants"].values():
+        if "fwd_ms" in row and "fwd_ms" in base:
+            row["fwd_speedup_vs_attnlib_bf16"] = base["fwd_ms"] / row["fwd_ms"]
+            if "fwd_bwd_ms" in row:
+                row["fwd_bwd_speedup_vs_attnlib_bf16"] = base["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    return result
+
+
+def table(results: dict) -> str:
+    lines = ["| shape | variant | fwd ms | TF/s | fwd × bf16 | fwd+bwd ms | fwd+bwd × bf16 | rms err (deq.) | max err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for res in results["shapes"].values():
+        for name, row in res["variants"].items():
+            if "error" in row or "fwd_ms" not in row:
+                lines.append(f"| {res['shape']} | {name} | {row.get('error', '')[:80]} |")
+                continue
+            fb = f"{row['fwd_bwd_ms']:.3f}" if "fwd_bwd_ms" in row else "—"
+            fbx = f"{row['fwd_bwd_speedup_vs_attnlib_bf16']:.2f}" if "fwd_bwd_ms" in row else "—"
+            e = row["err_vs_f64_on_dequantized_inputs"]
+            lines.append(f"| {res['shape']} | {name} | {row['fwd_ms']:.3f} | {row['fwd_tflops']:.0f} | "
+                         f"{row['fwd_speedup_vs_attnlib_bf16']:.2f} | {fb} | {fbx} | {e['rms']:.2g} | {e['max']:.2g} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    import attnlib
+
+    shapes = {
+        "llama_b1_s8192_64_8_causal": (1, 8192, 64, 8, 128, True),
+        "b4_s4096_32_8_causal": (4, 4096, 32, 8, 128, True),
+        "b4_s4096_32_32_full": (4, 4096, 32, 32, 128, False),
+        "b2_s2048_16_16_full": (2, 2048, 16, 16, 128, False),
+    }
+    if args.quick:
+        shapes = {"quick": (1, 512, 8, 2, 128, True)}
+    results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "attnlib": attnlib.__version__, "shapes": {}}
+    for name, shape in shapes.items():
+        results["shapes"][name] = run_shape(*shape, quick=args.quick)
+        print(name, json.dumps(results["shapes"][name]), flush=True)
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
