@@ -515,6 +515,9 @@ def _define(spec: GraphSpec) -> Any:
 
     if spec.direction == "fwd" and spec.fp8:
         scales = [tensors[u] for u in FP8_SCALES]
+        for band in ("left", "right"):  # sdpa_fp8 names the diagonal band bounds without the prefix
+            if f"diagonal_band_{band}_bound" in options:
+                options[f"{band}_bound"] = options.pop(f"diagonal_band_{band}_bound")
         o, stats, amax_s, amax_o = graph.sdpa_fp8(
             tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], *scales, generate_stats=spec.stats, name="sdpa_fp8",
             **options,
