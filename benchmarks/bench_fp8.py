@@ -13,6 +13,8 @@ both on the unquantized inputs and on the FP8-dequantized ones.
 
 import argparse
 import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +40,7 @@ def variants(causal: bool):
         "attnlib_cudnn_fp8_current": (lambda q, k, v: attnlib.attention(
             q, k, v, is_causal=causal, implementation="cudnn", fp8="current"), True),
         "attnlib_cudnn_fp8_prequantized": ("prequantized", False),
+        "attnlib_cudnn_fp8_prequantized_first_plan": ("prequantized_first_plan", False),
         "jax_nn_cudnn_bf16": (lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn"), True),
     }, prequantized  # fmt: skip
@@ -61,7 +64,8 @@ def _reference_rows(q, k, v, causal: bool, rows: int = 256) -> np.ndarray:
 
 def _errors(out, exact) -> dict:
     err = np.abs(np.asarray(out[0, -exact.shape[0] :].astype(jnp.float32), np.float64) - exact)
-    return {"rms": float(np.sqrt(np.mean(err**2))), "max": float(err.max()), "ref_rms": float(np.sqrt(np.mean(exact**2)))}
+    rms = lambda x: float(np.sqrt(np.mean(x**2)))  # noqa: E731
+    return {"rms": rms(err), "max": float(err.max()), "ref_rms": rms(exact)}
 
 
 def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool) -> dict:
@@ -79,17 +83,24 @@ def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool
     timed = {}
     for name, (fn, differentiable) in table.items():
         try:
-            if fn == "prequantized":
+            if fn in ("prequantized", "prequantized_first_plan"):
                 import attnlib
 
                 given = attnlib.Fp8Scales(q=scales[0], k=scales[1], v=scales[2])
                 fwd = jax.jit(lambda q, k, v: attnlib.attention(
                     q, k, v, is_causal=causal, implementation="cudnn", fp8=given))  # fmt: skip
                 args = (q8, k8, v8)
+                if fn == "prequantized_first_plan":  # the heuristics' first plan instead of the autotuned one
+                    os.environ["ATTNLIB_CUDNN_AUTOTUNE"] = "0"
+                    try:
+                        jax.block_until_ready(fwd(*args))
+                    finally:
+                        os.environ.pop("ATTNLIB_CUDNN_AUTOTUNE")
             else:
                 fwd, args = jax.jit(fn), (q, k, v)
             out = jax.block_until_ready(fwd(*args))
-            row = {"err_vs_f64": _errors(out, exact), "err_vs_f64_on_dequantized_inputs": _errors(out, exact_fp8_inputs)}
+            row = {"err_vs_f64": _errors(out, exact),
+                   "err_vs_f64_on_dequantized_inputs": _errors(out, exact_fp8_inputs)}  # fmt: skip
             fwd_bwd = None
             if differentiable:
                 loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32))
@@ -117,9 +128,72 @@ def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool
     return result
 
 
+def profile(shape: tuple) -> list[str]:
+    """Per-kernel device time of the bf16, `fp8="current"` and pre-quantized forwards at `shape`."""
+    from kernel_profile import kernel_profile, table as profile_table
+
+    import attnlib
+
+    b, t, n, kh, d, causal = shape
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (b, t, n, d), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
+    (q8, k8, v8), scales = variants(causal)[1](q, k, v)
+    given = attnlib.Fp8Scales(q=scales[0], k=scales[1], v=scales[2])
+    calls = {
+        "bf16": (lambda q, k, v: attnlib.attention(q, k, v, is_causal=causal, implementation="cudnn"), (q, k, v)),
+        "fp8_current": (lambda q, k, v: attnlib.attention(q, k, v, is_causal=causal, implementation="cudnn",
+                                                          fp8="current"), (q, k, v)),
+        "fp8_prequantized": (lambda q, k, v: attnlib.attention(q, k, v, is_causal=causal, implementation="cudnn",
+                                                               fp8=given), (q8, k8, v8)),
+    }  # fmt: skip
+    lines = []
+    for name, (fn, args) in calls.items():
+        lines += profile_table(name, kernel_profile(jax.jit(fn), args, calls=10))
+    return lines
+
+
+def gradient_accuracy(b=1, t=1024, n=8, kh=2, d=128) -> dict:
+    """Relative rms / max error of dq, dk, dv (causal, bf16 inputs) against float64 gradients at the unquantized and
+    at the FP8-dequantized inputs: attnlib bf16 cuDNN, FP8 cuDNN (16-bit backward) and the `xla` FP8 emulation."""
+    import attnlib
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from reference import reference_attention_vjp
+
+    kq, kk, kv, ko = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(kq, (b, t, n, d), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
+    d_out = jax.random.normal(ko, (b, t, n, d), jnp.float32)
+    (q8, k8, v8), scales = variants(True)[1](q, k, v)
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    exact = reference_attention_vjp(f64(q), f64(k), f64(v), d_out=f64(d_out), is_causal=True)
+    deq = [f64(x) * float(s) for x, s in zip((q8, k8, v8), scales)]
+    exact_deq = reference_attention_vjp(*deq, d_out=f64(d_out), is_causal=True)
+    runs = {"attnlib_cudnn_bf16": ("cudnn", None), "attnlib_cudnn_fp8_current": ("cudnn", "current"),
+            "attnlib_xla_fp8_emulation": ("xla", "current")}  # fmt: skip
+    result = {}
+    for name, (impl, fp8) in runs.items():
+        loss = lambda q, k, v, impl=impl, fp8=fp8: jnp.sum(
+            attnlib.attention(q, k, v, is_causal=True, implementation=impl, fp8=fp8).astype(jnp.float32) * d_out)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        row = {}
+        for label, ref in (("vs_exact", exact), ("vs_exact_at_dequantized", exact_deq)):
+            for g, key in zip(grads, ("query", "key", "value")):
+                err = f64(g) - ref[key]
+                row[f"{label}_d{key}"] = {
+                    "rel_rms": float(np.sqrt(np.mean(err**2)) / np.sqrt(np.mean(ref[key] ** 2))),
+                    "rel_max": float(np.max(np.abs(err)) / np.max(np.abs(ref[key]))),
+                }
+        result[name] = row
+    return result
+
+
 def table(results: dict) -> str:
-    lines = ["| shape | variant | fwd ms | TF/s | fwd × bf16 | fwd+bwd ms | fwd+bwd × bf16 | rms err (deq.) | max err |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | variant | fwd ms | TF/s | fwd × bf16 | fwd+bwd ms | fwd+bwd × bf16 | rms err (deq.) "
+             "| max err |", "|---|---|---|---|---|---|---|---|---|"]
     for res in results["shapes"].values():
         for name, row in res["variants"].items():
             if "error" in row or "fwd_ms" not in row:
@@ -137,6 +211,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="per-kernel times of the first shape's forwards")
+    parser.add_argument("--gradients", action="store_true", help="gradient accuracy against float64")
     args = parser.parse_args()
     import attnlib
 
@@ -153,6 +229,11 @@ def main() -> None:
         results["shapes"][name] = run_shape(*shape, quick=args.quick)
         print(name, json.dumps(results["shapes"][name]), flush=True)
     print(table(results))
+    if args.gradients:
+        results["gradient_accuracy"] = gradient_accuracy(**(dict(t=256) if args.quick else {}))
+        print("gradient_accuracy", json.dumps(results["gradient_accuracy"]), flush=True)
+    if args.profile:
+        print("\n".join(profile(next(iter(shapes.values())))))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

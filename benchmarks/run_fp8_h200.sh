@@ -14,6 +14,7 @@ if [ "$tests_s" != 0 ]; then
     | tee "$out/gpu_tests_fp8.log" | grep -E "FAILED|ERROR|passed|failed|Error" | tail -40
 fi
 if [ "$bench_s" != 0 ]; then
-  timeout "$bench_s" python3 benchmarks/bench_fp8.py --json "$out/bench_fp8.json" > "$out/bench_fp8.log" 2>&1
-  tail -22 "$out/bench_fp8.log"
+  timeout "$bench_s" python3 benchmarks/bench_fp8.py --json "$out/bench_fp8.json" ${ATTNLIB_BENCH_ARGS:-} \
+    > "$out/bench_fp8.log" 2>&1
+  grep -v "^llama\|^b[0-9]" "$out/bench_fp8.log" | tail -60
 fi

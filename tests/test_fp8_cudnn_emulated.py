@@ -20,7 +20,7 @@ from test_cudnn_ragged import _mask
 from test_fp8 import _quantized, _ref_kwargs, assert_fp8_close
 
 import attnlib
-from attnlib._src import validation
+from attnlib._src import dispatch, validation
 from attnlib._src.backends.cudnn import attention as dense, support
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
@@ -74,7 +74,6 @@ N, K = 6, 2
 CASES = {
     "gqa_full": dict(t=37, s=53, h=32),
     "causal": dict(t=48, s=48, h=32, kw=dict(is_causal=True)),
-    "bottom_right_t_lt_s": dict(t=19, s=61, h=16, kw=dict(is_causal=True, diagonal_alignment="bottom_right")),
     "bottom_right_t_gt_s": dict(t=45, s=29, h=16, kw=dict(is_causal=True, diagonal_alignment="bottom_right")),
     "padding": dict(t=40, s=56, h=32, kw=dict(query_seq_lengths=[40, 23], key_value_seq_lengths=[50, 0])),
     "window": dict(t=64, s=64, h=32, kw=dict(local_window_size=(9, 2))),
@@ -185,7 +184,41 @@ def test_policy_serves_fp8_on_hopper_and_names_each_limit():
         "a `bias`": (_config(bias=jax.ShapeDtypeStruct((1, 4, 32, 32), jnp.bfloat16)), (9, 0)),
         "`sinks`": (_config(sinks=jax.ShapeDtypeStruct((4,), jnp.float32)), (9, 0)),
         "float32": (_config(dtype=jnp.float32), (9, 0)),
+        "needs Blackwell": (_config(is_causal=True, diagonal_alignment="bottom_right",
+                                    key_value_seq_lengths=jax.ShapeDtypeStruct((1,), jnp.int32)), (9, 0)),
     }
     for needle, (config, capability) in limits.items():
         reason = support.policy_reason(config, capability, 91900)
         assert reason is not None and needle in reason, (needle, reason)
+
+
+@pytest.mark.parametrize("mode", ["current", "prequantized"])
+def test_automatic_dispatch_on_a_gpu_without_fp8_runs_cudnn_in_16_bits_and_warns(monkeypatch, caplog, mode):
+    """On a GPU whose cuDNN cannot run the call in FP8 (here: no FP8 tensor cores, sm_80), `implementation=None`
+    runs the same call on cuDNN without quantization and says so; an explicit `implementation="cudnn"` refuses."""
+    monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (8, 0), 91900))
+    monkeypatch.setattr(dense, "get_entry", entry_for)
+    monkeypatch.setattr(dense, "ffi_graph_call", emulate_fp8)
+    monkeypatch.setattr(dispatch, "_has_gpu", lambda: True)
+    SPECS.clear()
+    q, k, v, kw = _inputs("causal", jnp.bfloat16)
+    if mode == "current":
+        args, fp8 = (q, k, v), "current"
+        plain = (q, k, v)
+    else:
+        scales = [jnp.float32(0.01), jnp.float32(0.005), jnp.float32(0.02)]
+        args = tuple((x.astype(jnp.float32) / s).astype(E4M3) for x, s in zip((q, k, v), scales, strict=True))
+        fp8 = attnlib.Fp8Scales(q=scales[0], k=scales[1], v=scales[2], output_dtype=jnp.float16)
+        plain = tuple((x.astype(jnp.float32) * s).astype(jnp.float16) for x, s in zip(args, scales, strict=True))
+    explanation = attnlib.explain(*args, fp8=fp8, **kw)
+    assert explanation.implementation == "cudnn" and "FP8 tensor cores" in explanation.without_fp8
+    assert "without FP8" in str(explanation)
+    with caplog.at_level("WARNING", logger="attnlib"):
+        out = attnlib.attention(*args, fp8=fp8, **kw)
+    assert any("without FP8 quantization" in r.getMessage() for r in caplog.records)
+    assert not any(spec.fp8 for spec in SPECS)
+    expected = attnlib.attention(*plain, implementation="cudnn", **kw)
+    assert out.dtype == expected.dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+    with pytest.raises(NotImplementedError, match="FP8 tensor cores"):
+        attnlib.attention(*args, fp8=fp8, implementation="cudnn", **kw)

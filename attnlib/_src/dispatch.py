@@ -5,6 +5,7 @@ import logging
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from . import logs
 from .backends import xla, xla_chunked
@@ -28,13 +29,22 @@ class Explanation:
         implementation: the implementation that would run, or None when none can.
         declined: for each implementation tried before it (or all, when none can), why it declined.
         requested: the implementations considered, in order.
+        without_fp8: automatic dispatch of an `fp8=` call on a GPU whose cuDNN cannot run it in FP8 but can run it
+            in 16 bits: the reason FP8 was dropped (the call then runs on cuDNN without quantization, with a
+            warning); None otherwise.
     """
 
     implementation: str | None
     declined: dict[str, str]
     requested: tuple[str, ...]
+    without_fp8: str | None = None
 
     def __str__(self) -> str:
+        if self.without_fp8 is not None:
+            return (
+                f"attnlib would run: {self.implementation} in 16 bits, without FP8 (automatic dispatch on a GPU: "
+                f"{self.without_fp8})"
+            )
         lines = [f"attnlib would run: {self.implementation or 'nothing (every implementation declined)'}"]
         for name, reason in self.declined.items():
             lines.append(f"  {name} declined: {reason}")
@@ -54,9 +64,40 @@ def requested_implementations(implementation: str | Sequence[str] | None) -> tup
     return names, False
 
 
+def without_fp8(config: AttentionConfig) -> AttentionConfig:
+    """`config` as a 16-bit call: no quantization, inputs in the output dtype (`fp8_fallback_inputs`)."""
+    return dataclasses.replace(config, fp8=None, fp8_output_dtype=None, dtype=config.output_dtype)
+
+
+def fp8_fallback_inputs(config: AttentionConfig, inputs: AttentionInputs) -> AttentionInputs:
+    """The inputs of `without_fp8(config)`: pre-quantized E4M3 inputs dequantized to the output dtype."""
+    if config.fp8 != "scaled":
+        return inputs
+    scales = inputs.fp8_scales
+    dequantize = lambda x, s: (x.astype(jnp.float32) * jnp.reshape(s, ())).astype(config.output_dtype)
+    return dataclasses.replace(
+        inputs, query=dequantize(inputs.query, scales.q), key=dequantize(inputs.key, scales.k),
+        value=dequantize(inputs.value, scales.v), fp8_scales=None,
+    )  # fmt: skip
+
+
+def _fp8_fallback_reason(config: AttentionConfig, automatic: bool) -> str | None:
+    """Why automatic dispatch runs an `fp8=` call on cuDNN in 16 bits: cuDNN declines the FP8 call on this GPU but
+    serves the same call without FP8. None when that is not the case (the plain-JAX emulation then serves FP8)."""
+    if not automatic or config.fp8 is None or not _has_gpu():
+        return None
+    reason = _CUDNN.decline_reason(config, explicit=False)
+    if reason is None or _CUDNN.decline_reason(without_fp8(config), explicit=False) is not None:
+        return None
+    return f"cudnn cannot run this call in FP8 ({reason})"
+
+
 def explain_config(config: AttentionConfig, implementation: str | Sequence[str] | None) -> Explanation:
     """Dispatch without running: the first implementation that serves `config` and the reasons of the others."""
     names, automatic = requested_implementations(implementation)
+    fallback = _fp8_fallback_reason(config, automatic)
+    if fallback is not None:
+        return Explanation("cudnn", {}, names, without_fp8=fallback)
     declined: dict[str, str] = {}
     for name in names:
         reason = REGISTRY[name].decline_reason(config, explicit=not automatic)
@@ -98,6 +139,11 @@ def run(
     from .backends.cudnn.graphs import GraphRejected
 
     names, automatic = requested_implementations(implementation)
+    fallback = _fp8_fallback_reason(config, automatic)
+    if fallback is not None:
+        message = f"attnlib.attention: {fallback}; running it on cuDNN in 16 bits without FP8 quantization."
+        logs.log_once((config, message), logging.WARNING, message)
+        return _CUDNN.attention(without_fp8(config), fp8_fallback_inputs(config, inputs))
     while True:
         impl = choose(config, names if not automatic else None)
         try:

@@ -312,6 +312,13 @@ def fp8_reason(config: AttentionConfig, capability: tuple[int, int]) -> str | No
             f"cudnn: FP8 attention with {', '.join(unsupported)} is not supported; attnlib's cuDNN FP8 graphs serve "
             f"{FP8_FEATURES}."
         )
+    padded = config.has_q_lengths or config.has_kv_lengths
+    graph_keeps_bottom_right = _bottom_right(config) and (padded or config.q_len < config.kv_len)
+    if graph_keeps_bottom_right and capability[0] < 10:
+        return (
+            f"cudnn: FP8 attention with `diagonal_alignment='bottom_right'` and T < S or sequence lengths needs "
+            f"Blackwell (cuDNN 9.19 rejects it on {sm}: 'sdpa fp8 forward operation is only supported on Blackwell')."
+        )
     return None
 
 
