@@ -213,6 +213,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--profile", action="store_true", help="per-kernel times of the first shape's forwards")
     parser.add_argument("--gradients", action="store_true", help="gradient accuracy against float64")
+    parser.add_argument("--no-timing", action="store_true", help="skip the timed shapes (with --gradients)")
     args = parser.parse_args()
     import attnlib
 
@@ -226,6 +227,8 @@ def main() -> None:
         shapes = {"quick": (1, 512, 8, 2, 128, True)}
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "attnlib": attnlib.__version__, "shapes": {}}
     for name, shape in shapes.items():
+        if args.no_timing:
+            break
         results["shapes"][name] = run_shape(*shape, quick=args.quick)
         print(name, json.dumps(results["shapes"][name]), flush=True)
     print(table(results))

@@ -60,8 +60,12 @@ class Fp8Scales:
 
 
 def round_e4m3(x: jax.Array) -> jax.Array:
-    """float32 -> the nearest float8_e4m3fn value (as float32), saturating at ±448."""
-    return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(E4M3).astype(jnp.float32)
+    """float32 -> the nearest float8_e4m3fn value (as float32), saturating at ±448.
+
+    The E4M3 value passes an optimization barrier: XLA's GPU pipeline (`xla_allow_excess_precision`, on by default)
+    drops a float32 -> float8 -> float32 round trip as a no-op, which would silently skip the rounding."""
+    rounded = jax.lax.optimization_barrier(jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(E4M3))
+    return rounded.astype(jnp.float32)
 
 
 def straight_through(x: jax.Array, rounded: jax.Array) -> jax.Array:
