@@ -24,11 +24,13 @@ from attnlib._src.backends.cudnn import support
 
 
 def _quantized(x):
-    """`(E4M3 values as float64, scale)` of `fp8="current"`: `scale = amax(|x|) / 448` and `x / scale` in float32
-    (docs/fp8.md: the quantized value is that of the float32 quotient)."""
-    x32 = np.asarray(jnp.asarray(x, jnp.float32))
-    scale = np.float32(np.max(np.abs(x32))) / np.float32(448.0) if np.any(x32) else np.float32(1.0)
-    return e4m3((x32 / scale).astype(np.float64)), float(scale)
+    """`(E4M3 values as float64, scale)` of `fp8="current"`: `scale = amax(|x|) / 448` and the float32 quotient
+    `x / scale` as XLA divides on this platform, rounded to nearest even by the reference's `e4m3` (docs/fp8.md:
+    XLA's float32 division may differ from IEEE division by one ulp, which decides exact E4M3 ties;
+    `test_quantization_is_round_to_nearest_even_of_the_quotient` checks the rest of the quantizer)."""
+    x32 = jnp.asarray(x, jnp.float32)
+    scale = np.float32(np.max(np.abs(np.asarray(x32)))) / np.float32(448.0) if np.any(x32) else np.float32(1.0)
+    return e4m3(np.asarray(x32 / jnp.float32(scale), np.float64)), float(scale)
 
 
 def _grid_step(x):
@@ -94,6 +96,24 @@ def test_current_matches_the_float64_reference(case, dtype, impl):
     r_out, r_lse = reference_fp8_attention(q8, k8, v8, scales=(dq, dk, dv), **_ref_kwargs(kw))
     assert_fp8_close(out, r_out, v8, dv, dtype)
     assert_close(np.asarray(lse, np.float64), r_lse, Tol(atol=2e-5, rtol=2e-6), what="lse")
+
+
+def test_quantization_is_round_to_nearest_even_of_the_quotient():
+    """attnlib's E4M3 inputs are the round-to-nearest-even of `x / scale`; only where XLA's float32 quotient is
+    within one ulp of an E4M3 midpoint (an exact tie in IEEE arithmetic) may they sit one E4M3 step away."""
+    r = rng(11)
+    x = jnp.concatenate([normal(r, (4096,), jnp.bfloat16, scale=3.0), jnp.asarray([-6.34375, 12.25], jnp.bfloat16)])
+    dequantize, _ = attnlib._src.fp8.plan("current", x, x, x, None)
+    got = np.asarray(dequantize(x, 0), np.float64)
+    x32 = np.asarray(x.astype(jnp.float32))
+    scale = np.float32(np.max(np.abs(x32))) / np.float32(448.0)
+    assert float(dequantize.scales[0]) == scale
+    quotient = (x32 / scale).astype(np.float32)  # IEEE float32 division
+    expected = e4m3(quotient.astype(np.float64)) * scale
+    off = np.abs(got - expected) > 1e-6 * np.abs(expected)
+    below, above = np.nextafter(quotient, np.float32(-np.inf)), np.nextafter(quotient, np.float32(np.inf))
+    near_tie = e4m3(below.astype(np.float64)) != e4m3(above.astype(np.float64))
+    assert np.all(near_tie[off]), f"{int(np.sum(off & ~near_tie))} elements are not the rounding of x / scale"
 
 
 def test_the_reference_is_not_plain_attention():
