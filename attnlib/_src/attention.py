@@ -178,7 +178,8 @@ def attention(
             from their current amax, attend in FP8 and return `query.dtype` (gradients with straight-through
             quantizers), or an `attnlib.Fp8Scales` for inputs that are already float8_e4m3fn (its scales
             dequantize them; the result is its `output_dtype`). The semantics are in `docs/fp8.md`; `xla` and
-            `xla_chunked` emulate them exactly; cuDNN's FP8 graphs are not wired yet.
+            `xla_chunked` emulate them exactly; `cudnn` runs them on FP8 tensor cores (compute capability 9.0+)
+            with the limits listed there.
         return_max_logit: also return `max_logit`, float32 `[*B, N]` (THD `[B, N]`, one row per sequence): the
             largest logit any kept query-key pair of that row and head reached (after bias, `score_mod` and soft
             cap; -inf where nothing is kept), for QK-clip. Not differentiable. Defaults to False.
