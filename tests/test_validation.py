@@ -471,3 +471,20 @@ def test_lengths_as_lists_and_traced_lengths_are_clamped():
     traced = clamped(jnp.asarray([40, -5], jnp.int32))
     np.testing.assert_array_equal(np.asarray(traced), np.asarray(clamped(jnp.asarray([16, 0], jnp.int32))))
     np.testing.assert_allclose(np.asarray(traced), np.asarray(as_array), rtol=1e-6, atol=1e-6)  # jit vs eager
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"return_max_logit": "yes"}, "`return_max_logit` must be bool. Got 'yes'."),
+        ({"score_mod": lambda s, b, h, i, j, a: s * a, "score_mod_args": jnp.ones(2)},
+         "`score_mod_args` must be a sequence (tuple or list). Got f32[2]."),
+        ({"fp8": 8}, "`fp8` must be str | attnlib.Fp8Scales | None. Got 8."),
+        ({"score_mod": 3}, "`score_mod` must be a callable | None. Got 3."),
+    ],
+)  # fmt: skip
+def test_new_arguments_of_the_wrong_kind_get_one_readable_sentence(kwargs, message):
+    """API.md §1b–§1d arguments: the type error names the argument and the expected kind as a user writes it."""
+    q = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(TypeError, match=re.escape(message)):
+        attnlib.attention(q, q, q, **kwargs)

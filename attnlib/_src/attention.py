@@ -20,6 +20,16 @@ from .paged import PagedKVCache
 _typechecker = beartype(conf=BeartypeConf(is_pep484_tower=True))
 
 
+def _readable_type(annotation: str) -> str:
+    """An annotation as beartype prints it, the way a user writes it: `<class 'bool'>` -> `bool`,
+    `attnlib._src.fp8.Fp8Scales` -> `attnlib.Fp8Scales`, `collections.abc.Sequence[Any]` -> `a sequence`."""
+    text = re.sub(r"<class '([\w.]+)'>", r"\1", annotation)
+    text = re.sub(r"attnlib\._src(?:\.\w+)*\.(\w+)", r"attnlib.\1", text)
+    text = re.sub(r"collections\.abc\.Sequence\[[^\]]*\]", "a sequence (tuple or list)", text)
+    text = re.sub(r"collections\.abc\.Callable(\[[^\]]*\])?", "a callable", text)
+    return text
+
+
 def _concise_type_errors(fn: Callable) -> Callable:
     """Re-raise jaxtyping/beartype parameter violations in attnlib's one-sentence style."""
 
@@ -34,7 +44,7 @@ def _concise_type_errors(fn: Callable) -> Callable:
                 raise
             expected = re.search(r"Expected type: (.*)", text)
             actual = re.search(r"Actual value: (.*)", text)
-            expected_text = expected.group(1).rstrip(".") if expected else "of the annotated type"
+            expected_text = _readable_type(expected.group(1).rstrip(".")) if expected else "of the annotated type"
             actual_text = actual.group(1).rstrip(".") if actual else "another type"
             raise TypeError(f"`{param.group(1)}` must be {expected_text}. Got {actual_text}.") from None
 
