@@ -3,26 +3,18 @@
 E4M3) and the amax reduction, each written several ways, to choose the fastest exact form. Prints one line per form
 (microseconds per call, best of 5 loops of 20 under jit) and whether it equals the current form bit for bit."""
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 
 
 SHAPE = (1, 8192, 64, 128)
 
 
-def timed(fn, *args, loop=20, reps=5):
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(loop):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / loop)
-    return best * 1e6
+def timed(fn, *args):
+    """Microseconds per call: best of 5 loops of 20 (`bench_cudnn.best_per_call`)."""
+    return best_per_call(fn, args, loop=20, reps=5) * 1e6
 
 
 def e4m3_bits_to_f32(x8):

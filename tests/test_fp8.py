@@ -67,9 +67,9 @@ CASES = {
 }
 
 
-def _inputs(case, dtype, seed=0):
+def _inputs(case, dtype, seed=0, cases=None):
     r = rng(seed)
-    c = CASES[case]
+    c = (CASES if cases is None else cases)[case]
     q = normal(r, (2, c["t"], N, c["h"]), dtype, scale=1.5)
     k = normal(r, (2, c["s"], K, c["h"]), dtype)
     v = normal(r, (2, c["s"], K, c["hv"]), dtype, scale=3.0)

@@ -17,7 +17,7 @@ from helpers import assert_close, normal, rng, Tol
 from reference import reference_attention_vjp, reference_fp8_attention
 from test_cudnn_dense_emulated import _unwritten, emulate, entry_for
 from test_cudnn_ragged import _mask
-from test_fp8 import _quantized, _ref_kwargs, assert_fp8_close
+from test_fp8 import _inputs as fp8_inputs, _quantized, _ref_kwargs, assert_fp8_close
 
 import attnlib
 from attnlib._src import dispatch, validation
@@ -70,7 +70,6 @@ def emulated(monkeypatch):
     SPECS.clear()
 
 
-N, K = 6, 2
 CASES = {
     "gqa_full": dict(t=37, s=53, h=32),
     "causal": dict(t=48, s=48, h=32, kw=dict(is_causal=True)),
@@ -81,13 +80,7 @@ CASES = {
 
 
 def _inputs(case, dtype, seed=0):
-    r = rng(seed)
-    c = CASES[case]
-    q = normal(r, (2, c["t"], N, c["h"]), dtype, scale=1.5)
-    k = normal(r, (2, c["s"], K, c["h"]), dtype)
-    v = normal(r, (2, c["s"], K, c["h"]), dtype, scale=3.0)
-    kw = {n: (jnp.asarray(x, jnp.int32) if n.endswith("lengths") else x) for n, x in c.get("kw", {}).items()}
-    return q, k, v, kw
+    return fp8_inputs(case, dtype, seed, cases={name: {**c, "hv": c["h"]} for name, c in CASES.items()})
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
