@@ -25,24 +25,12 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
         args = scores.grouped_args(config, problem.score_mod_args)
         s, allowed = scores.modify(scores.modifier_fns(config.modifiers), s, allowed, indices, args)
     s = scores.soft_cap(config, s)
-
-    s = jnp.where(allowed, s, -jnp.inf)
-    row_max = jnp.max(s, axis=-1, initial=-jnp.inf)  # [B, K, G, T]
-    if problem.sinks is not None:
-        sinks = scores.grouped_sinks(config, problem.sinks)
-        row_max = jnp.maximum(row_max, sinks)
-    # The softmax is invariant to the shift, so it carries no gradient; rows with nothing visible shift by 0.
-    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    unnormalised = jnp.exp(s - shift[..., None])
-    denominator = jnp.sum(unnormalised, axis=-1)
-    if problem.sinks is not None:
-        denominator = denominator + jnp.exp(sinks - shift)
-    has_mass = denominator > 0
-    safe_denominator = jnp.where(has_mass, denominator, 1.0)
-    lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), -jnp.inf)
-    weights = unnormalised  # normalised after the PV product: one pass over [T, S] fewer
+    sinks = None if problem.sinks is None else scores.grouped_sinks(config, problem.sinks)
     if config.fp8 is not None:
-        weights = fp8_lib.Rounding.probabilities(weights)
+        weights, denominator, lse = _rounded_probabilities(s, allowed, sinks)
+    else:
+        weights, lse = softmax_with_lse(s, allowed, sinks)
+        denominator = None
     if problem.dropout_seeds is not None:
         keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, 0, S)
         weights = jnp.where(keep, weights / (1.0 - config.dropout_rate), 0.0)
@@ -54,11 +42,63 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
         preferred_element_type=scores.accumulator(problem.value.dtype),
         precision=scores.precision(problem.value.dtype),
     )
-    out = out / safe_denominator[..., None]
+    if denominator is not None:
+        out = out / denominator[..., None]
     out = jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (B, T, N, config.value_head_dim))
     out = out.astype(problem.query.dtype)
     lse = jnp.transpose(jnp.reshape(lse, (B, N, T)), (0, 2, 1))
     return out, lse
+
+
+def _statistics(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None):
+    """`(exp(s - shift) on allowed entries (0 elsewhere), the row sums (sink included; 1 where nothing is
+    visible), lse)` of scores `[..., S]`. The shift is the row max (and sink), 0 for a row with nothing visible."""
+    masked = jnp.where(allowed, s, -jnp.inf)
+    row_max = jnp.max(masked, axis=-1, initial=-jnp.inf)
+    if sinks is not None:
+        row_max = jnp.maximum(row_max, sinks)
+    # The softmax is invariant to the shift, so it carries no gradient; rows with nothing visible shift by 0.
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    unnormalised = jnp.exp(masked - shift[..., None])
+    denominator = jnp.sum(unnormalised, axis=-1)
+    if sinks is not None:
+        denominator = denominator + jnp.exp(sinks - shift)
+    has_mass = denominator > 0
+    safe_denominator = jnp.where(has_mass, denominator, 1.0)
+    lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), -jnp.inf)
+    return unnormalised, safe_denominator, lse
+
+
+@jax.custom_jvp
+def softmax_with_lse(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """`(p, lse)`: the softmax of scores `s [..., S]` over the `allowed` entries (0 elsewhere and on rows with
+    nothing visible), with the sink logits `[...]` in every denominator, and its log-sum-exp (-inf where nothing is
+    visible and there is no sink).
+
+    Its derivative is written out (`dp = p (ds - Σ p ds)`, `dlse = Σ p ds + p_sink dsink`) as jax.nn's softmax does:
+    the backward is one pass over the probabilities instead of autodiff through the max, exp, sum and divide.
+    """
+    unnormalised, denominator, lse = _statistics(s, allowed, sinks)
+    return unnormalised / denominator[..., None], lse
+
+
+@softmax_with_lse.defjvp
+def _softmax_with_lse_jvp(primals, tangents):
+    s, allowed, sinks = primals
+    d_s, _, d_sinks = tangents
+    p, lse = softmax_with_lse(s, allowed, sinks)
+    d_s = jnp.where(allowed, d_s, 0.0)  # hidden entries may hold anything (a modifier's -inf)
+    d_lse = jnp.sum(p * d_s, axis=-1)
+    if sinks is not None:
+        d_lse = d_lse + jnp.where(jnp.isfinite(lse), jnp.exp(sinks - lse), 0.0) * d_sinks
+    return (p, lse), (p * (d_s - d_lse[..., None]), d_lse)
+
+
+def _rounded_probabilities(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None):
+    """FP8 (`fp8.py`): `(P8, the row sums, lse)` with `P8` the E4M3 rounding of `exp(s - m)` against the final row
+    max; the output is divided by the unrounded row sum after the PV product. Differentiated by autodiff."""
+    unnormalised, denominator, lse = _statistics(s, allowed, sinks)
+    return fp8_lib.Rounding.probabilities(unnormalised), denominator, lse
 
 
 class _Xla:

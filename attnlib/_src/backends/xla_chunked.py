@@ -27,7 +27,14 @@ DEFAULT_BLOCK_K = 512
 """Keys per block. Tests lower it to exercise several (and ragged) blocks."""
 
 AUTO_MIN_SCORE_BYTES = 256 * 2**20
-"""With `implementation=None`, materialised float32 scores below this size are left to `"xla"`."""
+"""With `implementation=None` on an accelerator (where cuDNN declined), materialised float32 scores below this size
+are left to `"xla"`. On a CPU `xla_chunked` is chosen at every size: it was as fast as `xla` or faster, forward and
+forward + backward, on every shape of `benchmarks/bench_cpu_dispatch.py` (docs/performance.md)."""
+
+
+def auto_min_score_bytes() -> int:
+    """The score size from which automatic dispatch picks `xla_chunked` over `xla` on this process's backend."""
+    return 0 if jax.default_backend() == "cpu" else AUTO_MIN_SCORE_BYTES
 
 
 def _pad_keys(problem: canonical.Problem, padded_len: int) -> canonical.Problem:
@@ -501,11 +508,12 @@ class _XlaChunked:
         if explicit:
             return None
         score_bytes = 4 * config.batch_size * config.num_q_heads * config.q_len * config.kv_len
-        if score_bytes < AUTO_MIN_SCORE_BYTES:
+        threshold = auto_min_score_bytes()
+        if score_bytes < threshold:
             return (
                 f"the materialised scores take only {score_bytes / 2**20:.1f} MiB "
-                f"(< {AUTO_MIN_SCORE_BYTES // 2**20} MiB), below which automatic dispatch uses `xla`; "
-                "name it to force it"
+                f"(< {threshold // 2**20} MiB), below which automatic dispatch uses `xla` on this "
+                f"{jax.default_backend().upper()}; name it to force it"
             )
         return None
 
