@@ -14,6 +14,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 
 import attnlib
 
@@ -50,13 +51,8 @@ def variants(causal: bool) -> dict:
 
 
 def best_seconds(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
+    """Seconds of one call: the best of `repeats` (`bench_cudnn.best_per_call`, one call per repetition)."""
+    return best_per_call(fn, args, loop=1, reps=repeats)
 
 
 def run_shape(b, s, n, k, h, causal, repeats) -> dict:
