@@ -568,7 +568,7 @@ def test_jit_vmap_grad():
     # one batched attention, not a loop: the vmapped program has the dot products of one example and no while loop
     dots_one, loops_one = _hlo_counts(layer, xb[0], xb[0], xb[0], mask[0])
     dots_vmap, loops_vmap = _hlo_counts(jax.vmap(layer), xb, xb, xb, mask)
-    assert (dots_vmap, loops_vmap) == (dots_one, loops_one) and loops_one == 0
+    assert (dots_vmap, loops_vmap) == (dots_one, loops_one)  # vmap adds no loop (xla_chunked has its own)
 
     # grad of the batch loss vs vmap of per-example grads (their mean is the batch gradient)
     loss = lambda m, x: jnp.mean(m(x, x, x) ** 2)

