@@ -684,6 +684,11 @@ def test_paged_gradient_rules(emulated):
     rg = jax.jit(jax.grad(loss("xla"), argnums=(0, 1)))(q, kp)
     for a, b in zip(g, rg):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # A sequence takes the first that can serve and falls back like automatic dispatch (API §3), eager and jitted.
+    for differentiate in (jax.grad(loss(("cudnn", "xla")), argnums=(0, 1)),
+                          jax.jit(jax.grad(loss(["cudnn", "xla_chunked"]), argnums=(0, 1)))):  # fmt: skip
+        for a, b in zip(differentiate(q, kp), rg):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_paged_cache_decoding_matches_dense_causal(emulated):

@@ -139,15 +139,16 @@ def run(
     from .backends.cudnn.graphs import GraphRejected
 
     names, automatic = requested_implementations(implementation)
+    alone = not automatic and len(names) == 1  # nothing to fall back to
     fallback = _fp8_fallback_reason(config, automatic)
     if fallback is not None:
         message = f"attnlib.attention: {fallback}; running it on cuDNN in 16 bits without FP8 quantization."
         logs.log_once((config, message), logging.WARNING, message)
-        return _CUDNN.attention(without_fp8(config), fp8_fallback_inputs(config, inputs))
+        return _CUDNN.attention(without_fp8(config), fp8_fallback_inputs(config, inputs), explicit=False)
     while True:
         impl = choose(config, names if not automatic else None)
         try:
-            return impl.attention(config, inputs)
+            return impl.attention(config, inputs, explicit=alone)
         except GraphRejected as e:
             remaining = tuple(n for n in names if n != impl.name)
             if not remaining or (not automatic and len(names) == 1):

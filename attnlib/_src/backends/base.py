@@ -18,11 +18,15 @@ class Implementation(Protocol):
 
     `attention` returns `(out, lse)`: `out` in the query's layout with the value head dim (`[*B, T, N, Hv]`, THD
     `[T, N, Hv]`) and dtype, `lse` float32 `[*B, T, N]` (THD `[T, N]`). Both are differentiable with respect to
-    query, key, value, bias and sinks (paged layouts may decline gradients).
+    query, key, value, bias and sinks (paged layouts may decline gradients). Its `explicit` is True when the caller
+    named this implementation alone (no other to fall back to): cuDNN's paged forward then refuses a gradient
+    instead of differentiating the `xla` path. Neither method keeps state between calls.
     """
 
     name: str
 
     def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None: ...
 
-    def attention(self, config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]: ...
+    def attention(
+        self, config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
+    ) -> tuple[jax.Array, jax.Array]: ...

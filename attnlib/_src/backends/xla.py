@@ -109,7 +109,9 @@ class _Xla:
             return "dropout together with FP8 attention (`fp8=`) is not supported"
         return None
 
-    def attention(self, config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+    def attention(
+        self, config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
+    ) -> tuple[jax.Array, jax.Array]:
         if config.fp8 is not None:
             return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem))
         return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs)))

@@ -518,7 +518,9 @@ class _XlaChunked:
             )
         return None
 
-    def attention(self, config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+    def attention(
+        self, config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
+    ) -> tuple[jax.Array, jax.Array]:
         if config.fp8 is not None:
             return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem))
         return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs)))
