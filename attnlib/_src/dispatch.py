@@ -5,9 +5,8 @@ import logging
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
-from . import logs
+from . import fp8 as fp8_lib, logs
 from .backends import xla, xla_chunked
 from .backends.base import Implementation
 from .backends.cudnn import IMPLEMENTATION as _CUDNN
@@ -73,12 +72,11 @@ def fp8_fallback_inputs(config: AttentionConfig, inputs: AttentionInputs) -> Att
     """The inputs of `without_fp8(config)`: pre-quantized E4M3 inputs dequantized to the output dtype."""
     if config.fp8 != "scaled":
         return inputs
-    scales = inputs.fp8_scales
-    dequantize = lambda x, s: (x.astype(jnp.float32) * jnp.reshape(s, ())).astype(config.output_dtype)
-    return dataclasses.replace(
-        inputs, query=dequantize(inputs.query, scales.q), key=dequantize(inputs.key, scales.k),
-        value=dequantize(inputs.value, scales.v), fp8_scales=None,
-    )  # fmt: skip
+    dequantize, _ = fp8_lib.plan(config.fp8, inputs.query, inputs.key, inputs.value, inputs.fp8_scales)
+    query, key, value = (
+        dequantize(x, i).astype(config.output_dtype) for i, x in enumerate((inputs.query, inputs.key, inputs.value))
+    )
+    return dataclasses.replace(inputs, query=query, key=key, value=value, fp8_scales=None)
 
 
 def _fp8_fallback_reason(config: AttentionConfig, automatic: bool) -> str | None:

@@ -59,13 +59,17 @@ class Fp8Scales:
     output_dtype: Any = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
 
 
-def round_e4m3(x: jax.Array) -> jax.Array:
-    """float32 -> the nearest float8_e4m3fn value (as float32), saturating at ±448.
+def to_e4m3(x: jax.Array) -> jax.Array:
+    """float32 -> the nearest float8_e4m3fn value, saturating at ±448.
 
-    The E4M3 value passes an optimization barrier: XLA's GPU pipeline (`xla_allow_excess_precision`, on by default)
+    The result passes an optimization barrier: XLA's GPU pipeline (`xla_allow_excess_precision`, on by default)
     drops a float32 -> float8 -> float32 round trip as a no-op, which would silently skip the rounding."""
-    rounded = jax.lax.optimization_barrier(jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(E4M3))
-    return rounded.astype(jnp.float32)
+    return jax.lax.optimization_barrier(jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(E4M3))
+
+
+def round_e4m3(x: jax.Array) -> jax.Array:
+    """float32 -> the nearest float8_e4m3fn value as float32, saturating at ±448 (`to_e4m3`)."""
+    return to_e4m3(x).astype(jnp.float32)
 
 
 def straight_through(x: jax.Array, rounded: jax.Array) -> jax.Array:
@@ -73,9 +77,8 @@ def straight_through(x: jax.Array, rounded: jax.Array) -> jax.Array:
     return x + jax.lax.stop_gradient(rounded - x)
 
 
-def current_scale(x: jax.Array) -> jax.Array:
-    """float32 scalar: the dequantization scale `amax(|x|) / 448` (1 for an all-zero tensor)."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+def current_scale(amax: jax.Array) -> jax.Array:
+    """float32 scalar: the dequantization scale `amax / 448` of a tensor with that amax (1 for an all-zero tensor)."""
     return jax.lax.stop_gradient(jnp.where(amax > 0, amax / E4M3_MAX, 1.0))
 
 
@@ -120,12 +123,20 @@ class Dequantizer:
     mode: str
     scales: tuple[jax.Array, jax.Array, jax.Array]
 
-    def __call__(self, x: jax.Array, which: int) -> jax.Array:
-        scale = self.scales[which]
-        x32 = x.astype(jnp.float32)
+    def fp8_values(self, x: jax.Array, which: int) -> jax.Array:
+        """The E4M3 values of `x` (query 0, key 1, value 2): `e4m3(x / scale)`, or `x` itself when pre-quantized."""
         if self.mode == "current":
-            return straight_through(x32, round_e4m3(x32 / scale) * scale)
-        return x32 * scale
+            return to_e4m3(jax.lax.stop_gradient(x).astype(jnp.float32) / self.scales[which])
+        return x
+
+    def __call__(self, x: jax.Array, which: int, fp8_values: jax.Array | None = None) -> jax.Array:
+        """`x̂ = fp8_values · scale` in float32 (straight-through to `x` with `"current"`); pass `fp8_values` when
+        they are already computed, so the quantization runs once."""
+        values = self.fp8_values(x, which) if fp8_values is None else fp8_values
+        dequantized = values.astype(jnp.float32) * self.scales[which]
+        if self.mode == "current":
+            return straight_through(x.astype(jnp.float32), dequantized)
+        return dequantized
 
 
 def plan(
@@ -134,11 +145,11 @@ def plan(
     """The dequantizer and rounding of one call with `fp8=mode` (`"current"`, or `"scaled"` with `scales`), from
     the caller's `query`, `key`, `value` (per-tensor amaxes over the arrays as given)."""
     if mode == "current":
-        per_tensor = tuple(current_scale(x) for x in (query, key, value))
+        amaxes = [jnp.max(jnp.abs(x.astype(jnp.float32))) for x in (query, key, value)]
+        per_tensor = tuple(current_scale(amax) for amax in amaxes)
         out_dtype = np.dtype(query.dtype)
         # The largest |v| quantizes to exactly 448: amax|v̂| = 448 · d_v, without another pass over the values.
-        value_has_nonzero = jnp.max(jnp.abs(value.astype(jnp.float32))) > 0
-        value_amax = jnp.where(value_has_nonzero, E4M3_MAX * per_tensor[2], 0.0)
+        value_amax = jnp.where(amaxes[2] > 0, E4M3_MAX * per_tensor[2], 0.0)
     else:
         assert scales is not None
         per_tensor = tuple(jnp.reshape(jnp.asarray(s, jnp.float32), ()) for s in (scales.q, scales.k, scales.v))

@@ -253,15 +253,12 @@ def _fp8_inputs(config: AttentionConfig, inputs: AttentionInputs, q, k, v, dtype
     backward graph differentiates (straight through the rounding with `fp8="current"`), and the FP8 graph's operands."""
     dequantize, rounding = fp8_lib.plan(config.fp8, inputs.query, inputs.key, inputs.value, inputs.fp8_scales)
     stop = jax.lax.stop_gradient
-    if config.fp8 == "current":
-        quantize = lambda x, i: jnp.clip(stop(x).astype(jnp.float32) / dequantize.scales[i], -448.0, 448.0)
-        q8, k8, v8 = (quantize(x, i).astype(fp8_lib.E4M3) for i, x in enumerate((q, k, v)))
-    else:
-        q8, k8, v8 = stop(q), stop(k), stop(v)
+    inputs16 = (q, k, v)
+    q8, k8, v8 = (stop(dequantize.fp8_values(x, i)) for i, x in enumerate(inputs16))
     per_tensor = [jnp.reshape(stop(x), (1,)).astype(jnp.float32) for x in dequantize.scales]
     probability = jnp.full((1,), fp8_lib.PROBABILITY_SCALE, jnp.float32)
     scales = (*per_tensor, 1 / probability, probability, jnp.reshape(stop(rounding.output_scale), (1,)))
-    q_hat, k_hat, v_hat = (dequantize(x, i).astype(dtype) for i, x in enumerate((q, k, v)))
+    q_hat, k_hat, v_hat = (dequantize(x, i, x8).astype(dtype) for i, (x, x8) in enumerate(zip(inputs16, (q8, k8, v8))))
     return q_hat, k_hat, v_hat, Fp8Operands(q8, k8, v8, scales)
 
 
