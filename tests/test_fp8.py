@@ -7,7 +7,9 @@ within float32 noise of an E4M3 rounding midpoint the two round it apart: the ou
 value of its grid (`e4m3(o · c) / c`, one step), and a probability `448 p̃` on a midpoint (measured: 50.000008 in
 float32, 49.99999 in float64, rounding to 52 and 48) moves its row's outputs by up to `(4 / 448) · max|v̂|`.
 `assert_fp8_close` therefore requires: at least 98 % of the elements equal to the output dtype's rounding; at most
-1 % more than one output grid step away; none more than `0.02 · max|v̂|` away.
+1 % more than one output grid step away; none more than one output grid step plus `0.02 · max|v̂|` away (a moved
+probability can push an output across a rounding midpoint, and in the top binades one output step is up to
+`16 · 1.25 / 448 ≈ 0.045 · max|v̂|`).
 """
 
 import jax
@@ -45,12 +47,14 @@ def assert_fp8_close(actual, expected, value8, value_scale, dtype):
     c = 448.0 / (1.25 * vmax)
     rounding = float(ml_dtypes.finfo(dtype).eps) * np.abs(expected) + 1e-30
     err = np.abs(actual - expected)
-    worst = np.unravel_index(np.argmax(err), err.shape)
-    assert err.max() <= 0.02 * vmax, (
-        f"max |err| {err.max():.4g} > 0.02 max|v| = {0.02 * vmax:.3g}; worst at {worst}: actual {actual[worst]:.6g}, "
-        f"expected {expected[worst]:.6g}"
+    step = _grid_step(expected * c) / c
+    excess = err - step
+    worst = np.unravel_index(np.argmax(excess), err.shape)
+    assert excess.max() <= 0.02 * vmax, (
+        f"|err| {err[worst]:.4g} > one output step {step[worst]:.3g} + 0.02 max|v| = {0.02 * vmax:.3g} at {worst}: "
+        f"actual {actual[worst]:.6g}, expected {expected[worst]:.6g}"
     )
-    off_grid = np.mean(err > _grid_step(expected * c) / c + rounding)
+    off_grid = np.mean(err > step + rounding)
     assert off_grid <= 0.01, f"{off_grid:.2%} of the elements are more than one output grid step away"
     agree = np.mean(err <= rounding)
     assert agree >= 0.98, f"only {agree:.1%} of the elements agree to the output dtype's rounding"
