@@ -104,10 +104,13 @@ def test_served_on_hopper(config):
     assert _reason(config) is None
 
 
+def test_packed_rows_without_a_bound_are_served():
+    assert _reason(dataclasses.replace(SEGMENTS, max_segments_per_row=None)) is None
+
+
 @pytest.mark.parametrize(
     "config,match",
     [
-        (dataclasses.replace(SEGMENTS, max_segments_per_row=None), "`max_segments_per_row`"),
         (dataclasses.replace(BASE, bias_shape=(8, 512, 512)), "`bias` with THD"),
         (dataclasses.replace(SEGMENTS, bias_shape=(8, 512, 512)), "`bias` with packed rows"),
         (dataclasses.replace(BASE, is_causal=False, window=(4, 4), diagonal_alignment="bottom_right"), "right <= 0"),
@@ -119,7 +122,7 @@ def test_served_on_hopper(config):
         (dataclasses.replace(PAGED, q_len=2048), "T <= pages_per_seq * page_size"),
         (dataclasses.replace(PAGED, has_kv_lengths=False), "`key_value_seq_lengths`"),
     ],
-    ids=["segments_no_bound", "thd_bias", "segments_bias", "bottom_right_right_window", "bottom_right_dropout",
+    ids=["thd_bias", "segments_bias", "bottom_right_right_window", "bottom_right_dropout",
          "offset_overflow", "paged_sinks", "paged_dropout", "paged_bias", "paged_t_gt_s", "paged_no_lengths"],
 )  # fmt: skip
 def test_declined_with_reason(config, match):
@@ -574,6 +577,58 @@ def test_segments_cross_bottom_right(emulated):
     kw = {"q_segment_ids": jnp.asarray(q_ids), "kv_segment_ids": jnp.asarray(kv_ids), "max_segments_per_row": 3,
           "is_causal": True, "diagonal_alignment": "bottom_right"}  # fmt: skip
     _compare(q, k, v, kw)
+
+
+def _many_segments(rows: int, length: int, runs: list[int]) -> jnp.ndarray:
+    """`[rows, length]` ids: row `r` holds `runs[r]` segments of 1-3 tokens (padding after them)."""
+    rng = np.random.default_rng(sum(runs))
+    out = np.zeros((rows, length), np.int32)
+    for r, n in enumerate(runs):
+        sizes = rng.integers(1, 4, n)
+        out[r, : sizes.sum()] = np.repeat(np.arange(1, n + 1), sizes)
+    return jnp.asarray(out)
+
+
+@pytest.mark.parametrize("runs,fused", [([3, 16], True), ([2, 17], False)])
+def test_segments_without_a_bound_under_jit(emulated, runs, fused):
+    """Under `jit` (ids traced) without `max_segments_per_row`, cuDNN runs with a bound of
+    `DEFAULT_SEGMENTS_PER_ROW` (16) when every row fits, and the call runs on xla_chunked otherwise: exact either
+    way, never NaN."""
+    ids = _many_segments(2, 40, runs)
+    q, k, v = (x.reshape((2, 40) + x.shape[1:]) for x in _packed(11, 80, 80, 4, 2, 64, 64))
+    ko = jax.random.normal(jax.random.key(5), q.shape, jnp.float32)
+
+    def run(impl, q, k, v, **extra):
+        def loss(q, k, v, ids):
+            out = attnlib.attention(q, k, v, q_segment_ids=ids, is_causal=True, implementation=impl, **extra)
+            return jnp.sum(out.astype(jnp.float32) * ko), out
+
+        with jax.default_matmul_precision("highest"):
+            (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, ids)
+        return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+    got = run("cudnn", q, k, v)
+    twin = run("cudnn", q, k, v, max_segments_per_row=16) if fused else run("xla_chunked", q, k, v)
+    reference = run("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
+    e = _eps(jnp.bfloat16)
+    for name, x, t, r in zip(("out", "dq", "dk", "dv"), got, twin, reference, strict=True):
+        np.testing.assert_array_equal(x, t, err_msg=name)
+        _close(x, r, (2 if name == "out" else 8 * float(np.max(np.abs(r)))) * e, e, name)
+
+
+def test_segments_without_a_bound_take_it_from_concrete_ids(emulated):
+    """Outside `jit` the bound is the rows' own segment count rounded up to a power of two (here 20 -> 32): no
+    fallback, no NaN, the same numbers as that bound given explicitly."""
+    ids = _many_segments(2, 48, [20, 5])
+    q, k, v = (x.reshape((2, 48) + x.shape[1:]) for x in _packed(12, 96, 96, 4, 2, 64, 64))
+    with jax.default_matmul_precision("highest"):
+        out = attnlib.attention(q, k, v, q_segment_ids=ids, is_causal=True, implementation="cudnn")
+        given = attnlib.attention(q, k, v, q_segment_ids=ids, is_causal=True, implementation="cudnn",
+                                  max_segments_per_row=32)  # fmt: skip
+        reference = attnlib.attention(*(x.astype(jnp.float32) for x in (q, k, v)), q_segment_ids=ids,
+                                      is_causal=True, implementation="xla")  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(given, np.float32))
+    _close(out, reference, 2 * _eps(jnp.bfloat16), _eps(jnp.bfloat16), "out")
 
 
 def test_segment_overflow_gives_nan_rows_only(emulated, monkeypatch):

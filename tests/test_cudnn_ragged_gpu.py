@@ -254,6 +254,42 @@ def test_segment_count_overflow_gives_nan_rows():
     dense._assert_close(out[1], ref[1], 2 * e, e, "row within the bound")
 
 
+def _traced_ids_run(impl, q, k, v, ids, **extra):
+    """(out, dq, dk, dv) as float32 numpy under `jit` with the segment ids a traced argument."""
+    import attnlib
+
+    cot = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
+
+    def loss(q, k, v, ids):
+        out = attnlib.attention(q, k, v, q_segment_ids=ids, is_causal=True, implementation=impl, **extra)
+        return jnp.sum(out.astype(jnp.float32) * cot), out
+
+    with jax.default_matmul_precision("highest"):
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, ids)
+    return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+
+@pytest.mark.parametrize("runs,fused", [((5, 16), True), ((3, 17), False)], ids=["fits", "over_default"])
+def test_segments_without_a_bound_under_jit(runs, fused):
+    """No `max_segments_per_row`, ids traced: cuDNN with the default bound (16) when the rows fit — the same bits
+    as that bound given explicitly — and xla_chunked when a row holds more; both against the float32 reference."""
+    B, T = 2, 96
+    ids = np.zeros((B, T), np.int32)
+    for r, n in enumerate(runs):
+        sizes = np.random.default_rng(r).integers(1, 6, n)
+        ids[r, : sizes.sum()] = np.repeat(np.arange(1, n + 1), sizes)
+    ids = jnp.asarray(ids)
+    q, k, v = dense._qkv(12, (B,), T, T, 4, 2, 64, 64, jnp.bfloat16)
+    got = _traced_ids_run("cudnn", q, k, v, ids)
+    twin = _traced_ids_run("cudnn", q, k, v, ids, max_segments_per_row=16) if fused else _traced_ids_run(
+        "xla_chunked", q, k, v, ids)
+    reference = _traced_ids_run("xla", *(x.astype(jnp.float32) for x in (q, k, v)), ids)
+    e = dense._eps(jnp.bfloat16)
+    for name, x, t, r in zip(("out", "dq", "dk", "dv"), got, twin, reference, strict=True):
+        np.testing.assert_array_equal(x, t, err_msg=name)
+        dense._assert_close(x, r, (2 if name == "out" else 8) * e, e, name, scale_by_max=name != "out")
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # paged
 

@@ -163,12 +163,23 @@ class _Runs(NamedTuple):
     count: jax.Array  # int32 [B] runs in the row
 
 
+def _run_starts(ids: jax.Array) -> jax.Array:
+    """bool `[B, L]`: the tokens that start a run of equal non-zero ids."""
+    position = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
+    previous = jnp.concatenate([jnp.zeros((ids.shape[0], 1), ids.dtype), ids[:, :-1]], axis=1)
+    return (ids != 0) & ((position == 0) | (ids != previous))
+
+
+def runs_per_row(ids: jax.Array) -> jax.Array:
+    """int32 `[B]`: the number of contiguous runs of non-zero ids in each row of `[B, L]` ids."""
+    return jnp.sum(_run_starts(ids).astype(jnp.int32), axis=1)
+
+
 def _runs(ids: jax.Array, max_runs: int) -> _Runs:
     """The first `max_runs` contiguous runs of non-zero ids of each row."""
     B, L = ids.shape
     position = jnp.arange(L, dtype=jnp.int32)[None, :]
-    previous = jnp.concatenate([jnp.zeros((B, 1), ids.dtype), ids[:, :-1]], axis=1)
-    starts = (ids != 0) & ((position == 0) | (ids != previous))
+    starts = _run_starts(ids)
     index = jnp.where(ids != 0, jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1, -1)
     count = jnp.sum(starts.astype(jnp.int32), axis=1)
     rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, L))

@@ -153,11 +153,6 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
     what = "THD (`cu_seqlens_q`)" if config.layout == "thd" else "packed rows (`q_segment_ids`/`kv_segment_ids`)"
     if config.layout == "thd" and config.num_sequences is None:
         return "cudnn: a THD call needs `cu_seqlens_q` (the number of sequences is unknown)."
-    if config.layout == "dense" and config.max_segments_per_row is None:
-        return (
-            "cudnn: packed rows (`q_segment_ids`/`kv_segment_ids`) need `max_segments_per_row`, the static bound "
-            "on segments per row that sizes cuDNN's ragged batch."
-        )
     if cudnn_version < 90600:
         return f"cudnn: {what} needs cuDNN 9.6 or newer (64-bit ragged offsets, GQA backward); found " + (
             f"{version_string(cudnn_version)}."

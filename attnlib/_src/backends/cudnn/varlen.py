@@ -36,7 +36,7 @@ import numpy as np
 
 from ... import dropout as dropout_lib, logs, varying
 from ...config import AttentionConfig, AttentionInputs
-from .. import xla as xla_backend
+from .. import xla as xla_backend, xla_chunked
 from . import attention as dense, ragged, row_fill, support
 from .graphs import GraphSpec, Uid
 
@@ -497,8 +497,44 @@ def _paged_attention(
     )
 
 
+DEFAULT_SEGMENTS_PER_ROW = 16
+"""The bound on segments per packed row used under `jit` when the caller gives no `max_segments_per_row`; a step whose
+rows hold more runs on `xla_chunked` instead (docs/performance.md: how it was chosen)."""
+
+
+def _concrete(*arrays: jax.Array | None) -> bool:
+    return all(x is None or not isinstance(x, jax.core.Tracer) for x in arrays)
+
+
+def _packed_rows(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+    """Packed rows (segment ids) without `max_segments_per_row`: the bound is the rows' own count, rounded up to a
+    power of two, when the ids are concrete; under `jit` it is `DEFAULT_SEGMENTS_PER_ROW`, checked on device, and
+    a call whose rows hold more runs on `xla_chunked` (`lax.cond`: one of the two runs)."""
+    T = config.q_len
+    ids = (inputs.q_segment_ids, inputs.kv_segment_ids, inputs.query_seq_lengths, inputs.key_value_seq_lengths)
+    if _concrete(*ids):
+        with jax.ensure_compile_time_eval():  # concrete ids closed over by a jitted function count too
+            most = max(int(jnp.max(ragged.runs_per_row(x), initial=1)) for x in _segment_ids(config, inputs))
+        bound = min(1 << (most - 1).bit_length(), max(T, config.kv_len, 1))
+        return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs)
+    bound = min(DEFAULT_SEGMENTS_PER_ROW, max(T, config.kv_len, 1))
+    logs.log_once(
+        ("packed rows default bound", config.batch_shape, T, config.kv_len), logging.INFO,
+        "attnlib cudnn: packed rows without max_segments_per_row under jit: cuDNN runs with a bound of %d segments "
+        "per row; a step whose rows hold more runs on xla_chunked. Pass max_segments_per_row to set the bound.", bound,
+    )  # fmt: skip
+    q_ids, kv_ids = _segment_ids(config, inputs)
+    fits = jnp.maximum(ragged.runs_per_row(q_ids).max(), ragged.runs_per_row(kv_ids).max()) <= bound
+    bounded = dataclasses.replace(config, max_segments_per_row=bound)
+    return jax.lax.cond(
+        fits, lambda: _ragged_attention(bounded, inputs), lambda: xla_chunked.IMPLEMENTATION.attention(config, inputs)
+    )
+
+
 def attention(config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool) -> tuple[jax.Array, jax.Array]:
     """`(out, lse)` for a THD, packed-row or paged call (see the module docstring)."""
     if config.layout == "paged":
         return _paged_attention(config, inputs, explicit)
+    if config.layout == "dense" and config.max_segments_per_row is None:
+        return _packed_rows(config, inputs)
     return _ragged_attention(config, inputs)
