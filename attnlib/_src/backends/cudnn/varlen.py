@@ -526,9 +526,15 @@ def _packed_rows(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.
     q_ids, kv_ids = _segment_ids(config, inputs)
     fits = jnp.maximum(ragged.runs_per_row(q_ids).max(), ragged.runs_per_row(kv_ids).max()) <= bound
     bounded = dataclasses.replace(config, max_segments_per_row=bound)
-    return jax.lax.cond(
-        fits, lambda: _ragged_attention(bounded, inputs), lambda: xla_chunked.IMPLEMENTATION.attention(config, inputs)
+    # The fallback is rematerialized in its backward: its residuals are then the call's own inputs, so the branch
+    # that runs does not fill the other branch's residual buffers with zeros.
+    fallback = jax.checkpoint(
+        lambda *qkv: xla_chunked.IMPLEMENTATION.attention(
+            config, dataclasses.replace(inputs, **dict(zip(("query", "key", "value", "sinks"), qkv, strict=True)))
+        )
     )
+    qkv = (inputs.query, inputs.key, inputs.value, inputs.sinks)
+    return jax.lax.cond(fits, lambda: _ragged_attention(bounded, inputs), lambda: fallback(*qkv))
 
 
 def attention(config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool) -> tuple[jax.Array, jax.Array]:
