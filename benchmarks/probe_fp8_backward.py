@@ -8,7 +8,8 @@ dequantized inputs (same dO):
   `|dQ| <= scale amax|k| B`, `|dK| <= scale amax|q| T B`);
 - `oracle`: scales from the amaxes cuDNN reports after a first run (what perfect delayed scaling would give);
 - `bf16`: cuDNN's 16-bit backward at the dequantized inputs (what attnlib runs today).
-and times the FP8 backward (oracle scales) against the 16-bit one. Prints JSON lines; writes OUT/probe_fp8_backward.json.
+and times the FP8 backward (oracle scales) against the 16-bit one. Prints JSON lines; writes
+OUT/probe_fp8_backward.json.
 """
 
 import json
@@ -17,6 +18,7 @@ import os
 
 import cudnn
 import torch
+
 
 OUT = os.environ.get("OUT", ".")
 handle = cudnn.create_handle()
@@ -80,7 +82,8 @@ def one(b, n, kh, s, d, causal, accuracy):
         a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(F32)
     ws = build(g)
     scale_o = scalar(448.0 / (1.25 * 448.0 * float(sv)))
-    pack = {tq: T_(q8), tk: T_(k8), tv: T_(v8), o: T_(O8), stats: ST, amax_s: scalar(0), amax_o: scalar(0),
+    pack = {tq: T_(q8), tk: T_(k8), tv: T_(v8), o: T_(O8), stats: ST, amax_s: scalar(0),
+            amax_o: scalar(0),
             st["dq"]: sq, st["dk"]: sk, st["dv"]: sv, st["ds"]: scalar(1 / 448), st["ss"]: scalar(448), st["so"]: scale_o}
     g.execute(pack, ws, handle=handle)
     torch.cuda.synchronize()

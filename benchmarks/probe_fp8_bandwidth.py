@@ -6,29 +6,22 @@
 """
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 from jax.experimental import pallas as pl
+
 
 SHAPE = (1, 8192, 64, 128)
 BYTES = int(np.prod(SHAPE))  # one byte per element of the E4M3 side
 
 
 def wall_us(fn, *args, loop=20, reps=5):
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(loop):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / loop)
-    return best * 1e6
+    """Microseconds per call: best of `reps` loops of `loop` (`bench_cudnn.best_per_call`)."""
+    return best_per_call(fn, args, loop=loop, reps=reps) * 1e6
 
 
 def torch_us(fn, n=20):
@@ -100,7 +93,6 @@ def main():
     report("torch bf16 -> e4m3 (.to)", torch_us(lambda: xt.to(torch.float8_e4m3fn)), 3 * BYTES)
     x8t = xt.to(torch.float8_e4m3fn)
     report("torch e4m3 -> bf16 (.to)", torch_us(lambda: x8t.to(torch.bfloat16)), 3 * BYTES)
-    del xt, x8t
 
     x = jax.random.normal(jax.random.key(0), SHAPE, jnp.float32).astype(jnp.bfloat16)
     s = jnp.max(jnp.abs(x.astype(jnp.float32))) / 448.0
