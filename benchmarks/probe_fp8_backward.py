@@ -83,8 +83,8 @@ def one(b, n, kh, s, d, causal, accuracy):
     ws = build(g)
     scale_o = scalar(448.0 / (1.25 * 448.0 * float(sv)))
     pack = {tq: T_(q8), tk: T_(k8), tv: T_(v8), o: T_(O8), stats: ST, amax_s: scalar(0),
-            amax_o: scalar(0),
-            st["dq"]: sq, st["dk"]: sk, st["dv"]: sv, st["ds"]: scalar(1 / 448), st["ss"]: scalar(448), st["so"]: scale_o}
+            amax_o: scalar(0), st["dq"]: sq, st["dk"]: sk, st["dv"]: sv, st["ds"]: scalar(1 / 448),
+            st["ss"]: scalar(448), st["so"]: scale_o}
     g.execute(pack, ws, handle=handle)
     torch.cuda.synchronize()
     out = O8.float() / scale_o.reshape(())
