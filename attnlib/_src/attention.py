@@ -156,7 +156,9 @@ def attention(
         q_segment_ids: int `[*B, T]`: packed rows; tokens attend only within their segment; 0 = padding; each
             segment one contiguous run. Positions restart at each segment.
         kv_segment_ids: int `[*B, S]`. Defaults to `q_segment_ids`.
-        max_segments_per_row: static bound on segments per row (fused kernels need it).
+        max_segments_per_row: static bound on segments per row, sizing fused kernels (a row with more gets NaN
+            there). Without it cuDNN takes the bound from concrete ids, or under `jit` uses 16 and runs a call
+            whose rows hold more on `xla_chunked`.
         cu_seqlens_q: int `[B + 1]`: THD layout; sequence `b` is query rows `cu[b]:cu[b+1]`; rows past `cu[-1]`
             are padding.
         cu_seqlens_kv: int `[B + 1]`. Defaults to `cu_seqlens_q`.
