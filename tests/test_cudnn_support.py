@@ -64,6 +64,8 @@ SUPPORTED = [
     # Packed rows or per-sequence alignment with a mask or modifier: the sequence structure is an additive bias.
     ("softcap_segments", {"has_segments": True, "logits_soft_cap": 30.0, "is_causal": True}),
     ("mask_segments", {"has_segments": True, "mask_shape": (128, 128)}),
+    # Packed rows without `max_segments_per_row`: the bound is derived (concrete ids, or 16 under jit).
+    ("segments_without_a_bound", {"has_segments": True}),
     ("softcap_padding_bottom_right_bias_route", {"logits_soft_cap": 30.0, "has_kv_lengths": True, "is_causal": True,
                                                   "diagonal_alignment": "bottom_right"}),
 ]
@@ -77,7 +79,6 @@ def test_supported_on_hopper(changes):
 DECLINED = [
     ("thd", {"layout": "thd"}, "THD"),
     ("paged", {"layout": "paged"}, "page_table"),
-    ("segments", {"has_segments": True}, "segment_ids"),
     ("mask_thd", {"layout": "thd", "num_sequences": 2, "mask_shape": (128, 128)}, "boolean `mask` with THD"),
     ("softcap_thd", {"layout": "thd", "num_sequences": 2, "logits_soft_cap": 30.0}, "logits_soft_cap"),
     ("softcap_bias", {"logits_soft_cap": 30.0, "bias_shape": (128, 128)}, "bias"),
