@@ -56,7 +56,12 @@ def emulate(spec: GraphSpec, entry, *operands, tokens=None):
     if spec.direction == "fwd":
         o, stats = softmax_rows(logits, v, vals.get(Uid.SINK))
         out = _unwritten(rows_first(o), t, seq_q, Uid.O in filled, kernel_zeros).astype(spec.dtype)
-        stats = jnp.where(jnp.arange(t)[None, None, :] < seq_q[:, None, None], stats, jnp.nan)
+        rows = jnp.arange(t)[None, None, :] < seq_q[:, None, None]
+        stats = jnp.where(rows, stats, jnp.nan)
+        if spec.row_max:  # cuDNN's score_max and score_sum_exp instead of Stats
+            top = jnp.max(logits, axis=-1)
+            sum_exp = jnp.sum(jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)[..., None]), axis=-1)
+            return out, jnp.where(rows, top, jnp.nan), jnp.where(rows, sum_exp, jnp.nan)
         return (out, stats) if spec.stats else (out,)
     o, do = heads_first(vals[Uid.O]), heads_first(vals[Uid.DO])
     p = jnp.where(mask, jnp.exp(logits - vals[Uid.STATS][..., None]), 0.0)
@@ -204,3 +209,53 @@ def test_padded_top_left_calls_make_no_pass_over_output_or_gradients(emulated, m
 def test_context_parallel_on_the_emulated_cudnn_wrapper():
     """`tests/cp_cudnn_emulated.py` on 4 simulated CPU devices."""
     run_pytest_on_simulated_devices("cp_cudnn_emulated.py", 4)
+
+
+MAX_LOGIT_CASES = [
+    ("causal_gqa", {"is_causal": True}, 29),
+    ("padding", dict(PADDING_CASES[0][1]), 29),
+    ("window_rows_past_keys", dict(PADDING_CASES[4][1]), 29),
+    ("bottom_right_t_gt_s", {"is_causal": True, "diagonal_alignment": "bottom_right"}, 45),
+    ("mask_hides_rows", {"mask": "rows"}, 29),
+    ("bias", {"bias": "random"}, 29),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,kw,T", MAX_LOGIT_CASES, ids=[c[0] for c in MAX_LOGIT_CASES])
+def test_max_logit_comes_from_the_forward_graph(emulated, monkeypatch, case, kw, T):
+    """`return_max_logit` on cuDNN's dense path is the forward graph's `score_max` (no separate pass: `max_logit.py`
+    is not called), equal to the plain pass's value; rows that see no key do not count; `lse` is unchanged."""
+    from attnlib._src import max_logit as max_logit_lib
+
+    q, k, v = _qkv(41, 3, T, 33, 4, 2)
+    kw = _lengths(kw)
+    extra = {}
+    if kw.pop("mask", None) == "rows":  # query rows 3..9 see nothing in head 2 of batch row 1
+        hide = (jnp.arange(3)[:, None, None, None] == 1) & (jnp.arange(4)[None, :, None, None] == 2)
+        hide = hide & (jnp.arange(T)[None, None, :, None] >= 3) & (jnp.arange(T)[None, None, :, None] < 10)
+        extra["mask"] = jnp.broadcast_to(~hide, (3, 4, T, 33))
+    if kw.pop("bias", None) == "random":
+        extra["bias"] = jax.random.normal(jax.random.key(3), (1, 4, T, 33), jnp.float32).astype(jnp.bfloat16)
+    expected = attnlib.attention(q, k, v, implementation="xla", return_max_logit=True, return_residual=True,
+                                 **extra, **kw)  # fmt: skip
+    plain_pass = max_logit_lib.max_logit
+
+    def refuse(*args):
+        raise AssertionError("max_logit.py's separate pass ran")
+
+    monkeypatch.setattr(max_logit_lib, "max_logit", refuse)
+    out, lse, max_logit = jax.jit(lambda q, k, v: attnlib.attention(
+        q, k, v, implementation="cudnn", return_max_logit=True, return_residual=True, **extra, **kw))(q, k, v)  # fmt: skip
+    monkeypatch.setattr(max_logit_lib, "max_logit", plain_pass)
+    assert max_logit.shape == (3, 4) and max_logit.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(max_logit), np.asarray(expected[2]), rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(expected[1]), rtol=0, atol=2 * 2.0**-7)
+
+
+def test_max_logit_with_sinks_takes_its_own_pass(emulated):
+    """A sink would enter cuDNN's row maximum: with sinks the statistic comes from `max_logit.py`'s pass."""
+    q, k, v = _qkv(42, 2, 29, 33, 4, 2)
+    sinks = jnp.asarray([3.0, -1.0, 0.5, 9.0], jnp.float32)
+    got = attnlib.attention(q, k, v, sinks=sinks, implementation="cudnn", return_max_logit=True)[1]
+    expected = attnlib.attention(q, k, v, sinks=sinks, implementation="xla", return_max_logit=True)[1]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-5)

@@ -462,3 +462,28 @@ def test_auto_dispatch_picks_cudnn():
 
     q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
     assert attnlib.explain(q, q, q).implementation == "cudnn"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"is_causal": True}, {"query_seq_lengths": [300, 17], "key_value_seq_lengths": [200, 333], "is_causal": True},
+     {"is_causal": True, "diagonal_alignment": "bottom_right"}, {"local_window_size": (64, 0), "is_causal": True}],
+    ids=["causal", "padding", "bottom_right_t_gt_s", "window"],
+)  # fmt: skip
+def test_max_logit_from_the_forward_graph(kw):
+    """`return_max_logit` on cuDNN reads the forward graph's `score_max` (cuDNN 9.19: instead of Stats); it equals
+    the float32 plain pass on the same bf16 inputs to float32 rounding, and `lse` (rebuilt as max + log sum_exp)
+    keeps the usual tolerance."""
+    import attnlib
+
+    q, k, v = _qkv(21, (2,), 300, 333 if "diagonal_alignment" not in kw else 200, 8, 2, 128, 128, jnp.bfloat16)
+    kw = {key: (jnp.asarray(val, jnp.int32) if key.endswith("lengths") else val) for key, val in kw.items()}
+    attend = lambda impl, *a: attnlib.attention(  # noqa: E731
+        *a, implementation=impl, return_residual=True, return_max_logit=True, **kw)
+    out, lse, max_logit = jax.jit(lambda *a: attend("cudnn", *a))(q, k, v)
+    with jax.default_matmul_precision("highest"):
+        r_out, r_lse, r_max = attend("xla", *(_upcast(x) for x in (q, k, v)))
+    e = _eps(jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(max_logit), np.asarray(r_max), rtol=1e-5, atol=1e-4)
+    _assert_close(out, r_out, 2 * e, e, "out")
+    _assert_close(lse, r_lse, 2 * e, 0.0, "lse")

@@ -51,6 +51,8 @@ class AttentionConfig:
         fp8: `"current"` (16/32-bit inputs quantized by the call), `"scaled"` (float8_e4m3fn inputs with
             `Fp8Scales`) or None (see `fp8.py`).
         fp8_output_dtype: with `fp8="scaled"`, `Fp8Scales.output_dtype`; else None.
+        max_logit: `return_max_logit=True`: an implementation may return each row's largest logit with its
+            results (cuDNN's dense graphs do, `Implementation.attention`); it never changes which one serves.
     """
 
     layout: Layout
@@ -87,6 +89,7 @@ class AttentionConfig:
     modifiers: Modifiers | None = None
     fp8: Literal["current", "scaled"] | None = None
     fp8_output_dtype: np.dtype | None = None
+    max_logit: bool = False
 
     @property
     def output_dtype(self) -> np.dtype:

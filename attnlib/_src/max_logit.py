@@ -1,8 +1,9 @@
 """`return_max_logit=True` (docs/semantics.md): per batch row (THD: per sequence) and query head, the largest logit any
 kept query-key pair reached, for QK-clip / MuonClip. A statistic: not differentiable.
 
-It is computed by its own blocked plain-JAX pass over the keys (`xla_chunked.row_max`), whatever implementation
-produced the output: memory linear in the key length, the same numbers on every implementation.
+cuDNN's dense graphs return each row's maximum with the output (`score_max`, `from_rows`); everywhere else it is
+computed by its own blocked plain-JAX pass over the keys (`xla_chunked.row_max`, `max_logit`): memory linear in the
+key length.
 """
 
 import jax
@@ -24,15 +25,22 @@ def max_logit(config: AttentionConfig, inputs: AttentionInputs) -> jax.Array:
     rows = xla_chunked.row_max(config, problem)  # [B, K, G, T]
     B, K, G, T = rows.shape
     rows = jnp.reshape(rows, (B, K * G, T))
-    acc = scores.accumulator(config.dtype)
     if config.layout == "thd":
         sequence = positions_lib.batch_index(problem.positions, B, thd=True)[0]  # [T]
         per_token = jnp.transpose(rows[0])  # [T, N]
         out = jax.ops.segment_max(per_token, sequence, num_segments=config.num_sequences)  # empty: -inf
-        return jax.lax.stop_gradient(out.astype(acc))
-    out = jnp.max(rows, axis=-1)  # [B, N]
-    if not config.unbatched:
-        out = jnp.reshape(out, config.batch_shape + (config.num_q_heads,))
-    else:
-        out = out[0]
-    return jax.lax.stop_gradient(out.astype(acc))
+        return jax.lax.stop_gradient(out.astype(scores.accumulator(config.dtype)))
+    return _per_head(config, jnp.max(rows, axis=-1))
+
+
+def from_rows(config: AttentionConfig, rows: jax.Array) -> jax.Array:
+    """`max_logit` from an implementation's per-row maxima, float32 `[*B, T, N]` (dense layouts; -inf for rows
+    that see no key)."""
+    rows = jnp.reshape(rows, (config.batch_size, config.q_len, config.num_q_heads))
+    return _per_head(config, jnp.max(rows, axis=1, initial=-jnp.inf))
+
+
+def _per_head(config: AttentionConfig, out: jax.Array) -> jax.Array:
+    """`[B, N]` maxima -> `[*B, N]` (`[N]` unbatched), not differentiable."""
+    out = out[0] if config.unbatched else jnp.reshape(out, config.batch_shape + (config.num_q_heads,))
+    return jax.lax.stop_gradient(out.astype(scores.accumulator(config.dtype)))

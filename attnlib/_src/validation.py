@@ -160,6 +160,7 @@ def validate(
     mask_mod: Any = None,
     score_mod_args: Any = (),
     fp8: Any = None,
+    return_max_logit: bool = False,
 ) -> tuple[AttentionConfig, AttentionInputs]:
     """Check every argument of `attention` and describe the call statically.
 
@@ -433,6 +434,7 @@ def validate(
         modifiers=modifiers,
         fp8=fp8_mode,
         fp8_output_dtype=None if fp8_scales is None else np.dtype(fp8_scales.output_dtype),
+        max_logit=bool(return_max_logit),
     )
     inputs = AttentionInputs(
         query=query,

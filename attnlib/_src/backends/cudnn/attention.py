@@ -18,6 +18,7 @@ bottom-right diagonal the rows that see no key come first; those calls mask the 
 
 import dataclasses
 import functools
+import logging
 import time
 from typing import Any
 
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import canonical, dropout as dropout_lib, ffi, fp8 as fp8_lib, masks as masks_lib, varying
+from ... import canonical, dropout as dropout_lib, ffi, fp8 as fp8_lib, logs, masks as masks_lib, varying
 from ...config import AttentionConfig, AttentionInputs
 from . import graphs, modifier as modifier_lib, support
 from .cache import GraphCache, GraphEntry
@@ -266,8 +267,9 @@ def _forward(
     plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8: Fp8Operands | None = None,
     spec: GraphSpec | None = None,
 ):
-    """(out, stats or None, valid rows `[B, T, 1|N]` or None) of the forward graph `spec` (default `plan.fwd`).
-    An FP8 graph reads `fp8` instead of `q`, `k`, `v`; its output is dequantized to `q`'s dtype."""
+    """(out, stats or None, valid rows `[B, T, 1|N]` or None, row maxima `[B, N, T]` or None) of the forward graph
+    `spec` (default `plan.fwd`). An FP8 graph reads `fp8` instead of `q`, `k`, `v`; its output is dequantized to
+    `q`'s dtype. A `row_max` graph's stats are `score_max + log(score_sum_exp)`."""
     spec = plan.fwd if spec is None else spec
     seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
     values = {
@@ -280,6 +282,9 @@ def _forward(
         values.update({Uid.Q: fp8.q, Uid.K: fp8.k, Uid.V: fp8.v, **dict(zip(graphs.FP8_SCALES, fp8.scales))})
     results = graph_call(spec)(*_operands(spec, values))
     out, stats = (results[0], results[1]) if spec.stats else (results[0], None)
+    row_max = None
+    if spec.row_max:
+        row_max, stats = results[1], results[1] + jnp.log(results[2])
     if spec.fp8:
         out = (out.astype(jnp.float32) / fp8.output_scale[0]).astype(q.dtype)  # pyright: ignore[reportOptionalMemberAccess]
     valid = None if plan.all_rows_valid else _row_valid(plan, seq_q, seq_kv)
@@ -294,7 +299,7 @@ def _forward(
         if stats is not None:
             # Rows that see no key: finite stats make the backward's probabilities exactly zero there.
             stats = jnp.where(_head_major(valid), stats, 0.0)
-    return out, stats, valid
+    return out, stats, valid, row_max
 
 
 def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, args) -> jax.Array:
@@ -331,15 +336,21 @@ def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, args) -> jax
     return jnp.transpose(jnp.reshape(lse, (spec.b, spec.n, spec.t)), (0, 2, 1))
 
 
+def _row_maxima(row_max: jax.Array | None, valid: jax.Array | None) -> jax.Array | None:
+    """`[B, N, T]` score maxima -> `[B, T, N]`, -inf for rows that see no key (None without a `row_max` graph)."""
+    return None if row_max is None else _masked_lse(row_max, valid, None)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _sdpa(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8):
+    """`(out, lse, row maxima or None)`; the maxima are a statistic (no gradient flows from them)."""
     if plan.inference is not None:
-        out, _, _ = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, spec=plan.inference)
+        out, _, _, _ = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, spec=plan.inference)
         # The caller drops lse (return_residual=False); it only has to have lse's type.
         unused = jnp.full((plan.fwd.b, plan.fwd.t, plan.fwd.n), -jnp.inf, jnp.float32)
-        return out, varying.vary_over(unused, varying.union_axes(out))
-    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
-    return out, _masked_lse(stats, valid, sinks)
+        return out, varying.vary_over(unused, varying.union_axes(out)), None
+    out, stats, valid, row_max = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
+    return out, _masked_lse(stats, valid, sinks), _row_maxima(row_max, valid)
 
 
 def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8):
@@ -355,16 +366,16 @@ def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
     unwrap = lambda x: x.value if is_primal(x) else x
     primals = jax.tree.map(unwrap, (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8), is_leaf=is_primal)
     q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8 = primals
-    out, stats, valid = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
+    out, stats, valid, row_max = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
     # An FP8 forward is differentiated by the 16-bit backward graph at the dequantized inputs q, k, v (`fp8.py`).
     residuals = (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, jax.tree.map(lambda _: None, fp8), out, stats,
                  valid)
-    return (out, _masked_lse(stats, valid, sinks)), residuals
+    return (out, _masked_lse(stats, valid, sinks), _row_maxima(row_max, valid)), residuals
 
 
 def _sdpa_bwd(plan: Plan, residuals, cotangents):
     q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, no_fp8, out, stats, valid = residuals
-    d_out, d_lse = cotangents
+    d_out, d_lse, _ = cotangents  # the row maxima are a statistic
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
     d_out = d_out.astype(out.dtype)
@@ -431,12 +442,14 @@ def make_plan(
     *,
     bias_grad: bool = True,
     mask_bias: bool = False,
+    row_max: bool = False,
 ) -> Plan:
     """The graphs for a `[b, t, N, H]` problem (`t` after any bottom-right slicing) of `config`.
 
     With a score modifier (`modifier.uses_modifier`) causal, window and bottom-right alignment live in the modifier
     and key padding in the bias (`bias_shape` must then include it), so the graphs have no built-in mask.
     `mask_bias`: the bias carries masks (`_mask_bias`), so rows may see no key.
+    `row_max`: the forward writes each row's score maximum (`GraphSpec.row_max`, for `return_max_logit`).
     """
     s = config.kv_len
     padded = config.has_q_lengths or config.has_kv_lengths
@@ -468,14 +481,15 @@ def make_plan(
         modifier=score_modifier,
         bias_grad=bias_grad,
     )
-    fwd = GraphSpec(direction="fwd", fp8=config.fp8 is not None, **common)
+    fwd = GraphSpec(direction="fwd", fp8=config.fp8 is not None, row_max=row_max, **common)
     bwd = GraphSpec(direction="bwd", deterministic=config.deterministic_backward, **common)
     # Rows that see no key are found from the statistics when a caller's mask or modifier may hide a row's keys, or
     # when a band inside the modifier hides some row's (a soft cap alone is finite: no pass over the output).
     detect = config.has_mask or config.modifiers is not None or mask_bias
     detect = detect or (score_modifier is not None and not rows_valid)
     inference = None
-    if not config.return_residual and config.dropout_rate == 0 and score_modifier is None and not detect:
+    plain = score_modifier is None and not detect and not row_max
+    if not config.return_residual and config.dropout_rate == 0 and plain:
         inference = dataclasses.replace(fwd, stats=False)
     all_valid = rows_valid and not detect
     return Plan(
@@ -565,9 +579,10 @@ def attention(
     v = jnp.reshape(inputs.value, (B, S, config.num_kv_heads, config.value_head_dim))
     sinks = None if inputs.sinks is None else inputs.sinks.astype(jnp.float32)
 
-    def finish(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def finish(out: jax.Array, lse: jax.Array, rows: jax.Array | None = None) -> tuple[jax.Array, ...]:
         out = jnp.reshape(out.astype(dtype), batch_shape + (T, N, config.value_head_dim))
-        return out, jnp.reshape(lse, batch_shape + (T, N))
+        rows = () if rows is None else (jnp.reshape(rows, batch_shape + (T, N)),)
+        return out, jnp.reshape(lse, batch_shape + (T, N)), *rows
 
     if B == 0 or T == 0 or S == 0:
         out = jnp.zeros((B, T, N, config.value_head_dim), dtype)
@@ -601,14 +616,33 @@ def attention(
         seeds = jax.lax.bitcast_convert_type(dropout_lib.dropout_seeds(inputs.dropout_key), jnp.int32)
 
     bias_shape = None if bias is None else (bias.shape[0], bias.shape[1])
-    plan = make_plan(config, B, t, bias_shape, bias_grad=bias_grad, mask_bias=masks is not None)
+    plan = make_plan(config, B, t, bias_shape, bias_grad=bias_grad, mask_bias=masks is not None,
+                     row_max=_fused_max_logit(config))
+    if plan.fwd.row_max:
+        try:
+            get_entry(plan.fwd)
+        except graphs.GraphRejected as e:
+            logs.log_once(
+                ("row max graph", plan.fwd.label), logging.WARNING,
+                "attnlib cudnn: the forward graph with score_max refused to build (%s); return_max_logit takes its "
+                "own pass over the keys.", e,
+            )  # fmt: skip
+            plan = make_plan(config, B, t, bias_shape, bias_grad=bias_grad, mask_bias=masks is not None)
     # Inside shard_map: differentiable inputs vary like the rest, so custom_vjp cotangent types match.
     q, k, v, bias, sinks = varying.like_inputs((q, k, v, bias, sinks), (q, k, v, bias, sinks, seq_q, seq_kv, seeds))
     if fp8 is not None and skip:
         fp8 = dataclasses.replace(fp8, q=fp8.q[:, skip:])
-    out, lse = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
+    out, lse, rows = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
     if skip:
         out = jnp.concatenate([jnp.zeros((B, skip) + out.shape[2:], out.dtype), out], axis=1)
         head = jnp.full((B, skip, N), -jnp.inf, jnp.float32) if sinks is None else jnp.broadcast_to(sinks, (B, skip, N))
         lse = jnp.concatenate([head, lse], axis=1)
-    return finish(out, lse)
+        if rows is not None:
+            rows = jnp.concatenate([jnp.full((B, skip, N), -jnp.inf, jnp.float32), rows], axis=1)
+    return finish(out, lse, rows)
+
+
+def _fused_max_logit(config: AttentionConfig) -> bool:
+    """`return_max_logit` comes from the forward graph's `score_max` (dense graphs without FP8, sinks (the sink
+    would enter the maximum) or a score modifier); otherwise `max_logit.py` takes its own pass."""
+    return config.max_logit and config.fp8 is None and not config.has_sinks and not modifier_lib.uses_modifier(config)

@@ -107,6 +107,8 @@ class Uid(enum.IntEnum):
     SCALE_O = 29
     AMAX_S = 30
     AMAX_O = 31
+    SCORE_MAX = 32
+    SUM_EXP = 33
 
 
 FP8_SCALES = (Uid.DESCALE_Q, Uid.DESCALE_K, Uid.DESCALE_V, Uid.DESCALE_S, Uid.SCALE_S, Uid.SCALE_O)
@@ -167,6 +169,9 @@ class GraphSpec:
         fp8: forward only: an `sdpa_fp8` graph. Q, K, V and O are float8_e4m3fn (Hopper writes O in FP8), the
             per-tensor scales of `FP8_SCALES` are inputs, `FP8_AMAXES` extra outputs; `dtype` is then the 16-bit
             type of the rest of the call (its backward graph).
+        row_max: dense forward only: the graph writes cuDNN's `score_max` and `score_sum_exp` (float32 `[b, n, t]`
+            each) instead of Stats (cuDNN 9.19 takes one or the other): `lse = max + log(sum_exp)`, and the row max
+            is `return_max_logit`'s statistic.
         memset_rows: a dense padded top-left graph (`rows_by_length`) zeroes O, dQ, dK and dV with a memset before
             it runs (`zero_fill`; `attention.MEMSET_ROWS`, the fallback should cuDNN stop writing zeros past the
             lengths). Not part of the cuDNN graph itself. Ragged graphs never memset: `row_fill.set_rows` sets the
@@ -202,6 +207,7 @@ class GraphSpec:
     modifier: ScoreModifier | None = None
     bias_grad: bool = True
     fp8: bool = False
+    row_max: bool = False
 
     @property
     def label(self) -> str:
@@ -211,6 +217,8 @@ class GraphSpec:
             kind += "mod_"
         if self.fp8:
             kind += "fp8_"
+        if self.row_max:
+            kind += "max_"
         return f"sdpa_{kind}{direction}_b{self.b}_t{self.t}_s{self.s}_n{self.n}_k{self.k}_h{self.h}_hv{self.hv}"
 
     def in_uids(self) -> tuple[Uid, ...]:
@@ -239,7 +247,8 @@ class GraphSpec:
 
     def out_uids(self) -> tuple[Uid, ...]:
         if self.direction == "fwd":
-            outs = (Uid.O, Uid.STATS) if self.stats else (Uid.O,)
+            outs = (Uid.O, Uid.SCORE_MAX, Uid.SUM_EXP) if self.row_max else (Uid.O, Uid.STATS) if self.stats else (
+                Uid.O,)
             return outs + FP8_AMAXES if self.fp8 else outs
         return (Uid.DQ, Uid.DK, Uid.DV) + ((Uid.DBIAS,) if self.bias_b and self.bias_grad else ())
 
@@ -295,6 +304,8 @@ class GraphSpec:
             return self._dense_shape(uid), self.dtype
         return {
             Uid.STATS: ((b, n, t), "float32"),
+            Uid.SCORE_MAX: ((b, n, t), "float32"),
+            Uid.SUM_EXP: ((b, n, t), "float32"),
             Uid.BIAS: ((self.bias_b, self.bias_n, t, s), self.dtype),
             Uid.DBIAS: ((self.bias_b, self.bias_n, t, s), self.dtype),
             Uid.SEQ_Q: ((b,), "int32"),
@@ -333,6 +344,8 @@ def _layout(uid: Uid, spec: GraphSpec) -> tuple[list[int], list[int]]:
         return bthd(s, k, hv)
     if uid in (Uid.O, Uid.DO):
         return bthd(t, n, hv)
+    if uid in (Uid.SCORE_MAX, Uid.SUM_EXP):
+        return [b, n, t, 1], [n * t, t, 1, 1]
     if uid == Uid.STATS:
         if spec.ragged_stats:  # token-major [Tq, N]: one row of N per query token
             return [b, n, t, 1], [n * t, 1, n, 1]
@@ -528,11 +541,21 @@ def _define(spec: GraphSpec) -> Any:
         set_output(amax_s, Uid.AMAX_S)
         set_output(amax_o, Uid.AMAX_O)
     elif spec.direction == "fwd":
+        row_max = {}
+        if spec.row_max:
+            for uid, option in ((Uid.SCORE_MAX, "score_max"), (Uid.SUM_EXP, "score_sum_exp")):
+                dim, stride = _layout(uid, spec)
+                row_max[uid] = options[option] = graph.tensor(
+                    dim=dim, stride=stride, data_type=cudnn.data_type.FLOAT, uid=int(uid), name=uid.name
+                )
         o, stats = graph.sdpa(
-            tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], generate_stats=spec.stats, name="sdpa", **options
+            tensors[Uid.Q], tensors[Uid.K], tensors[Uid.V], generate_stats=spec.stats and not spec.row_max,
+            name="sdpa", **options,
         )
         set_output(o, Uid.O)
-        if spec.stats:
+        for uid, tensor in row_max.items():
+            set_output(tensor, uid)
+        if spec.stats and not spec.row_max:
             set_output(stats, Uid.STATS)
     else:
         if spec.bias_b and spec.bias_grad:

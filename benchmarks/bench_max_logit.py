@@ -1,0 +1,80 @@
+"""H200 benchmark: the cost of `return_max_logit=True` on cuDNN (issue target: <= 3 % forward overhead), one process.
+
+Usage: python benchmarks/bench_max_logit.py [--json out.json]
+
+Per shape, under `jax.jit`: attnlib cudnn forward without and with `return_max_logit` (the graph then writes
+`score_max` + `score_sum_exp` instead of Stats), the same with sinks (the statistic then takes `max_logit.py`'s
+separate pass, for comparison) and jax.nn's cuDNN forward; forward + backward without and with. Timing as
+`bench_cudnn.py`.
+"""
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
+
+import attnlib
+
+
+SHAPES = {  # name: (b, s, n, k, d, causal)
+    "b4_s4096_32_8_d128_causal": (4, 4096, 32, 8, 128, True),
+    "b1_s8192_64_8_d128_causal": (1, 8192, 64, 8, 128, True),
+    "b4_s4096_32_32_d128_full": (4, 4096, 32, 32, 128, False),
+    "b2_s1024_16_16_d64_causal": (2, 1024, 16, 16, 64, True),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "shapes": {}}
+    for name, (b, s, n, kh, d, causal) in SHAPES.items():
+        keys = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(keys[0], (b, s, n, d), jnp.bfloat16)
+        k = jax.random.normal(keys[1], (b, s, kh, d), jnp.bfloat16)
+        v = jax.random.normal(keys[2], (b, s, kh, d), jnp.bfloat16)
+        do = jax.random.normal(keys[3], (b, s, n, d), jnp.bfloat16)
+        sinks = jnp.zeros((n,), jnp.float32)
+
+        def attend(q, k, v, max_logit=False, sink=False):
+            return attnlib.attention(q, k, v, is_causal=causal, implementation="cudnn", return_max_logit=max_logit,
+                                     sinks=sinks if sink else None)
+
+        def grads(max_logit):
+            def loss(q, k, v):
+                res = attend(q, k, v, max_logit)
+                out = res[0] if max_logit else res
+                return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), res
+
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+        variants = {
+            "fwd": jax.jit(lambda q, k, v: attend(q, k, v)),
+            "fwd_max_logit": jax.jit(lambda q, k, v: attend(q, k, v, True)),
+            "fwd_sinks": jax.jit(lambda q, k, v: attend(q, k, v, False, True)),
+            "fwd_sinks_max_logit_separate_pass": jax.jit(lambda q, k, v: attend(q, k, v, True, True)),
+            "jax_nn_cudnn_fwd": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, implementation="cudnn")),
+            "fwd_bwd": grads(False),
+            "fwd_bwd_max_logit": grads(True),
+        }  # fmt: skip
+        row = {}
+        for _ in range(3):  # round-robin, best of 3 rounds
+            for label, f in variants.items():
+                ms = best_per_call(f, (q, k, v), loop=20, reps=5) * 1e3
+                row[label] = min(row.get(label, float("inf")), ms)
+        row["fwd_overhead"] = row["fwd_max_logit"] / row["fwd"] - 1
+        row["fwd_bwd_overhead"] = row["fwd_bwd_max_logit"] / row["fwd_bwd"] - 1
+        row["separate_pass_overhead"] = row["fwd_sinks_max_logit_separate_pass"] / row["fwd_sinks"] - 1
+        results["shapes"][name] = row
+        print(name, json.dumps({key: round(val, 4) for key, val in row.items()}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
