@@ -29,9 +29,13 @@ SHAPES = {  # name: (b, s, n, k, d, causal)
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--only", nargs="*", default=None, help="shape names")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "shapes": {}}
     for name, (b, s, n, kh, d, causal) in SHAPES.items():
+        if args.only is not None and name not in args.only:
+            continue
         keys = jax.random.split(jax.random.key(0), 4)
         q = jax.random.normal(keys[0], (b, s, n, d), jnp.bfloat16)
         k = jax.random.normal(keys[1], (b, s, kh, d), jnp.bfloat16)
@@ -62,7 +66,7 @@ def main():
             "fwd_bwd_max_logit": grads(True),
         }  # fmt: skip
         row = {}
-        for _ in range(3):  # round-robin, best of 3 rounds
+        for _ in range(args.rounds):  # round-robin, best of the rounds
             for label, f in variants.items():
                 ms = best_per_call(f, (q, k, v), loop=20, reps=5) * 1e3
                 row[label] = min(row.get(label, float("inf")), ms)
@@ -71,6 +75,9 @@ def main():
         row["separate_pass_overhead"] = row["fwd_sinks_max_logit_separate_pass"] / row["fwd_sinks"] - 1
         results["shapes"][name] = row
         print(name, json.dumps({key: round(val, 4) for key, val in row.items()}), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
