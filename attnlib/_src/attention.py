@@ -249,9 +249,11 @@ def attention(
         fp8=fp8,
         return_max_logit=return_max_logit,
     )
-    out, lse, *rows = dispatch.run(config, inputs, implementation)
+    out, lse, *fused = dispatch.run(config, inputs, implementation)
     if return_max_logit:
-        max_logit = max_logit_lib.from_rows(config, rows[0]) if rows else max_logit_lib.max_logit(config, inputs)
+        max_logit = (
+            max_logit_lib.from_implementation(config, fused[0]) if fused else max_logit_lib.max_logit(config, inputs)
+        )
     results = (out,) + ((lse,) if return_residual else ()) + ((max_logit,) if return_max_logit else ())
     return results[0] if len(results) == 1 else results
 

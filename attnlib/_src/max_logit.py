@@ -1,7 +1,7 @@
 """`return_max_logit=True` (docs/semantics.md): per batch row (THD: per sequence) and query head, the largest logit any
 kept query-key pair reached, for QK-clip / MuonClip. A statistic: not differentiable.
 
-cuDNN's dense graphs return each row's maximum with the output (`score_max`, `from_rows`); everywhere else it is
+cuDNN's dense graphs return it with the output (`score_max`, `from_implementation`); everywhere else it is
 computed by its own blocked plain-JAX pass over the keys (`xla_chunked.row_max`, `max_logit`): memory linear in the
 key length.
 """
@@ -33,11 +33,9 @@ def max_logit(config: AttentionConfig, inputs: AttentionInputs) -> jax.Array:
     return _per_head(config, jnp.max(rows, axis=-1))
 
 
-def from_rows(config: AttentionConfig, rows: jax.Array) -> jax.Array:
-    """`max_logit` from an implementation's per-row maxima, float32 `[*B, T, N]` (dense layouts; -inf for rows
-    that see no key)."""
-    rows = jnp.reshape(rows, (config.batch_size, config.q_len, config.num_q_heads))
-    return _per_head(config, jnp.max(rows, axis=1, initial=-jnp.inf))
+def from_implementation(config: AttentionConfig, maxima: jax.Array) -> jax.Array:
+    """`max_logit` as an implementation returned it with its output (`[*B, N]`), as a statistic."""
+    return jax.lax.stop_gradient(maxima.astype(scores.accumulator(config.dtype)))
 
 
 def _per_head(config: AttentionConfig, out: jax.Array) -> jax.Array:

@@ -18,8 +18,8 @@ class Implementation(Protocol):
 
     `attention` returns `(out, lse)`: `out` in the query's layout with the value head dim (`[*B, T, N, Hv]`, THD
     `[T, N, Hv]`) and dtype, `lse` float32 `[*B, T, N]` (THD `[T, N]`). With `config.max_logit` it may add a third
-    result, each row's largest kept logit, float32 `[*B, T, N]` (`-inf` for rows that see no key): computed with
-    the output, it saves `max_logit.py`'s separate pass. Both are differentiable with respect to
+    result, `max_logit` itself (float32 `[*B, N]`, semantics.md): computed with the output, it saves
+    `max_logit.py`'s separate pass. Both are differentiable with respect to
     query, key, value, bias and sinks (paged layouts may decline gradients). Its `explicit` is True when the caller
     named this implementation alone (no other to fall back to): cuDNN's paged forward then refuses a gradient
     instead of differentiating the `xla` path. Neither method keeps state between calls.

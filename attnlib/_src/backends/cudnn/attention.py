@@ -336,21 +336,26 @@ def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, args) -> jax
     return jnp.transpose(jnp.reshape(lse, (spec.b, spec.n, spec.t)), (0, 2, 1))
 
 
-def _row_maxima(row_max: jax.Array | None, valid: jax.Array | None) -> jax.Array | None:
-    """`[B, N, T]` score maxima -> `[B, T, N]`, -inf for rows that see no key (None without a `row_max` graph)."""
-    return None if row_max is None else _masked_lse(row_max, valid, None)
+def _head_maxima(row_max: jax.Array | None, valid: jax.Array | None) -> jax.Array | None:
+    """`[B, N, T]` score maxima -> the largest of each head `[B, N]`, over the rows that see a key (-inf when none
+    does); None without a `row_max` graph. Reduced in the stats layout: no transpose."""
+    if row_max is None:
+        return None
+    if valid is not None:
+        row_max = jnp.where(_head_major(valid), row_max, -jnp.inf)
+    return jnp.max(row_max, axis=-1, initial=-jnp.inf)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _sdpa(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8):
-    """`(out, lse, row maxima or None)`; the maxima are a statistic (no gradient flows from them)."""
+    """`(out, lse, per-head maxima `[B, N]` or None)`; the maxima are a statistic (no gradient flows from them)."""
     if plan.inference is not None:
         out, _, _, _ = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, spec=plan.inference)
         # The caller drops lse (return_residual=False); it only has to have lse's type.
         unused = jnp.full((plan.fwd.b, plan.fwd.t, plan.fwd.n), -jnp.inf, jnp.float32)
         return out, varying.vary_over(unused, varying.union_axes(out)), None
     out, stats, valid, row_max = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
-    return out, _masked_lse(stats, valid, sinks), _row_maxima(row_max, valid)
+    return out, _masked_lse(stats, valid, sinks), _head_maxima(row_max, valid)
 
 
 def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8):
@@ -370,7 +375,7 @@ def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
     # An FP8 forward is differentiated by the 16-bit backward graph at the dequantized inputs q, k, v (`fp8.py`).
     residuals = (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, jax.tree.map(lambda _: None, fp8), out, stats,
                  valid)
-    return (out, _masked_lse(stats, valid, sinks), _row_maxima(row_max, valid)), residuals
+    return (out, _masked_lse(stats, valid, sinks), _head_maxima(row_max, valid)), residuals
 
 
 def _sdpa_bwd(plan: Plan, residuals, cotangents):
@@ -579,10 +584,10 @@ def attention(
     v = jnp.reshape(inputs.value, (B, S, config.num_kv_heads, config.value_head_dim))
     sinks = None if inputs.sinks is None else inputs.sinks.astype(jnp.float32)
 
-    def finish(out: jax.Array, lse: jax.Array, rows: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    def finish(out: jax.Array, lse: jax.Array, maxima: jax.Array | None = None) -> tuple[jax.Array, ...]:
         out = jnp.reshape(out.astype(dtype), batch_shape + (T, N, config.value_head_dim))
-        rows = () if rows is None else (jnp.reshape(rows, batch_shape + (T, N)),)
-        return out, jnp.reshape(lse, batch_shape + (T, N)), *rows
+        maxima = () if maxima is None else (jnp.reshape(maxima, batch_shape + (N,)),)
+        return out, jnp.reshape(lse, batch_shape + (T, N)), *maxima
 
     if B == 0 or T == 0 or S == 0:
         out = jnp.zeros((B, T, N, config.value_head_dim), dtype)
@@ -632,14 +637,12 @@ def attention(
     q, k, v, bias, sinks = varying.like_inputs((q, k, v, bias, sinks), (q, k, v, bias, sinks, seq_q, seq_kv, seeds))
     if fp8 is not None and skip:
         fp8 = dataclasses.replace(fp8, q=fp8.q[:, skip:])
-    out, lse, rows = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
+    out, lse, maxima = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
     if skip:
         out = jnp.concatenate([jnp.zeros((B, skip) + out.shape[2:], out.dtype), out], axis=1)
         head = jnp.full((B, skip, N), -jnp.inf, jnp.float32) if sinks is None else jnp.broadcast_to(sinks, (B, skip, N))
         lse = jnp.concatenate([head, lse], axis=1)
-        if rows is not None:
-            rows = jnp.concatenate([jnp.full((B, skip, N), -jnp.inf, jnp.float32), rows], axis=1)
-    return finish(out, lse, rows)
+    return finish(out, lse, maxima)
 
 
 def _fused_max_logit(config: AttentionConfig) -> bool:
