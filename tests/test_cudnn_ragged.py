@@ -592,8 +592,8 @@ def _many_segments(rows: int, length: int, runs: list[int]) -> jnp.ndarray:
 @pytest.mark.parametrize("runs,fused", [([3, 16], True), ([2, 17], False)])
 def test_segments_without_a_bound_under_jit(emulated, runs, fused):
     """Under `jit` (ids traced) without `max_segments_per_row`, cuDNN runs with a bound of
-    `DEFAULT_SEGMENTS_PER_ROW` (16) when every row fits, and the call runs on xla_chunked otherwise: exact either
-    way, never NaN."""
+    `DEFAULT_SEGMENTS_PER_ROW` (16) when every row fits, and the call runs on xla_chunked otherwise (cuDNN with the
+    bound would give NaN rows): exact either way, forward and backward."""
     ids = _many_segments(2, 40, runs)
     q, k, v = (x.reshape((2, 40) + x.shape[1:]) for x in _packed(11, 80, 80, 4, 2, 64, 64))
     ko = jax.random.normal(jax.random.key(5), q.shape, jnp.float32)
@@ -608,7 +608,9 @@ def test_segments_without_a_bound_under_jit(emulated, runs, fused):
         return [np.asarray(x, np.float32) for x in (out, *grads)]
 
     got = run("cudnn", q, k, v)
-    twin = run("cudnn", q, k, v, max_segments_per_row=16) if fused else run("xla_chunked", q, k, v)
+    # Fused: the same bits as the bound given. Fallback: xla_chunked on the packed arrays, equal to its direct call
+    # up to float32 rounding (checked against the reference below).
+    twin = run("cudnn", q, k, v, max_segments_per_row=16) if fused else got
     reference = run("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
     e = _eps(jnp.bfloat16)
     for name, x, t, r in zip(("out", "dq", "dk", "dv"), got, twin, reference, strict=True):
@@ -881,3 +883,32 @@ def test_ragged_calls_lower_without_control_flow(fake_entries, layout):
     text = text.as_text()
     assert text.count("stablehlo.custom_call @attnlib_cudnn_graph") == 2
     assert "stablehlo.while" not in text and "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
+@pytest.mark.parametrize("runs", [[3, 16], [2, 17]], ids=["fits", "over_default"])
+def test_segments_without_a_bound_sinks_and_lse_gradient(emulated, runs):
+    """Both branches of the traced default carry sinks and gradients flowing into `lse`."""
+    ids = _many_segments(2, 40, runs)
+    q, k, v = (x.reshape((2, 40) + x.shape[1:]) for x in _packed(13, 80, 80, 4, 2, 64, 64))
+    sinks = jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float32)
+    ko = jax.random.normal(jax.random.key(5), q.shape, jnp.float32)
+    kl = jax.random.normal(jax.random.key(6), q.shape[:-1], jnp.float32)
+
+    def run(impl, q, k, v):
+        def loss(q, k, v, sinks, ids):
+            out, lse = attnlib.attention(q, k, v, q_segment_ids=ids, sinks=sinks, is_causal=True,
+                                         implementation=impl, return_residual=True)  # fmt: skip
+            finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+            return jnp.sum(out.astype(jnp.float32) * ko) + jnp.sum(finite * kl), (out, lse)
+
+        with jax.default_matmul_precision("highest"):
+            (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+                q, k, v, sinks, ids)
+        return [np.asarray(x, np.float32) for x in (out, lse, *grads)]
+
+    got = run("cudnn", q, k, v)
+    reference = run("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
+    e = _eps(jnp.bfloat16)
+    for name, x, r in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, reference, strict=True):
+        scale = 1.0 if name in ("out", "lse") else 8 * float(np.max(np.abs(r)))
+        _close(x, r, 2 * e * scale, e if name != "lse" else 0, name)

@@ -171,9 +171,42 @@ def _nan_rows(x: jax.Array, rows: jax.Array, plan: RaggedPlan) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged_sdpa(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference):
-    out, lse, _, _ = _ragged_forward(plan, q, k, v, sinks, seeds, batch)
+def _ragged_sdpa(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, fits=None):
+    """`(out, lse)` of the ragged graphs. `fits`: None, or a bool scalar that is False when the batch does not fit
+    the graphs (`_packed_rows`): `xla_chunked` then computes the call instead, forward and backward."""
+    out, lse, _, _ = _guarded_forward(plan, q, k, v, sinks, seeds, batch, reference, fits)
     return out, lse
+
+
+def _plain(plan: RaggedPlan, q, k, v, sinks, reference: dict[str, Any], *, lse_only: bool = False):
+    """`(out, lse)` packed like the graphs' (`[Tq, N, Hv]`, `[Tq, N]`) computed by a plain-JAX implementation:
+    `xla` without dropout for the reference lse (`lse_only`), else `xla_chunked` (the fallback of `fits`)."""
+    config = plan.config
+    if lse_only:
+        config = dataclasses.replace(config, dropout_rate=0.0)  # the lse does not depend on dropout
+        reference = {key: x for key, x in reference.items() if key != "dropout_key"}
+    shape = lambda x, n: x if config.layout == "thd" else jnp.reshape(x, config.batch_shape + (n,) + x.shape[1:])
+    inputs = AttentionInputs(
+        query=shape(q, config.q_len), key=shape(k, config.kv_len), value=shape(v, config.kv_len), sinks=sinks,
+        **reference,
+    )  # fmt: skip
+    implementation = xla_backend.IMPLEMENTATION if lse_only else xla_chunked.IMPLEMENTATION
+    out, lse = implementation.attention(config, inputs)
+    return jnp.reshape(out, (-1,) + out.shape[-2:]).astype(q.dtype), jnp.reshape(lse, (-1, plan.fwd.n))
+
+
+def _guarded_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, fits):
+    """`_ragged_forward`, or with `fits` False the fallback's `(out, lse)` and placeholder residuals."""
+    if fits is None:
+        return _ragged_forward(plan, q, k, v, sinks, seeds, batch)
+    fused = lambda: _ragged_forward(plan, q, k, v, sinks, seeds, batch)  # noqa: E731
+    shapes = jax.eval_shape(fused)
+
+    def fallback():
+        out, lse = _plain(plan, q, k, v, sinks, reference)
+        return out, lse, jnp.zeros(shapes[2].shape, shapes[2].dtype), jnp.zeros(shapes[3].shape, shapes[3].dtype)
+
+    return jax.lax.cond(fits, fused, fallback)
 
 
 def _unwrap(tree):
@@ -181,28 +214,38 @@ def _unwrap(tree):
     return jax.tree.map(lambda x: x.value if is_primal(x) else x, tree, is_leaf=is_primal)
 
 
-def _ragged_sdpa_fwd(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference):
-    q, k, v, sinks, seeds, batch, reference = _unwrap((q, k, v, sinks, seeds, batch, reference))
+def _ragged_sdpa_fwd(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, fits=None):
+    q, k, v, sinks, seeds, batch, reference, fits = _unwrap((q, k, v, sinks, seeds, batch, reference, fits))
     # The residuals are the results themselves (one buffer): cuDNN's backward never reads the rows of a sequence
     # that does not run, and the sink gradient masks them.
-    out, lse, stats, tok_valid = _ragged_forward(plan, q, k, v, sinks, seeds, batch)
-    residuals = (q, k, v, sinks, seeds, batch, reference, out, lse, stats, tok_valid)
+    out, lse, stats, tok_valid = _guarded_forward(plan, q, k, v, sinks, seeds, batch, reference, fits)
+    residuals = (q, k, v, sinks, seeds, batch, reference, fits, out, lse, stats, tok_valid)
     return (out, lse), residuals
 
 
-def _reference_lse(plan: RaggedPlan, q, k, v, sinks, reference: dict[str, Any]) -> jax.Array:
-    """float32 lse `[Tq, N]` of the `xla` path (differentiated only for gradients flowing into lse)."""
-    config = dataclasses.replace(plan.config, dropout_rate=0.0)  # the lse does not depend on dropout
-    shape = lambda x, n: x if config.layout == "thd" else jnp.reshape(x, config.batch_shape + (n,) + x.shape[1:])
-    inputs = AttentionInputs(
-        query=shape(q, config.q_len), key=shape(k, config.kv_len), value=shape(v, config.kv_len), sinks=sinks,
-        **reference,
-    )  # fmt: skip
-    _, lse = xla_backend.IMPLEMENTATION.attention(config, inputs)
-    return jnp.reshape(lse, (-1, plan.fwd.n))
-
-
 def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
+    q, k, v, sinks, seeds, batch, reference, fits, out, lse, stats, tok_valid = residuals
+    none = lambda tree: jax.tree.map(lambda _: None, tree)  # noqa: E731
+    grads = functools.partial(_ragged_grads, plan, (q, k, v, sinks, seeds, batch, reference, out, lse, stats,
+                                                    tok_valid), cotangents)  # fmt: skip
+    if fits is None:
+        dq, dk, dv, dsinks = grads()
+    else:
+        dq, dk, dv, dsinks = jax.lax.cond(fits, grads, lambda: _plain_grads(plan, q, k, v, sinks, reference,
+                                                                            cotangents))  # fmt: skip
+    return dq, dk, dv, dsinks, none(seeds), none(batch), none(reference), none(fits)
+
+
+def _plain_grads(plan: RaggedPlan, q, k, v, sinks, reference, cotangents):
+    """Gradients of `_plain` (the fallback of `fits`), recomputing its forward."""
+    d_out, d_lse = cotangents
+    (out, lse), vjp = jax.vjp(lambda q, k, v, sinks: _plain(plan, q, k, v, sinks, reference), q, k, v, sinks)
+    zero = lambda d, x: jnp.zeros(x.shape, x.dtype) if isinstance(d, jax.custom_derivatives.SymbolicZero) else d  # noqa: E731
+    return vjp((zero(d_out, out).astype(out.dtype), zero(d_lse, lse).astype(lse.dtype)))
+
+
+def _ragged_grads(plan: RaggedPlan, residuals, cotangents):
+    """`(dq, dk, dv, dsinks)` of the ragged graphs."""
     q, k, v, sinks, seeds, batch, reference, out, lse, stats, tok_valid = residuals
     d_out, d_lse = cotangents
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
@@ -229,13 +272,12 @@ def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
     if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
         # Rows that see no key have lse = sink (with sinks): their cotangent reaches the sinks through the reference.
         d_lse = jnp.where(batch.q_nan[:, None], 0.0, d_lse.astype(jnp.float32))
-        lse_reference, vjp = jax.vjp(lambda *a: _reference_lse(plan, *a, reference), q, k, v, sinks)
+        lse_reference, vjp = jax.vjp(lambda *a: _plain(plan, *a, reference, lse_only=True)[1], q, k, v, sinks)
         extra = vjp(varying.match(d_lse, lse_reference))
         dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
         if sinks is not None:
             dsinks = dsinks + extra[3].astype(dsinks.dtype)
-    none = lambda tree: jax.tree.map(lambda _: None, tree)
-    return dq, dk, dv, dsinks, none(seeds), none(batch), none(reference)
+    return dq, dk, dv, dsinks
 
 
 _ragged_sdpa.defvjp(_ragged_sdpa_fwd, _ragged_sdpa_bwd, symbolic_zeros=True)
@@ -319,7 +361,10 @@ def _slice_right(config: AttentionConfig) -> int | None:
     return None
 
 
-def _ragged_attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+def _ragged_attention(
+    config: AttentionConfig, inputs: AttentionInputs, fits: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """`(out, lse)` on the ragged graphs; `fits` as `_ragged_sdpa`'s."""
     N, Hv = config.num_q_heads, config.value_head_dim
     dtype = inputs.query.dtype
     sinks = None if inputs.sinks is None else inputs.sinks.astype(jnp.float32)
@@ -350,6 +395,8 @@ def _ragged_attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple
             "q_segment_ids": inputs.q_segment_ids, "kv_segment_ids": inputs.kv_segment_ids,
             "query_seq_lengths": inputs.query_seq_lengths, "key_value_seq_lengths": inputs.key_value_seq_lengths,
         }  # fmt: skip
+        if fits is not None and config.dropout_rate > 0:
+            reference["dropout_key"] = inputs.dropout_key  # the fallback drops with its own generator
         out_shape = config.batch_shape + (T, N, Hv)
         lse_shape = config.batch_shape + (T, N)
         self_attention = inputs.kv_segment_ids is None and not config.has_q_lengths and not config.has_kv_lengths
@@ -370,7 +417,7 @@ def _ragged_attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple
                                      num_buckets=plan.fwd.b, t_bound=plan.fwd.t, s_bound=plan.fwd.s,
                                      slice_right=slice_right)  # fmt: skip
     q, k, v, sinks = varying.like_inputs((q, k, v, sinks), (q, k, v, sinks, seeds, batch))
-    out, lse = _ragged_sdpa(plan, q, k, v, sinks, seeds, batch, reference)
+    out, lse = _ragged_sdpa(plan, q, k, v, sinks, seeds, batch, reference, fits)
     return jnp.reshape(out.astype(dtype), out_shape), jnp.reshape(lse, lse_shape)
 
 
@@ -509,7 +556,8 @@ def _concrete(*arrays: jax.Array | None) -> bool:
 def _packed_rows(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
     """Packed rows (segment ids) without `max_segments_per_row`: the bound is the rows' own count, rounded up to a
     power of two, when the ids are concrete; under `jit` it is `DEFAULT_SEGMENTS_PER_ROW`, checked on device, and
-    a call whose rows hold more runs on `xla_chunked` (`lax.cond`: one of the two runs)."""
+    a call whose rows hold more runs on `xla_chunked` (a `lax.cond` inside the custom VJP, forward and backward,
+    around the graph calls: the residuals are the graphs' own, with placeholders when the fallback ran)."""
     T = config.q_len
     ids = (inputs.q_segment_ids, inputs.kv_segment_ids, inputs.query_seq_lengths, inputs.key_value_seq_lengths)
     if _concrete(*ids):
@@ -525,16 +573,7 @@ def _packed_rows(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.
     )  # fmt: skip
     q_ids, kv_ids = _segment_ids(config, inputs)
     fits = jnp.maximum(ragged.runs_per_row(q_ids).max(), ragged.runs_per_row(kv_ids).max()) <= bound
-    bounded = dataclasses.replace(config, max_segments_per_row=bound)
-    # The fallback is rematerialized in its backward: its residuals are then the call's own inputs, so the branch
-    # that runs does not fill the other branch's residual buffers with zeros.
-    fallback = jax.checkpoint(
-        lambda *qkv: xla_chunked.IMPLEMENTATION.attention(
-            config, dataclasses.replace(inputs, **dict(zip(("query", "key", "value", "sinks"), qkv, strict=True)))
-        )
-    )
-    qkv = (inputs.query, inputs.key, inputs.value, inputs.sinks)
-    return jax.lax.cond(fits, lambda: _ragged_attention(bounded, inputs), lambda: fallback(*qkv))
+    return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs, fits)
 
 
 def attention(config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool) -> tuple[jax.Array, jax.Array]:
