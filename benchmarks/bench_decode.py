@@ -1,0 +1,141 @@
+"""GPU benchmark: a realistic decode step (issue 17) — one jitted `lax.scan` over 32 layers of single-token
+attention against a KV cache of `context` tokens per sequence — attnlib (paged cache and dense cache with lengths)
+against jax.nn `cudnn` and tokamax (`mosaic`, `triton`), one process.
+
+Usage: python benchmarks/bench_decode.py [--json out.json] [--only NAME ...] [--rounds 3] [--layers 32]
+
+Each layer reads the same cache (one cache per variant: 32 real caches of the larger shapes would not fit; the cache
+is far larger than L2, so every layer still streams it from HBM) and feeds its output to the next layer's query.
+Sequence lengths are `context - 17 b` (distinct per row). Outputs of one layer are checked against a float32
+reference before timing. Timing: `bench_cudnn.best_per_call` (wall clock, best of repetitions), round-robin, best
+of `--rounds`. The report also says whether XLA put attnlib's custom call into a command buffer (CUDA graph): the
+number of `attnlib_cudnn_graph` custom calls inside `command_buffer` computations of the optimized HLO.
+"""
+
+import argparse
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
+
+import attnlib
+
+
+N, K, H, PAGE = 32, 8, 128, 64
+SHAPES = {  # name: (batch, context)
+    "b1_ctx1k": (1, 1024), "b1_ctx32k": (1, 32768), "b8_ctx8k": (8, 8192), "b64_ctx1k": (64, 1024),
+    "b64_ctx8k": (64, 8192), "b16_ctx32k": (16, 32768),
+}  # fmt: skip
+
+
+def _inputs(b: int, context: int):
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (b, 1, N, H), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, context, K, H), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, context, K, H), jnp.bfloat16)
+    lengths = jnp.asarray(context - 17 * np.arange(b) % context, jnp.int32)
+    pages_per_seq = context // PAGE
+    # Pages of each sequence in a shuffled pool (as a cache that grew by appends would hold them).
+    order = np.random.default_rng(0).permutation(b * pages_per_seq)
+    page_table = jnp.asarray(order.reshape(b, pages_per_seq), jnp.int32)
+    pool = lambda x: jnp.zeros((b * pages_per_seq, PAGE, K, H), x.dtype).at[page_table.reshape(-1)].set(  # noqa: E731
+        x.reshape(b * pages_per_seq, PAGE, K, H))
+    return x, k, v, lengths, pool(k), pool(v), page_table
+
+
+def layer_fns(lengths, page_table):
+    """name -> attention(q [B, 1, N, H], k, v) for one layer (k, v dense caches or page pools)."""
+    table = {
+        "attnlib_paged": lambda q, kp, vp: attnlib.attention(
+            q, kp, vp, page_table=page_table, key_value_seq_lengths=lengths, is_causal=True,
+            diagonal_alignment="bottom_right", implementation="cudnn"),
+        "attnlib_dense": lambda q, k, v: attnlib.attention(
+            q, k, v, key_value_seq_lengths=lengths, is_causal=True, diagonal_alignment="bottom_right",
+            implementation="cudnn"),
+        "jax_nn_cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, key_value_seq_lengths=lengths, implementation="cudnn"),
+    }  # fmt: skip
+    try:
+        import tokamax
+
+        for impl in ("mosaic", "triton"):
+            table[f"tokamax_{impl}"] = lambda q, k, v, impl=impl: tokamax.dot_product_attention(
+                q, k, v, key_value_seq_lengths=lengths, implementation=impl)  # fmt: skip
+    except Exception as e:  # noqa: BLE001  (reported, not fatal)
+        print(f"tokamax unavailable: {type(e).__name__}: {str(e)[:200]}")
+    return table
+
+
+def decode_step(attend, layers: int):
+    def step(x, k, v):
+        def layer(x, _):
+            return (attend(x, k, v).astype(jnp.float32) * 0.5 + x.astype(jnp.float32)).astype(x.dtype), None
+
+        return jax.lax.scan(layer, x, None, length=layers)[0]
+
+    return jax.jit(step)
+
+
+def command_buffer_calls(step, *args) -> int:
+    """`attnlib_cudnn_graph` custom calls inside command-buffer computations of the optimized HLO."""
+    text = step.lower(*args).compile().as_text()
+    count = 0
+    for block in re.split(r"\n(?=\S)", text):
+        if "command_buffer" in block.split("\n", 1)[0]:
+            count += block.count("attnlib_cudnn_graph")
+    return count
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=32)
+    args = parser.parse_args()
+    results = {}
+    for name, (b, context) in SHAPES.items():
+        if args.only is not None and name not in args.only:
+            continue
+        x, k, v, lengths, k_pool, v_pool, page_table = _inputs(b, context)
+        with jax.default_matmul_precision("highest"):
+            reference = np.asarray(attnlib.attention(
+                x.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), key_value_seq_lengths=lengths,
+                is_causal=True, diagonal_alignment="bottom_right", implementation="xla"), np.float32)  # fmt: skip
+        tol = 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(reference)))
+        row, steps = {}, {}
+        for label, attend in layer_fns(lengths, page_table).items():
+            cache = (k_pool, v_pool) if label == "attnlib_paged" else (k, v)
+            try:
+                err = float(np.max(np.abs(np.asarray(jax.jit(attend)(x, *cache), np.float32) - reference)))
+                row[label] = {"max_err": err}
+                if not err <= tol:
+                    row[label]["wrong"] = f"max |err| {err:.3g} > {tol:.3g}"
+                    continue
+                step = decode_step(attend, args.layers)
+                if label.startswith("attnlib"):
+                    row[label]["custom_calls_in_command_buffers"] = command_buffer_calls(step, x, *cache)
+                steps[label] = (step, (x, *cache))
+            except Exception as e:  # noqa: BLE001
+                row[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        for _ in range(args.rounds):
+            for label, (step, call_args) in steps.items():
+                ms = best_per_call(step, call_args, loop=10, reps=5) * 1e3
+                row[label]["step_ms"] = min(row[label].get("step_ms", float("inf")), ms)
+        peers = [r["step_ms"] for label, r in row.items() if not label.startswith("attnlib") and "step_ms" in r]
+        for label in ("attnlib_paged", "attnlib_dense"):
+            if peers and "step_ms" in row.get(label, {}):
+                row[label]["speed_vs_best_peer"] = min(peers) / row[label]["step_ms"]
+        results[name] = row
+        print(name, json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": args.layers,
+                           "shapes": results}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""GPU benchmark: attnlib against every JAX peer, one process (issue 17): attnlib `cudnn`, jax.nn `cudnn`, tokamax
+`mosaic` (its Hopper Pallas kernel) and `triton`.
+
+Usage: python benchmarks/bench_peers.py [--json out.json] [--only CASE ...] [--rounds 3]
+
+Per case: every variant's output is first checked against a float32 XLA reference on the same bf16 inputs (max |err|
+within `4 eps(bf16) max|ref|`, else the variant is reported as wrong and not timed); then the variants are timed
+round-robin, best of `--rounds` rounds of `bench_cudnn.best_per_call` (wall clock under `jax.jit`), forward and
+forward + backward (gradient of `sum(out * dout)` with respect to q, k, v). A variant that cannot run the case
+(unsupported feature, import error) is reported with its error. The summary gives attnlib's speed against the
+best peer per case. tokamax is a benchmark-only dependency (`../shared/tools/device-wheels.sh --peers`; it needs
+the xprof stand-in on `PYTHONPATH`).
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
+
+import attnlib
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    b: int
+    t: int
+    s: int
+    n: int
+    k: int
+    h: int
+    hv: int
+    causal: bool = True
+    window: int | None = None  # keys i - window .. i
+    lengths: bool = False  # padded rows: key/query lengths 3/4 of the rows on odd batch rows
+
+
+CASES = {
+    "mha_causal_b4_s4096_h32_d128": Case(4, 4096, 4096, 32, 32, 128, 128),
+    "mha_full_b4_s4096_h32_d128": Case(4, 4096, 4096, 32, 32, 128, 128, causal=False),
+    "gqa_32_8_window1024_b1_s8192": Case(1, 8192, 8192, 32, 8, 128, 128, window=1024),
+    "mla_192_128_causal_b4_s4096_h16": Case(4, 4096, 4096, 16, 16, 192, 128),
+    "long_b1_s16384_h16_causal": Case(1, 16384, 16384, 16, 16, 128, 128),
+    "d64_causal_b4_s4096_h32": Case(4, 4096, 4096, 32, 32, 64, 64),
+    "d256_causal_b2_s4096_h16": Case(2, 4096, 4096, 16, 16, 256, 256),
+    "small_b2_s1024_h16_d64": Case(2, 1024, 1024, 16, 16, 64, 64),
+    "small_b8_s512_h16_d128": Case(8, 512, 512, 16, 16, 128, 128),
+    "padded_b8_gqa_32_8_s2048": Case(8, 2048, 2048, 32, 8, 128, 128, lengths=True),
+    "decode_t1_s8192_b64_gqa_32_8": Case(64, 1, 8192, 32, 8, 128, 128, lengths=True),
+}
+
+
+def _kwargs(case: Case) -> dict:
+    kw = {"is_causal": case.causal}
+    if case.window is not None:
+        kw["local_window_size"] = (case.window, 0)
+    if case.lengths:
+        full = lambda n: jnp.where(jnp.arange(case.b) % 2 == 1, n * 3 // 4, n).astype(jnp.int32)  # noqa: E731
+        kw["key_value_seq_lengths"] = full(case.s)
+        if case.t > 1:
+            kw["query_seq_lengths"] = full(case.t)
+    return kw
+
+
+def variants(case: Case) -> dict:
+    """name -> fn(q, k, v, **kw) for the peers that exist here."""
+    table = {
+        "attnlib_cudnn": lambda q, k, v, **kw: attnlib.attention(q, k, v, implementation="cudnn", **_decode(case, kw)),
+        "jax_nn_cudnn": lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw),
+    }
+    try:
+        import tokamax
+
+        for impl in ("mosaic", "triton"):
+            table[f"tokamax_{impl}"] = lambda q, k, v, impl=impl, **kw: tokamax.dot_product_attention(
+                q, k, v, implementation=impl, **kw
+            )
+    except Exception as e:  # noqa: BLE001  (reported, not fatal)
+        print(f"tokamax unavailable: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    return table
+
+
+def _decode(case: Case, kw: dict) -> dict:
+    """attnlib aligns a decode step's query with the last key (jax.nn's causal mask with T=1 sees key 0 only, so
+    the peers run a decode step without `is_causal`)."""
+    if case.t == 1:
+        return dict(kw, is_causal=True, diagonal_alignment="bottom_right")
+    return kw
+
+
+def _peer_kwargs(case: Case, kw: dict) -> dict:
+    return dict(kw, is_causal=False) if case.t == 1 else kw
+
+
+def _reference(q, k, v, kw) -> np.ndarray:
+    with jax.default_matmul_precision("highest"):
+        out = attnlib.attention(*(x.astype(jnp.float32) for x in (q, k, v)), implementation="xla", **kw)
+    return np.asarray(out, np.float32)
+
+
+def run_case(name: str, case: Case, rounds: int) -> dict:
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (case.b, case.t, case.n, case.h), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (case.b, case.s, case.k, case.h), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (case.b, case.s, case.k, case.hv), jnp.bfloat16)
+    dout = jax.random.normal(keys[3], (case.b, case.t, case.n, case.hv), jnp.bfloat16)
+    kw = _kwargs(case)
+    reference = _reference(q, k, v, _decode(case, kw))
+    tol = 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(reference)))
+    # Rows past a query length are compared nowhere (peers leave them unspecified).
+    rows = np.ones((case.b, case.t), bool)
+    if "query_seq_lengths" in kw:
+        rows = np.arange(case.t)[None, :] < np.asarray(kw["query_seq_lengths"])[:, None]
+    row, timed = {}, {}
+    for label, fn in variants(case).items():
+        call_kw = kw if label.startswith("attnlib") else _peer_kwargs(case, kw)
+        fwd = jax.jit(lambda q, k, v, fn=fn, call_kw=call_kw: fn(q, k, v, **call_kw))
+
+        def loss(q, k, v, fn=fn, call_kw=call_kw):
+            return jnp.sum(fn(q, k, v, **call_kw).astype(jnp.float32) * dout.astype(jnp.float32))
+
+        fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        try:
+            out = np.asarray(fwd(q, k, v), np.float32)
+            err = float(np.max(np.abs(np.where(rows[..., None, None], out - reference, 0))))
+            row[label] = {"max_err": err}
+            if not err <= tol:
+                row[label]["wrong"] = f"max |err| {err:.3g} > {tol:.3g}"
+                continue
+        except Exception as e:  # noqa: BLE001
+            row[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        timed[label] = {"fwd": fwd, "fwd_bwd": fwd_bwd}
+    for _ in range(rounds):
+        for label, fns in timed.items():
+            for kind, fn in fns.items():
+                try:
+                    ms = best_per_call(fn, (q, k, v), loop=20 if kind == "fwd" else 10, reps=5) * 1e3
+                except Exception as e:  # noqa: BLE001  (e.g. a peer without a backward)
+                    row[label][f"{kind}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    continue
+                row[label][f"{kind}_ms"] = min(row[label].get(f"{kind}_ms", float("inf")), ms)
+    mine = row.get("attnlib_cudnn", {})
+    for kind in ("fwd", "fwd_bwd"):
+        peers = [r[f"{kind}_ms"] for label, r in row.items()
+                 if label != "attnlib_cudnn" and isinstance(r, dict) and f"{kind}_ms" in r]
+        if peers and f"{kind}_ms" in mine:
+            row[f"{kind}_speed_vs_best_peer"] = min(peers) / mine[f"{kind}_ms"]
+    return row
+
+
+def table(results: dict) -> str:
+    labels = ["attnlib_cudnn", "jax_nn_cudnn", "tokamax_mosaic", "tokamax_triton"]
+    lines = ["| case | " + " | ".join(labels) + " | attnlib vs best peer (fwd / fwd+bwd) |",
+             "|---" * (len(labels) + 2) + "|"]  # fmt: skip
+    for name, row in results.items():
+        cells = []
+        for label in labels:
+            r = row.get(label, {})
+            if "fwd_ms" in r:
+                cells.append(f"{r['fwd_ms']:.3f} / {r.get('fwd_bwd_ms', float('nan')):.3f}")
+            else:
+                cells.append("—" if not r else ("wrong" if "wrong" in r else "error"))
+        speed = " / ".join(f"{row.get(f'{kind}_speed_vs_best_peer', float('nan')):.2f}×" for kind in ("fwd", "fwd_bwd"))
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {speed} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    results = {}
+    for name, case in CASES.items():
+        if args.only is not None and name not in args.only:
+            continue
+        results[name] = run_case(name, case, args.rounds)
+        print(name, json.dumps(results[name]), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "cases": results}, f, indent=1)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
