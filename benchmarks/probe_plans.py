@@ -1,0 +1,39 @@
+"""Probe (H200): every cuDNN backend plan the heuristics offer for the forward graphs where tokamax's forward led
+(issue 17: MLA 192/128, b1 · s16384, GQA window, the small shapes), each timed by the native extension as the
+autotuner times its candidates — not only the first `MAX_AUTOTUNE_CANDIDATES`.
+
+Usage: ATTNLIB_CACHE_DIR=$(mktemp -d) python benchmarks/probe_plans.py  (one line per graph: label | plan record
+with every plan's kernel time)
+"""
+
+import jax
+import jax.numpy as jnp
+
+import attnlib
+from attnlib._src.backends.cudnn import attention as dense, graphs
+
+
+CALLS = {  # name: (q shape, k shape, v shape, kwargs)
+    "mla_192_128_causal": ((4, 4096, 16, 192), (4, 4096, 16, 192), (4, 4096, 16, 128), dict(is_causal=True)),
+    "long_b1_s16384_h16": ((1, 16384, 16, 128), (1, 16384, 16, 128), (1, 16384, 16, 128), dict(is_causal=True)),
+    "gqa_window_1024": ((1, 8192, 32, 128), (1, 8192, 8, 128), (1, 8192, 8, 128),
+                        dict(is_causal=True, local_window_size=(1024, 0))),
+    "small_b2_s1024_d64": ((2, 1024, 16, 64), (2, 1024, 16, 64), (2, 1024, 16, 64), dict(is_causal=True)),
+    "small_b8_s512_d128": ((8, 512, 16, 128), (8, 512, 16, 128), (8, 512, 16, 128), dict(is_causal=True)),
+}  # fmt: skip
+
+
+def main() -> None:
+    graphs.MAX_AUTOTUNE_CANDIDATES = 1 << 10  # probe only: time every backend plan
+    for name, (qs, ks, vs, kw) in CALLS.items():
+        q, k, v = (jnp.zeros(s, jnp.bfloat16) for s in (qs, ks, vs))
+        loss = lambda q, k, v, kw=kw: jnp.sum(attnlib.attention(q, k, v, implementation="cudnn", **kw))  # noqa: E731
+        jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v)
+        jax.jit(lambda q, k, v, kw=kw: attnlib.attention(q, k, v, implementation="cudnn", **kw)).lower(q, k, v)
+        print(name, flush=True)
+    for entry in list(dense.CACHE._memory.values()):
+        print(entry.label, "|", entry.plan, flush=True)
+
+
+if __name__ == "__main__":
+    main()
