@@ -146,7 +146,7 @@ def raw_graph_ms(case: Case, q, k, v) -> float | None:
     """Forward graph blob executed directly by the frontend's Python API (no XLA)."""
     from cuda.bindings import runtime as cudart
 
-    from attnlib._src.backends.cudnn import attention as cudnn_attention
+    from attnlib._src.backends.cudnn import attention as cudnn_attention, executor as cudnn_executor
     from attnlib._src.backends.cudnn.graphs import Uid
     from attnlib._src.config import AttentionConfig
 
@@ -163,7 +163,7 @@ def raw_graph_ms(case: Case, q, k, v) -> float | None:
     )
     plan = cudnn_attention.make_plan(config, case.b, case.t, None)
     spec = plan.inference or plan.fwd  # the forward graph attnlib runs for this call
-    entry = cudnn_attention.get_entry(spec)
+    entry = cudnn_executor.get_entry(spec)
     graph, handle = deserialized(entry)
     o = jnp.zeros((case.b, case.t, case.n, case.hv), jnp.bfloat16)
     stats = jnp.zeros((case.b, case.n, case.t), jnp.float32)
@@ -197,7 +197,7 @@ import time, json, sys
 t0 = time.perf_counter()
 import jax, jax.numpy as jnp, attnlib
 jax.devices()
-from attnlib._src.backends.cudnn import attention as A
+from attnlib._src.backends.cudnn import executor as A
 q = jnp.zeros((2, 1024, 8, 128), jnp.bfloat16)
 f = jax.jit(jax.grad(lambda q: jnp.sum(attnlib.attention(q, q, q, is_causal=True, implementation="cudnn").astype(jnp.float32))))
 t1 = time.perf_counter()
@@ -278,10 +278,10 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del q, k, v
 
-    from attnlib._src.backends.cudnn import attention as cudnn_attention
+    from attnlib._src.backends.cudnn import executor as cudnn_executor
 
     # Which cuDNN plan each graph runs: the heuristics' first, or the autotuned one with every candidate's time.
-    plans = {entry.label: entry.plan for entry in cudnn_attention.CACHE._memory.values()}
+    plans = {entry.label: entry.plan for entry in cudnn_executor.CACHE._memory.values()}
     setup = {} if args.no_setup else setup_times()
     with open(args.json, "w") as f:
         json.dump({"meta": meta, "rows": rows, "setup": setup, "plans": plans}, f, indent=1)

@@ -78,7 +78,7 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
     are in `benchmarks/results/*_with_memset*`): the kernels alone."""
     import dataclasses
 
-    from attnlib._src.backends.cudnn import attention as cudnn_attention, ragged
+    from attnlib._src.backends.cudnn import executor as cudnn_attention, ragged
     from attnlib._src.backends.cudnn.graphs import GraphSpec
 
     b = ragged.bucket_sequences(len(lengths))
@@ -308,7 +308,7 @@ def paged_decode(results: dict, rows: list) -> None:
 
 def graph_builds(results: dict, rows: list) -> None:
     import attnlib
-    from attnlib._src.backends.cudnn import attention as cudnn_attention
+    from attnlib._src.backends.cudnn import executor as cudnn_attention
 
     rng = np.random.default_rng(2)
     q = jax.ShapeDtypeStruct((TOKENS, N, H), jnp.bfloat16)

@@ -110,7 +110,7 @@ def run_case(case: str, b: int, t: int, n: int, kh: int, h: int, quick: bool) ->
 
 BUILD_SNIPPET = r"""
 import json, time, jax, jax.numpy as jnp, attnlib
-from attnlib._src.backends.cudnn import attention as A, graphs as G
+from attnlib._src.backends.cudnn import executor as A, graphs as G
 q = jnp.zeros((1, 256, 8, 64), jnp.bfloat16); k = v = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
 cap = float(__import__("os").environ["BENCH_CAP"])
 f = lambda q, k, v: jnp.sum(attnlib.attention(q, k, v, is_causal=True, logits_soft_cap=cap,

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 import attnlib
-from attnlib._src.backends.cudnn import attention as dense
+from attnlib._src.backends.cudnn import executor as dense
 
 
 def main() -> None:

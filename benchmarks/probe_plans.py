@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import attnlib
-from attnlib._src.backends.cudnn import attention as dense, graphs
+from attnlib._src.backends.cudnn import executor, graphs
 
 
 CALLS = {  # name: (q shape, k shape, v shape, kwargs)
@@ -31,7 +31,7 @@ def main() -> None:
         jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v)
         jax.jit(lambda q, k, v, kw=kw: attnlib.attention(q, k, v, implementation="cudnn", **kw)).lower(q, k, v)
         print(name, flush=True)
-    for entry in list(dense.CACHE._memory.values()):
+    for entry in list(executor.CACHE._memory.values()):
         print(entry.label, "|", entry.plan, flush=True)
 
 

@@ -31,7 +31,7 @@ def _run(spec, operands: dict, results: dict) -> None:
     """Execute the graph attnlib builds for `spec` on the given device buffers (results pre-filled by the caller)."""
     from cuda.bindings import runtime as cudart
 
-    from attnlib._src.backends.cudnn import attention as cudnn_attention
+    from attnlib._src.backends.cudnn import executor as cudnn_attention
 
     entry = cudnn_attention.get_entry(spec)
     graph, handle = deserialized(entry)

@@ -23,7 +23,7 @@ from test_cudnn_dense_emulated import emulate, entry_for
 
 import attnlib
 import attnlib.context_parallel as cp
-from attnlib._src.backends.cudnn import attention as dense, support
+from attnlib._src.backends.cudnn import attention as dense, executor, support
 
 
 if jax.device_count() < 4:
@@ -41,8 +41,8 @@ def emulated(monkeypatch):
         return emulate(spec, entry, *operands, tokens=tokens)
 
     monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
-    monkeypatch.setattr(dense, "get_entry", entry_for)
-    monkeypatch.setattr(dense, "ffi_graph_call", counted)
+    monkeypatch.setattr(executor, "get_entry", entry_for)
+    monkeypatch.setattr(executor, "ffi_graph_call", counted)
     CALLS.clear()
 
 

@@ -66,6 +66,7 @@ VARIATIONS = {
     "s_total": 4096, "pages": (64, 16, 8), "stats": False, "ragged_stats": True, "memset_rows": True,
     "modifier": ScoreModifier(jaxpr=None, function=None, arg_dims=(), key="a modifier"), "bias_grad": False,
     "fp8": True,
+    "row_max": True,
 }
 
 

@@ -16,7 +16,7 @@ from helpers import run_pytest_on_simulated_devices
 from test_cudnn_ragged import _close, _compare, _eps, _mask, softmax_rows
 
 import attnlib
-from attnlib._src.backends.cudnn import attention as dense, cache, support
+from attnlib._src.backends.cudnn import attention as dense, executor, cache, support
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
 
@@ -96,8 +96,8 @@ def emulated(monkeypatch, request):
     the memset of padded results (`attention.MEMSET_ROWS`)."""
     monkeypatch.setattr(dense, "MEMSET_ROWS", request.param)
     monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
-    monkeypatch.setattr(dense, "get_entry", entry_for)
-    monkeypatch.setattr(dense, "ffi_graph_call", emulate)
+    monkeypatch.setattr(executor, "get_entry", entry_for)
+    monkeypatch.setattr(executor, "ffi_graph_call", emulate)
 
 
 def _qkv(seed, B, T, S, N, K, H=64, Hv=48, dtype=jnp.bfloat16):
@@ -194,7 +194,7 @@ def test_padded_top_left_calls_make_no_pass_over_output_or_gradients(emulated, m
     shaped_zeros = lambda spec, entry, *ops, tokens=None: tuple(
         jnp.zeros(*spec.shape(uid)) for uid in spec.out_uids()
     )
-    monkeypatch.setattr(dense, "ffi_graph_call", shaped_zeros)  # the graph itself, opaque: no selects inside
+    monkeypatch.setattr(executor, "ffi_graph_call", shaped_zeros)  # the graph itself, opaque: no selects inside
     q, k, v = _qkv(7, 3, 29, 33, 4, 2)
     kw = _lengths({"query_seq_lengths": [29, 12, 20], "key_value_seq_lengths": [9, 33, 0], "is_causal": True,
                    "diagonal_alignment": alignment})  # fmt: skip

@@ -365,7 +365,7 @@ def test_vmap_of_grad_with_bias_gives_per_example_dbias():
 
 def test_jit_retrace_reuses_cached_graph():
     import attnlib
-    from attnlib._src.backends.cudnn import attention as cudnn_attention
+    from attnlib._src.backends.cudnn import executor as cudnn_attention
 
     q, k, v = _qkv(14, (1,), 32, 32, 2, 2, 64, 64, jnp.bfloat16)
     f = lambda q, k, v: attnlib.attention(q, k, v, implementation="cudnn")

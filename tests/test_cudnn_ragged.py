@@ -773,7 +773,7 @@ def test_paged_cache_decoding_matches_dense_causal(emulated):
 
 @pytest.fixture
 def fake_entries(monkeypatch):
-    from attnlib._src.backends.cudnn import attention as cudnn_attention, cache
+    from attnlib._src.backends.cudnn import cache, executor
 
     def get_entry(spec):
         return cache.GraphEntry(
@@ -783,7 +783,7 @@ def fake_entries(monkeypatch):
         )  # fmt: skip
 
     monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
-    monkeypatch.setattr(cudnn_attention, "get_entry", get_entry)
+    monkeypatch.setattr(executor, "get_entry", get_entry)
     monkeypatch.setattr(row_fill, "INTERPRET", False)  # lowered for a GPU: the compiled kernel, as there
 
 

@@ -175,7 +175,7 @@ def test_thd_empty_batch_and_all_padding():
 def test_bucket_boundaries_and_graph_reuse():
     """Sequence counts 8 and 9 straddle a bucket; lengths changing inside a bucket build no new graph."""
     import attnlib
-    from attnlib._src.backends.cudnn import attention as cudnn_attention
+    from attnlib._src.backends.cudnn import executor as cudnn_attention
 
     def run(lengths, tq):
         q, k, v = _packed(6, tq, tq, 4, 2, 64, 64, jnp.bfloat16)

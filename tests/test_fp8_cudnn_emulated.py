@@ -21,7 +21,7 @@ from test_fp8 import _inputs as fp8_inputs, _quantized, _ref_kwargs, assert_fp8_
 
 import attnlib
 from attnlib._src import dispatch, validation
-from attnlib._src.backends.cudnn import attention as dense, support
+from attnlib._src.backends.cudnn import attention as dense, executor, support
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
 
@@ -65,8 +65,8 @@ def emulate_fp8(spec: GraphSpec, entry, *operands, tokens=None):
 def emulated(monkeypatch):
     """Route dense `implementation="cudnn"` calls through `emulate_fp8`, as on an H200 with cuDNN 9.19."""
     monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
-    monkeypatch.setattr(dense, "get_entry", entry_for)
-    monkeypatch.setattr(dense, "ffi_graph_call", emulate_fp8)
+    monkeypatch.setattr(executor, "get_entry", entry_for)
+    monkeypatch.setattr(executor, "ffi_graph_call", emulate_fp8)
     SPECS.clear()
 
 
@@ -190,8 +190,8 @@ def test_automatic_dispatch_on_a_gpu_without_fp8_runs_cudnn_in_16_bits_and_warns
     """On a GPU whose cuDNN cannot run the call in FP8 (here: no FP8 tensor cores, sm_80), `implementation=None`
     runs the same call on cuDNN without quantization and says so; an explicit `implementation="cudnn"` refuses."""
     monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (8, 0), 91900))
-    monkeypatch.setattr(dense, "get_entry", entry_for)
-    monkeypatch.setattr(dense, "ffi_graph_call", emulate_fp8)
+    monkeypatch.setattr(executor, "get_entry", entry_for)
+    monkeypatch.setattr(executor, "ffi_graph_call", emulate_fp8)
     monkeypatch.setattr(dispatch, "_has_gpu", lambda: True)
     SPECS.clear()
     q, k, v, kw = _inputs("causal", jnp.bfloat16)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None, reason=f"{
 
 
 def _fake_entries(monkeypatch):
-    from attnlib._src.backends.cudnn import attention, cache
+    from attnlib._src.backends.cudnn import cache, executor as attention
 
     def get_entry(spec):
         return cache.GraphEntry(

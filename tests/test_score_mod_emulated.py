@@ -17,7 +17,7 @@ from test_cudnn_dense_emulated import entry_for
 from test_cudnn_gpu import _compare, _qkv
 from test_score_mod_gpu import _materialize, CASES, MASK_CASES, N
 
-from attnlib._src.backends.cudnn import attention as dense, graphs, support
+from attnlib._src.backends.cudnn import attention as dense, executor, graphs, support
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
 
@@ -80,8 +80,8 @@ def emulate(spec: GraphSpec, entry, *operands, tokens=None):
 @pytest.fixture
 def emulated(monkeypatch):
     monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
-    monkeypatch.setattr(dense, "get_entry", entry_for)
-    monkeypatch.setattr(dense, "ffi_graph_call", emulate)
+    monkeypatch.setattr(executor, "get_entry", entry_for)
+    monkeypatch.setattr(executor, "ffi_graph_call", emulate)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -1,9 +1,6 @@
-"""cuDNN attention through attnlib's FFI executor: graph calls, batching, and the custom VJP.
+"""cuDNN attention on dense `[*B, T, N, H]` inputs: the plan of graphs, the custom VJP, padding rows.
 
-Layers, bottom up:
-- `ffi_graph_call`: one `jax.ffi.ffi_call` of the target `attnlib_cudnn_graph` for a built graph.
-- `graph_call(spec)`: the same under `jax.custom_batching.custom_vmap`, whose rule folds a vmapped axis into the
-  graph's batch dim and runs one bigger graph (a fused call, not a loop).
+Layers, bottom up (the graph calls themselves are `executor.py`'s):
 - `_sdpa`: forward graph + backward graph as a `jax.custom_vjp`, with padding rows zeroed.
 
 Padding rows. cuDNN writes zeros in the rows past a sequence's length (O and dQ past `seq_len_q`, dK and dV past
@@ -13,121 +10,23 @@ reaching `left` keys back. The graph gets query lengths trimmed to the rows that
 keys gets one key and no query row, so the padding costs no pass over the output or the gradients and no memset
 (`Plan.rows_by_length`, `MEMSET_ROWS`; `benchmarks/probe_unwritten_rows.py` checks cuDNN's side on the GPU). With a
 bottom-right diagonal the rows that see no key come first; those calls mask the output and the gradients in JAX.
-- `attention(config, inputs)`: the implementation entry point (flattening `*B`, slicing bottom-right `T > S`).
+- `attention(config, inputs)`: the dense entry point (flattening `*B`, slicing bottom-right `T > S`); THD, packed
+  rows and paged caches are `varlen.py`'s.
 """
 
 import dataclasses
 import functools
 import logging
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import canonical, dropout as dropout_lib, ffi, fp8 as fp8_lib, logs, masks as masks_lib, varying
+from ... import canonical, dropout as dropout_lib, fp8 as fp8_lib, logs, masks as masks_lib, varying
 from ...config import AttentionConfig, AttentionInputs
-from . import graphs, modifier as modifier_lib, support
-from .cache import GraphCache, GraphEntry
+from . import executor, graphs, modifier as modifier_lib, ragged, support
 from .graphs import GraphSpec, Uid
-
-
-CACHE = GraphCache()
-"""The process's graph cache (memory, plus disk under `ATTNLIB_CACHE_DIR`)."""
-
-
-GET_SECONDS: list[float] = []
-"""Seconds spent in each `get_entry` (graph set-up at trace time), for the benchmark."""
-
-
-def get_entry(spec: GraphSpec) -> GraphEntry:
-    """The built graph of `spec`: cached in memory / on disk, else built now (about a second)."""
-    start = time.perf_counter()
-    entry = CACHE.get(graphs.cache_key(spec, support.device()), lambda: graphs.build(spec))
-    GET_SECONDS.append(time.perf_counter() - start)
-    return entry
-
-
-def ffi_graph_call(
-    spec: GraphSpec, entry: GraphEntry, *operands: jax.Array, tokens: tuple[int, int] | None = None
-) -> tuple[jax.Array, ...]:
-    """Run a built graph on `operands` (in `spec.in_uids()` order); returns the outputs in `spec.out_uids()` order.
-
-    `tokens` is the packed `(Tq, Tkv)` of a ragged graph's call (its results' leading dims).
-    """
-    results = [jax.ShapeDtypeStruct(*spec.shape(uid, tokens)) for uid in spec.out_uids()]
-    results.append(jax.ShapeDtypeStruct((max(entry.workspace_bytes, 1),), jnp.uint8))
-    call = jax.ffi.ffi_call(ffi.TARGET, results, vmap_method="sequential")
-    # Inside shard_map the results vary like the operands (ffi_call types them from `results`, which says nothing).
-    axes = varying.union_axes(operands)
-    outs = call(
-        *operands,
-        graph=np.frombuffer(entry.blob, np.uint8),
-        label=entry.label,
-        in_uids=np.asarray(entry.in_uids, np.int64),
-        out_uids=np.asarray(entry.out_uids, np.int64),
-        ws_bytes=np.int64(entry.workspace_bytes),
-        zero_fill=np.asarray(entry.zero_fill, np.int64),
-    )
-    return tuple(varying.vary_over(x, axes) for x in outs[:-1])
-
-
-_BATCH_MAJOR = {Uid.Q, Uid.K, Uid.V, Uid.O, Uid.DO, Uid.STATS, Uid.DQ, Uid.DK, Uid.DV, Uid.SEQ_Q, Uid.SEQ_KV}
-_BIAS = {Uid.BIAS, Uid.DBIAS}
-
-
-@functools.cache
-def graph_call(spec: GraphSpec) -> Any:
-    """`fn(*operands) -> outputs` running the graph of `spec`; `vmap` folds the mapped axis into the batch."""
-
-    @jax.custom_batching.custom_vmap
-    def call(*operands: jax.Array) -> tuple[jax.Array, ...]:
-        return ffi_graph_call(spec, get_entry(spec), *operands)
-
-    @call.def_vmap
-    def fold(axis_size: int, in_batched: list[bool], *operands: jax.Array) -> tuple[Any, Any]:
-        uids = spec.in_uids()
-        out_uids = spec.out_uids()
-        shared_batched = any(b for u, b in zip(uids, in_batched) if u not in _BATCH_MAJOR and u not in _BIAS)
-        if shared_batched or (spec.modifier is not None and spec.modifier.reads_batch):
-            # Per-example sinks, dropout seeds or modifier arguments cannot share one graph call, nor can a modifier
-            # that reads the batch index (it would see the folded batch): loop over the mapped axis.
-            batched_ops = tuple(x for x, b in zip(operands, in_batched) if b)
-
-            def one(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-                it = iter(xs)
-                return call(*(next(it) if b else x for x, b in zip(operands, in_batched)))
-
-            outs = jax.lax.map(one, batched_ops)
-            return outs, tuple(True for _ in out_uids)
-
-        V, B = axis_size, spec.b
-        folded = []
-        for uid, x, batched in zip(uids, operands, in_batched):
-            if uid in _BATCH_MAJOR:
-                x = x if batched else jnp.broadcast_to(x, (V,) + x.shape)
-                folded.append(jnp.reshape(x, (V * B,) + x.shape[2:]))
-            elif uid in _BIAS:
-                x = x if batched else jnp.broadcast_to(x, (V,) + x.shape)
-                x = jnp.broadcast_to(x, (V, B) + x.shape[2:])
-                folded.append(jnp.reshape(x, (V * B,) + x.shape[2:]))
-            else:
-                folded.append(x)
-        big = dataclasses.replace(spec, b=V * B, bias_b=V * B if spec.bias_b else 0)
-        outs = graph_call(big)(*folded)
-        unfolded = []
-        for uid, y in zip(out_uids, outs):
-            if uid in graphs.FP8_AMAXES:  # one amax of the whole folded call
-                unfolded.append(jnp.broadcast_to(y, (V,) + y.shape))
-                continue
-            y = jnp.reshape(y, (V, B) + y.shape[1:])
-            if uid in _BIAS and spec.bias_b == 1:
-                y = jnp.sum(y.astype(jnp.float32), axis=1, keepdims=True).astype(y.dtype)
-            unfolded.append(y)
-        return tuple(unfolded), tuple(True for _ in out_uids)
-
-    return call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,18 +74,11 @@ def _row_valid(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) ->
     return ((i < q_len) & (lo <= hi))[:, :, None]
 
 
-def rows_seeing_keys(seq_q: jax.Array, seq_kv: jax.Array, left: int | None) -> jax.Array:
-    """Per sequence, the leading query rows that see a key under a top-left diagonal (whatever the right bound):
-    none without keys, else the rows below `seq_kv + left` (row `i` sees keys from `i - left`)."""
-    seeing = seq_q if left is None else jnp.minimum(seq_q, seq_kv + left)
-    return jnp.where(seq_kv > 0, seeing, 0)
-
-
 def _graph_seq_q(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array | None:
     """The query lengths the graphs get: with `plan.rows_by_length`, trimmed to the rows that see a key."""
     if not plan.rows_by_length or seq_q is None or seq_kv is None:
         return seq_q
-    return rows_seeing_keys(seq_q, seq_kv, plan.left)
+    return ragged.rows_seeing_keys(seq_q, seq_kv, plan.left)
 
 
 def _graph_seq_kv(plan: Plan, seq_kv: jax.Array | None) -> jax.Array | None:
@@ -280,7 +172,7 @@ def _forward(
     if spec.fp8:
         assert fp8 is not None
         values.update({Uid.Q: fp8.q, Uid.K: fp8.k, Uid.V: fp8.v, **dict(zip(graphs.FP8_SCALES, fp8.scales))})
-    results = graph_call(spec)(*_operands(spec, values))
+    results = executor.graph_call(spec)(*_operands(spec, values))
     out, stats = (results[0], results[1]) if spec.stats else (results[0], None)
     row_max = None
     if spec.row_max:
@@ -367,7 +259,8 @@ def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
             "implementation='xla_chunked' or 'xla', or wrap the arguments in jax.lax.stop_gradient."
         )
     if plan.bwd.modifier is not None:
-        get_entry(plan.bwd)  # build the backward now: a modifier cuDNN rejects fails here, where dispatch can fall back
+        # Build the backward now: a modifier cuDNN rejects fails here, where dispatch can fall back.
+        executor.get_entry(plan.bwd)
     unwrap = lambda x: x.value if is_primal(x) else x
     primals = jax.tree.map(unwrap, (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8), is_leaf=is_primal)
     q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8 = primals
@@ -395,7 +288,7 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
         Uid.SINK: sinks,
         **_arg_values(args),
     }
-    grads = graph_call(plan.bwd)(*_operands(plan.bwd, values))
+    grads = executor.graph_call(plan.bwd)(*_operands(plan.bwd, values))
     dq, dk, dv = grads[:3]
     dbias = None
     if bias is not None:
@@ -560,18 +453,9 @@ def _modifier_args(config, inputs, t, S, skip) -> tuple[jax.Array, ...]:
 def attention(
     config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
 ) -> tuple[jax.Array, jax.Array]:
-    """`(out [*B, T, N, Hv], lse float32 [*B, T, N])` computed by cuDNN graphs.
-
-    `explicit` (paged layouts only): the caller named cuDNN alone, so asking for a gradient raises instead of
-    differentiating the `xla` path.
-    """
-    reason = support.decline_reason(config)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    if config.layout != "dense" or (config.has_segments and not modifier_lib.visibility_as_bias(config)):
-        from . import varlen
-
-        return varlen.attention(config, inputs, explicit=explicit)
+    """`(out [*B, T, N, Hv], lse float32 [*B, T, N])` of a dense call (with `config.max_logit`, also `max_logit`
+    `[*B, N]` when the forward graph can give it) computed by cuDNN graphs. `explicit` is unused here (paged calls'
+    argument, `varlen.attention`)."""
     visibility = None
     if modifier_lib.visibility_as_bias(config):
         visibility = _visibility(config, inputs)
@@ -625,7 +509,7 @@ def attention(
                      row_max=_fused_max_logit(config))
     if plan.fwd.row_max:
         try:
-            get_entry(plan.fwd)
+            executor.get_entry(plan.fwd)
         except graphs.GraphRejected as e:
             logs.log_once(
                 ("row max graph", plan.fwd.label), logging.WARNING,

@@ -277,6 +277,13 @@ def element_offsets(token_offsets: jax.Array, heads: int, dim: int) -> jax.Array
     return jnp.stack([low, jnp.zeros_like(low)], axis=1)
 
 
+def rows_seeing_keys(seq_q: jax.Array, seq_kv: jax.Array, left: int | None) -> jax.Array:
+    """Per sequence, the leading query rows that see a key under a top-left diagonal (whatever the right bound):
+    none without keys, else the rows below `seq_kv + left` (row `i` sees keys from `i - left`)."""
+    seeing = seq_q if left is None else jnp.minimum(seq_q, seq_kv + left)
+    return jnp.where(seq_kv > 0, seeing, 0)
+
+
 def rows_valid(
     seq_q: jax.Array, seq_kv: jax.Array, rows: int, *, left: int | None, right: int | None, bottom_right: bool
 ) -> jax.Array:

@@ -37,13 +37,13 @@ import numpy as np
 from ... import dropout as dropout_lib, logs, varying
 from ...config import AttentionConfig, AttentionInputs
 from .. import xla as xla_backend, xla_chunked
-from . import attention as dense, ragged, row_fill, support
+from . import executor, ragged, row_fill, support
 from .graphs import GraphSpec, Uid
 
 
 def _call(spec: GraphSpec, operands: list[jax.Array], tokens: tuple[int, int] | None) -> tuple[jax.Array, ...]:
     """Run the graph of `spec` (built or fetched from the cache) on `operands`, in `spec.in_uids()` order."""
-    return dense.ffi_graph_call(spec, dense.get_entry(spec), *operands, tokens=tokens)
+    return executor.ffi_graph_call(spec, executor.get_entry(spec), *operands, tokens=tokens)
 
 
 def _graph_outputs(spec: GraphSpec, values: dict[Uid, Any], tokens: tuple[int, int] | None) -> tuple[jax.Array, ...]:
@@ -96,7 +96,7 @@ def _graph_seq_q(plan: RaggedPlan, batch: ragged.RaggedBatch) -> jax.Array:
     """The query rows cuDNN runs per sequence: with a top-left diagonal, only the leading rows that see a key."""
     if plan.bottom_right:
         return batch.seq_q
-    return dense.rows_seeing_keys(batch.seq_q, batch.seq_kv, plan.left)
+    return ragged.rows_seeing_keys(batch.seq_q, batch.seq_kv, plan.left)
 
 
 def _seeds(seeds: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:

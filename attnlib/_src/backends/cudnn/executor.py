@@ -1,0 +1,118 @@
+"""Running built cuDNN graphs from JAX: the graph cache, one FFI call per graph, and batching under `vmap`.
+
+- `get_entry(spec)`: the built graph of a `GraphSpec` (memory / disk cache, else built and autotuned now).
+- `ffi_graph_call`: one `jax.ffi.ffi_call` of the target `attnlib_cudnn_graph` for a built graph.
+- `graph_call(spec)`: the same under `jax.custom_batching.custom_vmap`, whose rule folds a vmapped axis into the
+  graph's batch dim and runs one bigger graph (a fused call, not a loop).
+"""
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ... import ffi, varying
+from . import graphs, support
+from .cache import GraphCache, GraphEntry
+from .graphs import GraphSpec, Uid
+
+
+CACHE = GraphCache()
+"""The process's graph cache (memory, plus disk under `ATTNLIB_CACHE_DIR`)."""
+
+
+GET_SECONDS: list[float] = []
+"""Seconds spent in each `get_entry` (graph set-up at trace time), for the benchmark."""
+
+
+def get_entry(spec: GraphSpec) -> GraphEntry:
+    """The built graph of `spec`: cached in memory / on disk, else built now (about a second)."""
+    start = time.perf_counter()
+    entry = CACHE.get(graphs.cache_key(spec, support.device()), lambda: graphs.build(spec))
+    GET_SECONDS.append(time.perf_counter() - start)
+    return entry
+
+
+def ffi_graph_call(
+    spec: GraphSpec, entry: GraphEntry, *operands: jax.Array, tokens: tuple[int, int] | None = None
+) -> tuple[jax.Array, ...]:
+    """Run a built graph on `operands` (in `spec.in_uids()` order); returns the outputs in `spec.out_uids()` order.
+
+    `tokens` is the packed `(Tq, Tkv)` of a ragged graph's call (its results' leading dims).
+    """
+    results = [jax.ShapeDtypeStruct(*spec.shape(uid, tokens)) for uid in spec.out_uids()]
+    results.append(jax.ShapeDtypeStruct((max(entry.workspace_bytes, 1),), jnp.uint8))
+    call = jax.ffi.ffi_call(ffi.TARGET, results, vmap_method="sequential")
+    # Inside shard_map the results vary like the operands (ffi_call types them from `results`, which says nothing).
+    axes = varying.union_axes(operands)
+    outs = call(
+        *operands,
+        graph=np.frombuffer(entry.blob, np.uint8),
+        label=entry.label,
+        in_uids=np.asarray(entry.in_uids, np.int64),
+        out_uids=np.asarray(entry.out_uids, np.int64),
+        ws_bytes=np.int64(entry.workspace_bytes),
+        zero_fill=np.asarray(entry.zero_fill, np.int64),
+    )
+    return tuple(varying.vary_over(x, axes) for x in outs[:-1])
+
+
+_BATCH_MAJOR = {Uid.Q, Uid.K, Uid.V, Uid.O, Uid.DO, Uid.STATS, Uid.DQ, Uid.DK, Uid.DV, Uid.SEQ_Q, Uid.SEQ_KV}
+_BIAS = {Uid.BIAS, Uid.DBIAS}
+
+
+@functools.cache
+def graph_call(spec: GraphSpec) -> Any:
+    """`fn(*operands) -> outputs` running the graph of `spec`; `vmap` folds the mapped axis into the batch."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*operands: jax.Array) -> tuple[jax.Array, ...]:
+        return ffi_graph_call(spec, get_entry(spec), *operands)
+
+    @call.def_vmap
+    def fold(axis_size: int, in_batched: list[bool], *operands: jax.Array) -> tuple[Any, Any]:
+        uids = spec.in_uids()
+        out_uids = spec.out_uids()
+        shared_batched = any(b for u, b in zip(uids, in_batched) if u not in _BATCH_MAJOR and u not in _BIAS)
+        if shared_batched or (spec.modifier is not None and spec.modifier.reads_batch):
+            # Per-example sinks, dropout seeds or modifier arguments cannot share one graph call, nor can a modifier
+            # that reads the batch index (it would see the folded batch): loop over the mapped axis.
+            batched_ops = tuple(x for x, b in zip(operands, in_batched) if b)
+
+            def one(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+                it = iter(xs)
+                return call(*(next(it) if b else x for x, b in zip(operands, in_batched)))
+
+            outs = jax.lax.map(one, batched_ops)
+            return outs, tuple(True for _ in out_uids)
+
+        V, B = axis_size, spec.b
+        folded = []
+        for uid, x, batched in zip(uids, operands, in_batched):
+            if uid in _BATCH_MAJOR:
+                x = x if batched else jnp.broadcast_to(x, (V,) + x.shape)
+                folded.append(jnp.reshape(x, (V * B,) + x.shape[2:]))
+            elif uid in _BIAS:
+                x = x if batched else jnp.broadcast_to(x, (V,) + x.shape)
+                x = jnp.broadcast_to(x, (V, B) + x.shape[2:])
+                folded.append(jnp.reshape(x, (V * B,) + x.shape[2:]))
+            else:
+                folded.append(x)
+        big = dataclasses.replace(spec, b=V * B, bias_b=V * B if spec.bias_b else 0)
+        outs = graph_call(big)(*folded)
+        unfolded = []
+        for uid, y in zip(out_uids, outs):
+            if uid in graphs.FP8_AMAXES:  # one amax of the whole folded call
+                unfolded.append(jnp.broadcast_to(y, (V,) + y.shape))
+                continue
+            y = jnp.reshape(y, (V, B) + y.shape[1:])
+            if uid in _BIAS and spec.bias_b == 1:
+                y = jnp.sum(y.astype(jnp.float32), axis=1, keepdims=True).astype(y.dtype)
+            unfolded.append(y)
+        return tuple(unfolded), tuple(True for _ in out_uids)
+
+    return call
