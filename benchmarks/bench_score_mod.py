@@ -116,7 +116,7 @@ cap = float(__import__("os").environ["BENCH_CAP"])
 f = lambda q, k, v: jnp.sum(attnlib.attention(q, k, v, is_causal=True, logits_soft_cap=cap,
                                               implementation="cudnn").astype(jnp.float32))
 t0 = time.perf_counter(); jax.block_until_ready(jax.jit(jax.grad(f))(q, k, v)); total = time.perf_counter() - t0
-print(json.dumps({"built": G.BUILD_TIMES, "get_seconds": A.GET_SECONDS, "total_s": total}))
+print(json.dumps({"built": list(G.BUILD_TIMES), "get_seconds": list(A.GET_SECONDS), "total_s": total}))
 """
 
 

@@ -6,6 +6,7 @@
   graph's batch dim and runs one bigger graph (a fused call, not a loop).
 """
 
+import collections
 import dataclasses
 import functools
 import time
@@ -25,8 +26,8 @@ CACHE = GraphCache()
 """The process's graph cache (memory, plus disk under `ATTNLIB_CACHE_DIR`)."""
 
 
-GET_SECONDS: list[float] = []
-"""Seconds spent in each `get_entry` (graph set-up at trace time), for the benchmark."""
+GET_SECONDS: collections.deque[float] = collections.deque(maxlen=4096)
+"""Seconds spent in the latest `get_entry` calls (graph set-up at trace time; bounded), for the benchmarks."""
 
 
 def get_entry(spec: GraphSpec) -> GraphEntry:

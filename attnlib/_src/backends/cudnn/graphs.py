@@ -33,6 +33,7 @@ the cache (`GraphEntry.plan`), so a configuration is timed once per machine, not
 fails (for example out of memory next to JAX's preallocated pool) keeps the heuristic's first plan and logs why.
 """
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -731,8 +732,8 @@ def build(spec: GraphSpec) -> GraphEntry:
     return entry
 
 
-BUILD_TIMES: list[tuple[str, float]] = []
-"""(label, seconds) of every graph built in this process (for the benchmark)."""
+BUILD_TIMES: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
+"""(label, seconds) of the latest graphs built in this process (bounded; for the benchmarks)."""
 
 
 def _frontend_package_version() -> str:
