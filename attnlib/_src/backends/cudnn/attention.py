@@ -65,13 +65,10 @@ class Plan:
 def _row_valid(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array:
     """Bool `[B, T, 1]`: the query row exists and sees at least one key (by the lengths and built-in masks)."""
     spec = plan.fwd
-    i = jnp.arange(spec.t, dtype=jnp.int32)[None, :]
-    q_len = jnp.full((spec.b, 1), spec.t, jnp.int32) if seq_q is None else seq_q.astype(jnp.int32)[:, None]
-    kv_len = jnp.full((spec.b, 1), spec.s, jnp.int32) if seq_kv is None else seq_kv.astype(jnp.int32)[:, None]
-    diagonal = i + (kv_len - q_len if plan.bottom_right else 0)
-    lo = jnp.zeros_like(diagonal) if plan.left is None else jnp.maximum(diagonal - plan.left, 0)
-    hi = kv_len - 1 if plan.right is None else jnp.minimum(diagonal + plan.right, kv_len - 1)
-    return ((i < q_len) & (lo <= hi))[:, :, None]
+    q_len = jnp.full((spec.b,), spec.t, jnp.int32) if seq_q is None else seq_q
+    kv_len = jnp.full((spec.b,), spec.s, jnp.int32) if seq_kv is None else seq_kv
+    valid = ragged.rows_valid(q_len, kv_len, spec.t, left=plan.left, right=plan.right, bottom_right=plan.bottom_right)
+    return valid[:, :, None]
 
 
 def _graph_seq_q(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array | None:

@@ -287,7 +287,9 @@ def rows_seeing_keys(seq_q: jax.Array, seq_kv: jax.Array, left: int | None) -> j
 def rows_valid(
     seq_q: jax.Array, seq_kv: jax.Array, rows: int, *, left: int | None, right: int | None, bottom_right: bool
 ) -> jax.Array:
-    """bool `[Bc, rows]`: row `i` of each sequence exists and sees at least one key."""
+    """bool `[Bc, rows]`: row `i` of each sequence exists and sees at least one key (under the band `left` /
+    `right` around the diagonal, top-left or bottom-right aligned): the one row rule of the cuDNN paths, dense and
+    ragged."""
     i = jnp.arange(rows, dtype=jnp.int32)[None, :]
     q_len = seq_q.astype(jnp.int32)[:, None]
     kv_len = seq_kv.astype(jnp.int32)[:, None]
