@@ -19,7 +19,7 @@ from helpers import assert_grad_close, assert_out_close, run_pytest_on_simulated
 
 import attnlib
 from attnlib import context_parallel as cp
-from attnlib._src import context_parallel as cp_src
+from attnlib._src.context_parallel import planner as cp_src
 
 
 P = jax.sharding.PartitionSpec
