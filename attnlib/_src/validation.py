@@ -34,6 +34,15 @@ def _require_int_array(name: str, x: Any) -> None:
         raise TypeError(f"`{name}` must have an integer dtype. Got {name}.dtype={x.dtype}.")
 
 
+def int_array(name: str, x: Any, shape: tuple[int, ...], meaning: str) -> jax.Array:
+    """`x` as an int32 array of `shape` (`meaning` names its axes in the message), or a `TypeError` / `ValueError`
+    naming `name`."""
+    x = jnp.asarray(x)
+    _require_int_array(name, x)
+    _require_shape(name, x, shape, meaning)
+    return x.astype(jnp.int32)
+
+
 def _require_shape(name: str, x: Any, expected: tuple[int, ...], meaning: str) -> None:
     if tuple(x.shape) != tuple(expected):
         raise ValueError(f"`{name}` must have shape {meaning}={tuple(expected)}. Got {name}.shape={tuple(x.shape)}.")
@@ -96,7 +105,9 @@ def _fp8(fp8: Any, query: Any, key: Any, value: Any) -> tuple[str | None, fp8_li
     return "scaled", fp8
 
 
-def _window(local_window_size: Any) -> tuple[int, int] | None:
+def parse_window(local_window_size: Any) -> tuple[int, int] | None:
+    """`local_window_size` as `(left, right)` (None stays None); a `ValueError` naming it when it is not a
+    non-negative int or a pair of them."""
     if local_window_size is None:
         return None
     is_count = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
@@ -378,7 +389,7 @@ def validate(
         raise ValueError(
             f"`diagonal_alignment` must be 'top_left' or 'bottom_right'. Got {diagonal_alignment!r}."
         )
-    window = _window(local_window_size)
+    window = parse_window(local_window_size)
     if logits_soft_cap is not None and (
         isinstance(logits_soft_cap, bool)
         or not isinstance(logits_soft_cap, numbers.Real)

@@ -1,13 +1,13 @@
 """Context parallelism: `attention`, its argument checks, and the choice of strategy."""
 
 import math
-import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import validation
 from .all_gather import _all_gather
 from .planner import _Layout, _make_plan, _Rule
 from .ring import _Options, _ring
@@ -42,31 +42,6 @@ _UNSUPPORTED_MODIFIERS = ("score_mod", "mask_mod", "score_mod_args")
 
 # ----------------------------------------------------------------------------------------------------------------
 # Public entry point
-
-
-def _window(local_window_size: Any) -> tuple[int, int] | None:
-    is_count = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
-    if local_window_size is None:
-        return None
-    if is_count(local_window_size):
-        return int(local_window_size), int(local_window_size)
-    if isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 and all(
-        is_count(x) for x in local_window_size
-    ):
-        return int(local_window_size[0]), int(local_window_size[1])
-    raise ValueError(
-        "`local_window_size` must be a non-negative int or a pair (left, right) of non-negative ints. "
-        f"Got {local_window_size!r}."
-    )
-
-
-def _int_array(name: str, x: Any, shape: tuple[int, ...], meaning: str) -> jax.Array:
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"`{name}` must have an integer dtype. Got {name}.dtype={x.dtype}.")
-    if tuple(x.shape) != shape:
-        raise ValueError(f"`{name}` must have shape {meaning}={shape}. Got {name}.shape={tuple(x.shape)}.")
-    return x.astype(jnp.int32)
 
 
 def attention(
@@ -198,13 +173,13 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
     aux: dict[str, jax.Array] = {}
     for name, meaning in (("query_seq_lengths", "q_len"), ("key_value_seq_lengths", "kv_len")):
         if kwargs.get(name) is not None:
-            aux[meaning] = jnp.reshape(_int_array(name, kwargs[name], batch_shape, "[*B]"), (B,))
+            aux[meaning] = jnp.reshape(validation.int_array(name, kwargs[name], batch_shape, "[*B]"), (B,))
     q_seg = kwargs.get("q_segment_ids")
     kv_seg = kwargs.get("kv_segment_ids")
     if kv_seg is not None and q_seg is None:
         raise ValueError("`kv_segment_ids` requires `q_segment_ids`. Got q_segment_ids=None.")
     if q_seg is not None:
-        aux["q_seg"] = flat(_int_array("q_segment_ids", q_seg, batch_shape + (T_l,), "[*B, T_l]"))
+        aux["q_seg"] = flat(validation.int_array("q_segment_ids", q_seg, batch_shape + (T_l,), "[*B, T_l]"))
         if kv_seg is None:
             if T_l != S_l:
                 raise ValueError(
@@ -213,7 +188,7 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
                 )
             aux["kv_seg"] = aux["q_seg"]
         else:
-            aux["kv_seg"] = flat(_int_array("kv_segment_ids", kv_seg, batch_shape + (S_l,), "[*B, S_l]"))
+            aux["kv_seg"] = flat(validation.int_array("kv_segment_ids", kv_seg, batch_shape + (S_l,), "[*B, S_l]"))
     sinks = kwargs.get("sinks")
     if sinks is not None:
         sinks = jnp.asarray(sinks)
@@ -234,7 +209,7 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
             "`query_seq_lengths`, `key_value_seq_lengths` or segment ids yet: the diagonal would depend on "
             "per-sequence lengths across shards."
         )
-    window = _window(kwargs.get("local_window_size"))
+    window = validation.parse_window(kwargs.get("local_window_size"))
     lo = -window[0] if window is not None else -math.inf
     hi = window[1] if window is not None else math.inf
     if is_causal:

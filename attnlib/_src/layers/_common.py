@@ -48,7 +48,7 @@ def num_kv_heads(value: Any, num_heads: int) -> int:
 
 
 def local_window_size(value: Any) -> int | tuple[int, int] | None:
-    validation._window(value)  # raises ValueError naming `local_window_size`
+    validation.parse_window(value)  # raises ValueError naming `local_window_size`
     return tuple(int(v) for v in value) if isinstance(value, (tuple, list)) else value  # type: ignore[return-value]
 
 
