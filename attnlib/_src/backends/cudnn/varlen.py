@@ -149,9 +149,7 @@ RAGGED_STATS: bool | None = None
 """Ragged graphs keep their softmax statistics per query token (`[Tq, N]`, `GraphSpec.ragged_stats`, True) or padded
 (`[b, N, t]`, False), whose size grows with the sequence bound (the token count when no `max_seqlen_*` is given).
 None (the default): per token when the padded rows `b * t` would exceed `PER_TOKEN_STATS_ABOVE` times the query
-tokens. Measured on the H200 (`bench_cudnn_ragged.py`, 32k tokens): per-token stats cost cuDNN's backward about 5 %
-when the padded rows are 2x the tokens (a `max_seqlen` close to the longest sequence), and save 11 % when they are
-16x (no `max_seqlen`), besides the memory. Both layouts pass the GPU suite (`tests/test_cudnn_ragged_gpu.py`)."""
+tokens (the measurements behind the rule: docs/performance.md, ragged section)."""
 
 PER_TOKEN_STATS_ABOVE = 4
 
