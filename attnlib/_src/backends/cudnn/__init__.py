@@ -30,7 +30,7 @@ class _Cudnn:
         # Packed rows run as THD unless their structure rides in a bias next to a mask or modifier.
         if config.layout != "dense" or (config.has_segments and not modifier.visibility_as_bias(config)):
             return varlen.attention(config, inputs, explicit=explicit)
-        return attention.attention(config, inputs, explicit=explicit)
+        return attention.attention(config, inputs)
 
 
 IMPLEMENTATION = _Cudnn()

@@ -447,12 +447,9 @@ def _modifier_args(config, inputs, t, S, skip) -> tuple[jax.Array, ...]:
     return tuple(args)
 
 
-def attention(
-    config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
-) -> tuple[jax.Array, jax.Array]:
+def attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, ...]:
     """`(out [*B, T, N, Hv], lse float32 [*B, T, N])` of a dense call (with `config.max_logit`, also `max_logit`
-    `[*B, N]` when the forward graph can give it) computed by cuDNN graphs. `explicit` is unused here (paged calls'
-    argument, `varlen.attention`)."""
+    `[*B, N]` when the forward graph can give it) computed by cuDNN graphs."""
     visibility = None
     if modifier_lib.visibility_as_bias(config):
         visibility = _visibility(config, inputs)
