@@ -1,7 +1,7 @@
 """H200 benchmark: packed rows (segment ids) on cuDNN without `max_segments_per_row` (issue: serve them fused by
 default) against the same call with a tight bound, in one process.
 
-Usage: python benchmarks/bench_segments_bound.py [--json out.json]
+Usage: python benchmarks/bench_segments_bound.py [--json out.json] [--variants NAME ...]
 
 Variants per shape, all under `jax.jit` with the segment ids a traced argument unless said: `tight` (the rows' exact
 bound given), `default` (no bound: cuDNN with `DEFAULT_SEGMENTS_PER_ROW` behind a `lax.cond` whose other branch is
@@ -42,6 +42,7 @@ SHAPES = {
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--variants", nargs="*", default=None, help="variant names (default: all; tight always runs)")
     args = parser.parse_args()
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "shapes": {}}
     for name, c in SHAPES.items():
@@ -75,6 +76,8 @@ def main():
             "bound_32": make("cudnn", 32), "bound_64": make("cudnn", 64), "concrete": make("cudnn", None, False),
             "xla_chunked": make("xla_chunked", None),
         }
+        if args.variants is not None:
+            variants = {label: fns for label, fns in variants.items() if label == "tight" or label in args.variants}
         reference = np.asarray(variants["tight"][0](q, k, v, ids), np.float32)
         row = {"tight_bound": tight}
         for label, (f, fb) in variants.items():
