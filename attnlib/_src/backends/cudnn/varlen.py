@@ -122,24 +122,16 @@ def _empty_lse(shape: tuple[int, ...], sinks: jax.Array | None) -> jax.Array:
     return jnp.broadcast_to(sinks.astype(jnp.float32), shape)
 
 
-def _forward_graph(plan: RaggedPlan, q, k, v, sinks, seeds, batch) -> tuple[jax.Array, jax.Array]:
-    """The forward graph's raw `(out, stats)`."""
+def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
+    spec = plan.fwd
     seed, offset = _seeds(seeds)
     values = {
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.SEQ_Q: _graph_seq_q(plan, batch), Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed,
-        Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(plan.fwd, batch),
+        Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
     }  # fmt: skip
-    out, stats = _graph_outputs(plan.fwd, values, plan.tokens)
-    return out, stats
-
-
-def _finish_forward(plan: RaggedPlan, out, stats, sinks, batch, fused=None, plain_lse=None):
-    """`(out, lse, stats, tok_valid)` from the forward graph's raw results. `fused`: None, or a bool scalar that is
-    False when `out` is the fallback's (then rows are left alone and `plain_lse` is the lse)."""
-    spec = plan.fwd
+    out, stats = _graph_outputs(spec, values, plan.tokens)
     valid_rows, tok_valid, index = _token_rows(plan, batch)
-    fill = (lambda rows: rows) if fused is None else (lambda rows: rows & fused)  # noqa: E731
-    out = row_fill.set_rows(out, fill(~tok_valid), fill(batch.q_nan))
+    out = row_fill.set_rows(out, ~tok_valid, batch.q_nan)
     empty = _empty_lse((plan.tokens[0], spec.n), sinks)
     # Rows that see no key (or that cuDNN does not write): finite stats make the backward's probabilities exactly
     # zero there.
@@ -150,15 +142,7 @@ def _finish_forward(plan: RaggedPlan, out, stats, sinks, batch, fused=None, plai
         stats = jnp.where(valid_rows[:, None, :], stats, 0.0)
         flat = jnp.reshape(jnp.transpose(stats, (0, 2, 1)), (-1, spec.n))  # [Bc * t, N]
         lse = jnp.where(tok_valid[:, None], jnp.take(flat, index, axis=0), empty)
-    lse = _nan_rows(lse, batch.q_nan, plan)
-    if fused is not None:
-        lse = jnp.where(fused, lse, plain_lse)
-    return out, lse, stats, tok_valid
-
-
-def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
-    out, stats = _forward_graph(plan, q, k, v, sinks, seeds, batch)
-    return _finish_forward(plan, out, stats, sinks, batch)
+    return out, _nan_rows(lse, batch.q_nan, plan), stats, tok_valid
 
 
 RAGGED_STATS: bool | None = None
@@ -210,26 +194,17 @@ def _plain(plan: RaggedPlan, q, k, v, sinks, reference: dict[str, Any], *, lse_o
 
 
 def _guarded_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, fits):
-    """`_ragged_forward`, or with `fits` False the fallback's `(out, lse)` and placeholder residuals. Only the graph
-    call and the fallback sit inside the `lax.cond` (XLA waits for its predicate on the host): the work around the
-    graph runs outside it, masked by `fits` (docs/performance.md, packed rows without a bound)."""
+    """`_ragged_forward`, or with `fits` False the fallback's `(out, lse)` and placeholder residuals."""
     if fits is None:
         return _ragged_forward(plan, q, k, v, sinks, seeds, batch)
-    graph = lambda: _forward_graph(plan, q, k, v, sinks, seeds, batch)  # noqa: E731
-    out_shape, stats_shape = jax.eval_shape(graph)
-    lse_shape = jax.ShapeDtypeStruct((plan.tokens[0], plan.fwd.n), jnp.float32)
-    zeros = lambda shape: jnp.zeros(shape.shape, shape.dtype)  # noqa: E731
-
-    def fused():
-        out, stats = graph()
-        return out, stats, zeros(lse_shape)
+    fused = lambda: _ragged_forward(plan, q, k, v, sinks, seeds, batch)  # noqa: E731
+    shapes = jax.eval_shape(fused)
 
     def fallback():
         out, lse = _plain(plan, q, k, v, sinks, reference)
-        return out.astype(out_shape.dtype), zeros(stats_shape), lse.astype(jnp.float32)
+        return out, lse, jnp.zeros(shapes[2].shape, shapes[2].dtype), jnp.zeros(shapes[3].shape, shapes[3].dtype)
 
-    out, stats, plain_lse = jax.lax.cond(fits, fused, fallback)
-    return _finish_forward(plan, out, stats, sinks, batch, fits, plain_lse)
+    return jax.lax.cond(fits, fused, fallback)
 
 
 def _unwrap(tree):
@@ -249,8 +224,13 @@ def _ragged_sdpa_fwd(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, 
 def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
     q, k, v, sinks, seeds, batch, reference, fits, out, lse, stats, tok_valid = residuals
     none = lambda tree: jax.tree.map(lambda _: None, tree)  # noqa: E731
-    dq, dk, dv, dsinks = _ragged_grads(plan, (q, k, v, sinks, seeds, batch, reference, out, lse, stats, tok_valid),
-                                       cotangents, fits)  # fmt: skip
+    grads = functools.partial(_ragged_grads, plan, (q, k, v, sinks, seeds, batch, reference, out, lse, stats,
+                                                    tok_valid), cotangents)  # fmt: skip
+    if fits is None:
+        dq, dk, dv, dsinks = grads()
+    else:
+        dq, dk, dv, dsinks = jax.lax.cond(fits, grads, lambda: _plain_grads(plan, q, k, v, sinks, reference,
+                                                                            cotangents))  # fmt: skip
     return dq, dk, dv, dsinks, none(seeds), none(batch), none(reference), none(fits)
 
 
@@ -262,10 +242,8 @@ def _plain_grads(plan: RaggedPlan, q, k, v, sinks, reference, cotangents):
     return vjp((zero(d_out, out).astype(out.dtype), zero(d_lse, lse).astype(lse.dtype)))
 
 
-def _ragged_grads(plan: RaggedPlan, residuals, cotangents, fits=None):
-    """`(dq, dk, dv, dsinks)` of the ragged graphs; with `fits` (a bool scalar) False, the fallback's instead. Only
-    the graph call and the fallback sit inside the `lax.cond`, as in `_guarded_forward`: the terms added around the
-    graph's gradients are selected by `fits` (the fallback's gradients hold them already)."""
+def _ragged_grads(plan: RaggedPlan, residuals, cotangents):
+    """`(dq, dk, dv, dsinks)` of the ragged graphs."""
     q, k, v, sinks, seeds, batch, reference, out, lse, stats, tok_valid = residuals
     d_out, d_lse = cotangents
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
@@ -279,26 +257,10 @@ def _ragged_grads(plan: RaggedPlan, residuals, cotangents, fits=None):
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.SEQ_Q: _graph_seq_q(plan, batch),
         Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
     }  # fmt: skip
-    graph = lambda: tuple(_graph_outputs(spec, values, plan.tokens)[:3])  # noqa: E731
-    if fits is None:
-        dq, dk, dv = graph()
-        fill = lambda rows: rows  # noqa: E731
-        select = lambda fused, plain: fused  # noqa: E731
-    else:
-        shapes = jax.eval_shape(graph)
-        no_sinks = None if sinks is None else jnp.zeros(sinks.shape, sinks.dtype)
-
-        def fallback():
-            grads = _plain_grads(plan, q, k, v, sinks, reference, cotangents)
-            return tuple(g.astype(shape.dtype) for g, shape in zip(grads[:3], shapes)), grads[3]
-
-        (dq, dk, dv), plain_dsinks = jax.lax.cond(fits, lambda: (graph(), no_sinks), fallback)
-        fill = lambda rows: rows & fits  # noqa: E731
-        select = lambda fused, plain: jnp.where(fits, fused, plain)  # noqa: E731
+    dq, dk, dv = _graph_outputs(spec, values, plan.tokens)[:3]
     # Overflowing rows become NaN here already (NaN + anything added below stays NaN).
-    dq = row_fill.set_rows(dq, fill(~tok_valid), fill(batch.q_nan))
-    dk = row_fill.set_rows(dk, fill(~batch.kv_in), fill(batch.kv_nan))
-    dv = row_fill.set_rows(dv, fill(~batch.kv_in), fill(batch.kv_nan))
+    dq = row_fill.set_rows(dq, ~tok_valid, batch.q_nan)
+    dk, dv = row_fill.set_rows(dk, ~batch.kv_in, batch.kv_nan), row_fill.set_rows(dv, ~batch.kv_in, batch.kv_nan)
     dsinks = None
     if sinks is not None:
         row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [Tq, N]
@@ -310,11 +272,9 @@ def _ragged_grads(plan: RaggedPlan, residuals, cotangents, fits=None):
         d_lse = jnp.where(batch.q_nan[:, None], 0.0, d_lse.astype(jnp.float32))
         lse_reference, vjp = jax.vjp(lambda *a: _plain(plan, *a, reference, lse_only=True)[1], q, k, v, sinks)
         extra = vjp(varying.match(d_lse, lse_reference))
-        dq, dk, dv = (select(g + e.astype(g.dtype), g) for g, e in zip((dq, dk, dv), extra[:3]))
+        dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
         if sinks is not None:
             dsinks = dsinks + extra[3].astype(dsinks.dtype)
-    if sinks is not None:
-        dsinks = select(dsinks, plain_dsinks if fits is not None else None)
     return dq, dk, dv, dsinks
 
 
