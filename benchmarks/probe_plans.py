@@ -1,16 +1,18 @@
 """Probe (H200): every cuDNN backend plan the heuristics offer for the forward graphs where tokamax's forward led
 (issue 17: MLA 192/128, b1 · s16384, GQA window, the small shapes), each timed by the native extension as the
-autotuner times its candidates — not only the first `MAX_AUTOTUNE_CANDIDATES`.
+autotuner times its candidates — not only the first `MAX_AUTOTUNE_CANDIDATES` (`ATTNLIB_CUDNN_AUTOTUNE=all`).
 
 Usage: ATTNLIB_CACHE_DIR=$(mktemp -d) python benchmarks/probe_plans.py  (one line per graph: label | plan record
 with every plan's kernel time)
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 
 import attnlib
-from attnlib._src.backends.cudnn import executor, graphs
+from attnlib._src.backends.cudnn import executor
 
 
 CALLS = {  # name: (q shape, k shape, v shape, kwargs)
@@ -24,7 +26,7 @@ CALLS = {  # name: (q shape, k shape, v shape, kwargs)
 
 
 def main() -> None:
-    graphs.MAX_AUTOTUNE_CANDIDATES = 1 << 10  # probe only: time every backend plan
+    os.environ["ATTNLIB_CUDNN_AUTOTUNE"] = "all"  # time every backend plan
     for name, (qs, ks, vs, kw) in CALLS.items():
         q, k, v = (jnp.zeros(s, jnp.bfloat16) for s in (qs, ks, vs))
         loss = lambda q, k, v, kw=kw: jnp.sum(attnlib.attention(q, k, v, implementation="cudnn", **kw))  # noqa: E731

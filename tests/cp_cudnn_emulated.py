@@ -23,7 +23,7 @@ from test_cudnn_dense_emulated import emulate, entry_for
 
 import attnlib
 import attnlib.context_parallel as cp
-from attnlib._src.backends.cudnn import attention as dense, executor, support
+from attnlib._src.backends.cudnn import executor, support
 
 
 if jax.device_count() < 4:

@@ -784,7 +784,8 @@ def fake_entries(monkeypatch):
 
     monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
     monkeypatch.setattr(executor, "get_entry", get_entry)
-    monkeypatch.setattr(row_fill, "INTERPRET", False)  # lowered for a GPU: the compiled kernel, as there
+    # Lowered for a GPU on this CPU host: the row-fill kernel, as JAX picks it there.
+    monkeypatch.setattr(row_fill, "set_rows", row_fill.set_rows_kernel)
 
 
 def _custom_calls(fn, *args):
@@ -868,7 +869,7 @@ def test_stats_go_per_token_when_padded_ones_would_be_much_larger(monkeypatch):
 @pytest.mark.parametrize("layout", ["thd", "segments"])
 def test_ragged_calls_lower_without_control_flow(fake_entries, layout):
     """The sequence metadata and the row fixes are straight-line ops: an XLA `while` or conditional on a GPU reads its
-    predicate back to the host (`ragged.SEARCH_METHOD`)."""
+    predicate back to the host (`ragged._sequence_of`)."""
     if layout == "thd":
         q, kv, meta = (jax.ShapeDtypeStruct((1000, 8, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1000, 2, 64), jnp.bfloat16),
                        jax.ShapeDtypeStruct((6,), jnp.int32))  # fmt: skip

@@ -143,17 +143,21 @@ def test_backend_plan_indices_skip_python_engines():
         graphs.backend_plan_indices([20001, 20002], is_backend)
 
 
-@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False), ("off", False), ("False", False)])
-def test_autotune_switch_and_cache_key(monkeypatch, value, enabled):
+@pytest.mark.parametrize("value, selection, wanted", [
+    (None, "autotuned", 4), ("1", "autotuned", 4), ("0", "heuristics", 1), ("off", "heuristics", 1),
+    ("False", "heuristics", 1), ("all", "autotuned_all", 1 << 30), (" ALL ", "autotuned_all", 1 << 30),
+])  # fmt: skip
+def test_autotune_switch_and_cache_key(monkeypatch, value, selection, wanted):
     if value is None:
         monkeypatch.delenv("ATTNLIB_CUDNN_AUTOTUNE", raising=False)
     else:
         monkeypatch.setenv("ATTNLIB_CUDNN_AUTOTUNE", value)
-    assert graphs.autotune_enabled() is enabled
+    assert graphs.autotune_enabled() is (selection != "heuristics")
     device = support.Device(name="NVIDIA H200", compute_capability=(9, 0), cudnn_version=91900)
     spec = graphs.GraphSpec(direction="fwd", dtype="bfloat16", b=2, t=65, s=33, n=6, k=2, h=24, hv=40, scale=0.2)
     key = graphs.cache_key(spec, device)
-    assert key["plan_selection"] == ("autotuned" if enabled else "heuristics")
+    assert key["plan_selection"] == selection
+    assert graphs._candidates_wanted(spec) == wanted
 
 
 def test_timing_tensors_describe_every_graph_tensor():

@@ -21,7 +21,7 @@ from test_fp8 import _inputs as fp8_inputs, _quantized, _ref_kwargs, assert_fp8_
 
 import attnlib
 from attnlib._src import dispatch, validation
-from attnlib._src.backends.cudnn import attention as dense, executor, support
+from attnlib._src.backends.cudnn import executor, support
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
 

@@ -54,7 +54,8 @@ def test_kernel_in_the_interpreter(shape, dtype):
 
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
 def test_scatter_and_default(shape):
-    """The scatter (the benchmark's "before") against the definition, and `set_rows` (interpreted here) against it."""
+    """The scatter (the benchmark's "before") against the definition, and `set_rows` (the scatter when JAX runs on a
+    CPU) against it."""
     x, zero, nan = _case(shape, jnp.bfloat16, seed=1)
     _check(row_fill.set_rows_scatter(x, zero, nan), x, zero, nan)
     np.testing.assert_array_equal(_bits(jax.jit(row_fill.set_rows)(x, zero, nan)),

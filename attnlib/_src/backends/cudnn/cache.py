@@ -17,6 +17,7 @@ import os
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -145,6 +146,10 @@ class GraphCache:
         self._memory: collections.OrderedDict[str, GraphEntry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.stats = collections.Counter()
+        self.lookup_seconds: collections.deque[float] = collections.deque(maxlen=4096)
+        """Seconds each of the latest `get` calls took (graph set-up at trace time; bounded), for the benchmarks."""
+        self.build_seconds: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
+        """(label, seconds) of the latest graphs `get` built (bounded), for the benchmarks."""
 
     def directory(self) -> str | None:
         return self._directory() if callable(self._directory) else self._directory
@@ -163,6 +168,13 @@ class GraphCache:
 
     def get(self, key: Mapping[str, Any], build: Callable[[], GraphEntry]) -> GraphEntry:
         """The entry of `key`: from memory, else from disk, else `build()` (then stored in both)."""
+        start = time.perf_counter()
+        try:
+            return self._get(key, build)
+        finally:
+            self.lookup_seconds.append(time.perf_counter() - start)
+
+    def _get(self, key: Mapping[str, Any], build: Callable[[], GraphEntry]) -> GraphEntry:
         digest = key_digest(key)
         with self._lock:
             entry = self._memory.get(digest)
@@ -175,7 +187,9 @@ class GraphCache:
         if entry is not None:
             self.stats["disk_hits"] += 1
         else:
+            start = time.perf_counter()
             entry = build()
+            self.build_seconds.append((entry.label, time.perf_counter() - start))
             self.stats["builds"] += 1
             if path is not None:
                 self._write(key, path, entry)

@@ -6,10 +6,8 @@
   graph's batch dim and runs one bigger graph (a fused call, not a loop).
 """
 
-import collections
 import dataclasses
 import functools
-import time
 from typing import Any
 
 import jax
@@ -26,16 +24,9 @@ CACHE = GraphCache()
 """The process's graph cache (memory, plus disk under `ATTNLIB_CACHE_DIR`)."""
 
 
-GET_SECONDS: collections.deque[float] = collections.deque(maxlen=4096)
-"""Seconds spent in the latest `get_entry` calls (graph set-up at trace time; bounded), for the benchmarks."""
-
-
 def get_entry(spec: GraphSpec) -> GraphEntry:
     """The built graph of `spec`: cached in memory / on disk, else built now (about a second)."""
-    start = time.perf_counter()
-    entry = CACHE.get(graphs.cache_key(spec, support.device()), lambda: graphs.build(spec))
-    GET_SECONDS.append(time.perf_counter() - start)
-    return entry
+    return CACHE.get(graphs.cache_key(spec, support.device()), lambda: graphs.build(spec))
 
 
 def ffi_graph_call(

@@ -26,20 +26,19 @@ as `[b, 1, pages_per_seq, 1]` for keys and values.
 The plan is always a cuDNN *backend* plan (a Python-engine plan serializes to a blob C++ cannot read), and the blob
 is canonicalized (its process-global graph id zeroed) so equal specs give equal bytes in every process.
 
-Plan autotuning (on unless `ATTNLIB_CUDNN_AUTOTUNE=0`): when cuDNN's heuristics offer more than one backend plan, the
-first `MAX_AUTOTUNE_CANDIDATES` are built, each is timed once by the native extension on scratch buffers of the
-graph's shapes (zeros, full lengths), and the fastest is kept. The choice and the timings travel with the graph in
-the cache (`GraphEntry.plan`), so a configuration is timed once per machine, not once per process. A timing that
-fails (for example out of memory next to JAX's preallocated pool) keeps the heuristic's first plan and logs why.
+Plan autotuning (on unless `ATTNLIB_CUDNN_AUTOTUNE=0`; `=all` times every plan): when cuDNN's heuristics offer more
+than one backend plan, the first `MAX_AUTOTUNE_CANDIDATES` are built, each is timed once by the native extension on
+scratch buffers of the graph's shapes (zeros, full lengths), and the fastest is kept. The choice and the timings
+travel with the graph in the cache (`GraphEntry.plan`), so a configuration is timed once per machine, not once per
+process. A timing that fails (for example out of memory next to JAX's preallocated pool) keeps the heuristic's first
+plan and logs why.
 """
 
-import collections
 import dataclasses
 import enum
 import functools
 import logging
 import os
-import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -69,9 +68,28 @@ class GraphRejected(NotImplementedError):
     """cuDNN refused to build a graph that attnlib's policy expected it to accept (its message says why)."""
 
 
+def autotune_mode() -> str:
+    """`ATTNLIB_CUDNN_AUTOTUNE`: `"heuristics"` (`0`, `false`, `off`, `no`: the heuristics' first plan, untimed),
+    `"all"` (`all`: every backend plan the heuristics list is built and timed) or `"autotuned"` (anything else, the
+    default: the first `MAX_AUTOTUNE_CANDIDATES`)."""
+    value = os.environ.get("ATTNLIB_CUDNN_AUTOTUNE", "1").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return "heuristics"
+    return "all" if value == "all" else "autotuned"
+
+
 def autotune_enabled() -> bool:
     """Plan autotuning is on unless `ATTNLIB_CUDNN_AUTOTUNE` is `0`, `false`, `off` or `no`."""
-    return os.environ.get("ATTNLIB_CUDNN_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
+    return autotune_mode() != "heuristics"
+
+
+def _candidates_wanted(spec: "GraphSpec") -> int:
+    mode = autotune_mode()
+    if mode == "heuristics":
+        return 1
+    if mode == "all":
+        return 1 << 30
+    return MAX_AUTOTUNE_CANDIDATES if spec.modifier is None else MAX_AUTOTUNE_CANDIDATES_MODIFIER
 
 
 class Uid(enum.IntEnum):
@@ -703,14 +721,11 @@ def build(spec: GraphSpec) -> GraphEntry:
     import cudnn
     import cudnn.engines
 
-    start = time.perf_counter()
     try:
         graph = _define(spec)
         candidates = backend_plan_indices([p.engine_id for p in graph.plans], cudnn.engines.is_backend_engine)
-        tune = autotune_enabled()
-        wanted = MAX_AUTOTUNE_CANDIDATES if spec.modifier is None else MAX_AUTOTUNE_CANDIDATES_MODIFIER
-        built = _build_candidates(spec, graph, candidates, wanted if tune else 1)
-        if not tune:
+        built = _build_candidates(spec, graph, candidates, _candidates_wanted(spec))
+        if not autotune_enabled():
             chosen, record = built[0], f"{built[0].name} (heuristics' first)"
         elif len(built) == 1:
             chosen, record = built[0], f"{built[0].name} (the only backend plan that builds)"
@@ -727,13 +742,7 @@ def build(spec: GraphSpec) -> GraphEntry:
         label=spec.label,
         plan=record,
     )
-    build_seconds = time.perf_counter() - start
-    BUILD_TIMES.append((spec.label, build_seconds))
     return entry
-
-
-BUILD_TIMES: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
-"""(label, seconds) of the latest graphs built in this process (bounded; for the benchmarks)."""
 
 
 def _frontend_package_version() -> str:
@@ -754,7 +763,7 @@ def cache_key(spec: GraphSpec, device: "support.Device") -> dict[str, Any]:
     return {
         "format": 4,
         "spec": described,
-        "plan_selection": "autotuned" if autotune_enabled() else "heuristics",
+        "plan_selection": {"all": "autotuned_all"}.get(autotune_mode(), autotune_mode()),
         "cudnn": device.cudnn_version,
         "cudnn_frontend": _frontend_package_version(),
         "compute_capability": list(device.compute_capability),

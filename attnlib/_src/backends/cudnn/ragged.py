@@ -23,9 +23,11 @@ import jax
 import jax.numpy as jnp
 
 
-SEARCH_METHOD = "scan_unrolled"
-"""How `jnp.searchsorted` maps tokens to sequences: unrolled binary search, plain fused ops. The default `"scan"` is a
-`while` loop, and an XLA while loop on a GPU reads its condition back to the host at every step."""
+def _sequence_of(cu: jax.Array, token: jax.Array) -> jax.Array:
+    """The sequence (index into `cu_seqlens`) that holds each token: an unrolled binary search, plain fused ops.
+    `jnp.searchsorted`'s default method is a `while` loop, and an XLA while loop on a GPU reads its condition back to
+    the host at every step."""
+    return jnp.searchsorted(cu, token, side="right", method="scan_unrolled").astype(jnp.int32) - 1
 
 
 def _next_pow2(n: int) -> int:
@@ -129,7 +131,7 @@ def thd_batch(
     off_kv = jnp.clip(cu_kv[:-1], 0, end_kv)
 
     token = jnp.arange(q_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q, token, side="right", method=SEARCH_METHOD).astype(jnp.int32) - 1
+    seq = _sequence_of(cu_q, token)
     inside = (seq >= 0) & (seq < n) & (token < cu_q[-1])
     safe = jnp.clip(seq, 0, max(n - 1, 0))
     tok_seq = jnp.where(inside, seq, -1)
@@ -137,7 +139,7 @@ def thd_batch(
     q_nan = inside & bad[safe] if n else jnp.zeros_like(inside)
 
     kv_token = jnp.arange(kv_tokens, dtype=jnp.int32)
-    kv_seq = jnp.searchsorted(cu_kv, kv_token, side="right", method=SEARCH_METHOD).astype(jnp.int32) - 1
+    kv_seq = _sequence_of(cu_kv, kv_token)
     kv_inside = (kv_seq >= 0) & (kv_seq < n) & (kv_token < cu_kv[-1])
     kv_safe = jnp.clip(kv_seq, 0, max(n - 1, 0))
     kv_nan = kv_inside & bad[kv_safe] if n else jnp.zeros_like(kv_inside)

@@ -4,9 +4,10 @@ cuDNN's ragged graphs leave the rows outside every sequence unwritten (`varlen.p
 per row, runs a thread per element of the whole array whether or not the row is set: 160 us on a `[32768, 32, 128]`
 bf16 output on the H200, as much as rewriting it (`docs/performance.md`). On a GPU this is a Pallas (Triton) kernel
 instead: each program reads the flags of a block of rows and stores only into flagged rows; the array is aliased to
-the result, so unflagged rows are never read or written. Elsewhere (the CPU, where cuDNN is emulated in tests) the
-same kernel runs in Pallas' interpreter. `set_rows_scatter` is the XLA scatter it replaced (same values; the NaN
-payload may differ): the benchmarks' "before", and the fallback should JAX drop Pallas' Triton backend.
+the result, so unflagged rows are never read or written. `set_rows_scatter` is the XLA scatter it replaced (same
+values; the NaN payload may differ): what runs when JAX's default backend is not a GPU (the CPU, where cuDNN is emulated
+in tests), the benchmarks' "before", and the fallback should JAX drop Pallas' Triton backend. The kernel's
+own tests run it in Pallas' interpreter on the CPU.
 
 jax 0.11.2 deprecates that backend in favour of Mosaic GPU and warns at every lowering of a Triton kernel, after this
 module's call has returned (when the enclosing `jit` compiles): `set_rows_kernel` ignores that one message, as a
@@ -23,10 +24,6 @@ import jax.numpy as jnp
 
 from ... import logs
 
-
-INTERPRET: bool | None = None
-"""Run the kernel in Pallas' interpreter; None: unless JAX's default backend is a GPU (the CPU tests that emulate
-cuDNN interpret it; tests that lower for a GPU on a CPU host set False)."""
 
 ROWS_PER_PROGRAM = 32
 COLUMNS_PER_PROGRAM = 1024
@@ -101,7 +98,6 @@ def set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
         x: floating `[T, ...]`.
         zero, nan: bool `[T]`.
     """
-    interpret = jax.default_backend() != "gpu" if INTERPRET is None else INTERPRET
     try:
         from jax.experimental.pallas import triton  # noqa: F401
     except ImportError as error:  # a JAX without Pallas' Triton backend
@@ -109,4 +105,7 @@ def set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
                       "attnlib: Pallas' Triton backend is unavailable (%s); the rows outside THD/packed sequences are "
                       "set by XLA's scatter, which costs a pass over each result.", error)  # fmt: skip
         return set_rows_scatter(x, zero, nan)
-    return set_rows_kernel(x, zero, nan, interpret=interpret)
+    # `jax.lax.platform_dependent` would choose at lowering, but leaves a `case` in the lowered module.
+    if jax.default_backend() != "gpu":  # the CPU emulation of cuDNN in tests
+        return set_rows_scatter(x, zero, nan)
+    return set_rows_kernel(x, zero, nan)
