@@ -91,15 +91,17 @@ def best_per_call(fn, args, loop: int, reps: int = 10) -> float:
 
 @contextlib.contextmanager
 def memset_rows(on: bool):
-    """Trace attnlib with (`on`) or without the memset of padded results (`attention.MEMSET_ROWS`)."""
-    from attnlib._src.backends.cudnn import attention as cudnn_attention
+    """Trace attnlib with (`on`) or without the memset of padded results: as on a cuDNN not known to write zeros in
+    padded rows (`support.writes_padding_zeros`)."""
+    from attnlib._src.backends.cudnn import support
 
-    before = cudnn_attention.MEMSET_ROWS
-    cudnn_attention.MEMSET_ROWS = on or before
+    before = support.writes_padding_zeros
+    if on:
+        support.writes_padding_zeros = lambda version: False
     try:
         yield
     finally:
-        cudnn_attention.MEMSET_ROWS = before
+        support.writes_padding_zeros = before
 
 
 def make_fns(case: Case, impl: str):

@@ -21,6 +21,8 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 from test_cudnn_dense_emulated import emulate, entry_for
 
+from helpers import fake_cudnn
+
 import attnlib
 import attnlib.context_parallel as cp
 from attnlib._src.backends.cudnn import executor, support
@@ -40,7 +42,7 @@ def emulated(monkeypatch):
         CALLS.append(spec.label)
         return emulate(spec, entry, *operands, tokens=tokens)
 
-    monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
+    fake_cudnn(monkeypatch)
     monkeypatch.setattr(executor, "get_entry", entry_for)
     monkeypatch.setattr(executor, "ffi_graph_call", counted)
     CALLS.clear()

@@ -20,6 +20,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from helpers import fake_cudnn
+
 import attnlib
 from attnlib._src import logs, positions
 from attnlib._src.backends.cudnn import graphs, ragged, row_fill, support, varlen
@@ -448,7 +450,7 @@ def _ragged_out(spec, vals, o, seq_q):
 @pytest.fixture
 def emulated(monkeypatch):
     """Route `implementation="cudnn"` through `emulate` as on an H200 with cuDNN 9.19."""
-    monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
+    fake_cudnn(monkeypatch)
     monkeypatch.setattr(varlen, "_call", emulate)
 
 
@@ -782,7 +784,7 @@ def fake_entries(monkeypatch):
             zero_fill=spec.zero_fill(), label=spec.label,
         )  # fmt: skip
 
-    monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
+    fake_cudnn(monkeypatch)
     monkeypatch.setattr(executor, "get_entry", get_entry)
     # Lowered for a GPU on this CPU host: the row-fill kernel, as JAX picks it there.
     monkeypatch.setattr(row_fill, "set_rows", row_fill.set_rows_kernel)

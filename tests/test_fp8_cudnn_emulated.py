@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, normal, rng, Tol
+from helpers import fake_cudnn, assert_close, normal, rng, Tol
 from reference import reference_attention_vjp, reference_fp8_attention
 from test_cudnn_dense_emulated import _unwritten, emulate, entry_for
 from test_cudnn_ragged import _mask
@@ -64,7 +64,7 @@ def emulate_fp8(spec: GraphSpec, entry, *operands, tokens=None):
 @pytest.fixture
 def emulated(monkeypatch):
     """Route dense `implementation="cudnn"` calls through `emulate_fp8`, as on an H200 with cuDNN 9.19."""
-    monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
+    fake_cudnn(monkeypatch)
     monkeypatch.setattr(executor, "get_entry", entry_for)
     monkeypatch.setattr(executor, "ffi_graph_call", emulate_fp8)
     SPECS.clear()
@@ -189,7 +189,7 @@ def test_policy_serves_fp8_on_hopper_and_names_each_limit():
 def test_automatic_dispatch_on_a_gpu_without_fp8_runs_cudnn_in_16_bits_and_warns(monkeypatch, caplog, mode):
     """On a GPU whose cuDNN cannot run the call in FP8 (here: no FP8 tensor cores, sm_80), `implementation=None`
     runs the same call on cuDNN without quantization and says so; an explicit `implementation="cudnn"` refuses."""
-    monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (8, 0), 91900))
+    fake_cudnn(monkeypatch, capability=(8, 0))
     monkeypatch.setattr(executor, "get_entry", entry_for)
     monkeypatch.setattr(executor, "ffi_graph_call", emulate_fp8)
     monkeypatch.setattr(dispatch, "_has_gpu", lambda: True)

@@ -79,7 +79,7 @@ def emulate(spec: GraphSpec, entry, *operands, tokens=None):
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, (9, 0), 91900))
+    fake_cudnn(monkeypatch)
     monkeypatch.setattr(executor, "get_entry", entry_for)
     monkeypatch.setattr(executor, "ffi_graph_call", emulate)
 

@@ -8,8 +8,8 @@ Padding rows. cuDNN writes zeros in the rows past a sequence's length (O and dQ 
 no key are a suffix: every row when the sequence has no key, else the rows `i >= seq_len_kv + left` of a window
 reaching `left` keys back. The graph gets query lengths trimmed to the rows that see a key, and a sequence without
 keys gets one key and no query row, so the padding costs no pass over the output or the gradients and no memset
-(`Plan.rows_by_length`, `MEMSET_ROWS`; `benchmarks/probe_unwritten_rows.py` checks cuDNN's side on the GPU). With a
-bottom-right diagonal the rows that see no key come first; those calls mask the output and the gradients in JAX.
+(`Plan.rows_by_length`, `support.writes_padding_zeros`; `benchmarks/probe_unwritten_rows.py` checks cuDNN's side).
+With a bottom-right diagonal the rows that see no key come first; those calls mask the output and the gradients in JAX.
 - `attention(config, inputs)`: the dense entry point (flattening `*B`, slicing bottom-right `T > S`); THD, packed
   rows and paged caches are `varlen.py`'s.
 """
@@ -321,12 +321,23 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
 _sdpa.defvjp(_sdpa_fwd, _sdpa_bwd, symbolic_zeros=True)
 
 
-MEMSET_ROWS = False
-"""Padded top-left graphs (`Plan.rows_by_length`) zero O, dQ, dK and dV with a memset before cuDNN runs. False: no
-memset; cuDNN itself writes zeros in the rows past each (trimmed) query length and key length, which
-`benchmarks/probe_unwritten_rows.py` checks on the GPU, and a sequence without keys gets one (`_graph_seq_kv`).
-That is cuDNN behaviour its documentation does not promise: True is the fallback should a cuDNN version stop writing
-those zeros (the probe, and the GPU tests' exact-zero checks, would show it)."""
+def _memset_rows(padded: bool) -> bool:
+    """Whether padded top-left graphs (`Plan.rows_by_length`) zero O, dQ, dK and dV with a memset before cuDNN runs:
+    only on a cuDNN not known to write those zeros itself (`support.writes_padding_zeros`), logged once."""
+    if not padded:
+        return False
+    try:
+        version = support.device().cudnn_version
+    except NotImplementedError:  # no GPU: no graph runs here (plans built on a CPU, in tests)
+        return False
+    if support.writes_padding_zeros(version):
+        return False
+    logs.log_once(
+        ("memset rows", version), logging.INFO,
+        "attnlib cudnn: cuDNN %s is not known to write zeros in padded rows (checked on 9.19); padded calls zero-fill "
+        "their results first (a memset, 5-8 %% of a padded call).", support.version_string(version),
+    )  # fmt: skip
+    return True
 
 
 def make_plan(
@@ -372,7 +383,7 @@ def make_plan(
         bias_n=0 if bias_shape is None else bias_shape[1],
         dropout=float(config.dropout_rate),
         sinks=config.has_sinks,
-        memset_rows=MEMSET_ROWS,  # read with `rows_by_length` only
+        memset_rows=_memset_rows(padded),  # read with `rows_by_length` only
         modifier=score_modifier,
         bias_grad=bias_grad,
     )

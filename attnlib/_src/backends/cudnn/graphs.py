@@ -192,7 +192,7 @@ class GraphSpec:
             each) instead of Stats (cuDNN 9.19 takes one or the other): `lse = max + log(sum_exp)`, and the row max
             is `return_max_logit`'s statistic.
         memset_rows: a dense padded top-left graph (`rows_by_length`) zeroes O, dQ, dK and dV with a memset before
-            it runs (`zero_fill`; `attention.MEMSET_ROWS`, the fallback should cuDNN stop writing zeros past the
+            it runs (`zero_fill`; `support.writes_padding_zeros`: on a cuDNN not known to write zeros past the
             lengths). Not part of the cuDNN graph itself. Ragged graphs never memset: `row_fill.set_rows` sets the
             rows outside their sequences after the graph.
     """

@@ -83,6 +83,14 @@ def device() -> Device:
     return dev
 
 
+def writes_padding_zeros(cudnn_version: int) -> bool:
+    """Whether this cuDNN is known to write zeros in the rows past each query and key length of a padded dense graph
+    (O, dQ, dK, dV), which its documentation does not promise: checked on 9.19 by
+    `benchmarks/probe_unwritten_rows.py` and the GPU tests' exact-zero checks. Elsewhere attnlib zero-fills those
+    results itself (a memset before the graph, 5-8 % of a padded call; docs/performance.md)."""
+    return 91900 <= cudnn_version < 92000
+
+
 def _bottom_right(config: AttentionConfig) -> bool:
     """Whether the diagonal alignment changes anything for this call."""
     padded = config.has_q_lengths or config.has_kv_lengths
