@@ -24,7 +24,7 @@ from helpers import fake_cudnn
 
 import attnlib
 from attnlib._src import logs, positions
-from attnlib._src.backends.cudnn import graphs, ragged, row_fill, support, varlen
+from attnlib._src.backends.cudnn import executor, graphs, ragged, row_fill, support, varlen
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 from attnlib._src.config import AttentionConfig
 
@@ -144,7 +144,7 @@ def test_version_gates():
 def test_ragged_graph_specs(monkeypatch):
     """THD graphs: offsets per packed tensor, packed results fixed after the graph (or zero-filled before it), no
     sink in the backward."""
-    monkeypatch.setattr(varlen, "RAGGED_STATS", False)
+    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: False)
     config = dataclasses.replace(BASE, has_sinks=True, max_seqlen_q=300, max_seqlen_kv=700)
     plan = varlen.make_ragged_plan(config, 5, (300, 700), (1000, 1500))
     fwd, bwd = plan.fwd, plan.bwd
@@ -164,8 +164,9 @@ def test_ragged_graph_specs(monkeypatch):
 
 
 def test_ragged_stats_graph_specs(monkeypatch):
-    """With `varlen.RAGGED_STATS`, Stats are `[Tq, N]` per token, bound through their own element offsets."""
-    monkeypatch.setattr(varlen, "RAGGED_STATS", True)
+    """With per-token statistics forced (`varlen._ragged_stats`), Stats are `[Tq, N]` per token, bound through their
+    own element offsets."""
+    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: True)
     plan = varlen.make_ragged_plan(BASE, 5, (300, 700), (1000, 1500))
     fwd, bwd = plan.fwd, plan.bwd
     assert fwd.ragged_stats and bwd.ragged_stats
@@ -451,7 +452,8 @@ def _ragged_out(spec, vals, o, seq_q):
 def emulated(monkeypatch):
     """Route `implementation="cudnn"` through `emulate` as on an H200 with cuDNN 9.19."""
     fake_cudnn(monkeypatch)
-    monkeypatch.setattr(varlen, "_call", emulate)
+    monkeypatch.setattr(executor, "run", lambda spec, values, tokens=None: emulate(
+        spec, [values[uid] for uid in spec.in_uids()], tokens))  # fmt: skip
 
 
 def _eps(dtype):
@@ -680,12 +682,12 @@ def test_thd_sequence_over_the_bound_is_nan_and_spares_the_rest(emulated, monkey
 
 @pytest.mark.parametrize("case", THD_CASES, ids=[c[0] for c in THD_CASES])
 def test_thd_wrapper_with_ragged_stats(emulated, monkeypatch, case):
-    monkeypatch.setattr(varlen, "RAGGED_STATS", True)
+    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: True)
     test_thd_wrapper_matches_reference(emulated, case)
 
 
 def test_ragged_stats_sinks_lse_gradient_and_segments(emulated, monkeypatch):
-    monkeypatch.setattr(varlen, "RAGGED_STATS", True)
+    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: True)
     test_thd_sinks_and_lse_gradient(emulated)
     test_segments_wrapper_matches_reference(emulated)
     test_segments_cross_bottom_right(emulated)
@@ -796,7 +798,7 @@ def _custom_calls(fn, *args):
 
 
 def test_thd_lowers_to_forward_and_backward_graph_calls(fake_entries, monkeypatch):
-    monkeypatch.setattr(varlen, "RAGGED_STATS", False)
+    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: False)
     q = jax.ShapeDtypeStruct((1000, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1500, 2, 128), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((6,), jnp.int32)
@@ -839,7 +841,7 @@ def test_large_padded_stats_are_logged_once(fake_entries, monkeypatch, caplog):
     """A THD call without `max_seqlen_q` sizes its statistics by the token count: large ones get a WARNING (once per
     shape) that names the size and the remedy; a bound, or small statistics, log nothing."""
     monkeypatch.setattr(varlen, "LARGE_STATS_BYTES", 8 * 8 * 2048 * 4 - 1)
-    monkeypatch.setattr(varlen, "RAGGED_STATS", False)  # padded stats forced (by default these go per token)
+    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: False)  # padded stats forced (by default these go per token)
     monkeypatch.setattr(logs, "_logged", set())
     q = jax.ShapeDtypeStruct((2000, 8, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2000, 2, 64), jnp.bfloat16)
@@ -855,11 +857,9 @@ def test_large_padded_stats_are_logged_once(fake_entries, monkeypatch, caplog):
     assert "[8 sequences, 8 heads, 2048 rows]" in warnings[0] and "the token count (max_seqlen_q's default)" in warnings[0]
 
 
-def test_stats_go_per_token_when_padded_ones_would_be_much_larger(monkeypatch):
-    """Automatic choice (`RAGGED_STATS = None`): per-token stats when the padded rows `b * t` exceed 4x the query tokens (no
-    `max_seqlen`, or many short sequences), padded stats when a bound keeps them close to the token count."""
-    assert varlen.RAGGED_STATS is None  # the default
-    monkeypatch.setattr(varlen, "RAGGED_STATS", None)
+def test_stats_go_per_token_when_padded_ones_would_be_much_larger():
+    """The layout rule: per-token stats when the padded rows `b * t` exceed 4x the query tokens (no `max_seqlen`, or
+    many short sequences), padded stats when a bound keeps them close to the token count."""
     config = dataclasses.replace(BASE, max_seqlen_q=None, max_seqlen_kv=None)
     unbounded = varlen.make_ragged_plan(config, 16, (32768, 32768), (32768, 32768))
     assert unbounded.fwd.ragged_stats and unbounded.bwd.ragged_stats  # 16 x 32768 rows for 32768 tokens

@@ -87,17 +87,17 @@ RAGGED_STATS_CASES = ["single_sequence_causal", "many_short_gqa_causal", "cross_
 
 @pytest.mark.parametrize("name", RAGGED_STATS_CASES)
 def test_thd_with_ragged_stats(monkeypatch, name):
-    """Stats per query token forced (`varlen.RAGGED_STATS = True`; the default chooses per call)."""
+    """Stats per query token forced (`varlen._ragged_stats` patched; the default chooses per call)."""
     from attnlib._src.backends.cudnn import varlen
 
-    monkeypatch.setattr(varlen, "RAGGED_STATS", True)
+    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: True)
     test_thd_matches_reference(next(c for c in THD_CASES if c[0] == name), jnp.bfloat16)
 
 
 def test_thd_sinks_and_lse_gradient_with_ragged_stats(monkeypatch):
     from attnlib._src.backends.cudnn import varlen
 
-    monkeypatch.setattr(varlen, "RAGGED_STATS", True)
+    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: True)
     test_thd_sinks_and_lse_gradient(jnp.bfloat16)
 
 
@@ -393,11 +393,11 @@ RAGGED_STATS_MORE = {
 @pytest.mark.parametrize("name", list(RAGGED_STATS_MORE))
 @pytest.mark.parametrize("mode", [True, False], ids=["per_token", "padded"])
 def test_ragged_stats_on_segments_dropout_and_determinism(monkeypatch, name, mode):
-    """The rest of the ragged suite with each stats layout forced (the default, `RAGGED_STATS = None`, chooses per
+    """The rest of the ragged suite with each stats layout forced (the default chooses per
     call): segments, overflow, dropout, deterministic backward."""
     from attnlib._src.backends.cudnn import varlen
 
-    monkeypatch.setattr(varlen, "RAGGED_STATS", mode)
+    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_, mode=mode: mode)
     RAGGED_STATS_MORE[name]()
 
 
@@ -406,5 +406,5 @@ def test_thd_with_padded_stats_layout(monkeypatch, case):
     """Every THD case with padded `[b, N, t]` statistics forced (the default chooses per call)."""
     from attnlib._src.backends.cudnn import varlen
 
-    monkeypatch.setattr(varlen, "RAGGED_STATS", False)
+    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: False)
     test_thd_matches_reference(case, jnp.bfloat16)

@@ -22,14 +22,16 @@ class _Cudnn:
     def attention(
         self, config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
     ) -> tuple[jax.Array, ...]:
-        from . import attention, modifier, varlen
+        from . import attention, modifier, paged, varlen
 
         reason = support.decline_reason(config)
         if reason is not None:
             raise NotImplementedError(reason)
+        if config.layout == "paged":
+            return paged.attention(config, inputs, explicit=explicit)
         # Packed rows run as THD unless their structure rides in a bias next to a mask or modifier.
         if config.layout != "dense" or (config.has_segments and not modifier.visibility_as_bias(config)):
-            return varlen.attention(config, inputs, explicit=explicit)
+            return varlen.attention(config, inputs)
         return attention.attention(config, inputs)
 
 

@@ -79,7 +79,7 @@ def _graph_seq_q(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) 
 
 
 def _graph_seq_kv(plan: Plan, seq_kv: jax.Array | None) -> jax.Array | None:
-    """The key lengths the graphs get. Without the memset (`MEMSET_ROWS`), a sequence with no key gets one: cuDNN
+    """The key lengths the graphs get. Without the memset (`_memset_rows`), a sequence with no key gets one: cuDNN
     skips a batch element with `seq_len_kv = 0` without writing its output, but writes zeros in every row past
     `seq_len_q`, here all of them (the trimmed query length is 0, so no query reads that key)."""
     if not plan.rows_by_length or plan.fwd.memset_rows or seq_kv is None:

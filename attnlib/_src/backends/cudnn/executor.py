@@ -1,6 +1,7 @@
 """Running built cuDNN graphs from JAX: the graph cache, one FFI call per graph, and batching under `vmap`.
 
 - `get_entry(spec)`: the built graph of a `GraphSpec` (memory / disk cache, else built and autotuned now).
+- `run(spec, values)`: fetch (or build) and run a graph on tensors by UID.
 - `ffi_graph_call`: one `jax.ffi.ffi_call` of the target `attnlib_cudnn_graph` for a built graph.
 - `graph_call(spec)`: the same under `jax.custom_batching.custom_vmap`, whose rule folds a vmapped axis into the
   graph's batch dim and runs one bigger graph (a fused call, not a loop).
@@ -27,6 +28,18 @@ CACHE = GraphCache()
 def get_entry(spec: GraphSpec) -> GraphEntry:
     """The built graph of `spec`: cached in memory / on disk, else built now (about a second)."""
     return CACHE.get(graphs.cache_key(spec, support.device()), lambda: graphs.build(spec))
+
+
+def run(spec: GraphSpec, values: dict[Uid, Any], tokens: tuple[int, int] | None = None) -> tuple[jax.Array, ...]:
+    """Run the graph of `spec` (built, or fetched from the cache) on `values` by tensor UID; `tokens` as
+    `ffi_graph_call`'s."""
+    return ffi_graph_call(spec, get_entry(spec), *[values[uid] for uid in spec.in_uids()], tokens=tokens)
+
+
+def primal_values(tree):
+    """`tree` with the `CustomVJPPrimal` wrappers of a `custom_vjp` forward rule (`symbolic_zeros=True`) removed."""
+    is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)  # noqa: E731
+    return jax.tree.map(lambda x: x.value if is_primal(x) else x, tree, is_leaf=is_primal)
 
 
 def ffi_graph_call(

@@ -1,4 +1,4 @@
-"""cuDNN attention for THD (`cu_seqlens_*`), packed rows (`*_segment_ids`) and paged key/value caches.
+"""cuDNN attention for THD (`cu_seqlens_*`) and packed rows (`*_segment_ids`); paged caches are `paged.py`'s.
 
 THD and packed rows run cuDNN's ragged graphs (`ragged.py` builds the sequence metadata on device): forward and
 backward, with graph dims bucketed so that changing lengths reuse a few graphs. Rows cuDNN does not own (past
@@ -17,12 +17,6 @@ fed those Stats, recomputes exactly the probabilities of the forward (`p = exp(s
 `D = rowsum(dO * O)` is the sink softmax's gradient because the sink carries no value. The sink's own gradient,
 `-sum_i p_sink,i * rowsum(dO_i * O_i)`, is computed in JAX.
 
-Paged caches run cuDNN's paged forward (decode and chunked prefill). cuDNN has no paged backward, so:
-- `implementation="cudnn"` (named alone) raises `NotImplementedError` from the backward rule when a gradient is
-  taken;
-- `implementation=None` (cuDNN picked automatically) runs the forward on cuDNN and differentiates the `xla` path in
-  the backward rule (it recomputes the attention in plain JAX), so `jax.grad` works as on every other path.
-A backward rule is the only place that knows a gradient was asked for; dispatch cannot know it when it picks.
 """
 
 import dataclasses
@@ -39,15 +33,6 @@ from ...config import AttentionConfig, AttentionInputs
 from .. import xla as xla_backend, xla_chunked
 from . import executor, ragged, row_fill, support
 from .graphs import GraphSpec, Uid
-
-
-def _call(spec: GraphSpec, operands: list[jax.Array], tokens: tuple[int, int] | None) -> tuple[jax.Array, ...]:
-    """Run the graph of `spec` (built or fetched from the cache) on `operands`, in `spec.in_uids()` order."""
-    return executor.ffi_graph_call(spec, executor.get_entry(spec), *operands, tokens=tokens)
-
-
-def _graph_outputs(spec: GraphSpec, values: dict[Uid, Any], tokens: tuple[int, int] | None) -> tuple[jax.Array, ...]:
-    return _call(spec, [values[uid] for uid in spec.in_uids()], tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -129,7 +114,7 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.SEQ_Q: _graph_seq_q(plan, batch), Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed,
         Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
     }  # fmt: skip
-    out, stats = _graph_outputs(spec, values, plan.tokens)
+    out, stats = executor.run(spec, values, plan.tokens)
     valid_rows, tok_valid, index = _token_rows(plan, batch)
     out = row_fill.set_rows(out, ~tok_valid, batch.q_nan)
     empty = _empty_lse((plan.tokens[0], spec.n), sinks)
@@ -145,19 +130,11 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
     return out, _nan_rows(lse, batch.q_nan, plan), stats, tok_valid
 
 
-RAGGED_STATS: bool | None = None
-"""Ragged graphs keep their softmax statistics per query token (`[Tq, N]`, `GraphSpec.ragged_stats`, True) or padded
-(`[b, N, t]`, False), whose size grows with the sequence bound (the token count when no `max_seqlen_*` is given).
-None (the default): per token when the padded rows `b * t` would exceed `PER_TOKEN_STATS_ABOVE` times the query
-tokens (the measurements behind the rule: docs/performance.md, ragged section)."""
-
-PER_TOKEN_STATS_ABOVE = 4
-
-
 def _ragged_stats(b: int, t: int, query_tokens: int) -> bool:
-    if RAGGED_STATS is not None:
-        return RAGGED_STATS
-    return b * t > PER_TOKEN_STATS_ABOVE * max(query_tokens, 1)
+    """Whether ragged graphs keep their softmax statistics per query token (`[Tq, N]`, `GraphSpec.ragged_stats`)
+    rather than padded (`[b, N, t]`, whose size grows with the sequence bound): per token when the padded rows
+    `b * t` exceed 4x the query tokens (the measurements behind the rule: docs/performance.md, ragged section)."""
+    return b * t > 4 * max(query_tokens, 1)
 
 
 def _nan_rows(x: jax.Array, rows: jax.Array, plan: RaggedPlan) -> jax.Array:
@@ -207,13 +184,10 @@ def _guarded_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, 
     return jax.lax.cond(fits, fused, fallback)
 
 
-def _unwrap(tree):
-    is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
-    return jax.tree.map(lambda x: x.value if is_primal(x) else x, tree, is_leaf=is_primal)
-
-
 def _ragged_sdpa_fwd(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, fits=None):
-    q, k, v, sinks, seeds, batch, reference, fits = _unwrap((q, k, v, sinks, seeds, batch, reference, fits))
+    q, k, v, sinks, seeds, batch, reference, fits = executor.primal_values(
+        (q, k, v, sinks, seeds, batch, reference, fits)
+    )
     # The residuals are the results themselves (one buffer): cuDNN's backward never reads the rows of a sequence
     # that does not run, and the sink gradient masks them.
     out, lse, stats, tok_valid = _guarded_forward(plan, q, k, v, sinks, seeds, batch, reference, fits)
@@ -257,7 +231,7 @@ def _ragged_grads(plan: RaggedPlan, residuals, cotangents):
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.SEQ_Q: _graph_seq_q(plan, batch),
         Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
     }  # fmt: skip
-    dq, dk, dv = _graph_outputs(spec, values, plan.tokens)[:3]
+    dq, dk, dv = executor.run(spec, values, plan.tokens)[:3]
     # Overflowing rows become NaN here already (NaN + anything added below stays NaN).
     dq = row_fill.set_rows(dq, ~tok_valid, batch.q_nan)
     dk, dv = row_fill.set_rows(dk, ~batch.kv_in, batch.kv_nan), row_fill.set_rows(dv, ~batch.kv_in, batch.kv_nan)
@@ -434,114 +408,6 @@ def _segment_ids(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.
     return q_ids, kv_ids
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Paged key/value caches (forward only)
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedPlan:
-    """Static description of one paged problem.
-
-    Attributes:
-        fwd: the forward graph spec.
-        left, right, bottom_right: the mask, as in `RaggedPlan`.
-        explicit: cuDNN was named alone: a gradient raises instead of falling back to the `xla` path.
-        config: the call's configuration (for the fallback backward).
-    """
-
-    fwd: GraphSpec
-    left: int | None
-    right: int | None
-    bottom_right: bool
-    explicit: bool
-    config: AttentionConfig
-
-
-def _paged_forward(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv):
-    spec = plan.fwd
-    values = {
-        Uid.Q: q, Uid.K: k_pages, Uid.V: v_pages, Uid.SEQ_Q: seq_q, Uid.SEQ_KV: seq_kv,
-        Uid.PT_K: page_table, Uid.PT_V: page_table,
-    }  # fmt: skip
-    outputs = _graph_outputs(spec, values, None)
-    valid = ragged.rows_valid(seq_q, seq_kv, spec.t, left=plan.left, right=plan.right, bottom_right=plan.bottom_right)
-    out = jnp.where(valid[:, :, None, None], outputs[0], jnp.zeros((), outputs[0].dtype))
-    if spec.stats:
-        lse = jnp.where(valid[:, :, None], jnp.transpose(outputs[1], (0, 2, 1)), -jnp.inf)
-    else:  # return_residual=False: the caller drops lse
-        lse = jnp.full((spec.b, spec.t, spec.n), -jnp.inf, jnp.float32)
-    return out, lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _paged_sdpa(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv, reference):
-    return _paged_forward(plan, q, k_pages, v_pages, page_table, seq_q, seq_kv)
-
-
-def _paged_sdpa_fwd(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv, reference):
-    args = _unwrap((q, k_pages, v_pages, page_table, seq_q, seq_kv, reference))
-    return _paged_forward(plan, *args[:6]), args
-
-
-def _paged_sdpa_bwd(plan: PagedPlan, residuals, cotangents):
-    q, k_pages, v_pages, page_table, seq_q, seq_kv, reference = residuals
-    if plan.explicit:
-        raise NotImplementedError(
-            "cudnn: gradients of paged key/value attention (`page_table`) are not supported: cuDNN's paged "
-            "attention is forward only. Use implementation=None (cuDNN forward, `xla` backward) or "
-            "implementation='xla' to differentiate it."
-        )
-    d_out, d_lse = cotangents
-    d_out = jnp.zeros(q.shape[:-1] + (v_pages.shape[-1],), q.dtype) if isinstance(
-        d_out, jax.custom_derivatives.SymbolicZero) else d_out  # fmt: skip
-    d_lse = jnp.zeros(q.shape[:-1], jnp.float32) if isinstance(
-        d_lse, jax.custom_derivatives.SymbolicZero) else d_lse  # fmt: skip
-
-    def xla_attention(q, k_pages, v_pages):
-        inputs = AttentionInputs(query=q, key=k_pages, value=v_pages, page_table=page_table, **reference)
-        return xla_backend.IMPLEMENTATION.attention(plan.config, inputs)
-
-    primal_out, vjp = jax.vjp(xla_attention, q, k_pages, v_pages)
-    finite_lse = jnp.where(jnp.isfinite(d_lse), d_lse, 0.0).astype(jnp.float32)
-    dq, dk, dv = vjp(varying.match((d_out.astype(q.dtype), finite_lse), primal_out))
-    return dq, dk, dv, None, None, None, jax.tree.map(lambda _: None, reference)
-
-
-_paged_sdpa.defvjp(_paged_sdpa_fwd, _paged_sdpa_bwd, symbolic_zeros=True)
-
-
-def _paged_attention(
-    config: AttentionConfig, inputs: AttentionInputs, explicit: bool
-) -> tuple[jax.Array, jax.Array]:
-    B, T, N = config.batch_size, config.q_len, config.num_q_heads
-    q = jnp.reshape(inputs.query, (B, T, N, config.head_dim))
-    seq_kv = jnp.clip(jnp.reshape(inputs.key_value_seq_lengths, (B,)).astype(jnp.int32), 0, config.kv_len)
-    if inputs.query_seq_lengths is None:
-        seq_q = jnp.full((B,), T, jnp.int32)
-    else:
-        seq_q = jnp.clip(jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32), 0, T)
-    left = None if config.window is None else config.window[0]
-    right = support.effective_right(config)
-    bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
-    band_left, band_right = left, right
-    if T == 1 and bottom_right and left is None and right is not None and right >= 0:
-        band_right = None  # decode: the single query is the last position and sees every cached key anyway
-    spec = GraphSpec(
-        direction="fwd", dtype=np.dtype(config.dtype).name, b=B, t=T, s=config.kv_len, n=N,
-        k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim, scale=float(config.scale),
-        alignment="bottom_right" if bottom_right and (band_left is not None or band_right is not None) else "top_left",
-        left_bound=None if band_left is None else band_left + 1, right_bound=band_right, padding=True,
-        pages=(config.num_pages, config.page_size, config.pages_per_seq), stats=config.return_residual,
-    )  # fmt: skip
-    plan = PagedPlan(spec, left, right, bottom_right, explicit, config)
-    reference = {"key_value_seq_lengths": inputs.key_value_seq_lengths, "query_seq_lengths": inputs.query_seq_lengths}
-    page_table = inputs.page_table.astype(jnp.int32)
-    out, lse = _paged_sdpa(plan, q, inputs.key, inputs.value, page_table, seq_q, seq_kv, reference)
-    return jnp.reshape(out, config.batch_shape + (T, N, config.value_head_dim)), jnp.reshape(
-        lse, config.batch_shape + (T, N)
-    )
-
-
 DEFAULT_SEGMENTS_PER_ROW = 16
 """The bound on segments per packed row used under `jit` when the caller gives no `max_segments_per_row`; a step whose
 rows hold more runs on `xla_chunked` instead (docs/performance.md: how it was chosen)."""
@@ -574,10 +440,8 @@ def _packed_rows(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.
     return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs, fits)
 
 
-def attention(config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool) -> tuple[jax.Array, jax.Array]:
-    """`(out, lse)` for a THD, packed-row or paged call (see the module docstring)."""
-    if config.layout == "paged":
-        return _paged_attention(config, inputs, explicit)
+def attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+    """`(out, lse)` for a THD or packed-row call (see the module docstring)."""
     if config.layout == "dense" and config.max_segments_per_row is None:
         return _packed_rows(config, inputs)
     return _ragged_attention(config, inputs)

@@ -1,0 +1,127 @@
+"""cuDNN attention over paged key/value caches (`page_table`): cuDNN's paged forward (decode and chunked prefill).
+
+cuDNN has no paged backward, so:
+- `implementation="cudnn"` (named alone) raises `NotImplementedError` from the backward rule when a gradient is
+  taken;
+- `implementation=None` (cuDNN picked automatically) runs the forward on cuDNN and differentiates the `xla` path in
+  the backward rule (it recomputes the attention in plain JAX), so `jax.grad` works as on every other path.
+A backward rule is the only place that knows a gradient was asked for; dispatch cannot know it when it picks.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ... import varying
+from ...config import AttentionConfig, AttentionInputs
+from .. import xla as xla_backend
+from . import executor, ragged, support
+from .graphs import GraphSpec, Uid
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedPlan:
+    """Static description of one paged problem.
+
+    Attributes:
+        fwd: the forward graph spec.
+        left, right, bottom_right: visible key offsets around a query's aligned diagonal (None = unbounded), and
+            whether that diagonal is bottom-right.
+        explicit: cuDNN was named alone: a gradient raises instead of falling back to the `xla` path.
+        config: the call's configuration (for the fallback backward).
+    """
+
+    fwd: GraphSpec
+    left: int | None
+    right: int | None
+    bottom_right: bool
+    explicit: bool
+    config: AttentionConfig
+
+
+def _paged_forward(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv):
+    spec = plan.fwd
+    values = {
+        Uid.Q: q, Uid.K: k_pages, Uid.V: v_pages, Uid.SEQ_Q: seq_q, Uid.SEQ_KV: seq_kv,
+        Uid.PT_K: page_table, Uid.PT_V: page_table,
+    }  # fmt: skip
+    outputs = executor.run(spec, values)
+    valid = ragged.rows_valid(seq_q, seq_kv, spec.t, left=plan.left, right=plan.right, bottom_right=plan.bottom_right)
+    out = jnp.where(valid[:, :, None, None], outputs[0], jnp.zeros((), outputs[0].dtype))
+    if spec.stats:
+        lse = jnp.where(valid[:, :, None], jnp.transpose(outputs[1], (0, 2, 1)), -jnp.inf)
+    else:  # return_residual=False: the caller drops lse
+        lse = jnp.full((spec.b, spec.t, spec.n), -jnp.inf, jnp.float32)
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _paged_sdpa(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv, reference):
+    return _paged_forward(plan, q, k_pages, v_pages, page_table, seq_q, seq_kv)
+
+
+def _paged_sdpa_fwd(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv, reference):
+    args = executor.primal_values((q, k_pages, v_pages, page_table, seq_q, seq_kv, reference))
+    return _paged_forward(plan, *args[:6]), args
+
+
+def _paged_sdpa_bwd(plan: PagedPlan, residuals, cotangents):
+    q, k_pages, v_pages, page_table, seq_q, seq_kv, reference = residuals
+    if plan.explicit:
+        raise NotImplementedError(
+            "cudnn: gradients of paged key/value attention (`page_table`) are not supported: cuDNN's paged "
+            "attention is forward only. Use implementation=None (cuDNN forward, `xla` backward) or "
+            "implementation='xla' to differentiate it."
+        )
+    d_out, d_lse = cotangents
+    d_out = jnp.zeros(q.shape[:-1] + (v_pages.shape[-1],), q.dtype) if isinstance(
+        d_out, jax.custom_derivatives.SymbolicZero) else d_out  # fmt: skip
+    d_lse = jnp.zeros(q.shape[:-1], jnp.float32) if isinstance(
+        d_lse, jax.custom_derivatives.SymbolicZero) else d_lse  # fmt: skip
+
+    def xla_attention(q, k_pages, v_pages):
+        inputs = AttentionInputs(query=q, key=k_pages, value=v_pages, page_table=page_table, **reference)
+        return xla_backend.IMPLEMENTATION.attention(plan.config, inputs)
+
+    primal_out, vjp = jax.vjp(xla_attention, q, k_pages, v_pages)
+    finite_lse = jnp.where(jnp.isfinite(d_lse), d_lse, 0.0).astype(jnp.float32)
+    dq, dk, dv = vjp(varying.match((d_out.astype(q.dtype), finite_lse), primal_out))
+    return dq, dk, dv, None, None, None, jax.tree.map(lambda _: None, reference)
+
+
+_paged_sdpa.defvjp(_paged_sdpa_fwd, _paged_sdpa_bwd, symbolic_zeros=True)
+
+
+def attention(
+    config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool
+) -> tuple[jax.Array, jax.Array]:
+    B, T, N = config.batch_size, config.q_len, config.num_q_heads
+    q = jnp.reshape(inputs.query, (B, T, N, config.head_dim))
+    seq_kv = jnp.clip(jnp.reshape(inputs.key_value_seq_lengths, (B,)).astype(jnp.int32), 0, config.kv_len)
+    if inputs.query_seq_lengths is None:
+        seq_q = jnp.full((B,), T, jnp.int32)
+    else:
+        seq_q = jnp.clip(jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32), 0, T)
+    left = None if config.window is None else config.window[0]
+    right = support.effective_right(config)
+    bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
+    band_left, band_right = left, right
+    if T == 1 and bottom_right and left is None and right is not None and right >= 0:
+        band_right = None  # decode: the single query is the last position and sees every cached key anyway
+    spec = GraphSpec(
+        direction="fwd", dtype=np.dtype(config.dtype).name, b=B, t=T, s=config.kv_len, n=N,
+        k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim, scale=float(config.scale),
+        alignment="bottom_right" if bottom_right and (band_left is not None or band_right is not None) else "top_left",
+        left_bound=None if band_left is None else band_left + 1, right_bound=band_right, padding=True,
+        pages=(config.num_pages, config.page_size, config.pages_per_seq), stats=config.return_residual,
+    )  # fmt: skip
+    plan = PagedPlan(spec, left, right, bottom_right, explicit, config)
+    reference = {"key_value_seq_lengths": inputs.key_value_seq_lengths, "query_seq_lengths": inputs.query_seq_lengths}
+    page_table = inputs.page_table.astype(jnp.int32)
+    out, lse = _paged_sdpa(plan, q, inputs.key, inputs.value, page_table, seq_q, seq_kv, reference)
+    return jnp.reshape(out, config.batch_shape + (T, N, config.value_head_dim)), jnp.reshape(
+        lse, config.batch_shape + (T, N)
+    )
