@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from .band import Band
+
 
 def visible(
     q_segment: jax.Array | None,
@@ -27,9 +29,4 @@ def visible(
         qs = q_segment[:, :, None]
         allowed = (qs != 0) & (qs == kv_segment[:, None, :])
     offset = kv_position[:, None, :] - q_position[:, :, None]
-    if is_causal:
-        allowed &= offset <= 0
-    if window is not None:
-        left, right = window
-        allowed &= (offset >= -left) & (offset <= right)
-    return allowed
+    return allowed & Band.from_mask(is_causal=is_causal, window=window).allows(offset)

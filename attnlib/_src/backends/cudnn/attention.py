@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import canonical, dropout as dropout_lib, fp8 as fp8_lib, logs, masks as masks_lib, varying
+from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from . import executor, graphs, modifier as modifier_lib, ragged, support
 from .graphs import GraphSpec, Uid
@@ -61,13 +62,18 @@ class Plan:
     def rows_by_length(self) -> bool:
         return self.fwd.rows_by_length
 
+    @property
+    def band(self) -> Band:
+        """The built-in mask of the graphs (`band.py`)."""
+        return Band(self.left, self.right, self.bottom_right)
+
 
 def _row_valid(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array:
     """Bool `[B, T, 1]`: the query row exists and sees at least one key (by the lengths and built-in masks)."""
     spec = plan.fwd
     q_len = jnp.full((spec.b,), spec.t, jnp.int32) if seq_q is None else seq_q
     kv_len = jnp.full((spec.b,), spec.s, jnp.int32) if seq_kv is None else seq_kv
-    valid = ragged.rows_valid(q_len, kv_len, spec.t, left=plan.left, right=plan.right, bottom_right=plan.bottom_right)
+    valid = plan.band.rows_valid(q_len, kv_len, spec.t)
     return valid[:, :, None]
 
 
@@ -85,15 +91,6 @@ def _graph_seq_kv(plan: Plan, seq_kv: jax.Array | None) -> jax.Array | None:
     if not plan.rows_by_length or plan.fwd.memset_rows or seq_kv is None:
         return seq_kv
     return jnp.maximum(seq_kv, 1)
-
-
-def _static_rows_valid(t: int, s: int, left: int | None, right: int | None, bottom_right: bool) -> bool:
-    """Whether each of `t` unpadded query rows sees at least one of `s` keys through the band `left`, `right`."""
-    i = np.arange(t)
-    diagonal = i + (s - t if bottom_right else 0)
-    lo = np.zeros_like(diagonal) if left is None else np.maximum(diagonal - left, 0)
-    hi = np.full_like(diagonal, s - 1) if right is None else np.minimum(diagonal + right, s - 1)
-    return bool(np.all(lo <= hi))
 
 
 def _operands(spec: GraphSpec, values: dict[Uid, jax.Array | None]) -> list[jax.Array]:
@@ -209,12 +206,8 @@ def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, args) -> jax
     j = jnp.arange(spec.s)[None, None, :]
     q_len = jnp.full((spec.b,), spec.t) if seq_q is None else seq_q
     kv_len = jnp.full((spec.b,), spec.s) if seq_kv is None else seq_kv
-    diagonal = i + ((kv_len - q_len)[:, None, None] if plan.bottom_right else 0)
-    allowed = (i < q_len[:, None, None]) & (j < kv_len[:, None, None])
-    if plan.left is not None:
-        allowed &= j >= diagonal - plan.left
-    if plan.right is not None:
-        allowed &= j <= diagonal + plan.right
+    diagonal = plan.band.diagonal(i, q_len[:, None, None], kv_len[:, None, None])
+    allowed = (i < q_len[:, None, None]) & (j < kv_len[:, None, None]) & plan.band.allows(j - diagonal)
     s = jnp.where(allowed[:, None, None], s, -jnp.inf)
     if plan.detect_masked:
         s = jnp.concatenate([s, jnp.full(s.shape[:-1] + (1,), -jnp.inf, s.dtype)], axis=-1)  # no NaN when all -inf
@@ -359,12 +352,11 @@ def make_plan(
     """
     s = config.kv_len
     padded = config.has_q_lengths or config.has_kv_lengths
-    left = None if config.window is None else config.window[0]
-    right = support.effective_right(config)
-    bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
-    if bottom_right and t == s and not padded:
-        bottom_right = False
-    rows_valid = not padded and _static_rows_valid(t, s, left, right, bottom_right)
+    band = Band.of(config)
+    if band.bottom_right and t == s and not padded:
+        band = dataclasses.replace(band, bottom_right=False)
+    left, right, bottom_right = band.left, band.right, band.bottom_right
+    rows_valid = not padded and band.all_rows_valid(t, s)
     score_modifier = None
     if modifier_lib.uses_modifier(config):
         offset = s - t if config.diagonal_alignment == "bottom_right" else 0

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import varying
+from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import xla as xla_backend
-from . import executor, ragged, support
+from . import executor
 from .graphs import GraphSpec, Uid
 
 
@@ -41,6 +42,11 @@ class PagedPlan:
     explicit: bool
     config: AttentionConfig
 
+    @property
+    def band(self) -> Band:
+        """The built-in mask of the graphs (`band.py`)."""
+        return Band(self.left, self.right, self.bottom_right)
+
 
 def _paged_forward(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv):
     spec = plan.fwd
@@ -49,7 +55,7 @@ def _paged_forward(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_
         Uid.PT_K: page_table, Uid.PT_V: page_table,
     }  # fmt: skip
     outputs = executor.run(spec, values)
-    valid = ragged.rows_valid(seq_q, seq_kv, spec.t, left=plan.left, right=plan.right, bottom_right=plan.bottom_right)
+    valid = plan.band.rows_valid(seq_q, seq_kv, spec.t)
     out = jnp.where(valid[:, :, None, None], outputs[0], jnp.zeros((), outputs[0].dtype))
     if spec.stats:
         lse = jnp.where(valid[:, :, None], jnp.transpose(outputs[1], (0, 2, 1)), -jnp.inf)
@@ -105,9 +111,8 @@ def attention(
         seq_q = jnp.full((B,), T, jnp.int32)
     else:
         seq_q = jnp.clip(jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32), 0, T)
-    left = None if config.window is None else config.window[0]
-    right = support.effective_right(config)
-    bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
+    band = Band.of(config)
+    left, right, bottom_right = band.left, band.right, band.bottom_right
     band_left, band_right = left, right
     if T == 1 and bottom_right and left is None and right is not None and right >= 0:
         band_right = None  # decode: the single query is the last position and sees every cached key anyway

@@ -284,18 +284,3 @@ def rows_seeing_keys(seq_q: jax.Array, seq_kv: jax.Array, left: int | None) -> j
     none without keys, else the rows below `seq_kv + left` (row `i` sees keys from `i - left`)."""
     seeing = seq_q if left is None else jnp.minimum(seq_q, seq_kv + left)
     return jnp.where(seq_kv > 0, seeing, 0)
-
-
-def rows_valid(
-    seq_q: jax.Array, seq_kv: jax.Array, rows: int, *, left: int | None, right: int | None, bottom_right: bool
-) -> jax.Array:
-    """bool `[Bc, rows]`: row `i` of each sequence exists and sees at least one key (under the band `left` /
-    `right` around the diagonal, top-left or bottom-right aligned): the one row rule of the cuDNN paths, dense and
-    ragged."""
-    i = jnp.arange(rows, dtype=jnp.int32)[None, :]
-    q_len = seq_q.astype(jnp.int32)[:, None]
-    kv_len = seq_kv.astype(jnp.int32)[:, None]
-    diagonal = i + (kv_len - q_len if bottom_right else jnp.zeros_like(q_len))  # [Bc, rows]
-    lo = jnp.zeros_like(diagonal) if left is None else jnp.maximum(diagonal - left, 0)
-    hi = jnp.broadcast_to(kv_len - 1, diagonal.shape) if right is None else jnp.minimum(diagonal + right, kv_len - 1)
-    return (i < q_len) & (lo <= hi)

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from ... import ffi
+from ...band import Band
 from ...config import AttentionConfig
 from . import modifier as modifier_lib
 
@@ -99,11 +100,8 @@ def _bottom_right(config: AttentionConfig) -> bool:
 
 
 def effective_right(config: AttentionConfig) -> int | None:
-    """How far right of its aligned diagonal a query sees (None = unbounded)."""
-    right = None if config.window is None else config.window[1]
-    if config.is_causal:
-        right = 0 if right is None else min(right, 0)
-    return right
+    """How far right of its aligned diagonal a query sees (None = unbounded): `Band.of(config).right`."""
+    return Band.of(config).right
 
 
 MAX_OFFSET = 2**31

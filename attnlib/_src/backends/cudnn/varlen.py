@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import dropout as dropout_lib, logs, varying
+from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import xla as xla_backend, xla_chunked
 from . import executor, ragged, row_fill, support
@@ -64,6 +65,11 @@ class RaggedPlan:
     rows_exact: bool = False
     overflow_possible: bool = True
 
+    @property
+    def band(self) -> Band:
+        """The built-in mask of the graphs (`band.py`)."""
+        return Band(self.left, self.right, self.bottom_right)
+
 
 def _offsets(spec: GraphSpec, batch: ragged.RaggedBatch) -> dict[Uid, jax.Array]:
     offsets = {
@@ -91,9 +97,7 @@ def _seeds(seeds: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]
 def _token_rows(plan: RaggedPlan, batch: ragged.RaggedBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(rows valid `[Bc, t]`, query tokens valid `[Tq]`, flat index of each token's stats row)."""
     t = plan.fwd.t
-    valid_rows = ragged.rows_valid(
-        batch.seq_q, batch.seq_kv, t, left=plan.left, right=plan.right, bottom_right=plan.bottom_right
-    )
+    valid_rows = plan.band.rows_valid(batch.seq_q, batch.seq_kv, t)
     seq = jnp.clip(batch.tok_seq, 0, plan.fwd.b - 1)
     pos = jnp.clip(batch.tok_pos, 0, t - 1)
     inside = (batch.tok_seq >= 0) & (batch.tok_pos >= 0) & (batch.tok_pos < t)
@@ -271,10 +275,9 @@ def make_ragged_plan(
             ids without padding lengths).
         overflow_possible: a sequence may be longer than `bounds` (or a row have too many segments).
     """
-    left = None if config.window is None else config.window[0]
-    right = support.effective_right(config)
+    band = Band.of(config)
+    left, right, bottom_right = band.left, band.right, band.bottom_right
     keeps_diagonal = (left is None or left >= 0) and (right is None or right >= 0)
-    bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
     b, t = ragged.bucket_sequences(num_sequences), ragged.bucket_length(bounds[0])
     common = dict(
         dtype=np.dtype(config.dtype).name,
