@@ -145,16 +145,30 @@ def test_prequantized_inputs_equal_current_with_the_same_scales(output_dtype):
     assert_fp8_close(out, r_out, np.asarray(v8.astype(jnp.float32)), float(scales[2]), output_dtype)
 
 
+def _equal_up_to_output_rounding_flips(a, b):
+    """`a` and `b` (two compilations of the same FP8 call) agree except where the output's E4M3 rounding flips.
+
+    XLA orders float32 sums differently eagerly and under `jit` (measured on a CPU: the unrounded output `o` differed
+    by up to 9 ulps in 80 % of its elements), so where `o · c` sits within those ulps of an E4M3 rounding boundary the
+    two round to neighbouring grid points: one output step apart (at most 2**-3 of the value, E4M3 having 3 mantissa
+    bits), on a handful of elements."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    differ = a != b
+    assert differ.mean() <= 1e-3, f"{differ.sum()} of {differ.size} elements differ"
+    step = 2.0**-3 * np.maximum(np.abs(a), np.abs(b))
+    assert np.all(np.abs(a - b)[differ] <= 1.01 * step[differ]), np.abs(a - b)[differ]
+
+
 def test_jit_and_vmap():
     q, k, v, kw = _inputs("causal", jnp.bfloat16)
     eager = attnlib.attention(q, k, v, fp8="current", **kw)
     jitted = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, fp8="current", **kw))(q, k, v)
-    np.testing.assert_array_equal(np.asarray(eager, np.float32), np.asarray(jitted, np.float32))
+    _equal_up_to_output_rounding_flips(eager, jitted)
     # vmap maps the scales too: each example is quantized with its own amax, as a separate call would be
     call = lambda q, k, v: attnlib.attention(q, k, v, fp8="current", **kw)  # noqa: E731
     mapped = jax.vmap(call)(q[:, None], k[:, None], v[:, None])
     one = attnlib.attention(q[1:], k[1:], v[1:], fp8="current", **kw)
-    np.testing.assert_array_equal(np.asarray(mapped[1], np.float32), np.asarray(one, np.float32))
+    _equal_up_to_output_rounding_flips(mapped[1], one)
 
 
 @pytest.mark.parametrize("case", ["causal", "sinks_softcap", "padding"])

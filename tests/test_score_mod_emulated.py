@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import fake_cudnn
 from test_cudnn_dense_emulated import entry_for
 from test_cudnn_gpu import _compare, _qkv
 from test_score_mod_gpu import _materialize, CASES, MASK_CASES, N
