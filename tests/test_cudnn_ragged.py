@@ -838,23 +838,24 @@ def test_paged_decode_lowers_to_one_graph_call(fake_entries):
 
 
 def test_large_padded_stats_are_logged_once(fake_entries, monkeypatch, caplog):
-    """A THD call without `max_seqlen_q` sizes its statistics by the token count: large ones get a WARNING (once per
-    shape) that names the size and the remedy; a bound, or small statistics, log nothing."""
-    monkeypatch.setattr(varlen, "LARGE_STATS_BYTES", 8 * 8 * 2048 * 4 - 1)
+    """A THD call without `max_seqlen_q` sizes its statistics by the token count: large ones (over 1 GiB; traced
+    here, nothing is allocated) get a WARNING (once per shape) that names the size and the remedy; a bound, or small
+    statistics, log nothing."""
     monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: False)  # padded stats forced (by default these go per token)
     monkeypatch.setattr(logs, "_logged", set())
-    q = jax.ShapeDtypeStruct((2000, 8, 64), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2000, 2, 64), jnp.bfloat16)
-    cu = jax.ShapeDtypeStruct((6,), jnp.int32)
+    q = jax.ShapeDtypeStruct((300_000, 64, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((300_000, 8, 64), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((10,), jnp.int32)
     call = lambda **kw: jax.make_jaxpr(lambda q, k, v, cu: attnlib.attention(
         q, k, v, cu_seqlens_q=cu, is_causal=True, implementation="cudnn", **kw))(q, kv, kv, cu)  # fmt: skip
     with caplog.at_level("WARNING", logger="attnlib"):
         call()
         call()
-        call(max_seqlen_q=300, max_seqlen_kv=300)
+        call(max_seqlen_q=4096, max_seqlen_kv=4096)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1, warnings
-    assert "[8 sequences, 8 heads, 2048 rows]" in warnings[0] and "the token count (max_seqlen_q's default)" in warnings[0]
+    assert "[16 sequences, 64 heads, 524288 rows] = 2.00 GiB" in warnings[0], warnings[0]
+    assert "the token count (max_seqlen_q's default)" in warnings[0]
 
 
 def test_stats_go_per_token_when_padded_ones_would_be_much_larger():

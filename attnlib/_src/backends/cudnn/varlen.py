@@ -305,14 +305,14 @@ def make_ragged_plan(
                       rows_exact=rows_exact, overflow_possible=overflow_possible)
 
 
-LARGE_STATS_BYTES = 1 << 30
+_LARGE_STATS_BYTES = 1 << 30
 """Padded ragged statistics above this size are logged with a WARNING (they may not fit next to the model)."""
 
 
 def _warn_large_stats(spec: GraphSpec, config: AttentionConfig) -> None:
     """Log once per graph shape when the padded `[b, N, t]` float32 statistics of a ragged forward are large."""
     size = spec.b * spec.n * spec.t * 4
-    if spec.ragged_stats or size <= LARGE_STATS_BYTES:
+    if spec.ragged_stats or size <= _LARGE_STATS_BYTES:
         return
     if config.layout != "thd":
         bound = "the packed rows' length T"
