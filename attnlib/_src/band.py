@@ -32,12 +32,8 @@ class Band:
     @classmethod
     def of(cls, config: AttentionConfig) -> "Band":
         """The band of a call: `local_window_size = (left, right)`, with `is_causal` capping `right` at 0."""
-        left = None if config.window is None else config.window[0]
-        right = None if config.window is None else config.window[1]
-        if config.is_causal:
-            right = 0 if right is None else min(right, 0)
-        bottom_right = config.diagonal_alignment == "bottom_right" and (left is not None or right is not None)
-        return cls(left, right, bottom_right)
+        band = cls.from_mask(is_causal=config.is_causal, window=config.window)
+        return dataclasses.replace(band, bottom_right=config.diagonal_alignment == "bottom_right" and band.bounded)
 
     @classmethod
     def from_mask(cls, *, is_causal: bool, window: tuple[int, int] | None) -> "Band":

@@ -10,8 +10,8 @@ reaching `left` keys back. The graph gets query lengths trimmed to the rows that
 keys gets one key and no query row, so the padding costs no pass over the output or the gradients and no memset
 (`Plan.rows_by_length`, `support.writes_padding_zeros`; `benchmarks/probe_unwritten_rows.py` checks cuDNN's side).
 With a bottom-right diagonal the rows that see no key come first; those calls mask the output and the gradients in JAX.
-- `attention(config, inputs)`: the dense entry point (flattening `*B`, slicing bottom-right `T > S`); THD, packed
-  rows and paged caches are `varlen.py`'s.
+- `attention(config, inputs)`: the dense entry point (flattening `*B`, slicing bottom-right `T > S`); THD and
+  packed rows are `varlen.py`'s, paged caches `paged.py`'s.
 """
 
 import dataclasses
