@@ -178,14 +178,39 @@ def _guarded_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, 
     """`_ragged_forward`, or with `fits` False the fallback's `(out, lse)` and placeholder residuals."""
     if fits is None:
         return _ragged_forward(plan, q, k, v, sinks, seeds, batch)
-    fused = lambda: _ragged_forward(plan, q, k, v, sinks, seeds, batch)  # noqa: E731
-    shapes = jax.eval_shape(fused)
 
-    def fallback():
+    def fused(q, k, v, sinks, seeds, batch, reference):
+        return _ragged_forward(plan, q, k, v, sinks, seeds, batch)
+
+    shapes = jax.eval_shape(fused, q, k, v, sinks, seeds, batch, reference)
+
+    def fallback(q, k, v, sinks, seeds, batch, reference):
         out, lse = _plain(plan, q, k, v, sinks, reference)
         return out, lse, jnp.zeros(shapes[2].shape, shapes[2].dtype), jnp.zeros(shapes[3].shape, shapes[3].dtype)
 
-    return jax.lax.cond(fits, fused, fallback)
+    return _flat_cond(fits, fused, fallback, q, k, v, sinks, seeds, batch, reference)
+
+
+def _flat_cond(fits: jax.Array, fused, fallback, *operands):
+    """`jax.lax.cond(fits, fused, fallback, *operands)` with every array crossing the cond as one dimension.
+
+    XLA gives a conditional's operands and results the layouts its largest branch wants, here the plain fallback's,
+    whose dots want heads-major Q, K and V: passed as they are, they were transposed on every call, in the graph's
+    branch too (docs/performance.md, packed rows without a bound). A 1-D array has one layout: the reshapes are free
+    outside the cond and in the graph's branch, and only the fallback pays for its own layouts."""
+    leaves, tree = jax.tree.flatten(operands)
+    shapes = [jnp.shape(x) for x in leaves]
+    results, results_tree = jax.tree.flatten(jax.eval_shape(fused, *operands))
+
+    def flat(fn):
+        def branch(*flat_leaves):
+            args = jax.tree.unflatten(tree, [jnp.reshape(x, shape) for x, shape in zip(flat_leaves, shapes)])
+            return [jnp.reshape(y, (-1,)) for y in jax.tree.leaves(fn(*args))]
+
+        return branch
+
+    flat_results = jax.lax.cond(fits, flat(fused), flat(fallback), *(jnp.reshape(x, (-1,)) for x in leaves))
+    return jax.tree.unflatten(results_tree, [jnp.reshape(y, r.shape) for y, r in zip(flat_results, results)])
 
 
 def _ragged_sdpa_fwd(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, fits=None):
@@ -202,13 +227,23 @@ def _ragged_sdpa_fwd(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, 
 def _ragged_sdpa_bwd(plan: RaggedPlan, residuals, cotangents):
     q, k, v, sinks, seeds, batch, reference, fits, out, lse, stats, tok_valid = residuals
     none = lambda tree: jax.tree.map(lambda _: None, tree)  # noqa: E731
-    grads = functools.partial(_ragged_grads, plan, (q, k, v, sinks, seeds, batch, reference, out, lse, stats,
-                                                    tok_valid), cotangents)  # fmt: skip
+    graph_residuals = (q, k, v, sinks, seeds, batch, reference, out, lse, stats, tok_valid)
     if fits is None:
-        dq, dk, dv, dsinks = grads()
+        dq, dk, dv, dsinks = _ragged_grads(plan, graph_residuals, cotangents)
     else:
-        dq, dk, dv, dsinks = jax.lax.cond(fits, grads, lambda: _plain_grads(plan, q, k, v, sinks, reference,
-                                                                            cotangents))  # fmt: skip
+        # Symbolic zeros stay out of the cond's operands (they are not arrays) and are put back in each branch.
+        symbolic = tuple(isinstance(c, jax.custom_derivatives.SymbolicZero) for c in cotangents)
+        arrays = tuple(None if zero else c for c, zero in zip(cotangents, symbolic))
+        restore = lambda given: tuple(c if zero else g for c, g, zero in zip(cotangents, given, symbolic))  # noqa: E731
+
+        def fused(graph_residuals, given):
+            return _ragged_grads(plan, graph_residuals, restore(given))
+
+        def fallback(graph_residuals, given):
+            q, k, v, sinks, _, _, reference = graph_residuals[:7]
+            return _plain_grads(plan, q, k, v, sinks, reference, restore(given))
+
+        dq, dk, dv, dsinks = _flat_cond(fits, fused, fallback, graph_residuals, arrays)
     return dq, dk, dv, dsinks, none(seeds), none(batch), none(reference), none(fits)
 
 
