@@ -204,6 +204,7 @@ def _flat_cond(fits: jax.Array, fused, fallback, *operands):
 
     def flat(fn):
         def branch(*flat_leaves):
+            flat_leaves = jax.lax.optimization_barrier(flat_leaves)  # keeps XLA from moving the reshapes out
             args = jax.tree.unflatten(tree, [jnp.reshape(x, shape) for x, shape in zip(flat_leaves, shapes)])
             return [jnp.reshape(y, (-1,)) for y in jax.tree.leaves(fn(*args))]
 
