@@ -194,10 +194,10 @@ def _guarded_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, 
 def _flat_cond(fits: jax.Array, fused, fallback, *operands):
     """`jax.lax.cond(fits, fused, fallback, *operands)` with every array crossing the cond as one dimension.
 
-    XLA gives a conditional's operands and results the layouts its largest branch wants, here the plain fallback's,
-    whose dots want heads-major Q, K and V: passed as they are, they were transposed on every call, in the graph's
-    branch too (docs/performance.md, packed rows without a bound). A 1-D array has one layout: the reshapes are free
-    outside the cond and in the graph's branch, and only the fallback pays for its own layouts."""
+    XLA gives each branch of a conditional its own operands, laid out as that branch wants: the plain fallback's dots
+    want heads-major Q, K and V, and passed as they are, they were transposed before the conditional on every call,
+    whichever branch ran (docs/performance.md, packed rows without a bound). A 1-D array has one layout; the barrier
+    keeps XLA from moving the reshapes back out of the branches, so only the fallback pays for its layouts."""
     leaves, tree = jax.tree.flatten(operands)
     shapes = [jnp.shape(x) for x in leaves]
     results, results_tree = jax.tree.flatten(jax.eval_shape(fused, *operands))
