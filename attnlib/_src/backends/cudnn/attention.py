@@ -36,8 +36,8 @@ class Plan:
 
     Attributes:
         fwd, bwd: the graph specs.
-        left, right: the visible key offsets around a query's aligned diagonal (None = unbounded), as in the API.
-        bottom_right: queries are aligned to the end of their key sequence.
+        band: the graphs' built-in mask (`band.py`), bottom-right only where the alignment changes something; none
+            with a score modifier (which holds the mask).
         all_rows_valid: statically, every query row sees at least one key (no masking of rows needed).
         rows_by_length: padded top-left graphs: the graphs get the trimmed query lengths of `_graph_seq_q` and
             zero-fill their results, so rows that see no key need no masking pass.
@@ -50,9 +50,7 @@ class Plan:
 
     fwd: GraphSpec
     bwd: GraphSpec
-    left: int | None
-    right: int | None
-    bottom_right: bool
+    band: Band
     all_rows_valid: bool
     inference: GraphSpec | None = None
     detect_masked: bool = False
@@ -61,11 +59,6 @@ class Plan:
     @property
     def rows_by_length(self) -> bool:
         return self.fwd.rows_by_length
-
-    @property
-    def band(self) -> Band:
-        """The built-in mask of the graphs (`band.py`)."""
-        return Band(self.left, self.right, self.bottom_right)
 
 
 def _row_valid(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array:
@@ -81,7 +74,7 @@ def _graph_seq_q(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) 
     """The query lengths the graphs get: with `plan.rows_by_length`, trimmed to the rows that see a key."""
     if not plan.rows_by_length or seq_q is None or seq_kv is None:
         return seq_q
-    return ragged.rows_seeing_keys(seq_q, seq_kv, plan.left)
+    return ragged.rows_seeing_keys(seq_q, seq_kv, plan.band.left)
 
 
 def _graph_seq_kv(plan: Plan, seq_kv: jax.Array | None) -> jax.Array | None:
@@ -355,21 +348,20 @@ def make_plan(
     band = Band.of(config)
     if band.bottom_right and t == s and not padded:
         band = dataclasses.replace(band, bottom_right=False)
-    left, right, bottom_right = band.left, band.right, band.bottom_right
     rows_valid = not padded and band.all_rows_valid(t, s)
     score_modifier = None
     if modifier_lib.uses_modifier(config):
         offset = s - t if config.diagonal_alignment == "bottom_right" else 0
         score_modifier = modifier_lib.build(config, offset, t, s)
-        left = right = None
-        bottom_right = padded = False
+        band = Band(None, None, False)
+        padded = False
     common = dict(
         dtype=np.dtype(config.output_dtype).name,
         b=b, t=t, s=s, n=config.num_q_heads, k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim,
         scale=float(modifier_lib.folded_scale(config)),
-        alignment="bottom_right" if bottom_right else "top_left",
-        left_bound=None if left is None else left + 1,
-        right_bound=right,
+        alignment="bottom_right" if band.bottom_right else "top_left",
+        left_bound=None if band.left is None else band.left + 1,
+        right_bound=band.right,
         padding=padded,
         bias_b=0 if bias_shape is None else bias_shape[0],
         bias_n=0 if bias_shape is None else bias_shape[1],
@@ -391,7 +383,7 @@ def make_plan(
         inference = dataclasses.replace(fwd, stats=False)
     all_valid = rows_valid and not detect
     return Plan(
-        fwd, bwd, left, right, bottom_right, all_valid, inference, detect_masked=detect,
+        fwd, bwd, band, all_valid, inference, detect_masked=detect,
         masked_below=modifier_lib.masked_below(config.dtype),
     )
 

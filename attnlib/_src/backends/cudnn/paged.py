@@ -29,23 +29,15 @@ class PagedPlan:
 
     Attributes:
         fwd: the forward graph spec.
-        left, right, bottom_right: visible key offsets around a query's aligned diagonal (None = unbounded), and
-            whether that diagonal is bottom-right.
+        band: the call's mask (`band.py`; the graph may drop a bound that changes nothing, see `attention`).
         explicit: cuDNN was named alone: a gradient raises instead of falling back to the `xla` path.
         config: the call's configuration (for the fallback backward).
     """
 
     fwd: GraphSpec
-    left: int | None
-    right: int | None
-    bottom_right: bool
+    band: Band
     explicit: bool
     config: AttentionConfig
-
-    @property
-    def band(self) -> Band:
-        """The built-in mask of the graphs (`band.py`)."""
-        return Band(self.left, self.right, self.bottom_right)
 
 
 def _paged_forward(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv):
@@ -111,19 +103,17 @@ def attention(
         seq_q = jnp.full((B,), T, jnp.int32)
     else:
         seq_q = jnp.clip(jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32), 0, T)
-    band = Band.of(config)
-    left, right, bottom_right = band.left, band.right, band.bottom_right
-    band_left, band_right = left, right
-    if T == 1 and bottom_right and left is None and right is not None and right >= 0:
-        band_right = None  # decode: the single query is the last position and sees every cached key anyway
+    band = graph_band = Band.of(config)
+    if T == 1 and band.bottom_right and band.left is None and band.right is not None and band.right >= 0:
+        graph_band = Band(None, None, False)  # decode: the single query is the last position and sees every key
     spec = GraphSpec(
         direction="fwd", dtype=np.dtype(config.dtype).name, b=B, t=T, s=config.kv_len, n=N,
         k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim, scale=float(config.scale),
-        alignment="bottom_right" if bottom_right and (band_left is not None or band_right is not None) else "top_left",
-        left_bound=None if band_left is None else band_left + 1, right_bound=band_right, padding=True,
+        alignment="bottom_right" if graph_band.bottom_right else "top_left",
+        left_bound=None if graph_band.left is None else graph_band.left + 1, right_bound=graph_band.right, padding=True,
         pages=(config.num_pages, config.page_size, config.pages_per_seq), stats=config.return_residual,
     )  # fmt: skip
-    plan = PagedPlan(spec, left, right, bottom_right, explicit, config)
+    plan = PagedPlan(spec, band, explicit, config)
     reference = {"key_value_seq_lengths": inputs.key_value_seq_lengths, "query_seq_lengths": inputs.query_seq_lengths}
     page_table = inputs.page_table.astype(jnp.int32)
     out, lse = _paged_sdpa(plan, q, inputs.key, inputs.value, page_table, seq_q, seq_kv, reference)

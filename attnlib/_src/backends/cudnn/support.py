@@ -95,8 +95,7 @@ def writes_padding_zeros(cudnn_version: int) -> bool:
 def _bottom_right(config: AttentionConfig) -> bool:
     """Whether the diagonal alignment changes anything for this call."""
     padded = config.has_q_lengths or config.has_kv_lengths
-    masked = config.is_causal or config.window is not None
-    return config.diagonal_alignment == "bottom_right" and masked and (config.q_len != config.kv_len or padded)
+    return Band.of(config).bottom_right and (config.q_len != config.kv_len or padded)
 
 
 def effective_right(config: AttentionConfig) -> int | None:

@@ -47,8 +47,7 @@ class RaggedPlan:
     Attributes:
         fwd, bwd: the graph specs (bucketed dims).
         tokens: packed `(Tq, Tkv)`.
-        left, right: visible key offsets around a query's aligned diagonal (None = unbounded).
-        bottom_right: bottom-right diagonal per sequence.
+        band: the graphs' built-in mask (`band.py`; the diagonal aligned per sequence).
         config: the call's configuration (for the reference that differentiates `lse`).
         rows_exact: statically, every query row cuDNN runs sees a key (a top-left diagonal with trimmed query
             lengths, or self-attention whose mask keeps the diagonal): dO needs no masking before the backward.
@@ -58,17 +57,10 @@ class RaggedPlan:
     fwd: GraphSpec
     bwd: GraphSpec
     tokens: tuple[int, int]
-    left: int | None
-    right: int | None
-    bottom_right: bool
+    band: Band
     config: AttentionConfig
     rows_exact: bool = False
     overflow_possible: bool = True
-
-    @property
-    def band(self) -> Band:
-        """The built-in mask of the graphs (`band.py`)."""
-        return Band(self.left, self.right, self.bottom_right)
 
 
 def _offsets(spec: GraphSpec, batch: ragged.RaggedBatch) -> dict[Uid, jax.Array]:
@@ -85,9 +77,9 @@ def _offsets(spec: GraphSpec, batch: ragged.RaggedBatch) -> dict[Uid, jax.Array]
 
 def _graph_seq_q(plan: RaggedPlan, batch: ragged.RaggedBatch) -> jax.Array:
     """The query rows cuDNN runs per sequence: with a top-left diagonal, only the leading rows that see a key."""
-    if plan.bottom_right:
+    if plan.band.bottom_right:
         return batch.seq_q
-    return ragged.rows_seeing_keys(batch.seq_q, batch.seq_kv, plan.left)
+    return ragged.rows_seeing_keys(batch.seq_q, batch.seq_kv, plan.band.left)
 
 
 def _seeds(seeds: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
@@ -337,8 +329,7 @@ def make_ragged_plan(
         s_total=ragged.bucket_tokens(tokens[1]), **common,
     )  # fmt: skip
     rows_exact = keeps_diagonal and (self_attention or not bottom_right)
-    return RaggedPlan(fwd, bwd, tokens, left, right, bottom_right, config,
-                      rows_exact=rows_exact, overflow_possible=overflow_possible)
+    return RaggedPlan(fwd, bwd, tokens, band, config, rows_exact=rows_exact, overflow_possible=overflow_possible)
 
 
 _LARGE_STATS_BYTES = 1 << 30
