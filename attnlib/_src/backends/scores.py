@@ -51,6 +51,31 @@ def grouped_sinks(config: AttentionConfig, sinks: jax.Array) -> jax.Array:
     return jnp.reshape(sinks.astype(accumulator(config.dtype)), (1, config.num_kv_heads, config.group_size, 1))
 
 
+def rows(x: jax.Array) -> jax.Array:
+    """`[B, K, G, T, X]` -> `[B, K, G·T, X]`: each key head's query rows in one axis, so the grouped matmuls run as
+    plain batched matmuls over `(B, K)` (on the CPU, a batch axis of size `G = 1` cost score-sized layout copies:
+    docs/performance.md)."""
+    B, K, G, T, X = x.shape
+    return jnp.reshape(x, (B, K, G * T, X))
+
+
+def score_dot(query_rows: jax.Array, key: jax.Array, **kwargs) -> jax.Array:
+    """`[B, K, G, T, H] x [B, s, K, H] -> [B, K, G, T, s]` (`q.k`, or `dO.v` for the backward)."""
+    out = jnp.einsum("bkrh,bskh->bkrs", rows(query_rows), key, **kwargs)
+    return jnp.reshape(out, query_rows.shape[:4] + (key.shape[1],))
+
+
+def rows_dot(p: jax.Array, x: jax.Array, **kwargs) -> jax.Array:
+    """`[B, K, G, T, s] x [B, s, K, X] -> [B, K, G, T, X]` (`P.v`, or `dS.k`)."""
+    out = jnp.einsum("bkrs,bskx->bkrx", rows(p), x, **kwargs)
+    return jnp.reshape(out, p.shape[:4] + (x.shape[-1],))
+
+
+def keys_dot(p: jax.Array, query_rows: jax.Array, **kwargs) -> jax.Array:
+    """`[B, K, G, T, s] x [B, K, G, T, X] -> [B, s, K, X]` (`Pᵀ.dO`, or `dSᵀ.q`), summed over the group."""
+    return jnp.einsum("bkrs,bkrx->bskx", rows(p), rows(query_rows), **kwargs)
+
+
 def raw_scores(config: AttentionConfig, q5: jax.Array, key: jax.Array, bias: jax.Array | None) -> jax.Array:
     """`[B, K, G, T, s]` scores `scale * q.k (+ bias)` in the accumulator dtype, before soft-capping.
 
@@ -59,9 +84,7 @@ def raw_scores(config: AttentionConfig, q5: jax.Array, key: jax.Array, bias: jax
         key: `[B, s, K, H]`.
         bias: rank-4 bias block or None.
     """
-    s = jnp.einsum(
-        "bkgth,bskh->bkgts", q5, key, preferred_element_type=accumulator(q5.dtype), precision=precision(q5.dtype)
-    )
+    s = score_dot(q5, key, preferred_element_type=accumulator(q5.dtype), precision=precision(q5.dtype))
     s = s * jnp.asarray(config.scale, s.dtype)
     if bias is not None:
         s = s + grouped_heads(config, bias).astype(s.dtype)

@@ -35,8 +35,7 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
         keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, 0, S)
         weights = jnp.where(keep, weights / (1.0 - config.dropout_rate), 0.0)
 
-    out = jnp.einsum(
-        "bkgts,bskh->bkgth",
+    out = scores.rows_dot(
         weights.astype(problem.value.dtype),
         problem.value,
         preferred_element_type=scores.accumulator(problem.value.dtype),

@@ -2,7 +2,9 @@
 
 The forward keeps a running maximum, denominator and output per query and visits the keys one block at a time, so
 memory is linear in the key length. The backward (`custom_vjp`) recomputes each block's probabilities from the
-saved `lse` instead of storing them.
+saved `lse` instead of storing them — except when the keys fit in one block: then the forward's probabilities (at
+most `AUTO_MIN_SCORE_BYTES`) are kept for the backward, which on a CPU made small problems faster than jax.nn's
+(docs/performance.md).
 
 `score_mod` / `mask_mod` run on each key block as the jaxprs traced by `modifiers.describe`, with the arrays they
 close over passed through the `custom_vjp` as explicit inputs (a `custom_vjp` may not close over traced values).
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from .. import canonical, fp8 as fp8_lib, varying
 from ..config import AttentionConfig, AttentionInputs
 from ..positions import TokenPositions
-from . import scores
+from . import one_block, scores
 
 
 DEFAULT_BLOCK_K = 512
@@ -29,8 +31,7 @@ DEFAULT_BLOCK_K = 512
 AUTO_MIN_SCORE_BYTES = 256 * 2**20
 """With `implementation=None` on an accelerator (where cuDNN declined), materialised float32 scores below this size
 are left to `"xla"`. On a CPU `xla_chunked` is chosen at every size: on `benchmarks/bench_cpu_dispatch.py`'s shapes
-it was 1.4–2.5x faster than `xla` forward + backward from 2048 tokens on and within run-to-run noise below
-(docs/performance.md)."""
+it was 1.1–2.0x faster than `xla` forward + backward (docs/performance.md)."""
 
 
 def auto_min_score_bytes() -> int:
@@ -184,13 +185,10 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mo
         if problem.dropout_seeds is not None:
             keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, k_start, block)
             p = jnp.where(keep, p, 0.0)
-        pv = jnp.einsum(
-            "bkgts,bskh->bkgth",
-            p.astype(problem.value.dtype),
-            v_blk,
-            preferred_element_type=acc_dtype,
+        pv = scores.rows_dot(
+            p.astype(problem.value.dtype), v_blk, preferred_element_type=acc_dtype,
             precision=scores.precision(problem.value.dtype),
-        )
+        )  # fmt: skip
         acc = acc * rescale[..., None] + pv
         return new_max, denominator, acc
 
@@ -218,6 +216,21 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mo
     return out, lse
 
 
+def _stores_probabilities(config: AttentionConfig, block: int, problem: canonical.Problem) -> bool:
+    """Whether the backward reuses the forward's probabilities instead of recomputing them: with one key block whose
+    float32 probabilities stay under `AUTO_MIN_SCORE_BYTES` (the size `xla` may materialise), and none of the
+    features whose backward needs the scores themselves (modifiers, soft cap, dropout, FP8)."""
+    B, T, N, _ = problem.query.shape
+    return (
+        problem.key.shape[1] == block
+        and 4 * B * N * T * block <= AUTO_MIN_SCORE_BYTES
+        and config.modifiers is None
+        and config.logits_soft_cap is None
+        and problem.dropout_seeds is None
+        and config.fp8 is None
+    )
+
+
 def _forward_fp8(config: AttentionConfig, block: int, problem: canonical.Problem, mods: _Modifiers | None):
     """FP8 emulation (`fp8.py`): each probability is rounded against its row's final max, so a first pass over the
     key blocks finds that max and a second accumulates. Returns `o [B, T, N, Hv]` float32 (the output before its
@@ -237,8 +250,8 @@ def _forward_fp8(config: AttentionConfig, block: int, problem: canonical.Problem
         s, allowed = _block_scores(config, problem, q5, mods, c * block, block)
         p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, c * block, block, axis=1)
-        pv = jnp.einsum(
-            "bkgts,bskh->bkgth", fp8_lib.Rounding.probabilities(p), v_blk, preferred_element_type=jnp.float32,
+        pv = scores.rows_dot(
+            fp8_lib.Rounding.probabilities(p), v_blk, preferred_element_type=jnp.float32,
             precision=jax.lax.Precision.HIGHEST,
         )  # fmt: skip
         return denominator + jnp.sum(p, axis=-1), acc + pv
@@ -278,7 +291,7 @@ def _backward(
     K, G = config.num_kv_heads, config.group_size
     q5 = scores.grouped_query(config, problem.query)
     to_kgt = lambda x: jnp.transpose(jnp.reshape(x, (B, T, K, G)), (0, 2, 3, 1))
-    do5 = jnp.reshape(d_out, (B, T, K, G, config.value_head_dim))
+    do5 = jnp.transpose(jnp.reshape(d_out, (B, T, K, G, config.value_head_dim)), (0, 2, 3, 1, 4))  # [B, K, G, T, Hv]
     # D = rowsum(dO * O): the softmax Jacobian's diagonal correction; d_lse enters every score with weight p.
     acc_dtype = scores.accumulator(problem.query.dtype)
     correction = to_kgt(jnp.sum(d_out.astype(acc_dtype) * out.astype(acc_dtype), axis=-1))
@@ -308,9 +321,8 @@ def _backward(
             s, allowed, mod_vjp = mods.apply_with_vjp(s, allowed, k_start, block)
         s = scores.soft_cap(config, s)
         p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
-        dp = jnp.einsum(
-            "btkgh,bskh->bkgts", do5, v_blk, preferred_element_type=acc_dtype,
-            precision=scores.precision(v_blk.dtype),
+        dp = scores.score_dot(
+            do5, v_blk, preferred_element_type=acc_dtype, precision=scores.precision(v_blk.dtype)
         )
         p_kept = p
         if fp8_shift is not None:
@@ -320,9 +332,7 @@ def _backward(
             keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, k_start, block)
             p_kept = jnp.where(keep, p * keep_scale, 0.0)
             dp = jnp.where(keep, dp * keep_scale, 0.0)
-        dv_blk = jnp.einsum(
-            "bkgts,btkgh->bskh", p_kept, f32(do5), precision=jax.lax.Precision.HIGHEST
-        )
+        dv_blk = scores.keys_dot(p_kept, f32(do5), precision=jax.lax.Precision.HIGHEST)
         ds = p * (dp - correction[..., None])
         if config.logits_soft_cap is not None:
             ds = ds * (1.0 - jnp.square(s / jnp.asarray(config.logits_soft_cap, s.dtype)))
@@ -348,8 +358,8 @@ def _backward(
             else:
                 dbias = jax.lax.dynamic_update_slice_in_dim(dbias, ds_n, k_start, axis=3)
         ds = ds * jnp.asarray(config.scale, ds.dtype)
-        dq = dq + jnp.einsum("bkgts,bskh->bkgth", ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
-        dk_blk = jnp.einsum("bkgts,bkgth->bskh", ds, f32(q5), precision=jax.lax.Precision.HIGHEST)
+        dq = dq + scores.rows_dot(ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
+        dk_blk = scores.keys_dot(ds, f32(q5), precision=jax.lax.Precision.HIGHEST)
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk, k_start, axis=1)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk, k_start, axis=1)
         return dq, dk, dv, dbias, d_args, d_consts
@@ -413,17 +423,24 @@ def _chunked_fwd(config, block, query, key, value, bias, sinks, mask, seeds, pos
     problem, mods = _problem_and_modifiers(
         config, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
     )
-    if config.fp8 is not None:
+    saved = None  # the probabilities and their row sums, where the backward reuses them
+    fp8_shift = None
+    if _stores_probabilities(config, block, problem):
+        out, lse, *saved = one_block.forward(config, problem)
+    elif config.fp8 is not None:
         out, lse, fp8_shift = _forward_fp8(config, block, problem, mods)
     else:
-        (out, lse), fp8_shift = _forward(config, block, problem, mods), None
-    return (out, lse), (problem, score_consts, mask_consts, out, lse, fp8_shift)
+        out, lse = _forward(config, block, problem, mods)
+    return (out, lse), (problem, score_consts, mask_consts, out, lse, fp8_shift, saved)
 
 
 def _chunked_bwd(config, block, residuals, cotangents):
-    problem, score_consts, mask_consts, out, lse, fp8_shift = residuals
-    mods = None if config.modifiers is None else _Modifiers(config, problem, score_consts, mask_consts)
+    problem, score_consts, mask_consts, out, lse, fp8_shift, saved = residuals
     d_out, d_lse = cotangents
+    if saved is not None:
+        dq, dk, dv, dbias, d_sinks = one_block.backward(config, problem, out, lse, *saved, d_out, d_lse)
+        return dq, dk, dv, dbias, d_sinks, None, None, None, (None,) * len(problem.score_mod_args), (), ()
+    mods = None if config.modifiers is None else _Modifiers(config, problem, score_consts, mask_consts)
     dq, dk, dv, dbias, d_sinks, d_args, d_score_consts = _backward(
         config, block, problem, mods, out, lse, d_out, d_lse, fp8_shift
     )

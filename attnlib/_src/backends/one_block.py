@@ -1,0 +1,112 @@
+"""`xla_chunked` when the keys fit in one block: the forward keeps its unnormalized probabilities and the backward
+uses them instead of recomputing (on a CPU this made small problems faster than jax.nn's, docs/performance.md).
+
+Score-sized arrays are laid out `[B, K, G·T, S]` (`scores.rows`). The backward puts `1 / l` on the `[T, Hv]`-sized
+`dO` (`dV = pᵀ (dO / l)`) and inside the `dS` pass (`dS = p / l · (dP − D)`), so it adds no pass over the scores.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from .. import canonical
+from ..band import Band
+from ..config import AttentionConfig
+from . import scores
+
+
+def every_key_visible(config: AttentionConfig, problem: canonical.Problem) -> bool:
+    """Statically: every query sees every key with a finite score (no segments or padding, mask, bias, causal or
+    window bound, sinks)."""
+    return (
+        problem.positions.q_segment is None
+        and problem.mask is None
+        and problem.bias is None
+        and problem.sinks is None
+        and not Band.of(config).bounded
+        and problem.key.shape[1] > 0
+    )
+
+
+def forward(config: AttentionConfig, problem: canonical.Problem):
+    """`xla_chunked`'s forward for a single key block: `out [B, T, N, Hv]`, `lse [B, K, G, T]`, the unnormalized
+    probabilities `p = exp(s - shift)` `[B, K, G·T, S]` and their row sums `l` `[B, K, G·T]` (with the sinks; 1
+    where nothing is visible)."""
+    B, T, N, _ = problem.query.shape
+    K, G, S, Hv = config.num_kv_heads, config.group_size, problem.key.shape[1], problem.value.shape[-1]
+    acc_dtype = scores.accumulator(problem.query.dtype)
+    as_rows = lambda x: scores.rows(jnp.broadcast_to(x, x.shape[:2] + (G, T) + x.shape[4:]))
+    # the scale enters through Q ([T, H]-sized) rather than the scores
+    q_rows = scores.rows(scores.grouped_query(config, problem.query) * jnp.asarray(config.scale, problem.query.dtype))
+    s = jnp.einsum(
+        "bkrh,bskh->bkrs", q_rows, problem.key, preferred_element_type=acc_dtype,
+        precision=scores.precision(problem.query.dtype),
+    )  # fmt: skip
+    if problem.bias is not None:
+        s = s + as_rows(scores.grouped_heads(config, problem.bias)).astype(acc_dtype)
+    allowed = as_rows(scores.visible(config, problem, 0, S, problem.mask))
+    if every_key_visible(config, problem):
+        # no row can be empty, so the guards below are not needed (and XLA's CPU fuses the rest into its matmuls)
+        row_max = jnp.max(s, axis=-1)
+        p = jnp.exp(s - row_max[..., None])
+        row_sum = jnp.sum(p, axis=-1)
+        lse = row_max + jnp.log(row_sum)
+    else:
+        row_max = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1)
+        if problem.sinks is not None:
+            sinks = as_rows(scores.grouped_sinks(config, problem.sinks)[..., None])[..., 0]
+            row_max = jnp.maximum(row_max, sinks)
+        shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+        p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
+        denominator = jnp.sum(p, axis=-1)
+        if problem.sinks is not None:
+            denominator = denominator + jnp.exp(sinks - shift)
+        has_mass = denominator > 0
+        row_sum = jnp.where(has_mass, denominator, 1.0)
+        lse = jnp.where(has_mass, shift + jnp.log(row_sum), -jnp.inf)
+    out = jnp.einsum(
+        "bkrs,bskh->bkrh", p.astype(problem.value.dtype), problem.value, preferred_element_type=acc_dtype,
+        precision=scores.precision(problem.value.dtype),
+    ) / row_sum[..., None]  # fmt: skip
+    out = jnp.reshape(jnp.transpose(jnp.reshape(out, (B, K, G, T, Hv)), (0, 3, 1, 2, 4)), (B, T, N, Hv))
+    return out.astype(problem.query.dtype), jnp.reshape(lse, (B, K, G, T)), p, row_sum
+
+
+def backward(config: AttentionConfig, problem: canonical.Problem, out, lse, p, row_sum, d_out, d_lse):
+    """`xla_chunked`'s backward from the forward's probabilities (`forward`, `[B, K, G·T, S]`): `P = p / l`, and
+    `1 / l` is applied to the `[T, Hv]`-sized `dO` instead of the `[T, S]` probabilities. Returns
+    `(dq, dk, dv, dbias, dsinks)`."""
+    B, T, N, H = problem.query.shape
+    K, G = config.num_kv_heads, config.group_size
+    acc_dtype = scores.accumulator(problem.query.dtype)
+    f32 = lambda x: x.astype(acc_dtype)
+    def to_rows(x):  # [B, T, N, X] -> [B, K, G·T, X]
+        x = jnp.transpose(jnp.reshape(x, (B, T, K, G, x.shape[-1])), (0, 2, 3, 1, 4))
+        return jnp.reshape(x, (B, K, G * T, x.shape[-1]))
+
+    q_rows = to_rows(problem.query)
+    do_rows = to_rows(d_out)
+    correction = to_rows(jnp.sum(f32(d_out) * f32(out), axis=-1, keepdims=True))[..., 0]
+    correction = correction - jnp.reshape(f32(d_lse), (B, K, G * T))
+    inv_l = 1.0 / row_sum
+    highest = jax.lax.Precision.HIGHEST
+    dv = jnp.einsum("bkrs,bkrh->bskh", p, f32(do_rows) * inv_l[..., None], precision=highest)
+    dp = jnp.einsum(
+        "bkrh,bskh->bkrs", do_rows, problem.value, preferred_element_type=acc_dtype,
+        precision=scores.precision(problem.value.dtype),
+    )  # fmt: skip
+    ds = p * inv_l[..., None] * (dp - correction[..., None])
+    dbias = None
+    if problem.bias is not None:
+        reduce_axes = tuple(a for a in range(4) if problem.bias.shape[a] == 1)
+        ds_n = jnp.reshape(ds, (B, N, T, problem.key.shape[1]))
+        dbias = jnp.sum(ds_n, axis=reduce_axes, keepdims=True).astype(problem.bias.dtype)
+    ds = ds * jnp.asarray(config.scale, ds.dtype)
+    dq = jnp.einsum("bkrs,bskh->bkrh", ds, f32(problem.key), precision=highest)
+    dk = jnp.einsum("bkrs,bkrh->bskh", ds, f32(q_rows), precision=highest)
+    d_sinks = None
+    if problem.sinks is not None:
+        p_sink = jnp.exp(scores.grouped_sinks(config, problem.sinks) - lse)
+        correction5 = jnp.reshape(correction, (B, K, G, T))
+        d_sinks = jnp.reshape(jnp.sum(-p_sink * correction5, axis=(0, 3)), (N,)).astype(problem.sinks.dtype)
+    dq = jnp.reshape(jnp.transpose(jnp.reshape(dq, (B, K, G, T, H)), (0, 3, 1, 2, 4)), (B, T, N, H))
+    return dq.astype(problem.query.dtype), dk.astype(problem.key.dtype), dv.astype(problem.value.dtype), dbias, d_sinks
