@@ -35,39 +35,12 @@ def forward(config: AttentionConfig, problem: canonical.Problem):
     K, G, S, Hv = config.num_kv_heads, config.group_size, problem.key.shape[1], problem.value.shape[-1]
     acc_dtype = scores.accumulator(problem.query.dtype)
     as_rows = lambda x: scores.rows(jnp.broadcast_to(x, x.shape[:2] + (G, T) + x.shape[4:]))
-    # float32 / float64 inputs: the scale enters through Q ([T, H]-sized) rather than the scores (one pass fewer on
-    # the CPU); 16-bit inputs keep it on the float32 scores, as rounding Q · scale to 16 bits would perturb them
-    scale_q = acc_dtype == problem.query.dtype
     q5 = scores.grouped_query(config, problem.query)
-    q_rows = scores.rows(q5 * jnp.asarray(config.scale, q5.dtype) if scale_q else q5)
-    s = jnp.einsum(
-        "bkrh,bskh->bkrs", q_rows, problem.key, preferred_element_type=acc_dtype,
-        precision=scores.precision(problem.query.dtype),
-    )  # fmt: skip
-    if not scale_q:
-        s = s * jnp.asarray(config.scale, acc_dtype)
-    if problem.bias is not None:
-        s = s + as_rows(scores.grouped_heads(config, problem.bias)).astype(acc_dtype)
+    scale_query = acc_dtype == problem.query.dtype  # float32 / float64 (see `scores.raw_scores`)
+    s = scores.rows(scores.raw_scores(config, q5, problem.key, problem.bias, scale_query=scale_query))
     allowed = as_rows(scores.visible(config, problem, 0, S, problem.mask))
-    if every_key_visible(config, problem):
-        # no row can be empty, so the guards below are not needed (and XLA's CPU fuses the rest into its matmuls)
-        row_max = jnp.max(s, axis=-1)
-        p = jnp.exp(s - row_max[..., None])
-        row_sum = jnp.sum(p, axis=-1)
-        lse = row_max + jnp.log(row_sum)
-    else:
-        row_max = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1)
-        if problem.sinks is not None:
-            sinks = as_rows(scores.grouped_sinks(config, problem.sinks)[..., None])[..., 0]
-            row_max = jnp.maximum(row_max, sinks)
-        shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-        p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
-        denominator = jnp.sum(p, axis=-1)
-        if problem.sinks is not None:
-            denominator = denominator + jnp.exp(sinks - shift)
-        has_mass = denominator > 0
-        row_sum = jnp.where(has_mass, denominator, 1.0)
-        lse = jnp.where(has_mass, shift + jnp.log(row_sum), -jnp.inf)
+    sinks = None if problem.sinks is None else as_rows(scores.grouped_sinks(config, problem.sinks)[..., None])[..., 0]
+    p, row_sum, lse = scores.statistics(s, allowed, sinks, every_key_visible=every_key_visible(config, problem))
     out = jnp.einsum(
         "bkrs,bskh->bkrh", p.astype(problem.value.dtype), problem.value, preferred_element_type=acc_dtype,
         precision=scores.precision(problem.value.dtype),
@@ -84,10 +57,7 @@ def backward(config: AttentionConfig, problem: canonical.Problem, out, lse, p, r
     K, G = config.num_kv_heads, config.group_size
     acc_dtype = scores.accumulator(problem.query.dtype)
     f32 = lambda x: x.astype(acc_dtype)
-    def to_rows(x):  # [B, T, N, X] -> [B, K, G·T, X]
-        x = jnp.transpose(jnp.reshape(x, (B, T, K, G, x.shape[-1])), (0, 2, 3, 1, 4))
-        return jnp.reshape(x, (B, K, G * T, x.shape[-1]))
-
+    to_rows = lambda x: scores.rows(scores.grouped_query(config, x))  # [B, T, N, X] -> [B, K, G·T, X]
     q_rows = to_rows(problem.query)
     do_rows = to_rows(d_out)
     correction = to_rows(jnp.sum(f32(d_out) * f32(out), axis=-1, keepdims=True))[..., 0]
@@ -110,8 +80,6 @@ def backward(config: AttentionConfig, problem: canonical.Problem, out, lse, p, r
     dk = jnp.einsum("bkrs,bkrh->bskh", ds, f32(q_rows), precision=highest)
     d_sinks = None
     if problem.sinks is not None:
-        p_sink = jnp.exp(scores.grouped_sinks(config, problem.sinks) - lse)
-        correction5 = jnp.reshape(correction, (B, K, G, T))
-        d_sinks = jnp.reshape(jnp.sum(-p_sink * correction5, axis=(0, 3)), (N,)).astype(problem.sinks.dtype)
+        d_sinks = scores.sinks_gradient(config, problem.sinks, lse, jnp.reshape(correction, (B, K, G, T)))
     dq = jnp.reshape(jnp.transpose(jnp.reshape(dq, (B, K, G, T, H)), (0, 3, 1, 2, 4)), (B, T, N, H))
     return dq.astype(problem.query.dtype), dk.astype(problem.key.dtype), dv.astype(problem.value.dtype), dbias, d_sinks

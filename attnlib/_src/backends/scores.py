@@ -76,16 +76,62 @@ def keys_dot(p: jax.Array, query_rows: jax.Array, **kwargs) -> jax.Array:
     return jnp.einsum("bkrs,bkrx->bskx", rows(p), rows(query_rows), **kwargs)
 
 
-def raw_scores(config: AttentionConfig, q5: jax.Array, key: jax.Array, bias: jax.Array | None) -> jax.Array:
+def statistics(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None, *, every_key_visible: bool = False):
+    """`(exp(s - shift) on allowed entries (0 elsewhere), the row sums (sink included; 1 where nothing is
+    visible), lse)` of scores `[..., S]`. The shift is the row max (and sink), 0 for a row with nothing visible.
+
+    `every_key_visible` (static: all of `allowed` is true, no sinks, every score finite) drops the guards for rows
+    that see nothing; XLA's CPU backend then fuses the max, exp and sum into the matmul (docs/performance.md).
+    """
+    if every_key_visible:
+        row_max = jnp.max(s, axis=-1)
+        unnormalised = jnp.exp(s - jax.lax.stop_gradient(row_max)[..., None])
+        denominator = jnp.sum(unnormalised, axis=-1)
+        return unnormalised, denominator, row_max + jnp.log(denominator)
+    masked = jnp.where(allowed, s, -jnp.inf)
+    row_max = jnp.max(masked, axis=-1, initial=-jnp.inf)
+    if sinks is not None:
+        row_max = jnp.maximum(row_max, sinks)
+    # The softmax is invariant to the shift, so it carries no gradient; rows with nothing visible shift by 0.
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    unnormalised = jnp.exp(masked - shift[..., None])
+    denominator = jnp.sum(unnormalised, axis=-1)
+    if sinks is not None:
+        denominator = denominator + jnp.exp(sinks - shift)
+    has_mass = denominator > 0
+    safe_denominator = jnp.where(has_mass, denominator, 1.0)
+    lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), -jnp.inf)
+    return unnormalised, safe_denominator, lse
+
+
+def sinks_gradient(config: AttentionConfig, sinks: jax.Array, lse: jax.Array, correction: jax.Array) -> jax.Array:
+    """`[N]` gradient of the sink logits from `lse` and the correction `D - d_lse`, both `[B, K, G, T]`:
+    d lse / d sink = p_sink, and the output depends on the sink only through the normaliser."""
+    p_sink = jnp.exp(grouped_sinks(config, sinks) - lse)
+    return jnp.reshape(jnp.sum(-p_sink * correction, axis=(0, 3)), (config.num_q_heads,)).astype(sinks.dtype)
+
+
+def raw_scores(
+    config: AttentionConfig, q5: jax.Array, key: jax.Array, bias: jax.Array | None, *, scale_query: bool = False
+) -> jax.Array:
     """`[B, K, G, T, s]` scores `scale * q.k (+ bias)` in the accumulator dtype, before soft-capping.
 
     Args:
         q5: `[B, K, G, T, H]`.
         key: `[B, s, K, H]`.
         bias: rank-4 bias block or None.
+        scale_query: multiply the `[T, H]`-sized query by the scale instead of the scores (one pass over the scores
+            fewer on the CPU); only for float32 / float64 queries, as rounding `q * scale` to 16 bits would perturb
+            the scores.
     """
-    s = score_dot(q5, key, preferred_element_type=accumulator(q5.dtype), precision=precision(q5.dtype))
-    s = s * jnp.asarray(config.scale, s.dtype)
+    acc = accumulator(q5.dtype)
+    if scale_query:
+        if acc != q5.dtype:
+            raise ValueError(f"scale_query needs a float32 or float64 query, got {q5.dtype}")
+        q5 = q5 * jnp.asarray(config.scale, q5.dtype)
+    s = score_dot(q5, key, preferred_element_type=acc, precision=precision(q5.dtype))
+    if not scale_query:
+        s = s * jnp.asarray(config.scale, s.dtype)
     if bias is not None:
         s = s + grouped_heads(config, bias).astype(s.dtype)
     return s

@@ -49,25 +49,6 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
     return out, lse
 
 
-def _statistics(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None):
-    """`(exp(s - shift) on allowed entries (0 elsewhere), the row sums (sink included; 1 where nothing is
-    visible), lse)` of scores `[..., S]`. The shift is the row max (and sink), 0 for a row with nothing visible."""
-    masked = jnp.where(allowed, s, -jnp.inf)
-    row_max = jnp.max(masked, axis=-1, initial=-jnp.inf)
-    if sinks is not None:
-        row_max = jnp.maximum(row_max, sinks)
-    # The softmax is invariant to the shift, so it carries no gradient; rows with nothing visible shift by 0.
-    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    unnormalised = jnp.exp(masked - shift[..., None])
-    denominator = jnp.sum(unnormalised, axis=-1)
-    if sinks is not None:
-        denominator = denominator + jnp.exp(sinks - shift)
-    has_mass = denominator > 0
-    safe_denominator = jnp.where(has_mass, denominator, 1.0)
-    lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), -jnp.inf)
-    return unnormalised, safe_denominator, lse
-
-
 @jax.custom_jvp
 def softmax_with_lse(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """`(p, lse)`: the softmax of scores `s [..., S]` over the `allowed` entries (0 elsewhere and on rows with
@@ -77,7 +58,7 @@ def softmax_with_lse(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None) 
     Its derivative is written out (`dp = p (ds - Σ p ds)`, `dlse = Σ p ds + p_sink dsink`) as jax.nn's softmax does:
     the backward is one pass over the probabilities instead of autodiff through the max, exp, sum and divide.
     """
-    unnormalised, denominator, lse = _statistics(s, allowed, sinks)
+    unnormalised, denominator, lse = scores.statistics(s, allowed, sinks)
     return unnormalised / denominator[..., None], lse
 
 
@@ -96,7 +77,7 @@ def _softmax_with_lse_jvp(primals, tangents):
 def _rounded_probabilities(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None):
     """FP8 (`fp8.py`): `(P8, the row sums, lse)` with `P8` the E4M3 rounding of `exp(s - m)` against the final row
     max; the output is divided by the unrounded row sum after the PV product. Differentiated by autodiff."""
-    unnormalised, denominator, lse = _statistics(s, allowed, sinks)
+    unnormalised, denominator, lse = scores.statistics(s, allowed, sinks)
     return fp8_lib.Rounding.probabilities(unnormalised), denominator, lse
 
 

@@ -381,11 +381,7 @@ def _backward(
     )
     dq, dk, dv, dbias, d_args, d_consts = jax.lax.fori_loop(0, S // block, body, init)
 
-    d_sinks = None
-    if problem.sinks is not None:
-        # d lse / d sink = p_sink, and the output depends on the sink only through the normaliser.
-        p_sink = jnp.exp(scores.grouped_sinks(config, problem.sinks) - lse)
-        d_sinks = jnp.reshape(jnp.sum(-p_sink * correction, axis=(0, 3)), (N,)).astype(problem.sinks.dtype)
+    d_sinks = None if problem.sinks is None else scores.sinks_gradient(config, problem.sinks, lse, correction)
     d_args_all = [None] * len(args)
     for i, d in zip(float_args, d_args, strict=True):
         d_args_all[i] = d.astype(args[i].dtype)
