@@ -1,8 +1,9 @@
 """CPU: attnlib's automatic choice (`implementation=None`) against jax.nn's `xla` and tokamax's `xla_chunked`.
 
-Forward and forward+backward wall-clock time under `jax.jit` (best of `--repeats` after a warm-up call), float32, for
-the shapes of issue 16 (causal and full, MHA and GQA, sequence lengths 256–8192), all variants of a shape timed in
-one process. tokamax is optional (it needs Python 3.12; its row is reported as missing otherwise).
+Forward and forward+backward wall-clock time under `jax.jit` (best and median of `--repeats` calls after two warm-up
+calls, all variants of a shape timed round-robin in one process), float32, for the shapes of issue 16 (causal and
+full, MHA and GQA, sequence lengths 256–8192). tokamax is optional (it needs Python 3.12; its row is reported as
+missing otherwise).
 
 Usage: python benchmarks/bench_cpu_dispatch.py [--json out.json] [--repeats 3] [--quick]
 """
@@ -10,11 +11,11 @@ Usage: python benchmarks/bench_cpu_dispatch.py [--json out.json] [--repeats 3] [
 import argparse
 import json
 import platform
+import statistics
 import time
 
 import jax
 import jax.numpy as jnp
-from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 
 import attnlib
 
@@ -50,9 +51,19 @@ def variants(causal: bool) -> dict:
     return table
 
 
-def best_seconds(fn, args, repeats: int) -> float:
-    """Seconds of one call: the best of `repeats` (`bench_cudnn.best_per_call`, one call per repetition)."""
-    return best_per_call(fn, args, loop=1, reps=repeats)
+def interleaved_seconds(fns: dict, args, repeats: int) -> dict[str, list[float]]:
+    """Seconds of one call of each function, `repeats` times, round-robin: one call of every function per round, so
+    a slow or fast spell of the machine (this VM's speed drifts by up to 2x for minutes) falls on all of them alike."""
+    for fn in fns.values():
+        for _ in range(2):
+            jax.block_until_ready(fn(*args))
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def run_shape(b, s, n, k, h, causal, repeats) -> dict:
@@ -60,21 +71,28 @@ def run_shape(b, s, n, k, h, causal, repeats) -> dict:
     q = jax.random.normal(keys[0], (b, s, n, h), jnp.float32)
     kk = jax.random.normal(keys[1], (b, s, k, h), jnp.float32)
     v = jax.random.normal(keys[2], (b, s, k, h), jnp.float32)
-    rows = {}
+    fns, rows = {}, {}
     for name, fn in variants(causal).items():
-        fwd = jax.jit(fn)
-        fwd_bwd = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
+        fns[(name, "fwd")] = jax.jit(fn)
+        fns[(name, "fwd_bwd")] = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
+    for key, fn in list(fns.items()):
         try:
-            rows[name] = {"fwd_ms": 1e3 * best_seconds(fwd, (q, kk, v), repeats),
-                          "fwd_bwd_ms": 1e3 * best_seconds(fwd_bwd, (q, kk, v), repeats)}  # fmt: skip
+            jax.block_until_ready(fn(q, kk, v))
         except Exception as e:  # noqa: BLE001  (reported, not fatal)
-            rows[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            rows[key[0]] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            del fns[key]
+    times = interleaved_seconds(fns, (q, kk, v), repeats)
+    for (name, kind), seconds in times.items():
+        row = rows.setdefault(name, {})
+        row[f"{kind}_ms"] = 1e3 * min(seconds)
+        row[f"{kind}_median_ms"] = 1e3 * statistics.median(seconds)
     auto = rows["attnlib_auto"]
-    rows["attnlib_auto"]["chosen"] = attnlib.explain(q, kk, v, is_causal=causal).implementation
+    auto["chosen"] = attnlib.explain(q, kk, v, is_causal=causal).implementation
     for peer in ("jax_nn_xla", "tokamax_xla_chunked"):
         if peer in rows and "fwd_ms" in rows[peer]:
-            auto[f"fwd_speedup_vs_{peer}"] = rows[peer]["fwd_ms"] / auto["fwd_ms"]
-            auto[f"fwd_bwd_speedup_vs_{peer}"] = rows[peer]["fwd_bwd_ms"] / auto["fwd_bwd_ms"]
+            for kind in ("fwd", "fwd_bwd"):
+                auto[f"{kind}_speedup_vs_{peer}"] = rows[peer][f"{kind}_ms"] / auto[f"{kind}_ms"]
+                auto[f"{kind}_median_speedup_vs_{peer}"] = rows[peer][f"{kind}_median_ms"] / auto[f"{kind}_median_ms"]
     return rows
 
 
@@ -90,11 +108,15 @@ def main() -> None:
         shapes = {"quick": (1, 256, 4, 2, 32, True)}
     results = {"machine": platform.platform(), "cpus": jax.local_device_count(), "jax": jax.__version__,
                "date": time.strftime("%Y-%m-%d"), "shapes": {}}  # fmt: skip
+    nan = float("nan")
     for name, shape in shapes.items():
         results["shapes"][name] = run_shape(*shape, repeats=args.repeats)
         rows = results["shapes"][name]
-        line = " ".join(f"{v}={r.get('fwd_ms', float('nan')):.0f}/{r.get('fwd_bwd_ms', float('nan')):.0f}"
-                        for v, r in rows.items())  # fmt: skip
+        line = " ".join(
+            f"{v}={r.get('fwd_ms', nan):.0f}/{r.get('fwd_bwd_ms', nan):.0f}"
+            f" (median {r.get('fwd_median_ms', nan):.0f}/{r.get('fwd_bwd_median_ms', nan):.0f})"
+            for v, r in rows.items()
+        )
         print(f"{name} (auto -> {rows['attnlib_auto']['chosen']}): {line}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

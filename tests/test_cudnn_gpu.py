@@ -12,6 +12,7 @@ and checking forward and backward against a reference that applies that same mas
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -98,9 +99,7 @@ def _compare(q, k, v, kw, *, dtype, seed=0, lse_grad=False, names=("dq", "dk", "
     diff_sinks = kw.get("sinks") is not None
     out, lse, grads = _run("cudnn", q, k, v, kw, cot, lse_cot, diff_bias, diff_sinks)
     ref_kw = {key: (_upcast(val) if key in ("bias",) else val) for key, val in kw.items()}
-    r_out, r_lse, r_grads = _run(
-        "xla", _upcast(q), _upcast(k), _upcast(v), ref_kw, cot, lse_cot, diff_bias, diff_sinks
-    )
+    r_out, r_lse, r_grads = _run("xla", _upcast(q), _upcast(k), _upcast(v), ref_kw, cot, lse_cot, diff_bias, diff_sinks)
     assert out.dtype == dtype and lse.dtype == jnp.float32
     _assert_close(out, r_out, 2 * e, e, "out")
     _assert_close(lse, r_lse, 2 * e, 0.0, "lse")
@@ -126,13 +125,42 @@ CASES = [
     ("gqa_causal", (2,), 96, 96, 8, 2, 64, 64, {"is_causal": True}),
     ("mqa", (2,), 64, 80, 4, 1, 128, 128, {}),
     ("mla_causal", (2,), 96, 96, 4, 4, 192, 128, {"is_causal": True}),
-    ("causal_bottom_right_t_lt_s", (2,), 48, 160, 4, 2, 64, 64, {"is_causal": True, "diagonal_alignment": "bottom_right"}),
-    ("causal_bottom_right_t_gt_s", (2,), 160, 48, 4, 2, 64, 64, {"is_causal": True, "diagonal_alignment": "bottom_right"}),
+    (
+        "causal_bottom_right_t_lt_s",
+        (2,),
+        48,
+        160,
+        4,
+        2,
+        64,
+        64,
+        {"is_causal": True, "diagonal_alignment": "bottom_right"},
+    ),
+    (
+        "causal_bottom_right_t_gt_s",
+        (2,),
+        160,
+        48,
+        4,
+        2,
+        64,
+        64,
+        {"is_causal": True, "diagonal_alignment": "bottom_right"},
+    ),
     ("causal_top_left_t_gt_s", (2,), 160, 48, 4, 2, 64, 64, {"is_causal": True}),
     ("window_causal", (2,), 128, 128, 4, 2, 64, 64, {"is_causal": True, "local_window_size": (31, 0)}),
     ("window_two_sided", (2,), 128, 128, 4, 2, 64, 64, {"local_window_size": (16, 8)}),
-    ("window_bottom_right", (2,), 64, 128, 4, 2, 64, 64,
-     {"local_window_size": (20, 3), "diagonal_alignment": "bottom_right"}),
+    (
+        "window_bottom_right",
+        (2,),
+        64,
+        128,
+        4,
+        2,
+        64,
+        64,
+        {"local_window_size": (20, 3), "diagonal_alignment": "bottom_right"},
+    ),
     ("scale", (2,), 64, 64, 4, 4, 64, 64, {"scale": 0.3}),
     ("batch_dims", (2, 3), 40, 56, 2, 2, 64, 64, {"is_causal": True}),
     ("unbatched", (), 40, 56, 2, 2, 64, 64, {}),
@@ -156,16 +184,39 @@ PADDING_CASES = [
     ("q_and_kv", {"query_seq_lengths": [100, 37], "key_value_seq_lengths": [120, 5]}),
     ("kv_only_causal", {"key_value_seq_lengths": [128, 70], "is_causal": True}),
     ("q_only", {"query_seq_lengths": [1, 128]}),
-    ("causal_bottom_right", {"query_seq_lengths": [60, 20], "key_value_seq_lengths": [128, 90],
-                             "is_causal": True, "diagonal_alignment": "bottom_right"}),
-    ("window", {"query_seq_lengths": [128, 64], "key_value_seq_lengths": [100, 128],
-                "is_causal": True, "local_window_size": (15, 0)}),
+    (
+        "causal_bottom_right",
+        {
+            "query_seq_lengths": [60, 20],
+            "key_value_seq_lengths": [128, 90],
+            "is_causal": True,
+            "diagonal_alignment": "bottom_right",
+        },
+    ),
+    (
+        "window",
+        {
+            "query_seq_lengths": [128, 64],
+            "key_value_seq_lengths": [100, 128],
+            "is_causal": True,
+            "local_window_size": (15, 0),
+        },
+    ),
     ("empty_sequence", {"query_seq_lengths": [128, 50], "key_value_seq_lengths": [0, 77]}),
     # Rows 55.. of sequence 0 see no key (window of 15 past a 40-key sequence): the graph gets trimmed lengths.
-    ("window_rows_past_keys", {"query_seq_lengths": [128, 90], "key_value_seq_lengths": [40, 128],
-                               "is_causal": True, "local_window_size": (15, 0)}),
-    ("two_sided_window_rows_past_keys", {"query_seq_lengths": [128, 100], "key_value_seq_lengths": [60, 128],
-                                         "local_window_size": (10, 5)}),
+    (
+        "window_rows_past_keys",
+        {
+            "query_seq_lengths": [128, 90],
+            "key_value_seq_lengths": [40, 128],
+            "is_causal": True,
+            "local_window_size": (15, 0),
+        },
+    ),
+    (
+        "two_sided_window_rows_past_keys",
+        {"query_seq_lengths": [128, 100], "key_value_seq_lengths": [60, 128], "local_window_size": (10, 5)},
+    ),
 ]
 
 
@@ -179,19 +230,23 @@ def test_padding_lengths(case, dtype):
     if "query_seq_lengths" in kw:
         ql = np.asarray(kw["query_seq_lengths"])
         for b in range(2):
-            assert np.all(np.asarray(out[b, ql[b]:], np.float32) == 0)
-            assert np.all(np.isneginf(np.asarray(lse[b, ql[b]:])))
-            assert np.all(np.asarray(grads[0][b, ql[b]:], np.float32) == 0)
+            assert np.all(np.asarray(out[b, ql[b] :], np.float32) == 0)
+            assert np.all(np.isneginf(np.asarray(lse[b, ql[b] :])))
+            assert np.all(np.asarray(grads[0][b, ql[b] :], np.float32) == 0)
     if "key_value_seq_lengths" in kw:  # key rows past the lengths: exactly zero gradients (zero-filled results)
         kl = np.asarray(kw["key_value_seq_lengths"])
         for b in range(2):
-            assert np.all(np.asarray(grads[1][b, kl[b]:], np.float32) == 0)
-            assert np.all(np.asarray(grads[2][b, kl[b]:], np.float32) == 0)
+            assert np.all(np.asarray(grads[1][b, kl[b] :], np.float32) == 0)
+            assert np.all(np.asarray(grads[2][b, kl[b] :], np.float32) == 0)
 
 
-BIAS_SHAPES = [("NTS", lambda B, N, T, S: (1, N, T, S)), ("BNTS", lambda B, N, T, S: (B, N, T, S)),
-               ("B1TS", lambda B, N, T, S: (B, 1, T, S)), ("TS", lambda B, N, T, S: (T, S)),
-               ("S", lambda B, N, T, S: (1, 1, 1, S))]
+BIAS_SHAPES = [
+    ("NTS", lambda B, N, T, S: (1, N, T, S)),
+    ("BNTS", lambda B, N, T, S: (B, N, T, S)),
+    ("B1TS", lambda B, N, T, S: (B, 1, T, S)),
+    ("TS", lambda B, N, T, S: (T, S)),
+    ("S", lambda B, N, T, S: (1, 1, 1, S)),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -214,11 +269,25 @@ def test_bias_with_padding(dtype):
 SINK_CASES = [
     ("learnable", {}),
     ("off_by_one", {"zero_sinks": True}),
-    ("padding_window", {"query_seq_lengths": [96, 30], "key_value_seq_lengths": [80, 96], "is_causal": True,
-                        "local_window_size": (20, 0)}),
+    (
+        "padding_window",
+        {
+            "query_seq_lengths": [96, 30],
+            "key_value_seq_lengths": [80, 96],
+            "is_causal": True,
+            "local_window_size": (20, 0),
+        },
+    ),
     ("gqa_causal", {"is_causal": True, "gqa": True}),
-    ("padding_window_rows_past_keys", {"query_seq_lengths": [96, 30], "key_value_seq_lengths": [40, 96],
-                                       "is_causal": True, "local_window_size": (20, 0)}),
+    (
+        "padding_window_rows_past_keys",
+        {
+            "query_seq_lengths": [96, 30],
+            "key_value_seq_lengths": [40, 96],
+            "is_causal": True,
+            "local_window_size": (20, 0),
+        },
+    ),
 ]
 
 
@@ -375,8 +444,11 @@ def test_jit_retrace_reuses_cached_graph():
     assert cudnn_attention.CACHE.stats["builds"] == builds
 
 
-INFERENCE_CASES = [c for c in CASES if c[0] in ("gqa_causal", "mla_causal", "causal_bottom_right_t_gt_s",
-                                                 "window_two_sided", "batch_dims")]
+INFERENCE_CASES = [
+    c
+    for c in CASES
+    if c[0] in ("gqa_causal", "mla_causal", "causal_bottom_right_t_gt_s", "window_two_sided", "batch_dims")
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -404,7 +476,8 @@ def test_inference_forward_without_stats_matches_reference(case, dtype):
     out = run("cudnn", q, k, v)
     ref_kw = {key: (_upcast(val) if key == "bias" else val) for key, val in kw.items()}
     reference = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation="xla", **ref_kw))(
-        _upcast(q), _upcast(k), _upcast(v))
+        _upcast(q), _upcast(k), _upcast(v)
+    )
     e = _eps(dtype)
     _assert_close(out, reference, 2 * e, e, "out")
     with_stats, _ = run("cudnn", q, k, v, return_residual=True)
@@ -427,19 +500,31 @@ def test_plan_autotuning_times_candidates_and_records_the_choice(monkeypatch):
     assert "heuristics' first" in graphs.build(spec).plan
 
 
-def test_command_buffers_off_gives_same_result(tmp_path):
+def test_command_buffers_capture_the_graph_call(tmp_path):
+    """XLA captures the graph call into command buffers (CUDA graphs) in a jitted loop of layers; with
+    ATTNLIB_CUDNN_COMMAND_BUFFER=0 it does not, and both give the same result."""
     code = (
-        "import jax, jax.numpy as jnp, numpy as np, attnlib\n"
+        "import re, sys, jax, jax.numpy as jnp, numpy as np, attnlib\n"
         "q = (jax.random.normal(jax.random.key(0), (2, 64, 4, 64))).astype(jnp.bfloat16)\n"
-        "f = jax.jit(lambda q: attnlib.attention(q, q, q, is_causal=True, implementation='cudnn'))\n"
-        "f(q); np.save(r'%s', np.asarray(f(q), np.float32))\n"
+        "def layer(x, _):\n"
+        "    y = attnlib.attention(x, q, q, is_causal=True, implementation='cudnn')\n"
+        "    return (y.astype(jnp.float32) * 0.5 + x.astype(jnp.float32)).astype(x.dtype), None\n"
+        "f = jax.jit(lambda x: jax.lax.scan(layer, x, None, length=4)[0])\n"
+        "text = f.lower(q).compile().as_text()\n"
+        "blocks = [b for b in re.split(r'\\n(?=\\S)', text) if 'command_buffer' in b.split('\\n', 1)[0]]\n"
+        "print('captured', sum(b.count('attnlib_cudnn_graph') for b in blocks))\n"
+        "f(q); np.save(sys.argv[1], np.asarray(f(q), np.float32))\n"
     )
-    results = []
+    results, captured = [], []
     for flag in ("1", "0"):
         path = tmp_path / f"out{flag}.npy"
         env = dict(os.environ, ATTNLIB_CUDNN_COMMAND_BUFFER=flag, ATTNLIB_CACHE_DIR=str(tmp_path / "cache"))
-        subprocess.run([sys.executable, "-c", code % path], check=True, env=env)
+        run = subprocess.run(
+            [sys.executable, "-c", code, str(path)], check=True, env=env, capture_output=True, text=True
+        )
+        captured.append(int(re.search(r"captured (\d+)", run.stdout).group(1)))
         results.append(np.load(path))
+    assert captured[0] > 0 and captured[1] == 0, captured
     np.testing.assert_array_equal(results[0], results[1])
 
 
@@ -479,7 +564,8 @@ def test_max_logit_from_the_forward_graph(kw):
     q, k, v = _qkv(21, (2,), 300, 333 if "diagonal_alignment" not in kw else 200, 8, 2, 128, 128, jnp.bfloat16)
     kw = {key: (jnp.asarray(val, jnp.int32) if key.endswith("lengths") else val) for key, val in kw.items()}
     attend = lambda impl, *a: attnlib.attention(  # noqa: E731
-        *a, implementation=impl, return_residual=True, return_max_logit=True, **kw)
+        *a, implementation=impl, return_residual=True, return_max_logit=True, **kw
+    )
     out, lse, max_logit = jax.jit(lambda *a: attend("cudnn", *a))(q, k, v)
     with jax.default_matmul_precision("highest"):
         r_out, r_lse, r_max = attend("xla", *(_upcast(x) for x in (q, k, v)))

@@ -11,6 +11,7 @@ import os
 import types
 
 import jax
+from jaxlib import xla_client
 
 
 TARGET = "attnlib_cudnn_graph"
@@ -19,6 +20,13 @@ STATE_TYPE = "attnlib_cudnn_graph_state"
 
 def _frontend_version_string(code: int) -> str:
     return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+
+
+def _traits(command_buffer: bool) -> int:
+    """The registration's traits. XLA reads command-buffer compatibility from the registration, not from the traits
+    compiled into the handler: without this flag it never captures the call into a CUDA graph."""
+    flags = xla_client.CustomCallTargetTraits
+    return flags.COMMAND_BUFFER_COMPATIBLE if command_buffer else flags.DEFAULT
 
 
 @functools.cache
@@ -49,7 +57,7 @@ def _load() -> tuple[types.ModuleType | None, str | None]:
     # The state type first: XLA refuses handlers whose types are not registered yet.
     jax.ffi.register_ffi_type(STATE_TYPE, _attnlib_ffi.state_type(), platform="CUDA")
     for name, handlers in _attnlib_ffi.registrations(command_buffer).items():
-        jax.ffi.register_ffi_target(name, handlers, platform="CUDA")
+        jax.ffi.register_ffi_target(name, handlers, platform="CUDA", traits=_traits(command_buffer))
     return _attnlib_ffi, None
 
 
