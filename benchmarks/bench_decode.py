@@ -8,13 +8,14 @@ Each layer reads the same cache (one cache per variant: 32 real caches of the la
 is far larger than L2, so every layer still streams it from HBM) and feeds its output to the next layer's query.
 Sequence lengths are `context - 17 b` (distinct per row). Outputs of one layer are checked against a float32
 reference before timing. Timing: `bench_cudnn.best_per_call` (wall clock, best of repetitions), round-robin, best
-of `--rounds`. The report also says whether XLA put attnlib's custom call into a command buffer (CUDA graph): the
-number of `attnlib_cudnn_graph` custom calls inside `command_buffer` computations of the optimized HLO.
+of `--rounds`. Every variant runs twice: jitted with XLA's default flags (`step_ms`) and with
+`compiler_options={"xla_gpu_graph_min_graph_size": 1}` (`step_ms_min_graph_1`), which lets XLA capture the loop
+body (the attention call and the layer's two fusions, fewer commands than XLA's default minimum) into a command
+buffer (CUDA graph); `benchmarks/probe_command_buffers.py` shows what XLA captures.
 """
 
 import argparse
 import json
-import re
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +42,13 @@ def _inputs(b: int, context: int):
     # Pages of each sequence in a shuffled pool (as a cache that grew by appends would hold them).
     order = np.random.default_rng(0).permutation(b * pages_per_seq)
     page_table = jnp.asarray(order.reshape(b, pages_per_seq), jnp.int32)
-    pool = lambda x: jnp.zeros((b * pages_per_seq, PAGE, K, H), x.dtype).at[page_table.reshape(-1)].set(  # noqa: E731
-        x.reshape(b * pages_per_seq, PAGE, K, H))
+    pool = lambda x: (
+        jnp.zeros((b * pages_per_seq, PAGE, K, H), x.dtype)
+        .at[page_table.reshape(-1)]
+        .set(  # noqa: E731
+            x.reshape(b * pages_per_seq, PAGE, K, H)
+        )
+    )
     return x, k, v, lengths, pool(k), pool(v), page_table
 
 
@@ -69,24 +75,17 @@ def layer_fns(lengths, page_table):
     return table
 
 
-def decode_step(attend, layers: int):
+CONFIGS = {"": None, "_min_graph_1": {"xla_gpu_graph_min_graph_size": 1}}  # step_ms suffix: jit compiler_options
+
+
+def decode_step(attend, layers: int, options: dict | None = None):
     def step(x, k, v):
         def layer(x, _):
             return (attend(x, k, v).astype(jnp.float32) * 0.5 + x.astype(jnp.float32)).astype(x.dtype), None
 
         return jax.lax.scan(layer, x, None, length=layers)[0]
 
-    return jax.jit(step)
-
-
-def command_buffer_calls(step, *args) -> int:
-    """`attnlib_cudnn_graph` custom calls inside command-buffer computations of the optimized HLO."""
-    text = step.lower(*args).compile().as_text()
-    count = 0
-    for block in re.split(r"\n(?=\S)", text):
-        if "command_buffer" in block.split("\n", 1)[0]:
-            count += block.count("attnlib_cudnn_graph")
-    return count
+    return jax.jit(step, compiler_options=options)
 
 
 def main():
@@ -115,20 +114,20 @@ def main():
                 if not err <= tol:
                     row[label]["wrong"] = f"max |err| {err:.3g} > {tol:.3g}"
                     continue
-                step = decode_step(attend, args.layers)
-                if label.startswith("attnlib"):
-                    row[label]["custom_calls_in_command_buffers"] = command_buffer_calls(step, x, *cache)
-                steps[label] = (step, (x, *cache))
+                for suffix, options in CONFIGS.items():
+                    steps[(label, suffix)] = (decode_step(attend, args.layers, options), (x, *cache))
             except Exception as e:  # noqa: BLE001
                 row[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         for _ in range(args.rounds):
-            for label, (step, call_args) in steps.items():
+            for (label, suffix), (step, call_args) in steps.items():
                 ms = best_per_call(step, call_args, loop=10, reps=5) * 1e3
-                row[label]["step_ms"] = min(row[label].get("step_ms", float("inf")), ms)
-        peers = [r["step_ms"] for label, r in row.items() if not label.startswith("attnlib") and "step_ms" in r]
-        for label in ("attnlib_paged", "attnlib_dense"):
-            if peers and "step_ms" in row.get(label, {}):
-                row[label]["speed_vs_best_peer"] = min(peers) / row[label]["step_ms"]
+                row[label][f"step_ms{suffix}"] = min(row[label].get(f"step_ms{suffix}", float("inf")), ms)
+        for suffix in CONFIGS:
+            key = f"step_ms{suffix}"
+            peers = [r[key] for label, r in row.items() if not label.startswith("attnlib") and key in r]
+            for label in ("attnlib_paged", "attnlib_dense"):
+                if peers and key in row.get(label, {}):
+                    row[label][f"speed_vs_best_peer{suffix}"] = min(peers) / row[label][key]
         results[name] = row
         print(name, json.dumps(row), flush=True)
         if args.json:

@@ -50,13 +50,18 @@ def main():
         run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=240)
         print(f"=== {name}: XLA_FLAGS={flags!r} {env_extra}")
         print("\n".join(line for line in run.stdout.splitlines()))
-        log = [ln for ln in run.stderr.splitlines() if re.search(r"(?i)command.?buffer|attnlib_cudnn_graph", ln)]
-        print(f"log lines about command buffers: {len(log)}")
-        for line in log[:25]:
+        module, log = "", []
+        for line in run.stderr.splitlines():
+            found = re.search(r"Module (\S+) CommandBufferConfig", line)
+            module = found.group(1) if found else module
+            if "step" in module and re.search(r"(?i)command.?buffer|attnlib_cudnn_graph|thunk", line):
+                log.append(line)
+        print(f"log lines of the step's module: {len(log)}")
+        for line in log[:40]:
             print("  log:", line[:300])
         hits = {}
         for path in glob.glob(f"{dump}/*"):
-            if "decode" not in path and "step" not in path:
+            if "step" not in os.path.basename(path) or not os.path.isfile(path):
                 continue
             with open(path, errors="replace") as f:
                 for line in f:
