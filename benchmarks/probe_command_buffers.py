@@ -5,7 +5,8 @@ in a fresh process per setting, and reports the step time, the number of `comman
 optimized HLO, and every line of XLA's dump and log that mentions command buffers and the custom call. Settings: the
 default flags, ATTNLIB_CUDNN_COMMAND_BUFFER=0, and XLA flags that lower the minimum graph size and add WHILE.
 
-Usage: python benchmarks/probe_command_buffers.py
+Usage: python benchmarks/probe_command_buffers.py [VARIANT [SETTING ...]]   (VARIANT of bench_decode.layer_fns,
+default attnlib_paged; SETTING names below, default all)
 """
 
 import glob
@@ -21,12 +22,14 @@ import re, sys, jax, jax.numpy as jnp
 from bench_cudnn import best_per_call
 from bench_decode import _inputs, decode_step, layer_fns
 x, k, v, lengths, kp, vp, table = _inputs(1, 1024)
-step = decode_step(layer_fns(lengths, table)["attnlib_paged"], 32)
-text = step.lower(x, kp, vp).compile().as_text()
+variant = sys.argv[1]
+cache = (kp, vp) if variant == "attnlib_paged" else (k, v)
+step = decode_step(layer_fns(lengths, table)[variant], 32)
+text = step.lower(x, *cache).compile().as_text()
 blocks = [b for b in re.split(r"\n(?=\S)", text) if "command_buffer" in b.split("\n", 1)[0]]
 print("HLO command_buffer computations:", len(blocks), "custom calls in them:",
       sum(b.count("attnlib_cudnn_graph") for b in blocks))
-print("step ms: %.3f" % (1e3 * min(best_per_call(step, (x, kp, vp), loop=20, reps=5) for _ in range(3))))
+print("step ms: %.3f" % (1e3 * min(best_per_call(step, (x, *cache), loop=20, reps=5) for _ in range(3))))
 """
 
 SETTINGS = {
@@ -42,13 +45,17 @@ SETTINGS = {
 
 
 def main():
-    for name, (env_extra, flags) in SETTINGS.items():
+    variant = sys.argv[1] if len(sys.argv) > 1 else "attnlib_paged"
+    names = sys.argv[2:] or list(SETTINGS)
+    for name in names:
+        env_extra, flags = SETTINGS[name]
         dump = tempfile.mkdtemp()
         env = dict(os.environ, **env_extra, TF_CPP_MIN_LOG_LEVEL="0",
                    TF_CPP_VMODULE="command_buffer_scheduling=2,command_buffer_conversion_pass=2,command_buffer_thunk=1",
                    XLA_FLAGS=f"{flags} --xla_dump_to={dump}".strip())  # fmt: skip
-        run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=240)
-        print(f"=== {name}: XLA_FLAGS={flags!r} {env_extra}")
+        argv = [sys.executable, "-c", CHILD, variant]
+        run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+        print(f"=== {variant}, {name}: XLA_FLAGS={flags!r} {env_extra}")
         print("\n".join(line for line in run.stdout.splitlines()))
         module, log = "", []
         for line in run.stderr.splitlines():
