@@ -210,8 +210,8 @@ def _thd(r, d, **kw):
     return make_case(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kw)
 
 
-def _paged(r, d, **kw):
-    page_size, num_pages, pages_per_seq, t = 4, 9, 3, 7
+def _paged(r, d, t=7, **kw):
+    page_size, num_pages, pages_per_seq = 4, 9, 3
     q = normal(r, (B, t, N, 8), d)
     k = normal(r, (num_pages, page_size, K, 8), d)
     v = normal(r, (num_pages, page_size, K, HV), d)
@@ -323,6 +323,12 @@ FEATURES: list[tuple[str, Callable]] = [
                                                      dropout_key=jax.random.key(9),
                                                      query_seq_lengths=lengths([7, 3]))),
     ("paged_causal_br", lambda r, d: _paged(r, d, is_causal=True, diagonal_alignment="bottom_right")),
+    # Decoding (one query row, bottom-right causal: attnlib drops the causal mask there as a no-op).
+    ("paged_decode_causal_br", lambda r, d: _paged(r, d, t=1, is_causal=True, diagonal_alignment="bottom_right")),
+    ("decode_causal_br_lengths_window", lambda r, d: make_case(
+        *qkv(r, t=1, dtype=d), key_value_seq_lengths=lengths([S, 6]), is_causal=True,
+        diagonal_alignment="bottom_right", local_window_size=(3, 2))),
+    ("decode_causal_top_left", lambda r, d: make_case(*qkv(r, t=1, dtype=d), is_causal=True)),
     ("softcap", lambda r, d: _base(r, d, logits_soft_cap=2.5)),
     ("softcap_bias", lambda r, d: _base(r, d, logits_soft_cap=3.0, bias=normal(r, (N, T, S), d, 2.0))),
     ("sinks", _sinks),
