@@ -528,6 +528,23 @@ def test_command_buffers_capture_the_graph_call(tmp_path):
     np.testing.assert_array_equal(results[0], results[1])
 
 
+@pytest.mark.parametrize("window", [None, (20, 0)], ids=["causal", "causal_window"])
+def test_dense_decode_matches_reference(window):
+    """One query row per sequence, bottom-right causal against a dense cache with lengths (decoding; attnlib drops
+    the causal mask there as a no-op): the float64 reference of tests/reference.py, written from the definition."""
+    import attnlib
+    from reference import reference_attention
+
+    q, k, v = _qkv(23, (3,), 1, 77, 8, 2, 64, 64, jnp.bfloat16)
+    kw = dict(key_value_seq_lengths=jnp.asarray([77, 30, 1], jnp.int32), is_causal=True,
+              diagonal_alignment="bottom_right", local_window_size=window)  # fmt: skip
+    got = jax.jit(lambda *a: attnlib.attention(*a, implementation="cudnn", return_residual=True, **kw))(q, k, v)
+    ref_out, ref_lse = reference_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), **kw)
+    e = _eps(jnp.bfloat16)
+    _assert_close(got[0], ref_out, 2 * e, e, "out")
+    _assert_close(got[1], ref_lse, 2 * e, 0.0, "lse")
+
+
 def test_decline_reasons_on_gpu():
     import attnlib
 
