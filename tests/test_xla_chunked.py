@@ -20,6 +20,11 @@ CASES = {  # name: (t, s, n, k, h, hv, kwargs, extras)
     "padding_causal_gqa": (13, 17, 4, 2, 8, 8, dict(is_causal=True), ("lengths",)),
     "bias_window": (12, 15, 4, 4, 8, 8, dict(local_window_size=(3, 2)), ("bias",)),
     "sinks_rows_that_see_nothing": (9, 11, 4, 2, 8, 8, dict(is_causal=True), ("sinks", "empty_rows")),
+    # Long enough for one_block to split the query rows under the causal bound (`one_block.row_chunks`).
+    "split_causal_gqa_sinks": (160, 160, 4, 2, 8, 6, dict(is_causal=True), ("sinks",)),
+    "split_causal_bottom_right_t_lt_s": (150, 190, 3, 1, 8, 8,
+                                         dict(is_causal=True, diagonal_alignment="bottom_right"), ()),
+    "split_window": (140, 140, 2, 2, 8, 8, dict(local_window_size=(30, 0)), ()),
 }
 
 
@@ -51,10 +56,13 @@ def _with_block(monkeypatch, block):
 def test_matches_the_float64_reference(monkeypatch, name, block):
     q, key, v, kwargs, arrays, d_out, d_lse = _inputs(name)
     _with_block(monkeypatch, 512 if block == "one" else 4)
-    reused = []
-    one_block_backward = one_block.backward
+    reused, chunks = [], []
+    one_block_backward, one_block_row_chunks = one_block.backward, one_block.row_chunks
     monkeypatch.setattr(
         one_block, "backward", lambda *a, **k: reused.append(True) or one_block_backward(*a, **k)
+    )
+    monkeypatch.setattr(
+        one_block, "row_chunks", lambda *a: chunks.append(len(one_block_row_chunks(*a))) or one_block_row_chunks(*a)
     )
 
     def run(q, key, v, arrays):
@@ -63,6 +71,8 @@ def test_matches_the_float64_reference(monkeypatch, name, block):
     (out, lse), vjp = jax.vjp(run, q, key, v, arrays)
     grads = vjp((d_out, d_lse))
     assert bool(reused) == (block == "one"), "the backward form under test did not run"
+    if block == "one":
+        assert set(chunks) == ({2} if name.startswith("split") else {1}), f"row chunks: {chunks}"
     ref_out, ref_lse = reference_attention(q, key, v, **kwargs, **arrays)
     ref = reference_attention_vjp(q, key, v, d_out=d_out, d_lse=d_lse, **kwargs, **arrays)
     assert_out_close(out, ref_out, jnp.float32)

@@ -3,6 +3,8 @@ uses them instead of recomputing (on a CPU this made small problems faster than 
 
 Score-sized arrays are laid out `[B, K, G·T, S]` (`scores.rows`). The backward puts `1 / l` on the `[T, Hv]`-sized
 `dO` (`dV = pᵀ (dO / l)`) and inside the `dS` pass (`dS = p / l · (dP − D)`), so it adds no pass over the scores.
+Under a causal bound the first half of the query rows runs against only the keys it can see (`row_chunks`): a
+quarter less work when `T = S`.
 """
 
 import jax
@@ -27,7 +29,63 @@ def every_key_visible(config: AttentionConfig, problem: canonical.Problem) -> bo
     )
 
 
+def row_chunks(config: AttentionConfig, problem: canonical.Problem) -> tuple[tuple[int, int, int], ...]:
+    """`(first row, end row, keys seen)` per chunk of query rows. Two chunks when a causal (right) bound hides at
+    least a quarter of the keys from the first half of the rows and the positions are static (no segments or
+    padding, bias, mask or `score_mod_args` to slice); otherwise one chunk of everything."""
+    T, S = problem.query.shape[1], problem.key.shape[1]
+    band = Band.of(config)
+    whole = ((0, T, S),)
+    simple = problem.positions.q_segment is None and problem.bias is None and problem.mask is None
+    if band.right is None or not simple or problem.score_mod_args or T < 128:
+        return whole
+    half = T // 2
+    seen = min(S, half - 1 + (S - T if band.bottom_right else 0) + band.right + 1)
+    if seen <= 0 or seen > 3 * S // 4:
+        return whole
+    return (0, half, seen), (half, T, S)
+
+
+def _part(problem: canonical.Problem, t0: int, t1: int, seen: int) -> canonical.Problem:
+    """Query rows `t0:t1` against the first `seen` keys (static positions only, see `row_chunks`)."""
+    positions = problem.positions
+    return problem._replace(
+        query=problem.query[:, t0:t1],
+        key=problem.key[:, :seen],
+        value=problem.value[:, :seen],
+        positions=positions._replace(
+            q_position=positions.q_position[:, t0:t1], kv_position=positions.kv_position[:, :seen]
+        ),
+    )
+
+
 def forward(config: AttentionConfig, problem: canonical.Problem):
+    """`xla_chunked`'s forward when the keys fit one block: `out [B, T, N, Hv]`, `lse [B, K, G, T]`, and per chunk
+    of `row_chunks` its probabilities and row sums (`_forward_chunk`)."""
+    parts = [_forward_chunk(config, _part(problem, *chunk)) for chunk in row_chunks(config, problem)]
+    out = jnp.concatenate([part[0] for part in parts], axis=1)
+    lse = jnp.concatenate([part[1] for part in parts], axis=3)
+    return out, lse, tuple(part[2] for part in parts), tuple(part[3] for part in parts)
+
+
+def backward(config: AttentionConfig, problem: canonical.Problem, out, lse, ps, row_sums, d_out, d_lse):
+    """The gradients of `forward` from its saved probabilities, chunk by chunk: `(dq, dk, dv, dbias, dsinks)`."""
+    S = problem.key.shape[1]
+    dq, dk, dv, d_sinks = [], 0, 0, 0
+    pad = lambda x, seen: jnp.pad(x, ((0, 0), (0, S - seen), (0, 0), (0, 0)))  # noqa: E731
+    for (t0, t1, seen), p, row_sum in zip(row_chunks(config, problem), ps, row_sums, strict=True):
+        dq_c, dk_c, dv_c, dbias, d_sinks_c = _backward_chunk(
+            config, _part(problem, t0, t1, seen), out[:, t0:t1], lse[..., t0:t1], p, row_sum,
+            d_out[:, t0:t1], d_lse[..., t0:t1],
+        )  # fmt: skip
+        dq.append(dq_c)
+        dk, dv = dk + pad(dk_c, seen), dv + pad(dv_c, seen)
+        d_sinks = None if d_sinks_c is None else d_sinks + d_sinks_c
+    dq = jnp.concatenate(dq, axis=1)
+    return dq.astype(problem.query.dtype), dk.astype(problem.key.dtype), dv.astype(problem.value.dtype), dbias, d_sinks
+
+
+def _forward_chunk(config: AttentionConfig, problem: canonical.Problem):
     """`xla_chunked`'s forward for a single key block: `out [B, T, N, Hv]`, `lse [B, K, G, T]`, the unnormalized
     probabilities `p = exp(s - shift)` `[B, K, G·T, S]` and their row sums `l` `[B, K, G·T]` (with the sinks; 1
     where nothing is visible)."""
@@ -49,10 +107,10 @@ def forward(config: AttentionConfig, problem: canonical.Problem):
     return out.astype(problem.query.dtype), jnp.reshape(lse, (B, K, G, T)), p, row_sum
 
 
-def backward(config: AttentionConfig, problem: canonical.Problem, out, lse, p, row_sum, d_out, d_lse):
-    """`xla_chunked`'s backward from the forward's probabilities (`forward`, `[B, K, G·T, S]`): `P = p / l`, and
+def _backward_chunk(config: AttentionConfig, problem: canonical.Problem, out, lse, p, row_sum, d_out, d_lse):
+    """`xla_chunked`'s backward from the forward's probabilities (`_forward_chunk`, `[B, K, G·T, S]`): `P = p / l`, and
     `1 / l` is applied to the `[T, Hv]`-sized `dO` instead of the `[T, S]` probabilities. Returns
-    `(dq, dk, dv, dbias, dsinks)`."""
+    `(dq, dk, dv, dbias, dsinks)`, the first three in the accumulator dtype."""
     B, T, N, H = problem.query.shape
     K, G = config.num_kv_heads, config.group_size
     acc_dtype = scores.accumulator(problem.query.dtype)
@@ -82,4 +140,4 @@ def backward(config: AttentionConfig, problem: canonical.Problem, out, lse, p, r
     if problem.sinks is not None:
         d_sinks = scores.sinks_gradient(config, problem.sinks, lse, jnp.reshape(correction, (B, K, G, T)))
     dq = jnp.reshape(jnp.transpose(jnp.reshape(dq, (B, K, G, T, H)), (0, 3, 1, 2, 4)), (B, T, N, H))
-    return dq.astype(problem.query.dtype), dk.astype(problem.key.dtype), dv.astype(problem.value.dtype), dbias, d_sinks
+    return dq, dk, dv, dbias, d_sinks
