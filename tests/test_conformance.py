@@ -323,7 +323,7 @@ FEATURES: list[tuple[str, Callable]] = [
                                                      dropout_key=jax.random.key(9),
                                                      query_seq_lengths=lengths([7, 3]))),
     ("paged_causal_br", lambda r, d: _paged(r, d, is_causal=True, diagonal_alignment="bottom_right")),
-    # Decoding (one query row, bottom-right causal: attnlib drops the causal mask there as a no-op).
+    # Decoding: one query row, bottom-right causal (it sees every key of its sequence) and top-left.
     ("paged_decode_causal_br", lambda r, d: _paged(r, d, t=1, is_causal=True, diagonal_alignment="bottom_right")),
     ("decode_causal_br_lengths_window", lambda r, d: make_case(
         *qkv(r, t=1, dtype=d), key_value_seq_lengths=lengths([S, 6]), is_causal=True,

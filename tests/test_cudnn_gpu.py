@@ -530,8 +530,8 @@ def test_command_buffers_capture_the_graph_call(tmp_path):
 
 @pytest.mark.parametrize("window", [None, (20, 0)], ids=["causal", "causal_window"])
 def test_dense_decode_matches_reference(window):
-    """One query row per sequence, bottom-right causal against a dense cache with lengths (decoding; attnlib drops
-    the causal mask there as a no-op): the float64 reference of tests/reference.py, written from the definition."""
+    """One query row per sequence, bottom-right causal against a dense cache with lengths (decoding): the float64
+    reference of tests/reference.py, written from the definition."""
     import attnlib
     from reference import reference_attention
 
