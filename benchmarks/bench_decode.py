@@ -42,13 +42,8 @@ def _inputs(b: int, context: int):
     # Pages of each sequence in a shuffled pool (as a cache that grew by appends would hold them).
     order = np.random.default_rng(0).permutation(b * pages_per_seq)
     page_table = jnp.asarray(order.reshape(b, pages_per_seq), jnp.int32)
-    pool = lambda x: (
-        jnp.zeros((b * pages_per_seq, PAGE, K, H), x.dtype)
-        .at[page_table.reshape(-1)]
-        .set(  # noqa: E731
-            x.reshape(b * pages_per_seq, PAGE, K, H)
-        )
-    )
+    pool = lambda x: jnp.zeros((b * pages_per_seq, PAGE, K, H), x.dtype).at[page_table.reshape(-1)].set(  # noqa: E731
+        x.reshape(b * pages_per_seq, PAGE, K, H))
     return x, k, v, lengths, pool(k), pool(v), page_table
 
 

@@ -98,7 +98,9 @@ def _compare(q, k, v, kw, *, dtype, seed=0, lse_grad=False, names=("dq", "dk", "
     diff_sinks = kw.get("sinks") is not None
     out, lse, grads = _run("cudnn", q, k, v, kw, cot, lse_cot, diff_bias, diff_sinks)
     ref_kw = {key: (_upcast(val) if key in ("bias",) else val) for key, val in kw.items()}
-    r_out, r_lse, r_grads = _run("xla", _upcast(q), _upcast(k), _upcast(v), ref_kw, cot, lse_cot, diff_bias, diff_sinks)
+    r_out, r_lse, r_grads = _run(
+        "xla", _upcast(q), _upcast(k), _upcast(v), ref_kw, cot, lse_cot, diff_bias, diff_sinks
+    )
     assert out.dtype == dtype and lse.dtype == jnp.float32
     _assert_close(out, r_out, 2 * e, e, "out")
     _assert_close(lse, r_lse, 2 * e, 0.0, "lse")
@@ -124,42 +126,13 @@ CASES = [
     ("gqa_causal", (2,), 96, 96, 8, 2, 64, 64, {"is_causal": True}),
     ("mqa", (2,), 64, 80, 4, 1, 128, 128, {}),
     ("mla_causal", (2,), 96, 96, 4, 4, 192, 128, {"is_causal": True}),
-    (
-        "causal_bottom_right_t_lt_s",
-        (2,),
-        48,
-        160,
-        4,
-        2,
-        64,
-        64,
-        {"is_causal": True, "diagonal_alignment": "bottom_right"},
-    ),
-    (
-        "causal_bottom_right_t_gt_s",
-        (2,),
-        160,
-        48,
-        4,
-        2,
-        64,
-        64,
-        {"is_causal": True, "diagonal_alignment": "bottom_right"},
-    ),
+    ("causal_bottom_right_t_lt_s", (2,), 48, 160, 4, 2, 64, 64, {"is_causal": True, "diagonal_alignment": "bottom_right"}),
+    ("causal_bottom_right_t_gt_s", (2,), 160, 48, 4, 2, 64, 64, {"is_causal": True, "diagonal_alignment": "bottom_right"}),
     ("causal_top_left_t_gt_s", (2,), 160, 48, 4, 2, 64, 64, {"is_causal": True}),
     ("window_causal", (2,), 128, 128, 4, 2, 64, 64, {"is_causal": True, "local_window_size": (31, 0)}),
     ("window_two_sided", (2,), 128, 128, 4, 2, 64, 64, {"local_window_size": (16, 8)}),
-    (
-        "window_bottom_right",
-        (2,),
-        64,
-        128,
-        4,
-        2,
-        64,
-        64,
-        {"local_window_size": (20, 3), "diagonal_alignment": "bottom_right"},
-    ),
+    ("window_bottom_right", (2,), 64, 128, 4, 2, 64, 64,
+     {"local_window_size": (20, 3), "diagonal_alignment": "bottom_right"}),
     ("scale", (2,), 64, 64, 4, 4, 64, 64, {"scale": 0.3}),
     ("batch_dims", (2, 3), 40, 56, 2, 2, 64, 64, {"is_causal": True}),
     ("unbatched", (), 40, 56, 2, 2, 64, 64, {}),
@@ -183,39 +156,16 @@ PADDING_CASES = [
     ("q_and_kv", {"query_seq_lengths": [100, 37], "key_value_seq_lengths": [120, 5]}),
     ("kv_only_causal", {"key_value_seq_lengths": [128, 70], "is_causal": True}),
     ("q_only", {"query_seq_lengths": [1, 128]}),
-    (
-        "causal_bottom_right",
-        {
-            "query_seq_lengths": [60, 20],
-            "key_value_seq_lengths": [128, 90],
-            "is_causal": True,
-            "diagonal_alignment": "bottom_right",
-        },
-    ),
-    (
-        "window",
-        {
-            "query_seq_lengths": [128, 64],
-            "key_value_seq_lengths": [100, 128],
-            "is_causal": True,
-            "local_window_size": (15, 0),
-        },
-    ),
+    ("causal_bottom_right", {"query_seq_lengths": [60, 20], "key_value_seq_lengths": [128, 90],
+                             "is_causal": True, "diagonal_alignment": "bottom_right"}),
+    ("window", {"query_seq_lengths": [128, 64], "key_value_seq_lengths": [100, 128],
+                "is_causal": True, "local_window_size": (15, 0)}),
     ("empty_sequence", {"query_seq_lengths": [128, 50], "key_value_seq_lengths": [0, 77]}),
     # Rows 55.. of sequence 0 see no key (window of 15 past a 40-key sequence): the graph gets trimmed lengths.
-    (
-        "window_rows_past_keys",
-        {
-            "query_seq_lengths": [128, 90],
-            "key_value_seq_lengths": [40, 128],
-            "is_causal": True,
-            "local_window_size": (15, 0),
-        },
-    ),
-    (
-        "two_sided_window_rows_past_keys",
-        {"query_seq_lengths": [128, 100], "key_value_seq_lengths": [60, 128], "local_window_size": (10, 5)},
-    ),
+    ("window_rows_past_keys", {"query_seq_lengths": [128, 90], "key_value_seq_lengths": [40, 128],
+                               "is_causal": True, "local_window_size": (15, 0)}),
+    ("two_sided_window_rows_past_keys", {"query_seq_lengths": [128, 100], "key_value_seq_lengths": [60, 128],
+                                         "local_window_size": (10, 5)}),
 ]
 
 
@@ -229,23 +179,19 @@ def test_padding_lengths(case, dtype):
     if "query_seq_lengths" in kw:
         ql = np.asarray(kw["query_seq_lengths"])
         for b in range(2):
-            assert np.all(np.asarray(out[b, ql[b] :], np.float32) == 0)
-            assert np.all(np.isneginf(np.asarray(lse[b, ql[b] :])))
-            assert np.all(np.asarray(grads[0][b, ql[b] :], np.float32) == 0)
+            assert np.all(np.asarray(out[b, ql[b]:], np.float32) == 0)
+            assert np.all(np.isneginf(np.asarray(lse[b, ql[b]:])))
+            assert np.all(np.asarray(grads[0][b, ql[b]:], np.float32) == 0)
     if "key_value_seq_lengths" in kw:  # key rows past the lengths: exactly zero gradients (zero-filled results)
         kl = np.asarray(kw["key_value_seq_lengths"])
         for b in range(2):
-            assert np.all(np.asarray(grads[1][b, kl[b] :], np.float32) == 0)
-            assert np.all(np.asarray(grads[2][b, kl[b] :], np.float32) == 0)
+            assert np.all(np.asarray(grads[1][b, kl[b]:], np.float32) == 0)
+            assert np.all(np.asarray(grads[2][b, kl[b]:], np.float32) == 0)
 
 
-BIAS_SHAPES = [
-    ("NTS", lambda B, N, T, S: (1, N, T, S)),
-    ("BNTS", lambda B, N, T, S: (B, N, T, S)),
-    ("B1TS", lambda B, N, T, S: (B, 1, T, S)),
-    ("TS", lambda B, N, T, S: (T, S)),
-    ("S", lambda B, N, T, S: (1, 1, 1, S)),
-]
+BIAS_SHAPES = [("NTS", lambda B, N, T, S: (1, N, T, S)), ("BNTS", lambda B, N, T, S: (B, N, T, S)),
+               ("B1TS", lambda B, N, T, S: (B, 1, T, S)), ("TS", lambda B, N, T, S: (T, S)),
+               ("S", lambda B, N, T, S: (1, 1, 1, S))]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -268,25 +214,11 @@ def test_bias_with_padding(dtype):
 SINK_CASES = [
     ("learnable", {}),
     ("off_by_one", {"zero_sinks": True}),
-    (
-        "padding_window",
-        {
-            "query_seq_lengths": [96, 30],
-            "key_value_seq_lengths": [80, 96],
-            "is_causal": True,
-            "local_window_size": (20, 0),
-        },
-    ),
+    ("padding_window", {"query_seq_lengths": [96, 30], "key_value_seq_lengths": [80, 96], "is_causal": True,
+                        "local_window_size": (20, 0)}),
     ("gqa_causal", {"is_causal": True, "gqa": True}),
-    (
-        "padding_window_rows_past_keys",
-        {
-            "query_seq_lengths": [96, 30],
-            "key_value_seq_lengths": [40, 96],
-            "is_causal": True,
-            "local_window_size": (20, 0),
-        },
-    ),
+    ("padding_window_rows_past_keys", {"query_seq_lengths": [96, 30], "key_value_seq_lengths": [40, 96],
+                                       "is_causal": True, "local_window_size": (20, 0)}),
 ]
 
 
@@ -443,11 +375,8 @@ def test_jit_retrace_reuses_cached_graph():
     assert cudnn_attention.CACHE.stats["builds"] == builds
 
 
-INFERENCE_CASES = [
-    c
-    for c in CASES
-    if c[0] in ("gqa_causal", "mla_causal", "causal_bottom_right_t_gt_s", "window_two_sided", "batch_dims")
-]
+INFERENCE_CASES = [c for c in CASES if c[0] in ("gqa_causal", "mla_causal", "causal_bottom_right_t_gt_s",
+                                                 "window_two_sided", "batch_dims")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -475,8 +404,7 @@ def test_inference_forward_without_stats_matches_reference(case, dtype):
     out = run("cudnn", q, k, v)
     ref_kw = {key: (_upcast(val) if key == "bias" else val) for key, val in kw.items()}
     reference = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation="xla", **ref_kw))(
-        _upcast(q), _upcast(k), _upcast(v)
-    )
+        _upcast(q), _upcast(k), _upcast(v))
     e = _eps(dtype)
     _assert_close(out, reference, 2 * e, e, "out")
     with_stats, _ = run("cudnn", q, k, v, return_residual=True)
@@ -532,8 +460,9 @@ def test_command_buffers_capture_the_graph_call(tmp_path):
 def test_dense_decode_matches_reference(window):
     """One query row per sequence, bottom-right causal against a dense cache with lengths (decoding): the float64
     reference of tests/reference.py, written from the definition."""
-    import attnlib
     from reference import reference_attention
+
+    import attnlib
 
     q, k, v = _qkv(23, (3,), 1, 77, 8, 2, 64, 64, jnp.bfloat16)
     kw = dict(key_value_seq_lengths=jnp.asarray([77, 30, 1], jnp.int32), is_causal=True,
@@ -581,8 +510,7 @@ def test_max_logit_from_the_forward_graph(kw):
     q, k, v = _qkv(21, (2,), 300, 333 if "diagonal_alignment" not in kw else 200, 8, 2, 128, 128, jnp.bfloat16)
     kw = {key: (jnp.asarray(val, jnp.int32) if key.endswith("lengths") else val) for key, val in kw.items()}
     attend = lambda impl, *a: attnlib.attention(  # noqa: E731
-        *a, implementation=impl, return_residual=True, return_max_logit=True, **kw
-    )
+        *a, implementation=impl, return_residual=True, return_max_logit=True, **kw)
     out, lse, max_logit = jax.jit(lambda *a: attend("cudnn", *a))(q, k, v)
     with jax.default_matmul_precision("highest"):
         r_out, r_lse, r_max = attend("xla", *(_upcast(x) for x in (q, k, v)))

@@ -466,4 +466,3 @@ def validate(
         fp8_scales=fp8_scales,
     )
     return config, inputs
-

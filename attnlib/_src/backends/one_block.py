@@ -40,7 +40,7 @@ def row_chunks(config: AttentionConfig, problem: canonical.Problem) -> tuple[tup
     if band.right is None or not simple or problem.score_mod_args or T < 128:
         return whole
     half = T // 2
-    seen = min(S, half - 1 + (S - T if band.bottom_right else 0) + band.right + 1)
+    seen = min(S, int(band.diagonal(half - 1, T, S)) + band.right + 1)  # keys up to the last row's right bound
     if seen <= 0 or seen > 3 * S // 4:
         return whole
     return (0, half, seen), (half, T, S)
