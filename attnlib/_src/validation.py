@@ -410,6 +410,8 @@ def validate(
     if dropout_rate > 0 and dropout_key is None:
         raise ValueError(f"`dropout_rate`={dropout_rate} > 0 needs a `dropout_key`. Got dropout_key=None.")
 
+    if _causal_mask_is_a_no_op(is_causal, diagonal_alignment, T, layout, q_segment_ids):
+        is_causal = False
     config = AttentionConfig(
         layout=layout,
         batch_shape=batch_shape,
@@ -466,3 +468,16 @@ def validate(
         fp8_scales=fp8_scales,
     )
     return config, inputs
+
+
+def _causal_mask_is_a_no_op(is_causal, diagonal_alignment, q_len, layout, q_segment_ids) -> bool:
+    """A single query row aligned bottom-right sits on the last key of its sequence and sees every key: decoding.
+    Dropping the mask there lets cuDNN run its unmasked kernels (docs/performance.md, decode loop); a window still
+    bounds the row from the left."""
+    return (
+        bool(is_causal)
+        and diagonal_alignment == "bottom_right"
+        and q_len == 1
+        and layout != "thd"
+        and q_segment_ids is None
+    )
