@@ -4,6 +4,7 @@ import importlib.metadata
 
 from . import context_parallel as context_parallel
 from ._src.attention import attention as attention, explain as explain
+from ._src.backends.xla_chunked import XlaChunked as XlaChunked
 from ._src.dispatch import Explanation as Explanation
 from ._src.fp8 import Fp8Scales as Fp8Scales
 from ._src.paged import PagedKVCache as PagedKVCache

@@ -13,19 +13,17 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
-IMPLS = [("xla", None), ("xla_chunked", 5)]
-IMPL_IDS = ["xla", "xla_chunked-bk5"]
+IMPLS = ["xla", "xla_chunked-bk5"]
 
 
-@pytest.fixture(params=IMPLS, ids=IMPL_IDS)
-def impl(request, monkeypatch):
+@pytest.fixture(params=IMPLS)
+def impl(request):
     """Each plain-JAX implementation; `xla_chunked` with 5-key blocks, so several (and ragged) blocks run."""
-    name, block_k = request.param
-    if block_k is not None:
-        import attnlib._src.backends.xla_chunked as chunked
+    if request.param == "xla":
+        return "xla"
+    import attnlib
 
-        monkeypatch.setattr(chunked, "DEFAULT_BLOCK_K", block_k)
-    return name
+    return attnlib.XlaChunked(block_k=5)
 
 
 def _gpu_unavailable_reason() -> str | None:

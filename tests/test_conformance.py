@@ -7,8 +7,8 @@ Each case checks, against `tests/reference.py`:
   * rows with no visible key (and no sinks): `out` exactly 0, `lse` exactly -inf, query gradient exactly 0;
   * no NaN anywhere; bitwise determinism of a re-run.
 
-`xla_chunked` runs twice: with its default key block and with `DEFAULT_BLOCK_K = 5`, so that S = 17 (or 12 for
-paged) spans several blocks with a ragged last one.
+`xla_chunked` runs twice: with its default key block and as `attnlib.XlaChunked(block_k=5)`, so that S = 17 (or 12
+for paged) spans several blocks with a ragged last one.
 """
 
 import dataclasses
@@ -51,26 +51,13 @@ from attnlib._src.dropout import dropout_keep_mask
 # implementations
 
 SMALL_BLOCK_K = 5
-IMPLS = [("xla", None), ("xla_chunked", None), ("xla_chunked", SMALL_BLOCK_K)]
+IMPLS = ["xla", "xla_chunked", attnlib.XlaChunked(block_k=SMALL_BLOCK_K)]
 IMPL_IDS = ["xla", "xla_chunked", f"xla_chunked-bk{SMALL_BLOCK_K}"]
 
 
-def set_block_k(monkeypatch, block_k):
-    """Force `xla_chunked`'s key block size (the library's module-level knob)."""
-    if block_k is None:
-        return
-    import attnlib._src.backends.xla_chunked as chunked
-
-    if not hasattr(chunked, "DEFAULT_BLOCK_K"):
-        pytest.fail("attnlib._src.backends.xla_chunked.DEFAULT_BLOCK_K (the block-size knob) is missing")
-    monkeypatch.setattr(chunked, "DEFAULT_BLOCK_K", block_k)
-
-
 @pytest.fixture(params=IMPLS, ids=IMPL_IDS)
-def impl(request, monkeypatch):
-    name, block_k = request.param
-    set_block_k(monkeypatch, block_k)
-    return name
+def impl(request):
+    return request.param
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -427,17 +414,15 @@ def _conformance_params():
     for feature in FEATURE_IDS:
         for dtype, dtype_id in zip(DTYPES, DTYPE_IDS, strict=True):
             for spec, impl_id in zip(IMPLS, IMPL_IDS, strict=True):
-                if spec == ("xla_chunked", None) and dtype != jnp.float32:
+                if spec == "xla_chunked" and dtype != jnp.float32:
                     continue
                 params.append(pytest.param(spec, feature, dtype, id=f"{impl_id}-{feature}-{dtype_id}"))
     return params
 
 
 @pytest.mark.parametrize("impl_spec,feature,dtype", _conformance_params())
-def test_conformance(impl_spec, feature, dtype, monkeypatch):
-    impl, block_k = impl_spec
-    set_block_k(monkeypatch, block_k)
-    check_conformance(impl, feature, dtype)
+def test_conformance(impl_spec, feature, dtype):
+    check_conformance(impl_spec, feature, dtype)
 
 
 def check_conformance(impl, feature, dtype):

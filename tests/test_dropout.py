@@ -164,16 +164,9 @@ def _dropout_problem():
     return dict(query=q, key=k, value=v, bias=bias, sinks=sinks), cot
 
 
-def _current_block():
-    import attnlib._src.backends.xla_chunked as chunked
-
-    return getattr(chunked, "DEFAULT_BLOCK_K", None)
-
-
 @functools.cache
-def _dropout_fns(impl, block_k, rate=0.4):
-    """Jitted `loss(args, key, cot)` and its gradient, cached per implementation and block size (key traced)."""
-    del block_k  # only part of the cache key: a jitted function does not retrace when the module-level knob changes
+def _dropout_fns(impl, rate=0.4):
+    """Jitted `loss(args, key, cot)` and its gradient, cached per implementation (key traced)."""
 
     def loss(a, key, cot):
         out = attnlib.attention(a["query"], a["key"], a["value"], a["bias"], sinks=a["sinks"], is_causal=True,
@@ -194,7 +187,7 @@ def _directional_fd(loss, args, direction, h):
 def test_gradient_matches_finite_differences_same_key(impl, name):
     args, cot = _dropout_problem()
     key = jax.random.key(21)
-    loss_fn, grad_fn = _dropout_fns(impl, _current_block())
+    loss_fn, grad_fn = _dropout_fns(impl)
     grad = grad_fn(args, key, cot)
     r = np.random.default_rng(sum(map(ord, name)))
     direction = {n: jnp.zeros_like(x) for n, x in args.items()}

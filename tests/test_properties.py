@@ -9,7 +9,6 @@ The default profile is derandomized (a fixed sequence of examples: CI never flak
 `HYPOTHESIS_PROFILE=explore` to search new examples locally.
 """
 
-import contextlib
 import os
 
 import jax
@@ -39,23 +38,7 @@ settings.register_profile("explore", deadline=None, print_blob=True, suppress_he
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-@contextlib.contextmanager
-def block_k(size):
-    """Temporarily force `xla_chunked`'s key block (hypothesis cannot use function-scoped monkeypatch)."""
-    import attnlib._src.backends.xla_chunked as chunked
-
-    assert hasattr(chunked, "DEFAULT_BLOCK_K"), "attnlib._src.backends.xla_chunked.DEFAULT_BLOCK_K is missing"
-    old = chunked.DEFAULT_BLOCK_K
-    if size is not None:
-        chunked.DEFAULT_BLOCK_K = size
-    try:
-        yield
-    finally:
-        chunked.DEFAULT_BLOCK_K = old
-
-
-implementations = st.sampled_from([("xla", None), ("xla_chunked", None), ("xla_chunked", 1), ("xla_chunked", 2),
-                                   ("xla_chunked", 3), ("xla_chunked", 7)])  # fmt: skip
+implementations = st.sampled_from(["xla", "xla_chunked", *(attnlib.XlaChunked(block_k=b) for b in (1, 2, 3, 7))])
 
 
 @st.composite
@@ -126,7 +109,6 @@ def _call(impl, arrays, static):
 @settings(max_examples=30)
 @given(cfg=configs(), impl=implementations)
 def test_random_configuration_matches_reference(cfg, impl):
-    name, block = impl
     arrays, cot = _build(cfg)
     static = cfg["static"]
     diff_names = [x for x in ("query", "key", "value", "bias", "sinks") if x in arrays]
@@ -134,11 +116,10 @@ def test_random_configuration_matches_reference(cfg, impl):
     rest = {x: a for x, a in arrays.items() if x not in diff}
 
     def f(diff, rest, cot):
-        (out, lse), vjp = jax.vjp(lambda d: _call(name, {**rest, **d}, static), diff)
+        (out, lse), vjp = jax.vjp(lambda d: _call(impl, {**rest, **d}, static), diff)
         return out, lse, vjp((cot, jnp.zeros_like(lse)))[0]
 
-    with block_k(block):
-        out, lse, grads = jax.jit(f)(diff, rest, cot)
+    out, lse, grads = jax.jit(f)(diff, rest, cot)
 
     ref_kw = {x: to_f64(a) for x, a in arrays.items()}
     q, k, v = ref_kw.pop("query"), ref_kw.pop("key"), ref_kw.pop("value")
@@ -169,14 +150,13 @@ def test_padding_invariance(t, s, pad_t, pad_s, causal, bottom_right, impl, n, h
     (nq, nk), r = n, np.random.default_rng(seed)
     q, k, v = normal(r, (1, t + pad_t, nq, h)), normal(r, (1, s + pad_s, nk, h)), normal(r, (1, s + pad_s, nk, h))
     kw = dict(is_causal=causal, diagonal_alignment="bottom_right" if bottom_right else "top_left")
-    with block_k(impl[1]):
-        out, lse = jax.jit(
-            lambda q, k, v, ql, kl: attnlib.attention(q, k, v, query_seq_lengths=ql, key_value_seq_lengths=kl,
-                                                      implementation=impl[0], return_residual=True, **kw)
-        )(q, k, v, lengths([t]), lengths([s]))  # fmt: skip
-        out0, lse0 = jax.jit(
-            lambda q, k, v: attnlib.attention(q, k, v, implementation=impl[0], return_residual=True, **kw)
-        )(q[:, :t], k[:, :s], v[:, :s])
+    out, lse = jax.jit(
+        lambda q, k, v, ql, kl: attnlib.attention(q, k, v, query_seq_lengths=ql, key_value_seq_lengths=kl,
+                                                  implementation=impl, return_residual=True, **kw)
+    )(q, k, v, lengths([t]), lengths([s]))  # fmt: skip
+    out0, lse0 = jax.jit(
+        lambda q, k, v: attnlib.attention(q, k, v, implementation=impl, return_residual=True, **kw)
+    )(q[:, :t], k[:, :s], v[:, :s])
     np.testing.assert_allclose(np.asarray(out[:, :t]), np.asarray(out0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse[:, :t]), np.asarray(lse0), rtol=1e-5, atol=1e-5)
     assert (np.asarray(out[:, t:]) == 0).all() and np.isneginf(np.asarray(lse[:, t:])).all()
@@ -190,10 +170,9 @@ def test_row_bias_shift(t, s, impl, n, h, seed):
     q, k, v = normal(r, (2, t, nq, h)), normal(r, (2, s, nk, h)), normal(r, (2, s, nk, h))
     bias = normal(r, (2, nq, t, s))
     shift = normal(r, (2, nq, t, 1), scale=3.0)
-    with block_k(impl[1]):
-        f = jax.jit(lambda q, k, v, b: attnlib.attention(q, k, v, b, implementation=impl[0], return_residual=True))
-        out, lse = f(q, k, v, bias)
-        out2, lse2 = f(q, k, v, bias + shift)
+    f = jax.jit(lambda q, k, v, b: attnlib.attention(q, k, v, b, implementation=impl, return_residual=True))
+    out, lse = f(q, k, v, bias)
+    out2, lse2 = f(q, k, v, bias + shift)
     np.testing.assert_allclose(np.asarray(out2), np.asarray(out), rtol=1e-5, atol=2e-5)
     expected = np.asarray(lse) + np.transpose(np.asarray(shift)[..., 0], (0, 2, 1))
     np.testing.assert_allclose(np.asarray(lse2), expected, rtol=1e-5, atol=2e-5)
@@ -242,12 +221,11 @@ def test_thd_equals_separate_calls(lens, causal, bottom_right, window, impl, n, 
               local_window_size=window)  # fmt: skip
     cu_q = lengths(np.concatenate([[0], np.cumsum(q_lens)]))
     cu_kv = lengths(np.concatenate([[0], np.cumsum(kv_lens)]))
-    with block_k(impl[1]):
-        out, lse = jax.jit(
-            lambda q, k, v, cq, ck: attnlib.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_kv=ck,
-                                                      implementation=impl[0], return_residual=True, **kw)
-        )(q, k, v, cu_q, cu_kv)  # fmt: skip
-        want_out, want_lse = _separate_calls(q, k, v, q_lens, kv_lens, impl[0], kw)
+    out, lse = jax.jit(
+        lambda q, k, v, cq, ck: attnlib.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_kv=ck,
+                                                  implementation=impl, return_residual=True, **kw)
+    )(q, k, v, cu_q, cu_kv)  # fmt: skip
+    want_out, want_lse = _separate_calls(q, k, v, q_lens, kv_lens, impl, kw)
     valid = sum(q_lens)
     if want_out is not None:
         np.testing.assert_allclose(np.asarray(out[:valid]), want_out, rtol=1e-5, atol=1e-5)
@@ -270,13 +248,12 @@ def test_segments_equal_separate_calls(lens, causal, bottom_right, impl, n, h, s
     qs[: sum(q_lens)] = np.repeat(np.arange(1, len(q_lens) + 1), q_lens)
     ks[: sum(kv_lens)] = np.repeat(np.arange(1, len(kv_lens) + 1), kv_lens)
     kw = dict(is_causal=causal, diagonal_alignment="bottom_right" if bottom_right else "top_left")
-    with block_k(impl[1]):
-        out, lse = jax.jit(
-            lambda q, k, v, qs, ks: attnlib.attention(q[None], k[None], v[None], q_segment_ids=qs[None],
-                                                      kv_segment_ids=ks[None], implementation=impl[0],
-                                                      return_residual=True, **kw)
-        )(q, k, v, jnp.asarray(qs), jnp.asarray(ks))  # fmt: skip
-        want_out, want_lse = _separate_calls(q, k, v, q_lens, kv_lens, impl[0], kw)
+    out, lse = jax.jit(
+        lambda q, k, v, qs, ks: attnlib.attention(q[None], k[None], v[None], q_segment_ids=qs[None],
+                                                  kv_segment_ids=ks[None], implementation=impl,
+                                                  return_residual=True, **kw)
+    )(q, k, v, jnp.asarray(qs), jnp.asarray(ks))  # fmt: skip
+    want_out, want_lse = _separate_calls(q, k, v, q_lens, kv_lens, impl, kw)
     out, lse = np.asarray(out[0]), np.asarray(lse[0])
     valid = sum(q_lens)
     if want_out is not None:
@@ -294,8 +271,7 @@ def test_key_permutation_invariance(t, s, impl, data, n, h, seed):
     q, k, v = normal(r, (1, t, nq, h)), normal(r, (1, s, nk, h)), normal(r, (1, s, nk, h))
     bias = normal(r, (1, nq, t, s))
     mask = jnp.asarray(r.random((1, 1, t, s)) < 0.7)
-    with block_k(impl[1]):
-        f = jax.jit(lambda q, k, v, b, m: attnlib.attention(q, k, v, b, m, implementation=impl[0]))
-        out = f(q, k, v, bias, mask)
-        out_p = f(q, k[:, perm], v[:, perm], bias[..., perm], mask[..., perm])
+    f = jax.jit(lambda q, k, v, b, m: attnlib.attention(q, k, v, b, m, implementation=impl))
+    out = f(q, k, v, bias, mask)
+    out_p = f(q, k[:, perm], v[:, perm], bias[..., perm], mask[..., perm])
     np.testing.assert_allclose(np.asarray(out_p), np.asarray(out), rtol=1e-5, atol=1e-5)

@@ -107,3 +107,70 @@ def test_automatic_choice_between_the_plain_implementations_is_per_platform(monk
     reason = xla_chunked.IMPLEMENTATION.decline_reason(config, explicit=False)
     assert reason is not None and "materialised scores" in reason and "GPU" in reason
     assert xla_chunked.IMPLEMENTATION.decline_reason(config, explicit=True) is None
+
+
+def test_configured_xla_chunked_runs_its_block_size(monkeypatch):
+    """`XlaChunked(block_k=4)` pads S = 17 keys to 5 blocks of 4; the name runs one 17-key block. Same numbers."""
+    from attnlib._src.backends import xla_chunked
+
+    padded_to = []
+    pad_keys = xla_chunked._pad_keys
+    monkeypatch.setattr(xla_chunked, "_pad_keys", lambda p, s: padded_to.append(s) or pad_keys(p, s))
+    r = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(r[0], (2, 13, 6, 8))
+    k, v = jax.random.normal(r[1], (2, 17, 3, 8)), jax.random.normal(r[2], (2, 17, 3, 5))
+    small = attnlib.attention(q, k, v, is_causal=True, implementation=attnlib.XlaChunked(block_k=4))
+    default = attnlib.attention(q, k, v, is_causal=True, implementation="xla_chunked")
+    assert padded_to == [20, 17]
+    assert jnp.allclose(small, default, atol=1e-5)
+
+
+def test_configured_implementation_is_a_static_value():
+    """Equal configurations hit jit's cache; another block size retraces."""
+    traces = []
+
+    def run(q, implementation):
+        traces.append(implementation)
+        return attnlib.attention(q, q, q, implementation=implementation)
+
+    run = jax.jit(run, static_argnames="implementation")
+    q = jnp.ones((1, 9, 2, 8))
+    for block_k in (4, 4, 5):
+        run(q, implementation=attnlib.XlaChunked(block_k=block_k))
+    assert traces == [attnlib.XlaChunked(block_k=4), attnlib.XlaChunked(block_k=5)]
+
+
+def test_configured_implementation_in_explain_sequences_and_layers():
+    q, k, v = _shapes()
+    chunked = attnlib.XlaChunked(block_k=4)
+    assert attnlib.explain(q, k, v, implementation=chunked).implementation == "xla_chunked"
+    assert attnlib.explain(q, k, v, implementation=["cudnn", chunked]).implementation in ("cudnn", "xla_chunked")
+    assert attnlib.explain(q, k, v, implementation=(chunked, "xla")).requested == ("xla_chunked", "xla")
+    import attnlib.equinox as aeqx
+
+    layer = aeqx.MultiheadAttention(4, 16, implementation=chunked, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (11, 16))
+    assert layer.implementation is chunked
+    plain = aeqx.MultiheadAttention(4, 16, implementation="xla", key=jax.random.key(0))
+    assert jnp.allclose(layer(x, x, x), plain(x, x, x), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (5, TypeError, r"`implementation` must be str \| attnlib.XlaChunked \| a sequence"),
+        ("flash", ValueError, r"`implementation` must be None, one of .* a configured implementation"),
+        ([], ValueError, r"non-empty sequence"),
+        (["xla", 3], ValueError, r"Got \['xla', 3\]"),
+    ],
+)
+def test_bad_implementation_is_named(bad, error, match):
+    q = jnp.ones((1, 3, 2, 8))
+    with pytest.raises(error, match=match):
+        attnlib.attention(q, q, q, implementation=bad)
+
+
+@pytest.mark.parametrize("block_k", [0, -3, 2.5, True, "64"])
+def test_bad_block_k_is_named(block_k):
+    with pytest.raises(ValueError, match=r"`block_k` must be a positive int. Got block_k="):
+        attnlib.XlaChunked(block_k=block_k)

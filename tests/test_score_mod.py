@@ -866,14 +866,13 @@ def test_reference_vjp_matches_finite_differences():
 
 
 @pytest.mark.parametrize("implementation", ["xla", "xla_chunked"])
-def test_shard_map_with_replicated_and_varying_args(implementation, monkeypatch):
+def test_shard_map_with_replicated_and_varying_args(implementation):
     """Inside `shard_map`: replicated slopes, a varying per-row argument, an integer argument and a closure over a
     replicated traced value; forward and gradients equal the unsharded call."""
     from jax.sharding import Mesh, PartitionSpec as P
 
-    import attnlib._src.backends.xla_chunked as chunked
-
-    monkeypatch.setattr(chunked, "DEFAULT_BLOCK_K", 5)
+    if implementation == "xla_chunked":
+        implementation = attnlib.XlaChunked(block_k=5)
     mesh = Mesh(np.array(jax.devices()[:1]), ("b",))
     r = np.random.default_rng(11)
     q, k, v = qkv(r)

@@ -11,7 +11,7 @@ from helpers import assert_grad_close, assert_lse_close, assert_out_close, lengt
 from reference import reference_attention, reference_attention_vjp
 
 import attnlib
-from attnlib._src.backends import one_block, xla_chunked
+from attnlib._src.backends import one_block
 
 
 CASES = {  # name: (t, s, n, k, h, hv, kwargs, extras)
@@ -47,15 +47,11 @@ def _inputs(name):
     return q, key, v, kwargs, arrays, d_out, d_lse
 
 
-def _with_block(monkeypatch, block):
-    monkeypatch.setattr(xla_chunked, "DEFAULT_BLOCK_K", block)
-
-
 @pytest.mark.parametrize("block", ["one", "several"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_the_float64_reference(monkeypatch, name, block):
     q, key, v, kwargs, arrays, d_out, d_lse = _inputs(name)
-    _with_block(monkeypatch, 512 if block == "one" else 4)
+    implementation = attnlib.XlaChunked(block_k=512 if block == "one" else 4)
     reused, chunks = [], []
     one_block_backward, one_block_row_chunks = one_block.backward, one_block.row_chunks
     monkeypatch.setattr(
@@ -66,7 +62,7 @@ def test_matches_the_float64_reference(monkeypatch, name, block):
     )
 
     def run(q, key, v, arrays):
-        return attnlib.attention(q, key, v, implementation="xla_chunked", return_residual=True, **kwargs, **arrays)
+        return attnlib.attention(q, key, v, implementation=implementation, return_residual=True, **kwargs, **arrays)
 
     (out, lse), vjp = jax.vjp(run, q, key, v, arrays)
     grads = vjp((d_out, d_lse))

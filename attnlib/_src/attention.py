@@ -92,7 +92,7 @@ def attention(
     query_seq_lengths: Shaped[ArrayLike, "..."] | Sequence[int] | None = None,
     key_value_seq_lengths: Shaped[ArrayLike, "..."] | Sequence[int] | None = None,
     local_window_size: numbers.Integral | Sequence[Any] | None = None,
-    implementation: str | Sequence[str] | None = None,
+    implementation: dispatch.ImplementationRequest = None,
     return_residual: bool = False,
     diagonal_alignment: Literal["top_left", "bottom_right"] | str = "top_left",
     q_segment_ids: Shaped[ArrayLike, "..."] | None = None,
@@ -149,7 +149,8 @@ def attention(
         local_window_size: `int w` = `(w, w)`, or `(left, right)`: a query at aligned position `i` sees keys
             `i - left … i + right`.
         implementation: `None` (the first of `"cudnn"`, `"xla_chunked"`, `"xla"` that can serve the call),
-            one name (raises `NotImplementedError` when it cannot serve), or a sequence tried in order.
+            one name (raises `NotImplementedError` when it cannot serve), a configured implementation
+            (`attnlib.XlaChunked(block_k=...)`, wherever a name is accepted), or a sequence tried in order.
         return_residual: also return `lse`. Defaults to False.
         diagonal_alignment: `"top_left"` (query 0 on key 0) or `"bottom_right"` (last query on last key, per
             sequence). Defaults to `"top_left"`.
@@ -270,7 +271,7 @@ def explain(
     bias: Shaped | None = None,
     mask: Shaped | None = None,
     *,
-    implementation: str | Sequence[str] | None = None,
+    implementation: dispatch.ImplementationRequest = None,
     **kwargs: Any,
 ) -> dispatch.Explanation:
     """Which implementation `attention` would run for these arguments, and why each other one declined.

@@ -3,6 +3,7 @@
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -12,6 +13,13 @@ from .backends.base import Implementation
 from .backends.cudnn import IMPLEMENTATION as _CUDNN
 from .config import AttentionConfig, AttentionInputs, IMPLEMENTATIONS
 
+
+CONFIGURED = (xla_chunked.XlaChunked,)
+"""The implementation classes a caller may configure and pass as `implementation`."""
+
+ImplementationRequest = str | xla_chunked.XlaChunked | Sequence[Any] | None
+"""What `implementation=` takes: None (automatic), a name, a configured implementation, or a sequence of those (its
+items are checked by `requested_implementations`, with one message for every kind of mistake)."""
 
 REGISTRY: dict[str, Implementation] = {
     "cudnn": _CUDNN,
@@ -50,17 +58,33 @@ class Explanation:
         return "\n".join(lines)
 
 
-def requested_implementations(implementation: str | Sequence[str] | None) -> tuple[tuple[str, ...], bool]:
-    """Normalise `implementation` to a tuple of names and whether the choice is automatic (`None`)."""
+def requested_implementations(
+    implementation: ImplementationRequest,
+) -> tuple[tuple[Implementation, ...], bool]:
+    """Normalise `implementation` to the implementations to try, in order, and whether the choice is automatic
+    (`None`). A name stands for its default configuration; a configured object (`attnlib.XlaChunked(...)`) for
+    itself."""
     if implementation is None:
-        return IMPLEMENTATIONS, True
-    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
-    if not names or any(not isinstance(n, str) or n not in IMPLEMENTATIONS for n in names):
+        return tuple(REGISTRY[name] for name in IMPLEMENTATIONS), True
+    single = isinstance(implementation, str) or isinstance(implementation, CONFIGURED)
+    try:
+        entries = (implementation,) if single else tuple(implementation)
+    except TypeError:
+        entries = ()
+    impls = tuple(_resolve(entry) for entry in entries)
+    if not impls or any(impl is None for impl in impls):
+        configured = ", ".join(f"attnlib.{cls.__name__}(...)" for cls in CONFIGURED)
         raise ValueError(
-            f"`implementation` must be None, one of {list(IMPLEMENTATIONS)} or a non-empty sequence of them. "
-            f"Got {implementation!r}."
+            f"`implementation` must be None, one of {list(IMPLEMENTATIONS)}, a configured implementation "
+            f"({configured}) or a non-empty sequence of them. Got {implementation!r}."
         )
-    return names, False
+    return impls, False
+
+
+def _resolve(entry: object) -> Implementation | None:
+    if isinstance(entry, str):
+        return REGISTRY.get(entry)
+    return entry if isinstance(entry, CONFIGURED) else None
 
 
 def without_fp8(config: AttentionConfig) -> AttentionConfig:
@@ -90,19 +114,28 @@ def _fp8_fallback_reason(config: AttentionConfig, automatic: bool) -> str | None
     return f"cudnn cannot run this call in FP8 ({reason})"
 
 
-def explain_config(config: AttentionConfig, implementation: str | Sequence[str] | None) -> Explanation:
+def explain_config(
+    config: AttentionConfig, implementation: ImplementationRequest
+) -> Explanation:
     """Dispatch without running: the first implementation that serves `config` and the reasons of the others."""
-    names, automatic = requested_implementations(implementation)
+    impls, automatic = requested_implementations(implementation)
+    return _explain(config, impls, automatic)[0]
+
+
+def _explain(
+    config: AttentionConfig, impls: tuple[Implementation, ...], automatic: bool
+) -> tuple[Explanation, Implementation | None]:
+    names = tuple(impl.name for impl in impls)
     fallback = _fp8_fallback_reason(config, automatic)
     if fallback is not None:
-        return Explanation("cudnn", {}, names, without_fp8=fallback)
+        return Explanation("cudnn", {}, names, without_fp8=fallback), _CUDNN
     declined: dict[str, str] = {}
-    for name in names:
-        reason = REGISTRY[name].decline_reason(config, explicit=not automatic)
+    for impl in impls:
+        reason = impl.decline_reason(config, explicit=not automatic)
         if reason is None:
-            return Explanation(name, declined, names)
-        declined[name] = reason
-    return Explanation(None, declined, names)
+            return Explanation(impl.name, declined, names), impl
+        declined[impl.name] = reason
+    return Explanation(None, declined, names), None
 
 
 def _has_gpu() -> bool:
@@ -112,13 +145,13 @@ def _has_gpu() -> bool:
         return False
 
 
-def choose(config: AttentionConfig, implementation: str | Sequence[str] | None) -> Implementation:
+def choose(config: AttentionConfig, impls: tuple[Implementation, ...], automatic: bool) -> Implementation:
     """The implementation to run; raises `NotImplementedError` when none can serve.
 
     Each fallback is logged once per distinct configuration (eager loops would otherwise log every call).
     """
-    explanation = explain_config(config, implementation)
-    if explanation.implementation is None:
+    explanation, chosen = _explain(config, impls, automatic)
+    if chosen is None:
         reasons = "; ".join(f"{n}: {r}" for n, r in explanation.declined.items())
         raise NotImplementedError(f"No requested attention implementation can serve this call. {reasons}")
     for name, reason in explanation.declined.items():
@@ -126,31 +159,33 @@ def choose(config: AttentionConfig, implementation: str | Sequence[str] | None) 
         # A GPU machine falling back from cuDNN loses most of its speed: say so loudly. Elsewhere it is expected.
         level = logging.WARNING if name == "cudnn" and _has_gpu() else logging.INFO
         logs.log_once((config, message), level, message)
-    return REGISTRY[explanation.implementation]
+    return chosen
 
 
 def run(
-    config: AttentionConfig, inputs: AttentionInputs, implementation: str | Sequence[str] | None
+    config: AttentionConfig,
+    inputs: AttentionInputs,
+    implementation: ImplementationRequest,
 ) -> tuple[jax.Array, jax.Array]:
     """Choose and run. When the chosen implementation was one of several candidates and fails to build its kernel
     (`GraphRejected`: cuDNN refused a graph the policy expected it to take), the next candidate runs, logged."""
     from .backends.cudnn.graphs import GraphRejected
 
-    names, automatic = requested_implementations(implementation)
-    alone = not automatic and len(names) == 1  # nothing to fall back to
+    impls, automatic = requested_implementations(implementation)
+    alone = not automatic and len(impls) == 1  # nothing to fall back to
     fallback = _fp8_fallback_reason(config, automatic)
     if fallback is not None:
         message = f"attnlib.attention: {fallback}; running it on cuDNN in 16 bits without FP8 quantization."
         logs.log_once((config, message), logging.WARNING, message)
         return _CUDNN.attention(without_fp8(config), fp8_fallback_inputs(config, inputs), explicit=False)
     while True:
-        impl = choose(config, names if not automatic else None)
+        impl = choose(config, impls, automatic)
         try:
             return impl.attention(config, inputs, explicit=alone)
         except GraphRejected as e:
-            remaining = tuple(n for n in names if n != impl.name)
-            if not remaining or (not automatic and len(names) == 1):
+            remaining = tuple(i for i in impls if i is not impl)
+            if not remaining or alone:
                 raise
             message = f"attnlib.attention: {impl.name} failed to build its kernel ({e}); using the next candidate."
             logs.log_once((config, message), logging.WARNING, message)
-            names, automatic = remaining, False
+            impls, automatic = remaining, False

@@ -15,6 +15,7 @@ are accumulated exactly.
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,8 @@ from ..positions import TokenPositions
 from . import one_block, scores
 
 
-DEFAULT_BLOCK_K = 512
-"""Keys per block. Tests lower it to exercise several (and ragged) blocks."""
+BLOCK_K = 512
+"""Keys per block unless configured (`XlaChunked(block_k=...)`)."""
 
 AUTO_MIN_SCORE_BYTES = 256 * 2**20
 """With `implementation=None` on an accelerator (where cuDNN declined), materialised float32 scores below this size
@@ -467,11 +468,11 @@ def _for_varying_inputs(config: AttentionConfig, problem: canonical.Problem) -> 
     return dataclasses.replace(config, modifiers=dataclasses.replace(description, **retraced))
 
 
-def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int | None = None):
+def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int = BLOCK_K):
     """Canonical attention: `out [B, T, N, Hv]` in the query dtype and float32 `lse [B, T, N]`."""
     B, T, N, _ = problem.query.shape
     S = problem.key.shape[1]
-    block = max(1, min(block_k or DEFAULT_BLOCK_K, S))
+    block = max(1, min(block_k, S))
     # At least one block: with S = 0 a single invisible padding key gives every row out 0 and lse -inf.
     padded = _pad_keys(problem, max(1, -(-S // block)) * block)
     # Inside shard_map, differentiable inputs must vary like the rest so their cotangents (reduced by JAX where an
@@ -494,12 +495,12 @@ def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int | N
     return out, lse
 
 
-def row_max(config: AttentionConfig, problem: canonical.Problem, block_k: int | None = None) -> jax.Array:
+def row_max(config: AttentionConfig, problem: canonical.Problem, block_k: int = BLOCK_K) -> jax.Array:
     """`[B, K, G, T]`: each query row's largest visible logit (after bias, `score_mod` and soft cap; -inf where
     nothing is visible), one key block at a time. Not differentiable (a statistic)."""
     problem = jax.lax.stop_gradient(problem)
     S = problem.key.shape[1]
-    block = max(1, min(block_k or DEFAULT_BLOCK_K, S))
+    block = max(1, min(block_k, S))
     padded = _pad_keys(problem, max(1, -(-S // block)) * block)
     description = config.modifiers
     mods = None
@@ -508,8 +509,23 @@ def row_max(config: AttentionConfig, problem: canonical.Problem, block_k: int | 
     return _max_visible(config, block, padded, scores.grouped_query(config, padded.query), mods)
 
 
-class _XlaChunked:
-    name = "xla_chunked"
+@dataclasses.dataclass(frozen=True)
+class XlaChunked:
+    """`implementation="xla_chunked"` with its options. Pass an instance wherever `implementation` takes a name
+    (alone or in a sequence); the name stands for `XlaChunked()`.
+
+    Attributes:
+        block_k: keys per block of the online softmax. Each block materialises `[B, N, T, block_k]` float32 scores;
+            smaller blocks take less memory and more loop steps. Keys that fit in one block run the one-block path
+            (probabilities kept for the backward).
+    """
+
+    block_k: int = BLOCK_K
+    name: ClassVar[str] = "xla_chunked"
+
+    def __post_init__(self):
+        if isinstance(self.block_k, bool) or not isinstance(self.block_k, int) or self.block_k < 1:
+            raise ValueError(f"`block_k` must be a positive int. Got block_k={self.block_k!r}.")
 
     def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None:
         if config.fp8 is not None and config.dropout_rate > 0:
@@ -535,8 +551,8 @@ class _XlaChunked:
         self, config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
     ) -> tuple[jax.Array, jax.Array]:
         if config.fp8 is not None:
-            return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem))
-        return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs)))
+            return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem, self.block_k))
+        return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs), self.block_k))
 
 
-IMPLEMENTATION = _XlaChunked()
+IMPLEMENTATION = XlaChunked()

@@ -120,9 +120,9 @@ def modifier(name: str, value: Any) -> Callable | None:
     return value
 
 
-def implementation(value: Any) -> str | tuple[str, ...] | None:
+def implementation(value: Any) -> dispatch.ImplementationRequest:
     dispatch.requested_implementations(value)  # raises ValueError naming `implementation`
-    if value is None or isinstance(value, str):
+    if value is None or isinstance(value, (str, *dispatch.CONFIGURED)):
         return value
     return tuple(value)
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jax.random as jrandom
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, Shaped
 
+from .. import dispatch
 from . import _common
 
 
@@ -121,7 +122,7 @@ class MultiheadAttention(eqx.Module):
     fp8: str | None = eqx.field(static=True)
     score_mod: Callable | None = eqx.field(static=True)
     mask_mod: Callable | None = eqx.field(static=True)
-    implementation: str | tuple[str, ...] | None = eqx.field(static=True)
+    implementation: dispatch.ImplementationRequest = eqx.field(static=True)
 
     def __init__(
         self,
@@ -148,7 +149,7 @@ class MultiheadAttention(eqx.Module):
         fp8: str | None = None,
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,
-        implementation: str | Sequence[str] | None = None,
+        implementation: dispatch.ImplementationRequest = None,
         key: PRNGKeyArray,
     ):
         r"""Builds the projections exactly as `equinox.nn.MultiheadAttention` does (same `key` → same weights).
@@ -421,7 +422,7 @@ class DotProductAttention(eqx.Module):
     score_mod: Callable | None = eqx.field(static=True)
     mask_mod: Callable | None = eqx.field(static=True)
     diagonal_alignment: str = eqx.field(static=True)
-    implementation: str | tuple[str, ...] | None = eqx.field(static=True)
+    implementation: dispatch.ImplementationRequest = eqx.field(static=True)
 
     def __init__(
         self,
@@ -436,7 +437,7 @@ class DotProductAttention(eqx.Module):
         diagonal_alignment: str = "top_left",
         dropout_p: float = 0.0,
         inference: bool = False,
-        implementation: str | Sequence[str] | None = None,
+        implementation: dispatch.ImplementationRequest = None,
         dtype: Any = None,
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,

@@ -11,6 +11,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from .. import dispatch
 from . import _common
 
 
@@ -75,7 +76,7 @@ class MultiHeadAttention(hk.Module):
         logits_soft_cap: float | None = None,
         fp8: str | None = None,
         dropout_rate: float = 0.0,
-        implementation: str | Sequence[str] | None = None,
+        implementation: dispatch.ImplementationRequest = None,
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,
     ):
@@ -249,7 +250,7 @@ class DotProductAttention(hk.Module):
         fp8: str | None = None,
         diagonal_alignment: str = "top_left",
         dropout_rate: float = 0.0,
-        implementation: str | Sequence[str] | None = None,
+        implementation: dispatch.ImplementationRequest = None,
         name: str | None = None,
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,
