@@ -1,5 +1,6 @@
 """attnlib's native XLA FFI extension: executes serialized cuDNN graphs."""
 
+from collections.abc import Sequence
 from typing import Any
 
 def registrations(command_buffer: bool = True) -> dict[str, dict[str, Any]]:
@@ -24,7 +25,7 @@ def load_cudnn(hint: str = "") -> int:
     """Binds the extension to libcudnn (the copy already loaded, else `hint`, else the soname); returns its version."""
 
 def time_graph(
-    blob: bytes, tensors: list[tuple[int, int, bytes]], ws_bytes: int, repeats: int = 3, batch: int = 5
+    blob: bytes, tensors: Sequence[tuple[int, int, bytes]], ws_bytes: int, repeats: int = 3, batch: int = 5
 ) -> float:
     """Best milliseconds of one execution of a serialized graph on fresh buffers of the current device. `tensors`
     lists (uid, bytes, contents) for every graph tensor; empty contents means zeros."""

@@ -254,7 +254,7 @@ def main() -> None:
         row = {"case": case.name, "shape": dataclasses.asdict(case), "fwd_flops": fwd_flops, "fwd_bwd_flops": fb_flops}
         # A second round of attnlib and jax.nn cuDNN (each keeps its best of both) evens out clock drift between them.
         impls = ["attnlib", "cudnn"] + ([] if args.quick else ["xla"]) + ["attnlib", "cudnn"]
-        if case.lengths:  # padded: also the memset of padded results that attnlib no longer needs (before/after)
+        if case.lengths:  # padded: also with a memset of the padded rows (the `memset` column)
             impls.append("attnlib_memset")
         for impl in impls:
             try:

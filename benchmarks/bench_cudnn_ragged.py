@@ -74,8 +74,7 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
 
     `longest_first`: give cuDNN the sequences longest first (their data stays where it is; only the order of the
     lengths and offsets changes), to see whether the kernel's scheduling gains from it.
-    No memset of the packed results (attnlib's ragged path did one before each graph until 2026-11-30; its numbers
-    are in `benchmarks/results/*_with_memset*`): the kernels alone."""
+    No memset of the packed results: the kernels alone."""
     import dataclasses
 
     from attnlib._src.backends.cudnn import executor as cudnn_attention, ragged

@@ -6,7 +6,7 @@ Usage: python benchmarks/bench_segments_bound.py [--json out.json] [--variants N
 Variants per shape, all under `jax.jit` with the segment ids a traced argument unless said: `tight` (the rows' exact
 bound given), `default` (no bound: cuDNN with `DEFAULT_SEGMENTS_PER_ROW` behind a `lax.cond` whose other branch is
 xla_chunked), `bound_16/32/64` (given), `concrete` (no bound, ids closed over: bound from their values), and
-`xla_chunked` (where the call went before). Timing as `bench_cudnn.py` (wall clock, best of repetitions of a loop).
+`xla_chunked` (the `cond`'s other branch alone). Timing as `bench_cudnn.py` (wall clock, best of repetitions of a loop).
 """
 
 import argparse
