@@ -174,3 +174,32 @@ def test_bad_implementation_is_named(bad, error, match):
 def test_bad_block_k_is_named(block_k):
     with pytest.raises(ValueError, match=r"`block_k` must be a positive int. Got block_k="):
         attnlib.XlaChunked(block_k=block_k)
+
+
+def test_every_argument_of_attention_has_one_home_in_context_parallelism():
+    """Context parallelism forwards, handles or refuses each keyword of `attnlib.attention`: a new option must be
+    classified there (the lists are checked against the signature, the one list of arguments)."""
+    from attnlib._src.attention import ARGUMENT_DEFAULTS
+    from attnlib._src.context_parallel import api
+
+    homes = [set(api._FORWARDED), set(api._HANDLED), set(api._UNSUPPORTED), set(api._UNSUPPORTED_MODIFIERS)]
+    assert set().union(*homes) == set(ARGUMENT_DEFAULTS)
+    assert sum(len(h) for h in homes) == len(ARGUMENT_DEFAULTS), "an argument is in two lists"
+
+
+def test_context_parallelism_refuses_max_logit_by_name():
+    q = jnp.ones((1, 8, 2, 4))
+    with pytest.raises(NotImplementedError, match="`return_max_logit`"):
+        attnlib.context_parallel.attention(q, q, q, axis_name="x", return_max_logit=True)
+
+
+def test_explain_takes_every_keyword_of_attention():
+    """`explain` accepts exactly `attention`'s arguments: it reads them from `attention`'s signature."""
+    import inspect
+
+    q, k, v = _shapes()
+    names = [n for n, p in inspect.signature(attnlib.attention).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    defaults = {n: inspect.signature(attnlib.attention).parameters[n].default for n in names}
+    assert attnlib.explain(q, k, v, **defaults).implementation is not None
+    with pytest.raises(TypeError, match="unexpected keyword argument `is_casual`"):
+        attnlib.explain(q, k, v, is_casual=True)

@@ -1,6 +1,7 @@
 """`attnlib.attention`: the public function, and `attnlib.explain`."""
 
 import functools
+import inspect
 import numbers
 import re
 from collections.abc import Callable, Sequence
@@ -12,6 +13,7 @@ from beartype import beartype, BeartypeConf
 from jaxtyping import Array, ArrayLike, Float, jaxtyped, PRNGKeyArray, Shaped, TypeCheckError
 
 from . import dispatch, fp8 as fp8_lib, max_logit as max_logit_lib, validation
+from .config import ARRAY_ARGUMENTS, AttentionConfig, AttentionInputs
 from .paged import PagedKVCache
 
 
@@ -49,12 +51,6 @@ def _concise_type_errors(fn: Callable) -> Callable:
             raise TypeError(f"`{param.group(1)}` must be {expected_text}. Got {actual_text}.") from None
 
     return wrapper
-
-
-_ARRAY_ARGS = (
-    "query", "key", "value", "bias", "mask", "query_seq_lengths", "key_value_seq_lengths", "q_segment_ids",
-    "kv_segment_ids", "cu_seqlens_q", "cu_seqlens_kv", "page_table", "sinks",
-)  # fmt: skip
 
 
 def _unpack_cache(key: Any, value: Any, page_table: Any, key_value_seq_lengths: Any) -> tuple[Any, Any, Any, Any]:
@@ -217,39 +213,11 @@ def attention(
         out = attnlib.attention(q, k, v, score_mod=alibi, mask_mod=prefix_lm, score_mod_args=(slopes[:, None, None],))
         ```
     """
-    key, value, page_table, key_value_seq_lengths = _unpack_cache(key, value, page_table, key_value_seq_lengths)
-    arrays = {
-        name: None if x is None else jnp.asarray(x)
-        for name, x in zip(
-            _ARRAY_ARGS,
-            (query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
-             kv_segment_ids, cu_seqlens_q, cu_seqlens_kv, page_table, sinks),
-            strict=True,
-        )
-    }  # fmt: skip
+    arguments = dict(locals())  # every parameter by name: one list of them, the signature
     for i, arg in enumerate(score_mod_args):
         if isinstance(arg, jax.ShapeDtypeStruct):  # only `explain` takes shapes without values
             raise TypeError(f"`score_mod_args[{i}]` must be an array. Got a jax.ShapeDtypeStruct {arg}.")
-    config, inputs = validation.validate(
-        **arrays,
-        scale=scale,
-        is_causal=is_causal,
-        local_window_size=local_window_size,
-        return_residual=return_residual,
-        diagonal_alignment=diagonal_alignment,
-        max_segments_per_row=max_segments_per_row,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_kv=max_seqlen_kv,
-        logits_soft_cap=logits_soft_cap,
-        dropout_rate=dropout_rate,
-        dropout_key=dropout_key,
-        deterministic_backward=deterministic_backward,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        score_mod_args=score_mod_args,
-        fp8=fp8,
-        return_max_logit=return_max_logit,
-    )
+    config, inputs = _validate(arguments, jnp.asarray)
     out, lse, *fused = dispatch.run(config, inputs, implementation)
     if return_max_logit:
         max_logit = (
@@ -291,28 +259,32 @@ def explain(
         print(attnlib.explain(q, q, q, is_causal=True))
         ```
     """
-    as_shaped = lambda x: (
-        x if x is None or isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "dtype") else (jnp.asarray(x))
-    )
-    options = {
-        "scale": None, "is_causal": False, "local_window_size": None, "return_residual": False,
-        "diagonal_alignment": "top_left", "max_segments_per_row": None, "max_seqlen_q": None,
-        "max_seqlen_kv": None, "logits_soft_cap": None, "dropout_rate": 0.0, "dropout_key": None,
-        "deterministic_backward": False, "score_mod": None, "mask_mod": None, "score_mod_args": (), "fp8": None,
-    }  # fmt: skip
-    arrays = dict.fromkeys(_ARRAY_ARGS[5:])
-    kwargs = {n: x for n, x in kwargs.items() if n != "return_max_logit"}  # a statistic: no effect on dispatch
+    as_shaped = lambda x: x if isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "dtype") else jnp.asarray(x)
+    arguments = {**ARGUMENT_DEFAULTS, "query": query, "key": key, "value": value, "bias": bias, "mask": mask}
     for name, x in kwargs.items():
-        if name in arrays:
-            arrays[name] = as_shaped(x)
-        elif name in options:
-            options[name] = x
-        else:
+        if name not in ARGUMENT_DEFAULTS:
             raise TypeError(f"explain() got an unexpected keyword argument `{name}`.")
-    key, value, arrays["page_table"], arrays["key_value_seq_lengths"] = _unpack_cache(
-        key, value, arrays["page_table"], arrays["key_value_seq_lengths"]
-    )
-    config, _ = validation.validate(
-        as_shaped(query), as_shaped(key), as_shaped(value), as_shaped(bias), as_shaped(mask), **arrays, **options
-    )
+        arguments[name] = x
+    arguments["return_max_logit"] = False  # a statistic: no effect on dispatch
+    config, _ = _validate(arguments, as_shaped)
     return dispatch.explain_config(config, implementation)
+
+
+ARGUMENT_DEFAULTS = {
+    name: p.default for name, p in inspect.signature(attention).parameters.items() if p.default is not p.empty
+}
+"""`attention`'s keyword arguments and their defaults, read from its signature (`explain` starts from them)."""
+
+
+def _validate(arguments: dict[str, Any], as_array: Callable[[Any], Any]) -> tuple[AttentionConfig, AttentionInputs]:
+    """`validation.validate` over `attention`'s arguments by name (a `PagedKVCache` unpacked, `implementation`
+    left to dispatch), with `as_array` applied to every array argument given."""
+    arguments = dict(arguments)
+    del arguments["implementation"]
+    arguments["key"], arguments["value"], arguments["page_table"], arguments["key_value_seq_lengths"] = (
+        _unpack_cache(arguments["key"], arguments["value"], arguments["page_table"], arguments["key_value_seq_lengths"])
+    )
+    for name in ARRAY_ARGUMENTS:
+        if arguments[name] is not None:
+            arguments[name] = as_array(arguments[name])
+    return validation.validate(**arguments)

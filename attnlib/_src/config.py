@@ -120,6 +120,11 @@ class AttentionConfig:
         return self.modifiers is not None
 
 
+def _array(**kwargs: Any) -> Any:
+    """A field that is also an array argument of `attnlib.attention` (given as an array-like, `jnp.asarray`'d)."""
+    return dataclasses.field(metadata={"array_argument": True}, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionInputs:
     """The arrays of one call, as the caller gave them (after `jnp.asarray`); None where absent.
@@ -129,19 +134,24 @@ class AttentionInputs:
     `Fp8Scales` of pre-quantized inputs (`config.fp8 == "scaled"`), else None.
     """
 
-    query: jax.Array
-    key: jax.Array
-    value: jax.Array
-    bias: jax.Array | None = None
-    mask: jax.Array | None = None
-    query_seq_lengths: jax.Array | None = None
-    key_value_seq_lengths: jax.Array | None = None
-    q_segment_ids: jax.Array | None = None
-    kv_segment_ids: jax.Array | None = None
-    cu_seqlens_q: jax.Array | None = None
-    cu_seqlens_kv: jax.Array | None = None
-    page_table: jax.Array | None = None
-    sinks: jax.Array | None = None
+    query: jax.Array = _array()
+    key: jax.Array = _array()
+    value: jax.Array = _array()
+    bias: jax.Array | None = _array(default=None)
+    mask: jax.Array | None = _array(default=None)
+    query_seq_lengths: jax.Array | None = _array(default=None)
+    key_value_seq_lengths: jax.Array | None = _array(default=None)
+    q_segment_ids: jax.Array | None = _array(default=None)
+    kv_segment_ids: jax.Array | None = _array(default=None)
+    cu_seqlens_q: jax.Array | None = _array(default=None)
+    cu_seqlens_kv: jax.Array | None = _array(default=None)
+    page_table: jax.Array | None = _array(default=None)
+    sinks: jax.Array | None = _array(default=None)
     dropout_key: jax.Array | None = None
     score_mod_args: tuple = ()
     fp8_scales: Any = None
+
+
+ARRAY_ARGUMENTS = tuple(f.name for f in dataclasses.fields(AttentionInputs) if f.metadata.get("array_argument"))
+"""The array arguments of `attnlib.attention`, in signature order: what `attention` converts with `jnp.asarray` and
+`explain` accepts as `jax.ShapeDtypeStruct`s."""

@@ -6,6 +6,7 @@ Checks look only at shapes and dtypes (so `jax.ShapeDtypeStruct`s work), except 
 on concrete (non-traced) `cu_seqlens` and `page_table` arrays.
 """
 
+import dataclasses
 import math
 import numbers
 from typing import Any
@@ -48,12 +49,14 @@ def _require_shape(name: str, x: Any, expected: tuple[int, ...], meaning: str) -
         raise ValueError(f"`{name}` must have shape {meaning}={tuple(expected)}. Got {name}.shape={tuple(x.shape)}.")
 
 
-def _require_bool(name: str, value: Any) -> None:
+def require_bool(name: str, value: Any) -> None:
+    """A `TypeError` naming `name` unless `value` is a Python (or NumPy) bool."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"`{name}` must be a Python bool. Got {value!r} of type {type(value).__name__}.")
 
 
-def _require_positive_int(name: str, value: Any) -> int:
+def require_positive_int(name: str, value: Any) -> int:
+    """`value` as an int, or a `ValueError` naming `name` when it is not a positive Python int."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"`{name}` must be a positive Python int. Got {value!r}.")
     return int(value)
@@ -105,6 +108,21 @@ def _fp8(fp8: Any, query: Any, key: Any, value: Any) -> tuple[str | None, fp8_li
     return "scaled", fp8
 
 
+def require_alignment(diagonal_alignment: Any) -> None:
+    """A `ValueError` naming `diagonal_alignment` unless it is 'top_left' or 'bottom_right'."""
+    if diagonal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(
+            f"`diagonal_alignment` must be 'top_left' or 'bottom_right'. Got {diagonal_alignment!r}."
+        )
+
+
+def require_sinks(sinks: Any, num_q_heads: int) -> None:
+    """A `TypeError` / `ValueError` naming `sinks` unless it is a float array of shape `[N]=(num_q_heads,)`."""
+    if not _is_float(sinks.dtype):
+        raise TypeError(f"`sinks` must have a floating dtype. Got sinks.dtype={sinks.dtype}.")
+    _require_shape("sinks", sinks, (num_q_heads,), "[N]")
+
+
 def parse_window(local_window_size: Any) -> tuple[int, int] | None:
     """`local_window_size` as `(left, right)` (None stays None); a `ValueError` naming it when it is not a
     non-negative int or a pair of them."""
@@ -138,6 +156,25 @@ def _check_cu_seqlens(name: str, cu: Any, num_tokens: int, tensor: str) -> None:
                 f"`{name}` must be non-decreasing, start at >= 0 and end at <= the {num_tokens} tokens of "
                 f"`{tensor}`. Got {name}={values.tolist()}."
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """The layout of a call and its sizes (letters as in `attnlib.attention`'s docstring)."""
+
+    layout: str
+    batch_shape: tuple[int, ...]
+    unbatched: bool
+    T: int
+    N: int
+    H: int
+    K: int
+    Hv: int
+    S: int
+    page_size: int | None
+    pages_per_seq: int | None
+    num_pages: int | None
+    num_sequences: int | None
 
 
 def validate(
@@ -175,9 +212,86 @@ def validate(
 ) -> tuple[AttentionConfig, AttentionInputs]:
     """Check every argument of `attention` and describe the call statically.
 
-    Array arguments may be arrays or `jax.ShapeDtypeStruct`s. Returns the static configuration and the arrays.
+    Array arguments may be arrays or `jax.ShapeDtypeStruct`s. Returns the static configuration and the arrays. Each
+    group of arguments has its own check below; a new option goes into the group it belongs to (or a new one).
     """
-    # dtypes
+    fp8_mode, fp8_scales = _qkv_dtypes(query, key, value, fp8)
+    g = _geometry(query, key, value, cu_seqlens_q, cu_seqlens_kv, page_table, key_value_seq_lengths)
+    num_sequences, max_q, max_kv = _packed_layout(
+        g, key, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+        query_seq_lengths, key_value_seq_lengths, q_segment_ids, kv_segment_ids,
+    )  # fmt: skip
+    _padding_lengths(g, query_seq_lengths, key_value_seq_lengths)
+    max_segments_per_row = _segments(g, q_segment_ids, kv_segment_ids, max_segments_per_row)
+    _bias_and_mask(g, bias, mask)
+    score_mod_args, modifiers = _modifiers(g, score_mod, mask_mod, score_mod_args)
+    scale, window = _scalars(
+        g, scale, is_causal, return_residual, deterministic_backward, diagonal_alignment, local_window_size,
+        logits_soft_cap, sinks, dropout_rate, dropout_key,
+    )  # fmt: skip
+
+    if _causal_mask_is_a_no_op(is_causal, diagonal_alignment, g.T, g.layout, q_segment_ids):
+        is_causal = False
+    config = AttentionConfig(
+        layout=g.layout,
+        batch_shape=g.batch_shape,
+        unbatched=g.unbatched,
+        q_len=g.T,
+        kv_len=g.S,
+        num_q_heads=g.N,
+        num_kv_heads=g.K,
+        head_dim=g.H,
+        value_head_dim=g.Hv,
+        dtype=np.dtype(query.dtype),
+        scale=float(scale),
+        is_causal=bool(is_causal),
+        diagonal_alignment=diagonal_alignment,
+        window=window,
+        bias_shape=None if bias is None else tuple(bias.shape),
+        mask_shape=None if mask is None else tuple(mask.shape),
+        has_q_lengths=query_seq_lengths is not None,
+        has_kv_lengths=key_value_seq_lengths is not None,
+        has_segments=q_segment_ids is not None,
+        max_segments_per_row=max_segments_per_row,
+        num_sequences=num_sequences,
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+        page_size=g.page_size,
+        pages_per_seq=g.pages_per_seq,
+        num_pages=g.num_pages,
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        has_sinks=sinks is not None,
+        dropout_rate=float(dropout_rate),
+        return_residual=bool(return_residual),
+        deterministic_backward=bool(deterministic_backward),
+        modifiers=modifiers,
+        fp8=fp8_mode,
+        fp8_output_dtype=None if fp8_scales is None else np.dtype(fp8_scales.output_dtype),
+        max_logit=bool(return_max_logit),
+    )
+    inputs = AttentionInputs(
+        query=query,
+        key=key,
+        value=value,
+        bias=bias,
+        mask=mask,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_kv=cu_seqlens_kv,
+        page_table=page_table,
+        sinks=sinks,
+        dropout_key=dropout_key,
+        score_mod_args=score_mod_args,
+        fp8_scales=fp8_scales,
+    )
+    return config, inputs
+
+
+def _qkv_dtypes(query: Any, key: Any, value: Any, fp8: Any) -> tuple[str | None, fp8_lib.Fp8Scales | None]:
+    """`query`, `key`, `value` share one float dtype (E4M3 only with `fp8=Fp8Scales`); the FP8 mode and scales."""
     fp8_mode, fp8_scales = _fp8(fp8, query, key, value)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if fp8_mode == "scaled":
@@ -196,9 +310,16 @@ def validate(
             "`query`, `key` and `value` must share one dtype. "
             f"Got query.dtype={query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}."
         )
-    got_qkv = f"Got query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}."
+    return fp8_mode, fp8_scales
 
-    # layout
+
+def _geometry(
+    query: Any, key: Any, value: Any, cu_seqlens_q: Any, cu_seqlens_kv: Any, page_table: Any,
+    key_value_seq_lengths: Any,
+) -> _Geometry:  # fmt: skip
+    """The layout (dense, THD with `cu_seqlens_q`, paged with `page_table`), the shapes it requires of query / key /
+    value, and the paged cache's geometry."""
+    got_qkv = f"Got query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}."
     if cu_seqlens_kv is not None and cu_seqlens_q is None:
         raise ValueError("`cu_seqlens_kv` requires `cu_seqlens_q` (THD layout). Got cu_seqlens_q=None.")
     if cu_seqlens_q is not None:
@@ -260,7 +381,6 @@ def validate(
     if H == 0 or Hv == 0:
         raise ValueError(f"Head dims must be positive. {got_qkv}")
 
-    # paged geometry
     page_size = pages_per_seq = num_pages = None
     num_sequences = None
     if layout == "paged":
@@ -288,8 +408,17 @@ def validate(
         S = pages_per_seq * page_size
     else:
         S = int(key.shape[-3])
+    return _Geometry(
+        layout, batch_shape, unbatched, T, N, H, K, Hv, S, page_size, pages_per_seq, num_pages, num_sequences
+    )
 
-    # THD
+
+def _packed_layout(
+    g: _Geometry, key: Any, cu_seqlens_q: Any, cu_seqlens_kv: Any, max_seqlen_q: Any, max_seqlen_kv: Any,
+    query_seq_lengths: Any, key_value_seq_lengths: Any, q_segment_ids: Any, kv_segment_ids: Any,
+) -> tuple[int | None, int | None, int | None]:  # fmt: skip
+    """THD: the cumulative lengths and the maximum sequence lengths. Returns `(num_sequences, max_q, max_kv)`."""
+    layout, T, S, num_sequences = g.layout, g.T, g.S, g.num_sequences
     if layout == "thd":
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, T, "query")
         if cu_seqlens_kv is not None:
@@ -313,15 +442,19 @@ def validate(
                     f"`{name}` cannot be combined with `cu_seqlens_q` (THD): sequence boundaries come from the "
                     "cumulative lengths. Got both."
                 )
-    max_q = None if max_seqlen_q is None else _require_positive_int("max_seqlen_q", max_seqlen_q)
-    max_kv = None if max_seqlen_kv is None else _require_positive_int("max_seqlen_kv", max_seqlen_kv)
+    max_q = None if max_seqlen_q is None else require_positive_int("max_seqlen_q", max_seqlen_q)
+    max_kv = None if max_seqlen_kv is None else require_positive_int("max_seqlen_kv", max_seqlen_kv)
     if (max_q is not None or max_kv is not None) and layout != "thd":
         raise ValueError("`max_seqlen_q` / `max_seqlen_kv` apply only to the THD layout (with `cu_seqlens_q`).")
     if layout == "thd":
         max_q = T if max_q is None else max_q
         max_kv = S if max_kv is None else max_kv
+    return num_sequences, max_q, max_kv
 
-    # padding lengths: in [0, T] / [0, S] (checked when concrete; traced values are clamped to that range)
+
+def _padding_lengths(g: _Geometry, query_seq_lengths: Any, key_value_seq_lengths: Any) -> None:
+    """Padding lengths: int `[*B]` in [0, T] / [0, S] (checked when concrete; traced values are clamped)."""
+    batch_shape, T, S = g.batch_shape, g.T, g.S
     for name, x, limit, letter in (
         ("query_seq_lengths", query_seq_lengths, T, "T"),
         ("key_value_seq_lengths", key_value_seq_lengths, S, "S"),
@@ -339,7 +472,10 @@ def validate(
                         f"({name}={values.tolist()})."
                     )
 
-    # segments
+
+def _segments(g: _Geometry, q_segment_ids: Any, kv_segment_ids: Any, max_segments_per_row: Any) -> int | None:
+    """Packed rows: segment ids `[*B, T]` / `[*B, S]` and their bound. Returns `max_segments_per_row`."""
+    layout, batch_shape, T, S = g.layout, g.batch_shape, g.T, g.S
     if kv_segment_ids is not None and q_segment_ids is None:
         raise ValueError("`kv_segment_ids` requires `q_segment_ids`. Got q_segment_ids=None.")
     if q_segment_ids is not None:
@@ -355,11 +491,15 @@ def validate(
                 f"Without `kv_segment_ids`, keys reuse `q_segment_ids`, so S must equal T. Got T={T}, S={S}."
             )
     if max_segments_per_row is not None:
-        max_segments_per_row = _require_positive_int("max_segments_per_row", max_segments_per_row)
+        max_segments_per_row = require_positive_int("max_segments_per_row", max_segments_per_row)
         if q_segment_ids is None:
             raise ValueError("`max_segments_per_row` needs `q_segment_ids`. Got q_segment_ids=None.")
+    return max_segments_per_row
 
-    # bias / mask
+
+def _bias_and_mask(g: _Geometry, bias: Any, mask: Any) -> None:
+    """`bias` (float) and `mask` (bool) broadcastable to `[*B, N, T, S]`."""
+    batch_shape, N, T, S = g.batch_shape, g.N, g.T, g.S
     target = batch_shape + (N, T, S)
     if bias is not None:
         if not _is_float(bias.dtype):
@@ -370,25 +510,35 @@ def validate(
             raise TypeError(f"`mask` must be boolean (True = may attend). Got mask.dtype={mask.dtype}.")
         _check_broadcastable("mask", mask, target, "[*B, N, T, S]")
 
-    # score_mod / mask_mod: traced once on scalars; each argument broadcastable like bias
+
+def _modifiers(g: _Geometry, score_mod: Any, mask_mod: Any, score_mod_args: Any) -> tuple[tuple, Any]:
+    """`score_mod` / `mask_mod`, traced once on scalars; each argument broadcastable like `bias`. Returns the
+    arguments as arrays and the modifiers' description."""
+    layout, batch_shape, N, T, S = g.layout, g.batch_shape, g.N, g.T, g.S
+    target = batch_shape + (N, T, S)
     score_mod_args = modifiers_lib.as_arrays(score_mod_args)
     modifiers = modifiers_lib.describe(score_mod, mask_mod, score_mod_args)
     args_meaning = "[N, T, S]" if layout == "thd" else "[*B, N, T, S]"
     for i, arg in enumerate(score_mod_args):
         _check_broadcastable(f"score_mod_args[{i}]", arg, target, args_meaning)
+    return score_mod_args, modifiers
 
-    # scalars and flags
+
+def _scalars(
+    g: _Geometry, scale: Any, is_causal: Any, return_residual: Any, deterministic_backward: Any,
+    diagonal_alignment: Any, local_window_size: Any, logits_soft_cap: Any, sinks: Any, dropout_rate: Any,
+    dropout_key: Any,
+) -> tuple[float, tuple[int, int] | None]:  # fmt: skip
+    """Scalars and flags, the window and `sinks` `[N]`. Returns the scale (default `1/sqrt(H)`) and the window."""
+    H, N = g.H, g.N
     if scale is None:
         scale = 1.0 / math.sqrt(H)
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"`scale` must be a finite Python float. Got {scale!r}.")
-    _require_bool("is_causal", is_causal)
-    _require_bool("return_residual", return_residual)
-    _require_bool("deterministic_backward", deterministic_backward)
-    if diagonal_alignment not in ("top_left", "bottom_right"):
-        raise ValueError(
-            f"`diagonal_alignment` must be 'top_left' or 'bottom_right'. Got {diagonal_alignment!r}."
-        )
+    require_bool("is_causal", is_causal)
+    require_bool("return_residual", return_residual)
+    require_bool("deterministic_backward", deterministic_backward)
+    require_alignment(diagonal_alignment)
     window = parse_window(local_window_size)
     if logits_soft_cap is not None and (
         isinstance(logits_soft_cap, bool)
@@ -398,9 +548,7 @@ def validate(
     ):
         raise ValueError(f"`logits_soft_cap` must be a positive finite float. Got {logits_soft_cap!r}.")
     if sinks is not None:
-        if not _is_float(sinks.dtype):
-            raise TypeError(f"`sinks` must have a floating dtype. Got sinks.dtype={sinks.dtype}.")
-        _require_shape("sinks", sinks, (N,), "[N]")
+        require_sinks(sinks, N)
     if (
         isinstance(dropout_rate, bool)
         or not isinstance(dropout_rate, numbers.Real)
@@ -409,65 +557,7 @@ def validate(
         raise ValueError(f"`dropout_rate` must be a float in [0, 1). Got {dropout_rate!r}.")
     if dropout_rate > 0 and dropout_key is None:
         raise ValueError(f"`dropout_rate`={dropout_rate} > 0 needs a `dropout_key`. Got dropout_key=None.")
-
-    if _causal_mask_is_a_no_op(is_causal, diagonal_alignment, T, layout, q_segment_ids):
-        is_causal = False
-    config = AttentionConfig(
-        layout=layout,
-        batch_shape=batch_shape,
-        unbatched=unbatched,
-        q_len=T,
-        kv_len=S,
-        num_q_heads=N,
-        num_kv_heads=K,
-        head_dim=H,
-        value_head_dim=Hv,
-        dtype=np.dtype(query.dtype),
-        scale=float(scale),
-        is_causal=bool(is_causal),
-        diagonal_alignment=diagonal_alignment,
-        window=window,
-        bias_shape=None if bias is None else tuple(bias.shape),
-        mask_shape=None if mask is None else tuple(mask.shape),
-        has_q_lengths=query_seq_lengths is not None,
-        has_kv_lengths=key_value_seq_lengths is not None,
-        has_segments=q_segment_ids is not None,
-        max_segments_per_row=max_segments_per_row,
-        num_sequences=num_sequences,
-        max_seqlen_q=max_q,
-        max_seqlen_kv=max_kv,
-        page_size=page_size,
-        pages_per_seq=pages_per_seq,
-        num_pages=num_pages,
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        has_sinks=sinks is not None,
-        dropout_rate=float(dropout_rate),
-        return_residual=bool(return_residual),
-        deterministic_backward=bool(deterministic_backward),
-        modifiers=modifiers,
-        fp8=fp8_mode,
-        fp8_output_dtype=None if fp8_scales is None else np.dtype(fp8_scales.output_dtype),
-        max_logit=bool(return_max_logit),
-    )
-    inputs = AttentionInputs(
-        query=query,
-        key=key,
-        value=value,
-        bias=bias,
-        mask=mask,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_kv=cu_seqlens_kv,
-        page_table=page_table,
-        sinks=sinks,
-        dropout_key=dropout_key,
-        score_mod_args=score_mod_args,
-        fp8_scales=fp8_scales,
-    )
-    return config, inputs
+    return scale, window
 
 
 def _causal_mask_is_a_no_op(is_causal, diagonal_alignment, q_len, layout, q_segment_ids) -> bool:
