@@ -268,10 +268,9 @@ ffi::ErrorOr<std::unique_ptr<GraphState>> Instantiate(ffi::Span<const uint8_t> g
     }
   }
   try {
-    std::string error;
-    int64_t backend = LoadCudnn("", &error);
-    if (backend < 0) {
-      return ffi::Unexpected<ffi::Error>(ffi::Error::Internal(Where(*st, "loading libcudnn") + error));
+    if (ffi::ErrorOr<int64_t> backend = LoadCudnn(""); backend.has_error()) {
+      return ffi::Unexpected<ffi::Error>(ffi::Error::Internal(Where(*st, "loading libcudnn") +
+                                                              backend.error().message()));
     }
     st->parsed = json::from_ubjson(st->blob);
     std::string json_version = st->parsed.value("json_version", std::string());
@@ -396,38 +395,35 @@ int FrontendVersion() { return CUDNN_FRONTEND_VERSION; }
 
 std::string GraphJsonVersion() { return kGraphJsonVersion; }
 
-bool CanonicalizeGraph(const std::string& blob, std::string* out, std::string* error) {
+ffi::ErrorOr<std::string> CanonicalizeGraph(const std::string& blob) {
+  const std::string prefix = "not a serialized cuDNN graph: ";
   try {
     json j = json::from_ubjson(blob);
     if (!j.is_object()) {
-      *error = "the serialized graph is not a UBJSON object";
-      return false;
+      return ffi::Unexpected(ffi::Error::InvalidArgument(prefix + "the serialized graph is not a UBJSON object"));
     }
     if (j.contains("gid")) j["gid"] = 0;
     std::vector<uint8_t> bytes = json::to_ubjson(j);
-    out->assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-    return true;
+    return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   } catch (const std::exception& e) {
-    *error = e.what();
-    return false;
+    return ffi::Unexpected(ffi::Error::InvalidArgument(prefix + e.what()));
   }
 }
 
-bool GraphVersions(const std::string& blob, std::string* json_version, int64_t* frontend_version,
-                   std::string* backend_version, std::string* error) {
+ffi::ErrorOr<GraphVersionInfo> GraphVersions(const std::string& blob) {
   try {
     json j = json::from_ubjson(blob);
-    *json_version = j.value("json_version", std::string());
-    *frontend_version = j.value("cudnn_frontend_version", int64_t{-1});
-    *backend_version = j.value("cudnn_backend_version", std::string());
-    return true;
+    GraphVersionInfo info;
+    info.json_version = j.value("json_version", std::string());
+    info.frontend_version = j.value("cudnn_frontend_version", int64_t{-1});
+    info.backend_version = j.value("cudnn_backend_version", std::string());
+    return info;
   } catch (const std::exception& e) {
-    *error = e.what();
-    return false;
+    return ffi::Unexpected(ffi::Error::InvalidArgument(std::string("not a serialized cuDNN graph: ") + e.what()));
   }
 }
 
-int64_t LoadCudnn(const std::string& hint, std::string* error) {
+ffi::ErrorOr<int64_t> LoadCudnn(const std::string& hint) {
   std::lock_guard<std::mutex> lock(LoadMutex());
   if (fe::cudnn_dlhandle == nullptr) {
     void* h = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);
@@ -438,9 +434,9 @@ int64_t LoadCudnn(const std::string& hint, std::string* error) {
     if (h == nullptr && !hint.empty()) h = dlopen(hint.c_str(), RTLD_NOW);
     if (h == nullptr) h = dlopen("libcudnn.so.9", RTLD_NOW);
     if (h == nullptr) {
-      *error = "cannot load libcudnn.so.9 (" + DlError() +
-               "); install nvidia-cudnn-cu13 (or cu12) and initialise JAX's CUDA backend first";
-      return -1;
+      return ffi::Unexpected(ffi::Error::Internal(
+          "cannot load libcudnn.so.9 (" + DlError() +
+          "); install nvidia-cudnn-cu13 (or cu12) and initialise JAX's CUDA backend first"));
     }
     fe::cudnn_dlhandle = h;
     // The frontend's CUDA-runtime loader tries libcudart.so.12 before .13: use the runtime this process already has.
@@ -452,13 +448,23 @@ int64_t LoadCudnn(const std::string& hint, std::string* error) {
   try {
     return static_cast<int64_t>(fe::detail::get_backend_version());
   } catch (const std::exception& e) {
-    *error = e.what();
-    return -1;
+    return ffi::Unexpected(ffi::Error::Internal(e.what()));
   }
 }
 
-double TimeGraph(const std::string& blob, const std::vector<TimedTensor>& tensors, int64_t ws_bytes, int repeats,
-                 int batch, std::string* error) {
+namespace {
+
+// A failed CUDA call as an Internal error (Success for cudaSuccess). Clears CUDA's sticky last error: our own failure
+// (e.g. out of memory next to JAX's pool) must not linger for the next cudaGetLastError caller.
+ffi::Error CudaError(cudaError_t err, const char* step) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  fe::detail::cuda_get_last_error();
+  return ffi::Error::Internal(std::string(step) + ": CUDA error " + std::to_string(static_cast<int>(err)));
+}
+
+// TimeGraph without the common message prefix.
+ffi::ErrorOr<double> TimeGraphUnprefixed(const std::string& blob, const std::vector<TimedTensor>& tensors,
+                                         int64_t ws_bytes, int repeats, int batch) {
   // Everything acquired is released by this guard, whichever step fails.
   struct Resources {
     cudnnHandle_t handle = nullptr;
@@ -474,108 +480,134 @@ double TimeGraph(const std::string& blob, const std::vector<TimedTensor>& tensor
       if (stream != nullptr) fe::detail::cuda_stream_destroy(stream);
     }
   } r;
-  auto cuda_failed = [&](cudaError_t err, const char* step) {
-    if (err == cudaSuccess) return false;
-    *error = std::string(step) + ": CUDA error " + std::to_string(static_cast<int>(err));
-    // Our own failure (e.g. out of memory next to JAX's pool) must not linger for the next cudaGetLastError caller.
-    fe::detail::cuda_get_last_error();
-    return true;
-  };
+  using Failed = ffi::Unexpected<ffi::Error>;
   try {
-    if (LoadCudnn("", error) < 0) return -1;
-    if (repeats < 1 || batch < 1) {
-      *error = "repeats and batch must be at least 1";
-      return -1;
-    }
+    if (ffi::ErrorOr<int64_t> loaded = LoadCudnn(""); loaded.has_error()) return Failed(loaded.error());
+    if (repeats < 1 || batch < 1) return Failed(ffi::Error::InvalidArgument("repeats and batch must be at least 1"));
     if (fe::detail::create_handle(&r.handle) != CUDNN_STATUS_SUCCESS) {
       r.handle = nullptr;
-      *error = "cudnnCreate: " + fe::detail::get_last_error_string_();
-      return -1;
+      return Failed(ffi::Error::Internal("cudnnCreate: " + fe::detail::get_last_error_string_()));
     }
-    if (cuda_failed(fe::detail::cuda_stream_create(&r.stream), "cudaStreamCreate")) return -1;
-    if (cuda_failed(fe::detail::cuda_event_create(&r.start), "cudaEventCreate")) return -1;
-    if (cuda_failed(fe::detail::cuda_event_create(&r.stop), "cudaEventCreate")) return -1;
+    if (ffi::Error e = CudaError(fe::detail::cuda_stream_create(&r.stream), "cudaStreamCreate"); e.failure()) {
+      return Failed(e);
+    }
+    if (ffi::Error e = CudaError(fe::detail::cuda_event_create(&r.start), "cudaEventCreate"); e.failure()) {
+      return Failed(e);
+    }
+    if (ffi::Error e = CudaError(fe::detail::cuda_event_create(&r.stop), "cudaEventCreate"); e.failure()) {
+      return Failed(e);
+    }
     if (fe::detail::set_stream(r.handle, r.stream) != CUDNN_STATUS_SUCCESS) {
-      *error = "cudnnSetStream: " + fe::detail::get_last_error_string_();
-      return -1;
+      return Failed(ffi::Error::Internal("cudnnSetStream: " + fe::detail::get_last_error_string_()));
+    }
+    json parsed;
+    try {
+      parsed = json::from_ubjson(blob);
+    } catch (const std::exception& e) {
+      return Failed(ffi::Error::InvalidArgument(e.what()));
     }
     fe::graph::Graph graph;
-    fe::error_t status = graph.deserialize(r.handle, json::from_ubjson(blob), /*enforce_precompiled=*/false,
-                                           /*run_warmup=*/false);
-    if (status.is_bad()) {
-      *error = "deserialize: " + status.get_message();
-      return -1;
-    }
+    fe::error_t status = graph.deserialize(r.handle, parsed, /*enforce_precompiled=*/false, /*run_warmup=*/false);
+    if (status.is_bad()) return Failed(ffi::Error::Internal("deserialize: " + status.get_message()));
     int64_t needed = 0;
     status = graph.get_workspace_size(needed);
-    if (status.is_bad()) {
-      *error = "get_workspace_size: " + status.get_message();
-      return -1;
-    }
+    if (status.is_bad()) return Failed(ffi::Error::Internal("get_workspace_size: " + status.get_message()));
     std::unordered_map<int64_t, void*> pointers;
     for (const TimedTensor& t : tensors) {
       void* p = nullptr;
-      if (cuda_failed(fe::detail::cuda_malloc(&p, static_cast<size_t>(std::max<int64_t>(t.bytes, 1))), "cudaMalloc")) {
-        return -1;
+      if (ffi::Error e = CudaError(fe::detail::cuda_malloc(&p, static_cast<size_t>(std::max<int64_t>(t.bytes, 1))),
+                                   "cudaMalloc");
+          e.failure()) {
+        return Failed(e);
       }
       r.buffers.push_back(p);
       pointers[t.uid] = p;
       if (t.contents.empty()) {
-        if (cuda_failed(fe::detail::cuda_mem_set_async(p, 0, static_cast<size_t>(t.bytes), r.stream), "cudaMemset")) {
-          return -1;
+        if (ffi::Error e = CudaError(fe::detail::cuda_mem_set_async(p, 0, static_cast<size_t>(t.bytes), r.stream),
+                                     "cudaMemset");
+            e.failure()) {
+          return Failed(e);
         }
       } else {
         if (static_cast<int64_t>(t.contents.size()) > t.bytes) {
-          *error = "contents of tensor uid " + std::to_string(t.uid) + " exceed its size";
-          return -1;
+          return Failed(ffi::Error::InvalidArgument("contents of tensor uid " + std::to_string(t.uid) +
+                                                    " exceed its size"));
         }
-        if (cuda_failed(fe::detail::cuda_mem_cpy_async(p, t.contents.data(), t.contents.size(), cudaMemcpyHostToDevice,
-                                                       r.stream),
-                        "cudaMemcpy")) {
-          return -1;
+        if (ffi::Error e = CudaError(fe::detail::cuda_mem_cpy_async(p, t.contents.data(), t.contents.size(),
+                                                                    cudaMemcpyHostToDevice, r.stream),
+                                     "cudaMemcpy");
+            e.failure()) {
+          return Failed(e);
         }
-        if (cuda_failed(fe::detail::cuda_stream_synchronize(r.stream), "cudaStreamSynchronize")) return -1;
+        if (ffi::Error e = CudaError(fe::detail::cuda_stream_synchronize(r.stream), "cudaStreamSynchronize");
+            e.failure()) {
+          return Failed(e);
+        }
       }
     }
     void* workspace = nullptr;
     int64_t ws = std::max(ws_bytes, needed);
     if (ws > 0) {
-      if (cuda_failed(fe::detail::cuda_malloc(&workspace, static_cast<size_t>(ws)), "cudaMalloc")) return -1;
+      if (ffi::Error e = CudaError(fe::detail::cuda_malloc(&workspace, static_cast<size_t>(ws)), "cudaMalloc");
+          e.failure()) {
+        return Failed(e);
+      }
       r.buffers.push_back(workspace);
     }
     std::vector<void*> ptrs;
     for (int64_t uid : graph.get_variant_pack_uids_sorted()) {
       auto it = pointers.find(uid);
       if (it == pointers.end()) {
-        *error = "the graph needs tensor uid " + std::to_string(uid) + " but no buffer was described for it";
-        return -1;
+        return Failed(ffi::Error::InvalidArgument("the graph needs tensor uid " + std::to_string(uid) +
+                                                  " but no buffer was described for it"));
       }
       ptrs.push_back(it->second);
     }
-    auto run = [&]() {
+    auto run = [&]() -> ffi::Error {
       fe::error_t s = graph.execute(r.handle, ptrs.data(), static_cast<int>(ptrs.size()), workspace);
-      if (s.is_bad()) *error = "execute: " + s.get_message();
-      return s.is_good();
+      if (s.is_bad()) return ffi::Error::Internal("execute: " + s.get_message());
+      return ffi::Error::Success();
     };
-    if (!run()) return -1;
-    if (cuda_failed(fe::detail::cuda_stream_synchronize(r.stream), "warm-up")) return -1;
+    if (ffi::Error e = run(); e.failure()) return Failed(e);
+    if (ffi::Error e = CudaError(fe::detail::cuda_stream_synchronize(r.stream), "warm-up"); e.failure()) {
+      return Failed(e);
+    }
     float best = std::numeric_limits<float>::infinity();
     for (int rep = 0; rep < repeats; ++rep) {
-      if (cuda_failed(fe::detail::cuda_event_record(r.start, r.stream), "cudaEventRecord")) return -1;
-      for (int i = 0; i < batch; ++i) {
-        if (!run()) return -1;
+      if (ffi::Error e = CudaError(fe::detail::cuda_event_record(r.start, r.stream), "cudaEventRecord"); e.failure()) {
+        return Failed(e);
       }
-      if (cuda_failed(fe::detail::cuda_event_record(r.stop, r.stream), "cudaEventRecord")) return -1;
-      if (cuda_failed(fe::detail::cuda_event_synchronize(r.stop), "cudaEventSynchronize")) return -1;
+      for (int i = 0; i < batch; ++i) {
+        if (ffi::Error e = run(); e.failure()) return Failed(e);
+      }
+      if (ffi::Error e = CudaError(fe::detail::cuda_event_record(r.stop, r.stream), "cudaEventRecord"); e.failure()) {
+        return Failed(e);
+      }
+      if (ffi::Error e = CudaError(fe::detail::cuda_event_synchronize(r.stop), "cudaEventSynchronize"); e.failure()) {
+        return Failed(e);
+      }
       float ms = 0.0f;
-      if (cuda_failed(fe::detail::cuda_event_elapsed_time(&ms, r.start, r.stop), "cudaEventElapsedTime")) return -1;
+      if (ffi::Error e = CudaError(fe::detail::cuda_event_elapsed_time(&ms, r.start, r.stop), "cudaEventElapsedTime");
+          e.failure()) {
+        return Failed(e);
+      }
       best = std::min(best, ms / static_cast<float>(batch));
     }
     return static_cast<double>(best);
   } catch (const std::exception& e) {
-    *error = e.what();
-    return -1;
+    return Failed(ffi::Error::Internal(e.what()));
   }
+}
+
+}  // namespace
+
+ffi::ErrorOr<double> TimeGraph(const std::string& blob, const std::vector<TimedTensor>& tensors, int64_t ws_bytes,
+                               int repeats, int batch) {
+  ffi::ErrorOr<double> ms = TimeGraphUnprefixed(blob, tensors, ws_bytes, repeats, batch);
+  if (ms.has_value()) return ms;
+  const ffi::Error& e = ms.error();
+  return ffi::Unexpected(
+      ffi::Error(e.errc().value_or(ffi::ErrorCode::kInternal), "timing the cuDNN graph failed: " + e.message()));
 }
 
 }  // namespace attnlib

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cudnn_graph.h"
@@ -26,6 +27,16 @@ nb::capsule Capsule(T* fn) {
 nb::bytes ToBytes(const std::string& s) { return nb::bytes(s.data(), s.size()); }
 
 std::string FromBytes(nb::bytes b) { return std::string(b.c_str(), b.size()); }
+
+// The one place a helper's error becomes a Python exception: ValueError for InvalidArgument (bad input), RuntimeError
+// for everything else (libcudnn, CUDA or cuDNN failures). The message is the error's, unchanged.
+template <typename T>
+T ValueOrThrow(xla::ffi::ErrorOr<T> result) {
+  if (result.has_value()) return std::move(result).value();
+  const xla::ffi::Error& error = result.error();
+  if (error.errc() == xla::ffi::ErrorCode::kInvalidArgument) throw std::invalid_argument(error.message());
+  throw std::runtime_error(error.message());
+}
 
 }  // namespace
 
@@ -64,35 +75,19 @@ NB_MODULE(_attnlib_ffi, m) {
 
   m.def(
       "canonicalize_graph",
-      [](nb::bytes blob) {
-        std::string out, error;
-        if (!attnlib::CanonicalizeGraph(FromBytes(blob), &out, &error)) {
-          throw std::invalid_argument("not a serialized cuDNN graph: " + error);
-        }
-        return ToBytes(out);
-      },
+      [](nb::bytes blob) { return ToBytes(ValueOrThrow(attnlib::CanonicalizeGraph(FromBytes(blob)))); },
       nb::arg("blob"), "The blob with its process-dependent graph id zeroed, so equal graphs give equal bytes.");
 
   m.def(
       "graph_versions",
       [](nb::bytes blob) {
-        std::string json_version, backend, error;
-        int64_t frontend = -1;
-        if (!attnlib::GraphVersions(FromBytes(blob), &json_version, &frontend, &backend, &error)) {
-          throw std::invalid_argument("not a serialized cuDNN graph: " + error);
-        }
-        return std::make_tuple(json_version, frontend, backend);
+        attnlib::GraphVersionInfo info = ValueOrThrow(attnlib::GraphVersions(FromBytes(blob)));
+        return std::make_tuple(info.json_version, info.frontend_version, info.backend_version);
       },
       nb::arg("blob"), "(json_version, cudnn_frontend_version, cudnn_backend_version) recorded in a blob.");
 
   m.def(
-      "load_cudnn",
-      [](const std::string& hint) {
-        std::string error;
-        int64_t version = attnlib::LoadCudnn(hint, &error);
-        if (version < 0) throw std::runtime_error(error);
-        return version;
-      },
+      "load_cudnn", [](const std::string& hint) { return ValueOrThrow(attnlib::LoadCudnn(hint)); },
       nb::arg("hint") = "",
       "Binds the extension to libcudnn (the copy already loaded, else `hint`, else the soname); returns its version.");
 
@@ -100,16 +95,14 @@ NB_MODULE(_attnlib_ffi, m) {
       "time_graph",
       [](nb::bytes blob, const std::vector<std::tuple<int64_t, int64_t, nb::bytes>>& tensors, int64_t ws_bytes,
          int repeats, int batch) {
+        std::string graph = FromBytes(blob);
         std::vector<attnlib::TimedTensor> described;
         for (const auto& [uid, bytes, contents] : tensors) described.push_back({uid, bytes, FromBytes(contents)});
-        std::string error;
-        double ms;
-        {
+        xla::ffi::ErrorOr<double> ms = [&] {
           nb::gil_scoped_release release;
-          ms = attnlib::TimeGraph(FromBytes(blob), described, ws_bytes, repeats, batch, &error);
-        }
-        if (ms < 0) throw std::runtime_error("timing the cuDNN graph failed: " + error);
-        return ms;
+          return attnlib::TimeGraph(graph, described, ws_bytes, repeats, batch);
+        }();
+        return ValueOrThrow(std::move(ms));
       },
       nb::arg("blob"), nb::arg("tensors"), nb::arg("ws_bytes"), nb::arg("repeats") = 3, nb::arg("batch") = 5,
       "Best milliseconds of one execution of a serialized graph on fresh buffers of the current device. `tensors` "
