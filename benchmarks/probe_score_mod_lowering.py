@@ -7,8 +7,9 @@ import numpy as np
 import torch, cudnn
 import jax, jax.numpy as jnp
 
-spec = importlib.util.spec_from_file_location("sml", "attnlib/_src/backends/cudnn/score_mod_lowering.py")
-L = importlib.util.module_from_spec(spec); spec.loader.exec_module(L)
+_SML = "attnlib/_src/backends/cudnn/score_mod_lowering"
+spec = importlib.util.spec_from_file_location("sml", f"{_SML}/__init__.py", submodule_search_locations=[_SML])
+L = importlib.util.module_from_spec(spec); sys.modules["sml"] = L; spec.loader.exec_module(L)
 
 OUT = os.environ.get("OUT", ".")
 F32, I32, BF = cudnn.data_type.FLOAT, cudnn.data_type.INT32, cudnn.data_type.BFLOAT16
