@@ -8,7 +8,7 @@ Not collected by a plain `pytest` run: `tests/test_cudnn_dense_emulated.py` runs
 The ring and all-gather strategies call `attnlib.attention(..., implementation=("cudnn", "xla"))` on every sub-block
 inside `shard_map`: blocks cuDNN can express (causal, windows, padding lengths, sinks) go through the cuDNN wrapper
 (custom VJP, trimmed lengths, zero-filled results, values that vary over the mesh axis) with the graph replaced by
-`test_cudnn_dense_emulated.emulate`; the others (boolean masks) run on `xla`. Outputs and gradients are compared with
+`cudnn_emulation.emulate`; the others (boolean masks) run on `xla`. Outputs and gradients are compared with
 single-device `xla` attention on the whole sequence, in bfloat16 with the tolerances of `test_context_parallel_gpu.py`
 (5 bf16 epsilons on the output, 8 times the gradient's scale on gradients). The H200 runs the same path for real on
 a mesh of one device; this checks the multi-step merges, the per-step lengths and the sharded custom VJP.
@@ -18,14 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cudnn_emulation import emulate, install
 from jax.sharding import Mesh, PartitionSpec as P
-from test_cudnn_dense_emulated import emulate, entry_for
-
-from helpers import fake_cudnn
 
 import attnlib
 import attnlib.context_parallel as cp
-from attnlib._src.backends.cudnn import executor, support
 
 
 if jax.device_count() < 4:
@@ -42,9 +39,7 @@ def emulated(monkeypatch):
         CALLS.append(spec.label)
         return emulate(spec, entry, *operands, tokens=tokens)
 
-    fake_cudnn(monkeypatch)
-    monkeypatch.setattr(executor, "get_entry", entry_for)
-    monkeypatch.setattr(executor, "ffi_graph_call", counted)
+    install(monkeypatch, counted)
     CALLS.clear()
 
 

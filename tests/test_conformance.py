@@ -9,6 +9,15 @@ Each case checks, against `tests/reference.py`:
 
 `xla_chunked` runs twice: with its default key block and as `attnlib.XlaChunked(block_k=5)`, so that S = 17 (or 12
 for paged) spans several blocks with a ragged last one.
+
+`cudnn` runs the same cases in the dtypes it serves (bfloat16 over the whole table, float16 over `F16_FEATURES`), with
+the same shared tolerances (those of the cuDNN suites, `test_cudnn_gpu.py`, are the same per dtype):
+  * `cudnn-emulated`: on the CPU, with attnlib's whole cuDNN wrapper running over the CPU emulation of its graphs
+    (`tests/cudnn_emulation.py`, as on an H200 with cuDNN 9.19);
+  * `cudnn` (`-m gpu`): the real one.
+A feature cuDNN declines is skipped with the reason `attnlib.explain` gives, and so is dropout (cuDNN draws its mask
+with its own generator, docs/semantics.md, so the reference's mask does not apply). cuDNN's backward is bitwise
+reproducible only with `deterministic_backward=True` (docs/semantics.md): the re-run checks its gradients only then.
 """
 
 import dataclasses
@@ -20,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cudnn_emulation import emulate_graph, install as install_cudnn_emulation
 from helpers import (
     assert_finite,
     assert_grad_close,
@@ -58,6 +68,12 @@ IMPL_IDS = ["xla", "xla_chunked", f"xla_chunked-bk{SMALL_BLOCK_K}"]
 @pytest.fixture(params=IMPLS, ids=IMPL_IDS)
 def impl(request):
     return request.param
+
+
+# cuDNN: `CUDNN_EMULATED` on the CPU emulation of its graphs, and the real one (`-m gpu`), in its 16-bit dtypes.
+CUDNN_EMULATED = "cudnn-emulated"
+CUDNN_PARAMS = [(CUDNN_EMULATED, ()), ("cudnn", (pytest.mark.gpu,))]
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -417,12 +433,35 @@ def _conformance_params():
                 if spec == "xla_chunked" and dtype != jnp.float32:
                     continue
                 params.append(pytest.param(spec, feature, dtype, id=f"{impl_id}-{feature}-{dtype_id}"))
+            if dtype in CUDNN_DTYPES:
+                for spec, marks in CUDNN_PARAMS:
+                    params.append(pytest.param(spec, feature, dtype, marks=marks, id=f"{spec}-{feature}-{dtype_id}"))
     return params
 
 
 @pytest.mark.parametrize("impl_spec,feature,dtype", _conformance_params())
-def test_conformance(impl_spec, feature, dtype):
-    check_conformance(impl_spec, feature, dtype)
+def test_conformance(impl_spec, feature, dtype, monkeypatch):
+    check_conformance(cudnn_or_skip(impl_spec, feature, dtype, monkeypatch), feature, dtype)
+
+
+def cudnn_or_skip(impl_spec, feature: str, dtype, monkeypatch):
+    """The implementation to check: `impl_spec`, except `CUDNN_EMULATED` -> `"cudnn"` with the emulation switched on
+    (for this test). For cuDNN, skips a case it declines, with `attnlib.explain`'s reason, and dropout."""
+    if impl_spec not in ("cudnn", CUDNN_EMULATED):
+        return impl_spec
+    if impl_spec == CUDNN_EMULATED:
+        install_cudnn_emulation(monkeypatch, emulate_graph)
+    case = build_case(feature, dtype)
+    a = dict(case.arrays)
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    bias, mask = a.pop("bias", None), a.pop("mask", None)
+    explanation = attnlib.explain(q, k, v, bias, mask, implementation="cudnn", return_residual=True, **a,
+                                  **case.static)  # fmt: skip
+    if explanation.implementation != "cudnn":
+        pytest.skip(f"cudnn declines: {explanation.declined['cudnn']}")
+    if case.static.get("dropout_rate", 0.0) > 0:
+        pytest.skip("cudnn draws dropout masks with its own generator (docs/semantics.md): no reference to compare")
+    return "cudnn"
 
 
 def check_conformance(impl, feature, dtype):
@@ -450,9 +489,11 @@ def check_conformance(impl, feature, dtype):
         dq = np.asarray(to_f64(grads["query"]))
         assert (dq[empty] == 0).all(), "query gradient of a fully masked row is not exactly 0"
 
-    # bitwise determinism of a re-run
+    # bitwise determinism of a re-run (cuDNN's backward: only with `deterministic_backward=True`)
     out2, lse2, grads2 = run(d_out)
     assert bitwise_equal(out, out2) and bitwise_equal(lse, lse2)
+    if impl == "cudnn" and not case.static.get("deterministic_backward", False):
+        return
     for name in grads:
         assert bitwise_equal(grads[name], grads2[name]), f"d{name} differs between two runs"
 
@@ -464,6 +505,12 @@ F16_FEATURES = ["gqa", "causal_br_T>S", "sinks_fully_masked", "bias_BNTS"]
 def test_conformance_float16(impl, feature):
     # float16 is a supported dtype too (API §1); a smaller matrix than f32/bf16 to keep CPU CI fast
     check_conformance(impl, feature, jnp.float16)
+
+
+@pytest.mark.parametrize("feature", F16_FEATURES)
+@pytest.mark.parametrize("impl_spec", [pytest.param(spec, marks=marks, id=spec) for spec, marks in CUDNN_PARAMS])
+def test_conformance_float16_cudnn(impl_spec, feature, monkeypatch):
+    check_conformance(cudnn_or_skip(impl_spec, feature, jnp.float16, monkeypatch), feature, jnp.float16)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """CPU tests of the dense cuDNN wrapper (padding lengths, trimmed query lengths, custom VJP) against an emulated graph.
 
-The graph call is replaced by `emulate`, a plain-JAX model of a dense cuDNN SDPA graph with padding lengths: it
-never writes rows past `seq_len_q` (O, dQ) or `seq_len_kv` (dK, dV), so those rows hold zeros when the wrapper asked
-for them to be zero-filled and NaN otherwise, and rows that see no key come out NaN (0 / 0), the worst a real kernel
-could do. The wrapper must still match the `xla` reference exactly where the API defines the result (zeros, `-inf`,
-gradients). What this cannot show is that cuDNN behaves like the model: `test_cudnn_gpu.py` checks that on the GPU.
+The graph call is replaced by `emulate` (`tests/cudnn_emulation.py`), a plain-JAX model of a dense cuDNN SDPA
+graph with padding lengths: it never writes rows past `seq_len_q` (O, dQ) or `seq_len_kv` (dK, dV), so those rows
+hold zeros when the wrapper asked for them to be zero-filled and NaN otherwise, and rows that see no key come out NaN
+(0 / 0), the worst a real kernel could do. The wrapper must still match the `xla` reference exactly where the API
+defines the result (zeros, `-inf`, gradients). What this cannot show is that cuDNN behaves like the model:
+`test_cudnn_gpu.py` checks that on the GPU.
 """
 
 import jax
@@ -12,82 +13,12 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import fake_cudnn, run_pytest_on_simulated_devices
-from test_cudnn_ragged import _close, _compare, _eps, _mask, softmax_rows
+from cudnn_emulation import _unwritten, emulate, entry_for, install  # noqa: F401  (_unwritten: test_fp8_cudnn_emulated)
+from helpers import run_pytest_on_simulated_devices
+from test_cudnn_ragged import _close, _compare, _eps
 
 import attnlib
-from attnlib._src.backends.cudnn import attention as dense, executor, cache, support
-from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
-
-
-def _unwritten(x: jax.Array, rows: int, lengths: jax.Array, zero_filled: bool, seq_kv: jax.Array | None = None):
-    """`x` `[b, rows, ...]` with the rows at or past `lengths` as the kernel leaves them: zero-filled by a memset, or
-    (`seq_kv` given: a graph without the memset) written as zeros by the kernel except in batch elements without
-    keys, which it skips (NaN), or else never written (NaN)."""
-    expand = lambda m: m.reshape(m.shape + (1,) * (x.ndim - m.ndim))
-    keep = expand(jnp.arange(rows)[None, :] < lengths[:, None])
-    if zero_filled:
-        return jnp.where(keep, x, 0.0)
-    if seq_kv is None:
-        return jnp.where(keep, x, jnp.nan)
-    return jnp.where(expand(seq_kv[:, None] > 0), jnp.where(keep, x, 0.0), jnp.nan)
-
-
-def emulate(spec: GraphSpec, entry, *operands, tokens=None):
-    """A plain-JAX dense cuDNN SDPA graph, in `spec.out_uids()` order."""
-    del entry, tokens
-    vals = dict(zip(spec.in_uids(), operands))
-    b, t, s, g = spec.b, spec.t, spec.s, spec.n // spec.k
-    seq_q = vals.get(Uid.SEQ_Q, jnp.full((b,), t, jnp.int32))
-    seq_kv = vals.get(Uid.SEQ_KV, jnp.full((b,), s, jnp.int32))
-    heads_first = lambda x: jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3))
-    q = heads_first(vals[Uid.Q])
-    k = jnp.repeat(heads_first(vals[Uid.K]), g, axis=1)
-    v = jnp.repeat(heads_first(vals[Uid.V]), g, axis=1)
-    logits = jnp.einsum("bnih,bnjh->bnij", q, k, precision="highest") * spec.scale
-    if spec.bias_b:
-        logits = logits + vals[Uid.BIAS].astype(jnp.float32)
-    mask = _mask(spec, seq_q, seq_kv)
-    logits = jnp.where(mask, logits, -jnp.inf)
-    filled = {spec.out_uids()[i] for i in spec.zero_fill()}
-    # attnlib relies on cuDNN's zeros only for top-left padded graphs without the memset; elsewhere: never written.
-    kernel_zeros = seq_kv if spec.rows_by_length and not spec.memset_rows else None
-    rows_first = lambda x: jnp.transpose(x, (0, 2, 1, 3))
-    if spec.direction == "fwd":
-        o, stats = softmax_rows(logits, v, vals.get(Uid.SINK))
-        out = _unwritten(rows_first(o), t, seq_q, Uid.O in filled, kernel_zeros).astype(spec.dtype)
-        rows = jnp.arange(t)[None, None, :] < seq_q[:, None, None]
-        stats = jnp.where(rows, stats, jnp.nan)
-        if spec.row_max:  # cuDNN's score_max and score_sum_exp instead of Stats
-            top = jnp.max(logits, axis=-1)
-            sum_exp = jnp.sum(jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)[..., None]), axis=-1)
-            return out, jnp.where(rows, top, jnp.nan), jnp.where(rows, sum_exp, jnp.nan)
-        return (out, stats) if spec.stats else (out,)
-    o, do = heads_first(vals[Uid.O]), heads_first(vals[Uid.DO])
-    p = jnp.where(mask, jnp.exp(logits - vals[Uid.STATS][..., None]), 0.0)
-    dp = jnp.einsum("bnih,bnjh->bnij", do, v, precision="highest")
-    d_logits = p * (dp - jnp.sum(do * o, axis=-1, keepdims=True))
-    dq = jnp.einsum("bnij,bnjh->bnih", d_logits, k, precision="highest") * spec.scale
-    dk = jnp.einsum("bnij,bnih->bnjh", d_logits, q, precision="highest") * spec.scale
-    dv = jnp.einsum("bnij,bnih->bnjh", p, do, precision="highest")
-    fold = lambda x: rows_first(jnp.sum(jnp.reshape(x, (b, spec.k, g) + x.shape[2:]), axis=2))
-    grads = [
-        _unwritten(rows_first(dq), t, seq_q, Uid.DQ in filled, kernel_zeros),
-        _unwritten(fold(dk), s, seq_kv, Uid.DK in filled, kernel_zeros),
-        _unwritten(fold(dv), s, seq_kv, Uid.DV in filled, kernel_zeros),
-    ]
-    if spec.bias_b:
-        dbias = jnp.sum(d_logits, axis=(0,), keepdims=True) if spec.bias_b == 1 else d_logits
-        grads.append(jnp.sum(dbias, axis=1, keepdims=True) if spec.bias_n == 1 else dbias)
-    return tuple(x.astype(spec.dtype) for x in grads)
-
-
-def entry_for(spec: GraphSpec) -> cache.GraphEntry:
-    """A stand-in built graph (the emulator needs only the spec)."""
-    return cache.GraphEntry(
-        blob=b"{}", workspace_bytes=0, in_uids=tuple(map(int, spec.in_uids())),
-        out_uids=tuple(map(int, spec.out_uids())), zero_fill=spec.zero_fill(), label=spec.label,
-    )  # fmt: skip
+from attnlib._src.backends.cudnn import attention as dense, executor, support
 
 
 @pytest.fixture(params=[92100, 91900], ids=["memset", "kernel_zeros"])
@@ -95,9 +26,7 @@ def emulated(monkeypatch, request):
     """Route dense `implementation="cudnn"` calls through `emulate`, as on an H200: with cuDNN 9.19, which writes
     zeros in padded rows itself, and with a cuDNN not known to (9.21 here), where attnlib zero-fills them first
     (`support.writes_padding_zeros`)."""
-    fake_cudnn(monkeypatch, version=request.param)
-    monkeypatch.setattr(executor, "get_entry", entry_for)
-    monkeypatch.setattr(executor, "ffi_graph_call", emulate)
+    install(monkeypatch, emulate, version=request.param)
 
 
 def _qkv(seed, B, T, S, N, K, H=64, Hv=48, dtype=jnp.bfloat16):
