@@ -282,7 +282,7 @@ def test_graph_rejected_at_build_falls_back_unless_named_alone(monkeypatch, capl
         def decline_reason(self, config, *, explicit):
             return None
 
-        def attention(self, config, inputs, *, explicit=True):
+        def attention(self, config, inputs, *, explicit=True, fallback=None, unbounded=None):
             raise graphs.GraphRejected("cudnn: cuDNN rejected the fwd graph (test): no engine")
 
     monkeypatch.setitem(dispatch.REGISTRY, "cudnn", Refusing())

@@ -173,15 +173,23 @@ def run(
 
     impls, automatic = requested_implementations(implementation)
     alone = not automatic and len(impls) == 1  # nothing to fall back to
-    fallback = _fp8_fallback_reason(config, automatic)
-    if fallback is not None:
-        message = f"attnlib.attention: {fallback}; running it on cuDNN in 16 bits without FP8 quantization."
+    fp8_reason = _fp8_fallback_reason(config, automatic)
+    if fp8_reason is not None:
+        message = f"attnlib.attention: {fp8_reason}; running it on cuDNN in 16 bits without FP8 quantization."
         logs.log_once((config, message), logging.WARNING, message)
-        return _CUDNN.attention(without_fp8(config), fp8_fallback_inputs(config, inputs), explicit=False)
+        return _CUDNN.attention(
+            without_fp8(config), fp8_fallback_inputs(config, inputs), explicit=False,
+            fallback=xla.IMPLEMENTATION.attention, unbounded=xla_chunked.IMPLEMENTATION.attention,
+        )  # fmt: skip
     while True:
         impl = choose(config, impls, automatic)
         try:
-            return impl.attention(config, inputs, explicit=alone)
+            # What an implementation cannot compute itself (`base.Implementation`): cuDNN's paged gradient, packed
+            # rows beyond its bound.
+            fallback = None if alone else xla.IMPLEMENTATION.attention
+            return impl.attention(
+                config, inputs, explicit=alone, fallback=fallback, unbounded=xla_chunked.IMPLEMENTATION.attention
+            )
         except GraphRejected as e:
             remaining = tuple(i for i in impls if i is not impl)
             if not remaining or alone:

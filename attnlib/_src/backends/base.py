@@ -1,10 +1,16 @@
 """What every implementation provides to dispatch."""
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import jax
 
 from ..config import AttentionConfig, AttentionInputs
+
+
+Fallback = Callable[[AttentionConfig, AttentionInputs], tuple[jax.Array, ...]]
+"""Another implementation's `attention`, `(config, inputs) -> results`, as dispatch hands it to one that cannot
+compute all of a call itself."""
 
 
 @runtime_checkable
@@ -21,8 +27,15 @@ class Implementation(Protocol):
     result, `max_logit` itself (float32 `[*B, N]`, semantics.md): computed with the output, it saves
     `max_logit.py`'s separate pass. Both are differentiable with respect to
     query, key, value, bias and sinks (paged layouts may decline gradients). Its `explicit` is True when the caller
-    named this implementation alone (no other to fall back to): cuDNN's paged forward then refuses a gradient
-    instead of differentiating the `xla` path. Neither method keeps state between calls.
+    named this implementation alone (no other to fall back to). Neither method keeps state between calls.
+
+    An implementation that cannot compute all of a call itself never calls a sibling: it uses the `fallback` and
+    `unbounded` (`Fallback`s) that dispatch passes every implementation (only cuDNN needs them today):
+    - `fallback` runs the part it lacks: `xla`, or None when the caller named this implementation alone (cuDNN's
+      paged forward then refuses a gradient instead of differentiating `fallback`);
+    - `unbounded` runs a call whose data turn out on device to exceed the bounds its kernels were built for, whatever
+      was requested, so that such a call never gives wrong numbers: `xla_chunked` (cuDNN's packed rows with more
+      segments than the bound used under `jit`).
     """
 
     name: str
@@ -30,5 +43,11 @@ class Implementation(Protocol):
     def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None: ...
 
     def attention(
-        self, config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
+        self,
+        config: AttentionConfig,
+        inputs: AttentionInputs,
+        *,
+        explicit: bool = True,
+        fallback: Fallback | None = None,
+        unbounded: Fallback | None = None,
     ) -> tuple[jax.Array, jax.Array]: ...

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from .. import canonical, fp8 as fp8_lib
 from ..config import AttentionConfig, AttentionInputs
 from . import scores
+from .base import Fallback
 
 
 def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Array, jax.Array]:
@@ -90,8 +91,15 @@ class _Xla:
         return None
 
     def attention(
-        self, config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
+        self,
+        config: AttentionConfig,
+        inputs: AttentionInputs,
+        *,
+        explicit: bool = True,
+        fallback: Fallback | None = None,
+        unbounded: Fallback | None = None,
     ) -> tuple[jax.Array, jax.Array]:
+        del explicit, fallback, unbounded  # serves every call it accepts by itself
         if config.fp8 is not None:
             return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem))
         return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs)))

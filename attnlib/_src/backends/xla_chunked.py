@@ -24,6 +24,7 @@ from .. import canonical, fp8 as fp8_lib, varying
 from ..config import AttentionConfig, AttentionInputs
 from ..positions import TokenPositions
 from . import one_block, scores
+from .base import Fallback
 
 
 BLOCK_K = 512
@@ -548,8 +549,15 @@ class XlaChunked:
         return None
 
     def attention(
-        self, config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
+        self,
+        config: AttentionConfig,
+        inputs: AttentionInputs,
+        *,
+        explicit: bool = True,
+        fallback: Fallback | None = None,
+        unbounded: Fallback | None = None,
     ) -> tuple[jax.Array, jax.Array]:
+        del explicit, fallback, unbounded  # serves every call it accepts by itself
         if config.fp8 is not None:
             return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem, self.block_k))
         return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs), self.block_k))

@@ -7,11 +7,12 @@ traced on a machine that has one.
 import jax
 
 from ...config import AttentionConfig, AttentionInputs
+from ..base import Fallback
 from . import support
 
 
 class _Cudnn:
-    """The cuDNN implementation (paged calls are forward only: see `attention`'s `explicit`)."""
+    """The cuDNN implementation (paged calls are forward only: their gradient differentiates `fallback`)."""
 
     name = "cudnn"
 
@@ -20,7 +21,13 @@ class _Cudnn:
         return None if reason is None else reason.removeprefix("cudnn: ")
 
     def attention(
-        self, config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool = True
+        self,
+        config: AttentionConfig,
+        inputs: AttentionInputs,
+        *,
+        explicit: bool = True,
+        fallback: Fallback | None = None,
+        unbounded: Fallback | None = None,
     ) -> tuple[jax.Array, ...]:
         from . import attention, modifier, paged, varlen
 
@@ -28,10 +35,10 @@ class _Cudnn:
         if reason is not None:
             raise NotImplementedError(reason)
         if config.layout == "paged":
-            return paged.attention(config, inputs, explicit=explicit)
+            return paged.attention(config, inputs, fallback=fallback)
         # Packed rows run as THD unless their structure rides in a bias next to a mask or modifier.
         if config.layout != "dense" or (config.has_segments and not modifier.visibility_as_bias(config)):
-            return varlen.attention(config, inputs)
+            return varlen.attention(config, inputs, unbounded=unbounded)
         return attention.attention(config, inputs)
 
 

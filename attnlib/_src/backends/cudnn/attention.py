@@ -26,6 +26,7 @@ import numpy as np
 from ... import canonical, dropout as dropout_lib, fp8 as fp8_lib, logs, masks as masks_lib, varying
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
+from .. import lse as lse_lib
 from . import executor, graphs, modifier as modifier_lib, ragged, support
 from .graphs import GraphSpec, Uid
 
@@ -181,34 +182,27 @@ def _forward(
     return out, stats, valid, row_max
 
 
-def _lse_reference(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, args) -> jax.Array:
-    """float32 lse `[B, T, N]` computed by materialising the scores (used only for gradients flowing into lse)."""
+def _visible(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array:
+    """Bool `[B, t, S]`: the keys each query row of the graphs sees by the lengths and the built-in band."""
     spec = plan.fwd
-    G = spec.n // spec.k
-    q5 = jnp.reshape(q.astype(jnp.float32), (spec.b, spec.t, spec.k, G, spec.h))
-    s = jnp.einsum("btkgh,bskh->bkgts", q5, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * spec.scale
-    if spec.modifier is not None:
-        by_head = jnp.reshape(s, (spec.b, spec.n, spec.t, spec.s))
-        s = jnp.reshape(modifier_lib.reference_scores(spec.modifier, by_head, args), s.shape)
-    if bias is not None:
-        s = s + jnp.reshape(bias.astype(jnp.float32), (bias.shape[0], spec.k if bias.shape[1] > 1 else 1,
-                                                        G if bias.shape[1] > 1 else 1, spec.t, spec.s))
-    if plan.detect_masked:
-        s = jnp.where(s > plan.masked_below, s, -jnp.inf)
     i = jnp.arange(spec.t)[None, :, None]
     j = jnp.arange(spec.s)[None, None, :]
     q_len = jnp.full((spec.b,), spec.t) if seq_q is None else seq_q
     kv_len = jnp.full((spec.b,), spec.s) if seq_kv is None else seq_kv
     diagonal = plan.band.diagonal(i, q_len[:, None, None], kv_len[:, None, None])
-    allowed = (i < q_len[:, None, None]) & (j < kv_len[:, None, None]) & plan.band.allows(j - diagonal)
-    s = jnp.where(allowed[:, None, None], s, -jnp.inf)
-    if plan.detect_masked:
-        s = jnp.concatenate([s, jnp.full(s.shape[:-1] + (1,), -jnp.inf, s.dtype)], axis=-1)  # no NaN when all -inf
-    if sinks is not None:
-        sink = jnp.broadcast_to(jnp.reshape(sinks.astype(jnp.float32), (1, spec.k, G, 1, 1)), s.shape[:-1] + (1,))
-        s = jnp.concatenate([s, sink], axis=-1)
-    lse = jax.nn.logsumexp(s, axis=-1)  # [B, K, G, T]
-    return jnp.transpose(jnp.reshape(lse, (spec.b, spec.n, spec.t)), (0, 2, 1))
+    return (i < q_len[:, None, None]) & (j < kv_len[:, None, None]) & plan.band.allows(j - diagonal)
+
+
+def _lse_reference(plan: Plan, q, k, bias, sinks, seq_q, seq_kv, args) -> jax.Array:
+    """float32 lse `[B, T, N]` of the graphs' scores in plain JAX (used only for gradients flowing into lse)."""
+    spec = plan.fwd
+    score_mod = None
+    if spec.modifier is not None:
+        score_mod = functools.partial(modifier_lib.reference_scores, spec.modifier, args=args)
+    return lse_lib.logsumexp(
+        q, k, _visible(plan, seq_q, seq_kv), scale=spec.scale, bias=bias, sinks=sinks, score_mod=score_mod,
+        masked_below=plan.masked_below if plan.detect_masked else None,
+    )
 
 
 def _head_maxima(row_max: jax.Array | None, valid: jax.Array | None) -> jax.Array | None:
@@ -293,14 +287,14 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
         dsinks = -jnp.einsum("btn,bnt->n", row, p_sink).astype(sinks.dtype)
     if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
         # Gradients flowing into lse: cuDNN's backward has no input for them; differentiate a reference lse.
-        diff = (q, k, v, bias, sinks)
+        diff = (q, k, bias, sinks)
         lse_reference, vjp = jax.vjp(lambda *a: _lse_reference(plan, *a, seq_q, seq_kv, args), *diff)
         extra = vjp(varying.match(d_lse.astype(jnp.float32), lse_reference))
-        dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
+        dq, dk = (g + e.astype(g.dtype) for g, e in zip((dq, dk), extra[:2]))
         if bias is not None:
-            dbias = dbias + extra[3].astype(dbias.dtype)
+            dbias = dbias + extra[2].astype(dbias.dtype)
         if sinks is not None:
-            dsinks = dsinks + extra[4].astype(dsinks.dtype)
+            dsinks = dsinks + extra[3].astype(dsinks.dtype)
     return dq, dk, dv, dbias, dsinks, None, None, None, jax.tree.map(lambda _: None, args), no_fp8
 
 

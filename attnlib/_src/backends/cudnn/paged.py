@@ -1,11 +1,9 @@
 """cuDNN attention over paged key/value caches (`page_table`): cuDNN's paged forward (decode and chunked prefill).
 
-cuDNN has no paged backward, so:
-- `implementation="cudnn"` (named alone) raises `NotImplementedError` from the backward rule when a gradient is
-  taken;
-- `implementation=None` (cuDNN picked automatically) runs the forward on cuDNN and differentiates the `xla` path in
-  the backward rule (it recomputes the attention in plain JAX), so `jax.grad` works as on every other path.
-A backward rule is the only place that knows a gradient was asked for; dispatch cannot know it when it picks.
+cuDNN has no paged backward, so the backward rule differentiates the `fallback` implementation that dispatch passes
+(`xla`, which recomputes the attention in plain JAX) and `jax.grad` works as on every other path; without one
+(`implementation="cudnn"` named alone) it raises `NotImplementedError`. A backward rule is the only place that knows a
+gradient was asked for; dispatch cannot know it when it picks.
 """
 
 import dataclasses
@@ -18,7 +16,7 @@ import numpy as np
 from ... import varying
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
-from .. import xla as xla_backend
+from ..base import Fallback
 from . import executor
 from .graphs import GraphSpec, Uid
 
@@ -30,13 +28,14 @@ class PagedPlan:
     Attributes:
         fwd: the forward graph spec.
         band: the call's mask (`band.py`; the graph may drop a bound that changes nothing, see `attention`).
-        explicit: cuDNN was named alone: a gradient raises instead of falling back to the `xla` path.
+        fallback: what a gradient differentiates (`base.Implementation`); None when cuDNN was named alone: a
+            gradient then raises.
         config: the call's configuration (for the fallback backward).
     """
 
     fwd: GraphSpec
     band: Band
-    explicit: bool
+    fallback: Fallback | None
     config: AttentionConfig
 
 
@@ -68,7 +67,8 @@ def _paged_sdpa_fwd(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq
 
 def _paged_sdpa_bwd(plan: PagedPlan, residuals, cotangents):
     q, k_pages, v_pages, page_table, seq_q, seq_kv, reference = residuals
-    if plan.explicit:
+    run = plan.fallback
+    if run is None:
         raise NotImplementedError(
             "cudnn: gradients of paged key/value attention (`page_table`) are not supported: cuDNN's paged "
             "attention is forward only. Use implementation=None (cuDNN forward, `xla` backward) or "
@@ -80,11 +80,11 @@ def _paged_sdpa_bwd(plan: PagedPlan, residuals, cotangents):
     d_lse = jnp.zeros(q.shape[:-1], jnp.float32) if isinstance(
         d_lse, jax.custom_derivatives.SymbolicZero) else d_lse  # fmt: skip
 
-    def xla_attention(q, k_pages, v_pages):
+    def fallback(q, k_pages, v_pages):
         inputs = AttentionInputs(query=q, key=k_pages, value=v_pages, page_table=page_table, **reference)
-        return xla_backend.IMPLEMENTATION.attention(plan.config, inputs)
+        return run(plan.config, inputs)
 
-    primal_out, vjp = jax.vjp(xla_attention, q, k_pages, v_pages)
+    primal_out, vjp = jax.vjp(fallback, q, k_pages, v_pages)
     finite_lse = jnp.where(jnp.isfinite(d_lse), d_lse, 0.0).astype(jnp.float32)
     dq, dk, dv = vjp(varying.match((d_out.astype(q.dtype), finite_lse), primal_out))
     return dq, dk, dv, None, None, None, jax.tree.map(lambda _: None, reference)
@@ -94,7 +94,7 @@ _paged_sdpa.defvjp(_paged_sdpa_fwd, _paged_sdpa_bwd, symbolic_zeros=True)
 
 
 def attention(
-    config: AttentionConfig, inputs: AttentionInputs, *, explicit: bool
+    config: AttentionConfig, inputs: AttentionInputs, *, fallback: Fallback | None
 ) -> tuple[jax.Array, jax.Array]:
     B, T, N = config.batch_size, config.q_len, config.num_q_heads
     q = jnp.reshape(inputs.query, (B, T, N, config.head_dim))
@@ -113,7 +113,7 @@ def attention(
         left_bound=None if graph_band.left is None else graph_band.left + 1, right_bound=graph_band.right, padding=True,
         pages=(config.num_pages, config.page_size, config.pages_per_seq), stats=config.return_residual,
     )  # fmt: skip
-    plan = PagedPlan(spec, band, explicit, config)
+    plan = PagedPlan(spec, band, fallback, config)
     reference = {"key_value_seq_lengths": inputs.key_value_seq_lengths, "query_seq_lengths": inputs.query_seq_lengths}
     page_table = inputs.page_table.astype(jnp.int32)
     out, lse = _paged_sdpa(plan, q, inputs.key, inputs.value, page_table, seq_q, seq_kv, reference)

@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import dropout as dropout_lib, logs, varying
+from ... import canonical, dropout as dropout_lib, logs, masks as masks_lib, varying
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
-from .. import xla as xla_backend, xla_chunked
+from .. import lse as lse_lib
+from ..base import Fallback
 from . import executor, ragged, row_fill, support
 from .graphs import GraphSpec, Uid
 
@@ -48,10 +49,12 @@ class RaggedPlan:
         fwd, bwd: the graph specs (bucketed dims).
         tokens: packed `(Tq, Tkv)`.
         band: the graphs' built-in mask (`band.py`; the diagonal aligned per sequence).
-        config: the call's configuration (for the reference that differentiates `lse`).
+        config: the call's configuration (for the reference that differentiates `lse`, and `unbounded`).
         rows_exact: statically, every query row cuDNN runs sees a key (a top-left diagonal with trimmed query
             lengths, or self-attention whose mask keeps the diagonal): dO needs no masking before the backward.
         overflow_possible: a sequence may exceed the graph's bounds (NaN rows in `lse` need a pass).
+        unbounded: what computes the call, forward and backward, when the batch does not fit the graphs (`fits`
+            of `_ragged_sdpa`): the implementation dispatch passes as `unbounded` (`base.Implementation`).
     """
 
     fwd: GraphSpec
@@ -61,6 +64,7 @@ class RaggedPlan:
     config: AttentionConfig
     rows_exact: bool = False
     overflow_possible: bool = True
+    unbounded: Fallback | None = None
 
 
 def _offsets(spec: GraphSpec, batch: ragged.RaggedBatch) -> dict[Uid, jax.Array]:
@@ -144,26 +148,39 @@ def _nan_rows(x: jax.Array, rows: jax.Array, plan: RaggedPlan) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ragged_sdpa(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, fits=None):
     """`(out, lse)` of the ragged graphs. `fits`: None, or a bool scalar that is False when the batch does not fit
-    the graphs (`_packed_rows`): `xla_chunked` then computes the call instead, forward and backward."""
+    the graphs (`_packed_rows`): `plan.unbounded` then computes the call instead, forward and backward."""
     out, lse, _, _ = _guarded_forward(plan, q, k, v, sinks, seeds, batch, reference, fits)
     return out, lse
 
 
-def _plain(plan: RaggedPlan, q, k, v, sinks, reference: dict[str, Any], *, lse_only: bool = False):
-    """`(out, lse)` packed like the graphs' (`[Tq, N, Hv]`, `[Tq, N]`) computed by a plain-JAX implementation:
-    `xla` without dropout for the reference lse (`lse_only`), else `xla_chunked` (the fallback of `fits`)."""
-    config = plan.config
-    if lse_only:
-        config = dataclasses.replace(config, dropout_rate=0.0)  # the lse does not depend on dropout
-        reference = {key: x for key, x in reference.items() if key != "dropout_key"}
+def _unpacked(config: AttentionConfig, q, k, v, sinks, reference: dict[str, Any]) -> AttentionInputs:
+    """The call's inputs from the packed `[Tq, N, H]` arrays (in the caller's layout) and its `reference` arrays."""
     shape = lambda x, n: x if config.layout == "thd" else jnp.reshape(x, config.batch_shape + (n,) + x.shape[1:])
-    inputs = AttentionInputs(
+    return AttentionInputs(
         query=shape(q, config.q_len), key=shape(k, config.kv_len), value=shape(v, config.kv_len), sinks=sinks,
         **reference,
     )  # fmt: skip
-    implementation = xla_backend.IMPLEMENTATION if lse_only else xla_chunked.IMPLEMENTATION
-    out, lse = implementation.attention(config, inputs)
+
+
+def _plain(plan: RaggedPlan, q, k, v, sinks, reference: dict[str, Any]):
+    """`(out, lse)` packed like the graphs' (`[Tq, N, Hv]`, `[Tq, N]`) computed by `plan.unbounded` (the fallback
+    of `fits`)."""
+    assert plan.unbounded is not None
+    out, lse = plan.unbounded(plan.config, _unpacked(plan.config, q, k, v, sinks, reference))
     return jnp.reshape(out, (-1,) + out.shape[-2:]).astype(q.dtype), jnp.reshape(lse, (-1, plan.fwd.n))
+
+
+def _lse_reference(plan: RaggedPlan, q, k, v, sinks, reference: dict[str, Any]) -> jax.Array:
+    """float32 lse `[Tq, N]` in plain JAX (used only for gradients flowing into lse); it does not depend on dropout."""
+    config = dataclasses.replace(plan.config, dropout_rate=0.0)
+    reference = {name: x for name, x in reference.items() if name != "dropout_key"}
+    problem = canonical.canonicalize(config, _unpacked(config, q, k, v, sinks, reference))
+    p = problem.positions
+    visible = masks_lib.visible(
+        p.q_segment, p.q_position, p.kv_segment, p.kv_position, is_causal=config.is_causal, window=config.window
+    )
+    lse = lse_lib.logsumexp(problem.query, problem.key, visible, scale=config.scale, sinks=problem.sinks)
+    return jnp.reshape(lse, (-1, plan.fwd.n))
 
 
 def _guarded_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch, reference, fits):
@@ -276,11 +293,11 @@ def _ragged_grads(plan: RaggedPlan, residuals, cotangents):
     if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
         # Rows that see no key have lse = sink (with sinks): their cotangent reaches the sinks through the reference.
         d_lse = jnp.where(batch.q_nan[:, None], 0.0, d_lse.astype(jnp.float32))
-        lse_reference, vjp = jax.vjp(lambda *a: _plain(plan, *a, reference, lse_only=True)[1], q, k, v, sinks)
+        lse_reference, vjp = jax.vjp(lambda q, k, sinks: _lse_reference(plan, q, k, v, sinks, reference), q, k, sinks)
         extra = vjp(varying.match(d_lse, lse_reference))
-        dq, dk, dv = (g + e.astype(g.dtype) for g, e in zip((dq, dk, dv), extra[:3]))
+        dq, dk = (g + e.astype(g.dtype) for g, e in zip((dq, dk), extra[:2]))
         if sinks is not None:
-            dsinks = dsinks + extra[3].astype(dsinks.dtype)
+            dsinks = dsinks + extra[2].astype(dsinks.dtype)
     return dq, dk, dv, dsinks
 
 
@@ -364,9 +381,12 @@ def _slice_right(config: AttentionConfig) -> int | None:
 
 
 def _ragged_attention(
-    config: AttentionConfig, inputs: AttentionInputs, fits: jax.Array | None = None
+    config: AttentionConfig,
+    inputs: AttentionInputs,
+    fits: jax.Array | None = None,
+    unbounded: Fallback | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """`(out, lse)` on the ragged graphs; `fits` as `_ragged_sdpa`'s."""
+    """`(out, lse)` on the ragged graphs; `fits` and `unbounded` as `_ragged_sdpa`'s and `RaggedPlan`'s."""
     N, Hv = config.num_q_heads, config.value_head_dim
     dtype = inputs.query.dtype
     sinks = None if inputs.sinks is None else inputs.sinks.astype(jnp.float32)
@@ -408,6 +428,7 @@ def _ragged_attention(
         return jnp.zeros(out_shape, dtype), _empty_lse(lse_shape, sinks)
     plan = make_ragged_plan(config, num, bounds, tokens, self_attention=self_attention,
                             overflow_possible=overflow_possible)
+    plan = dataclasses.replace(plan, unbounded=unbounded)
     _warn_large_stats(plan.fwd, config)
     if config.layout == "thd":
         batch = ragged.thd_batch(
@@ -447,11 +468,14 @@ def _concrete(*arrays: jax.Array | None) -> bool:
     return all(x is None or not isinstance(x, jax.core.Tracer) for x in arrays)
 
 
-def _packed_rows(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+def _packed_rows(
+    config: AttentionConfig, inputs: AttentionInputs, unbounded: Fallback | None
+) -> tuple[jax.Array, jax.Array]:
     """Packed rows (segment ids) without `max_segments_per_row`: the bound is the rows' own count, rounded up to a
     power of two, when the ids are concrete; under `jit` it is `DEFAULT_SEGMENTS_PER_ROW`, checked on device, and
-    a call whose rows hold more runs on `xla_chunked` (a `lax.cond` inside the custom VJP, forward and backward,
-    around the graph calls: the residuals are the graphs' own, with placeholders when the fallback ran)."""
+    a call whose rows hold more runs on `unbounded` (dispatch passes `xla_chunked`; a `lax.cond` inside the custom
+    VJP, forward and backward, around the graph calls: the residuals are the graphs' own, with placeholders when the
+    fallback ran). Without `unbounded` such a call gets NaN in those rows, as with a bound given."""
     T = config.q_len
     ids = (inputs.q_segment_ids, inputs.kv_segment_ids, inputs.query_seq_lengths, inputs.key_value_seq_lengths)
     if _concrete(*ids):
@@ -460,6 +484,8 @@ def _packed_rows(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.
         bound = min(1 << (most - 1).bit_length(), max(T, config.kv_len, 1))
         return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs)
     bound = min(DEFAULT_SEGMENTS_PER_ROW, max(T, config.kv_len, 1))
+    if unbounded is None:
+        return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs)
     logs.log_once(
         ("packed rows default bound", config.batch_shape, T, config.kv_len), logging.INFO,
         "attnlib cudnn: packed rows without max_segments_per_row under jit: cuDNN runs with a bound of %d segments "
@@ -467,11 +493,13 @@ def _packed_rows(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.
     )  # fmt: skip
     q_ids, kv_ids = _segment_ids(config, inputs)
     fits = jnp.maximum(ragged.runs_per_row(q_ids).max(), ragged.runs_per_row(kv_ids).max()) <= bound
-    return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs, fits)
+    return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs, fits, unbounded)
 
 
-def attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
-    """`(out, lse)` for a THD or packed-row call (see the module docstring)."""
+def attention(
+    config: AttentionConfig, inputs: AttentionInputs, *, unbounded: Fallback | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """`(out, lse)` for a THD or packed-row call (see the module docstring); `unbounded` as `_packed_rows`'s."""
     if config.layout == "dense" and config.max_segments_per_row is None:
-        return _packed_rows(config, inputs)
+        return _packed_rows(config, inputs, unbounded)
     return _ragged_attention(config, inputs)
