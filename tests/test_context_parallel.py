@@ -9,8 +9,6 @@ pure-Python checks of the plan against brute-force visibility, `reorder` / `rest
 mesh.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +17,7 @@ from helpers import assert_grad_close, assert_out_close, run_pytest_on_simulated
 
 import attnlib
 from attnlib import context_parallel as cp
+from attnlib._src.band import Band
 from attnlib._src.context_parallel import planner as cp_src
 
 
@@ -78,10 +77,11 @@ def test_reorder_errors():
 # The static plan, against brute force
 
 
-def _native_mask(n, m, is_causal, window, alignment):
-    """attnlib's rule on an `n x m` block (no padding): `masks.visible` with top-left / bottom-right positions."""
-    off = np.arange(m)[None, :] - (np.arange(n)[:, None] + (0 if alignment == "top_left" else m - n))
-    allowed = np.ones((n, m), bool)
+def _allowed(q_pos, k_pos, is_causal, window, shift):
+    """Written from the definition: query `q` sees key `k` at offset `k - (q + shift)` (`shift` = S - T bottom-right,
+    0 top-left) when the offset is <= 0 under `is_causal` and within `-left … +right` of a `window`."""
+    off = k_pos[None, :] - (q_pos[:, None] + shift)
+    allowed = np.ones(off.shape, bool)
     if is_causal:
         allowed &= off <= 0
     if window is not None:
@@ -89,9 +89,14 @@ def _native_mask(n, m, is_causal, window, alignment):
     return allowed
 
 
-def _rule_mask(q_pos, k_pos, rule):
-    off = k_pos[None, :] - (q_pos[:, None] + rule.shift)
-    return (off >= rule.lo) & (off <= rule.hi)
+def _native_mask(n, m, is_causal, window, alignment):
+    """attnlib's rule on an `n x m` block (no padding): `masks.visible` with top-left / bottom-right positions."""
+    return _allowed(np.arange(n), np.arange(m), is_causal, window, 0 if alignment == "top_left" else m - n)
+
+
+def _rule(T, S, is_causal=False, window=None, alignment="top_left"):
+    """The planner's rule for a whole call of `T` queries and `S` keys with these flags."""
+    return cp_src._Rule(Band.from_flags(is_causal=is_causal, window=window, diagonal_alignment=alignment), T, S)
 
 
 PLAN_CONFIGS = [
@@ -114,9 +119,8 @@ def test_plan_covers_exactly_the_visible_pairs(strategy, segments, allow_br):
     checked = 0
     for D, lb, Tl, Sl, causal, window, align in PLAN_CONFIGS:
         T, S = D * Tl, D * Sl
-        lo = -window[0] if window else -math.inf
-        hi = min(window[1] if window else math.inf, 0 if causal else math.inf)
-        rule = cp_src._Rule(lo, hi, S - T if align == "bottom_right" else 0)
+        rule = _rule(T, S, causal, window, align)
+        rule_mask = lambda q_pos, k_pos: _allowed(q_pos, k_pos, causal, window, S - T if align == "bottom_right" else 0)
         q_layout, k_layout = cp_src._Layout(D, Tl, lb), cp_src._Layout(D, Sl, lb)
         plan = cp_src._make_plan(strategy, D, q_layout, k_layout, rule, allow_br, segments)
         positions = lambda layout, r: np.concatenate([g + np.arange(n) for _, g, n in layout.chunks(r)])
@@ -146,14 +150,14 @@ def test_plan_covers_exactly_the_visible_pairs(strategy, segments, allow_br):
                         m = _native_mask(task.q_size, task.k_size, task.is_causal, task.window, task.alignment)
                         assert task.window is None or min(task.window) >= 0
                     else:
-                        m = _rule_mask(q_pos[rows], k_pos[cols], rule)
-                    np.testing.assert_array_equal(m, m & _rule_mask(q_pos[rows], k_pos[cols], rule))
+                        m = rule_mask(q_pos[rows], k_pos[cols])
+                    np.testing.assert_array_equal(m, m & rule_mask(q_pos[rows], k_pos[cols]))
                     block = np.zeros((Tl, S), int)
                     block[rows, k_pos[cols]] = m
                     covered[r] += block
         for r in range(D):
             q_pos = positions(q_layout, r)
-            expected = _rule_mask(q_pos, np.arange(S), rule).astype(int)
+            expected = rule_mask(q_pos, np.arange(S)).astype(int)
             np.testing.assert_array_equal(covered[r], expected, err_msg=f"{D=} {lb=} {Tl=} {Sl=} {rule} device {r}")
         checked += 1
     assert checked == len(PLAN_CONFIGS)
@@ -171,8 +175,8 @@ def _work(plan, D):
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 @pytest.mark.parametrize("D", [2, 4, 8])
 def test_load_balanced_causal_plan_gives_equal_work(strategy, D):
-    rule = cp_src._Rule(-math.inf, 0, 0)
     L = 6
+    rule = _rule(D * L, D * L, is_causal=True)
     plan = cp_src._make_plan(strategy, D, cp_src._Layout(D, L, True), cp_src._Layout(D, L, True), rule, True, False)
     work = _work(plan, D)
     assert len(set(work)) == 1, work
@@ -190,13 +194,14 @@ def test_load_balanced_causal_plan_gives_equal_work(strategy, D):
 
 def test_ring_plan_skips_steps_outside_the_window():
     D, L = 8, 6
-    plan = lambda lo, hi: cp_src._make_plan(
-        "ring", D, cp_src._Layout(D, L, False), cp_src._Layout(D, L, False), cp_src._Rule(lo, hi, 0), True, False
+    plan = lambda is_causal, window: cp_src._make_plan(
+        "ring", D, cp_src._Layout(D, L, False), cp_src._Layout(D, L, False), _rule(D * L, D * L, is_causal, window),
+        True, False,
     )
-    assert plan(-math.inf, 0).steps == tuple(range(8))
-    assert plan(-5, 0).steps == (0, 1)
-    assert plan(-13, 0).steps == (0, 1, 2, 3)
-    assert plan(-2, 7).steps == (0, 1, 6, 7)  # later shards arrive from the other side of the ring
+    assert plan(True, None).steps == tuple(range(8))
+    assert plan(True, (5, 0)).steps == (0, 1)
+    assert plan(True, (13, 0)).steps == (0, 1, 2, 3)
+    assert plan(False, (2, 7)).steps == (0, 1, 6, 7)  # later shards arrive from the other side of the ring
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -249,9 +254,15 @@ def test_one_device_mesh_matches_attention(strategy):
         ({"sinks": jnp.zeros((3,))}, ValueError, r"`sinks` must have shape \[N\]=\(2,\)\. Got sinks.shape=\(3,\)"),
         ({"local_window_size": -1}, ValueError, r"`local_window_size` must be a non-negative int"),
         ({"frobnicate": 1}, TypeError, r"unexpected keyword argument `frobnicate`"),
+        ({"load_balanced": 1}, TypeError, r"`load_balanced` must be a Python bool\. Got 1 of type int"),
+        ({"is_causal": "yes"}, TypeError, r"`is_causal` must be a Python bool\. Got 'yes'"),
+        ({"diagonal_alignment": "center"}, ValueError,
+         r"`diagonal_alignment` must be 'top_left' or 'bottom_right'\. Got 'center'"),
+        ({"sinks": jnp.zeros((2,), jnp.int32)}, TypeError, r"`sinks` must have a floating dtype\. Got sinks"),
     ],
     ids=["bias", "mask", "dropout", "thd", "paged", "bottom_right_lengths", "strategy", "segment_shape",
-         "length_dtype", "sinks_shape", "window", "unknown"],
+         "length_dtype", "sinks_shape", "window", "unknown", "load_balanced", "is_causal", "alignment",
+         "sinks_dtype"],
 )  # fmt: skip
 def test_errors(kwargs, error, match):
     x = jnp.zeros((1, 4, 2, 8), jnp.float32)

@@ -2,7 +2,8 @@
 
 Derived once from the configuration (`Band.of`) and used by every path: the plain-JAX masks (`masks.visible`), the
 cuDNN graphs' bounds and the rows they leave empty (`Band.rows_valid`, `Band.all_rows_valid`), paged and ragged
-calls. Query row `i` of a sequence with `q_len` rows and `kv_len` keys sits on diagonal `i` (top-left) or
+calls, and the context-parallel plan (the band on each sub-block, `Band.block`, and the flags that express it,
+`Band.flags`). Query row `i` of a sequence with `q_len` rows and `kv_len` keys sits on diagonal `i` (top-left) or
 `i + kv_len - q_len` (bottom-right) and sees the keys `j` with `-left <= j - diagonal <= right`, clipped to
 `0 <= j < kv_len` (None: unbounded on that side).
 """
@@ -32,8 +33,16 @@ class Band:
     @classmethod
     def of(cls, config: AttentionConfig) -> "Band":
         """The band of a call: `local_window_size = (left, right)`, with `is_causal` capping `right` at 0."""
-        band = cls.from_mask(is_causal=config.is_causal, window=config.window)
-        return dataclasses.replace(band, bottom_right=config.diagonal_alignment == "bottom_right" and band.bounded)
+        return cls.from_flags(
+            is_causal=config.is_causal, window=config.window, diagonal_alignment=config.diagonal_alignment
+        )
+
+    @classmethod
+    def from_flags(cls, *, is_causal: bool, window: tuple[int, int] | None, diagonal_alignment: str) -> "Band":
+        """The band of `attnlib.attention`'s flags (`window` as `(left, right)` or None), as `Band.of` reads them
+        from a configuration."""
+        band = cls.from_mask(is_causal=is_causal, window=window)
+        return dataclasses.replace(band, bottom_right=diagonal_alignment == "bottom_right" and band.bounded)
 
     @classmethod
     def from_mask(cls, *, is_causal: bool, window: tuple[int, int] | None) -> "Band":
@@ -71,6 +80,56 @@ class Band:
     def all_rows_valid(self, t: int, s: int) -> bool:
         """Whether each of `t` unpadded query rows sees at least one of `s` keys (static shapes)."""
         return bool(np.all(self._sees_a_key(self.diagonal(np.arange(t), t, s), s, np)))
+
+    def flags(self, unbounded: int) -> tuple[bool, tuple[int, int] | None, str] | None:
+        """`(is_causal, window, diagonal_alignment)` of `attnlib.attention` giving this band on every call with
+        `q_len + kv_len <= unbounded` (an unbounded side of a window becomes `unbounded`; a right side of 0 is
+        `is_causal`), or None when a side is negative (no window expresses it)."""
+        if (self.left is not None and self.left < 0) or (self.right is not None and self.right < 0):
+            return None
+        window = None
+        if not (self.left is None and self.right in (None, 0)):
+            window = (
+                int(unbounded if self.left is None else self.left),
+                int(unbounded if self.right is None else self.right),
+            )
+        return self.right == 0, window, "bottom_right" if self.bottom_right else "top_left"
+
+    def block(self, q_start: int, k_start: int, q_len: int, kv_len: int) -> "Band":
+        """The band on the sub-block of a `q_len x kv_len` call whose row `i` is query `q_start + i` and column `j`
+        key `k_start + j`, aligned top-left on the sub-block."""
+        start = k_start - self.diagonal(q_start, q_len, kv_len)  # offset of the sub-block's first row and column
+        return Band(
+            None if self.left is None else self.left + start, None if self.right is None else self.right - start, False
+        )
+
+    def around(self, q_start: int, k_start: int, q_len: int, kv_len: int, bottom_right: bool) -> "Band":
+        """The inverse of `block`: the band, aligned `bottom_right`, of a `q_len x kv_len` call whose sub-block at
+        `(q_start, k_start)` has this (top-left) band."""
+        aligned = Band(self.left, self.right, bottom_right)
+        start = k_start - aligned.diagonal(q_start, q_len, kv_len)
+        return Band(
+            None if self.left is None else self.left - start,
+            None if self.right is None else self.right + start,
+            bottom_right,
+        )
+
+    def visible_offsets(self, q_len: int, kv_len: int) -> tuple[int, int] | None:
+        """The closed interval of `j - i` over the entries (query row `i`, key `j`) of a `q_len x kv_len` call that
+        the band lets through, or None when it lets none through (static shapes)."""
+        shift = self.diagonal(0, q_len, kv_len)
+        lo = -(q_len - 1) if self.left is None else max(shift - self.left, -(q_len - 1))
+        hi = kv_len - 1 if self.right is None else min(shift + self.right, kv_len - 1)
+        return (int(lo), int(hi)) if lo <= hi else None
+
+    def visible_keys(self, q_len: int, kv_len: int) -> tuple[int, int] | None:
+        """The first and last key that some query row of a `q_len x kv_len` call sees, or None when no row sees a
+        key (static shapes)."""
+        offsets = self.visible_offsets(q_len, kv_len)
+        if offsets is None:
+            return None
+        lo, hi = offsets
+        return max(lo, 0), min(hi + q_len - 1, kv_len - 1)
 
     def _sees_a_key(self, diagonal, kv_len, xp):
         last = kv_len - 1 + xp.zeros_like(diagonal)

@@ -5,9 +5,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .. import validation
+from .. import dispatch, validation
+from ..attention import ARGUMENT_DEFAULTS
+from ..band import Band
 from .all_gather import _all_gather
 from .planner import _Layout, _make_plan, _Rule
 from .ring import _Options, _ring
@@ -35,6 +36,7 @@ _UNSUPPORTED = {
     "max_seqlen_kv": "the THD layout (`max_seqlen_kv`) is not sharded by context parallelism",
     "page_table": "paged key/value caches (`page_table`) are for decoding, not context parallelism",
     "fp8": "per-tensor FP8 scales would have to be agreed across the shards",
+    "return_max_logit": "the largest logit would have to be reduced across the shards",
 }
 # `score_mod` / `mask_mod` would see shard-local positions and blocks (checked for anything but None / empty).
 _UNSUPPORTED_MODIFIERS = ("score_mod", "mask_mod", "score_mod_args")
@@ -125,7 +127,7 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
             raise TypeError(f"`attnlib.context_parallel.attention` got an unexpected keyword argument `{name}`.")
     for name, why in _UNSUPPORTED.items():
         value_ = kwargs.get(name)
-        if value_ is not None and not (name == "dropout_rate" and value_ == 0):
+        if value_ is not None and (hasattr(value_, "shape") or value_ != ARGUMENT_DEFAULTS[name]):
             raise NotImplementedError(f"context parallelism does not support `{name}` yet: {why}.")
     if getattr(query, "dtype", None) == jnp.float64:
         raise NotImplementedError(
@@ -134,11 +136,9 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
         )
     if strategy not in _STRATEGIES:
         raise ValueError(f"`strategy` must be one of {list(_STRATEGIES)}. Got {strategy!r}.")
-    if not isinstance(load_balanced, (bool, np.bool_)):
-        raise TypeError(f"`load_balanced` must be a Python bool. Got {load_balanced!r}.")
+    validation.require_bool("load_balanced", load_balanced)
     is_causal = kwargs.get("is_causal", False)
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"`is_causal` must be a Python bool. Got {is_causal!r}.")
+    validation.require_bool("is_causal", is_causal)
     return_residual = bool(kwargs.get("return_residual", False))
     try:
         D = jax.lax.axis_size(axis_name)
@@ -192,29 +192,20 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
     sinks = kwargs.get("sinks")
     if sinks is not None:
         sinks = jnp.asarray(sinks)
-        if sinks.shape != (query.shape[-2],):
-            raise ValueError(
-                f"`sinks` must have shape [N]=({query.shape[-2]},). Got sinks.shape={tuple(sinks.shape)}."
-            )
-        if not jnp.issubdtype(sinks.dtype, jnp.floating):
-            raise TypeError(f"`sinks` must have a floating dtype. Got sinks.dtype={sinks.dtype}.")
+        validation.require_sinks(sinks, query.shape[-2])
 
     alignment = kwargs.get("diagonal_alignment", "top_left")
-    if alignment not in ("top_left", "bottom_right"):
-        raise ValueError(f"`diagonal_alignment` must be 'top_left' or 'bottom_right'. Got {alignment!r}.")
+    validation.require_alignment(alignment)
+    window = validation.parse_window(kwargs.get("local_window_size"))
+    band = Band.from_flags(is_causal=is_causal, window=window, diagonal_alignment=alignment)
     dynamic_rows = q_seg is not None or "q_len" in aux or "kv_len" in aux
-    if alignment == "bottom_right" and dynamic_rows and (is_causal or kwargs.get("local_window_size") is not None):
+    if band.bottom_right and dynamic_rows:
         raise NotImplementedError(
             'context parallelism does not support `diagonal_alignment="bottom_right"` together with '
             "`query_seq_lengths`, `key_value_seq_lengths` or segment ids yet: the diagonal would depend on "
             "per-sequence lengths across shards."
         )
-    window = validation.parse_window(kwargs.get("local_window_size"))
-    lo = -window[0] if window is not None else -math.inf
-    hi = window[1] if window is not None else math.inf
-    if is_causal:
-        hi = min(hi, 0)
-    rule = _Rule(lo, hi, (S - T) if alignment == "bottom_right" else 0)
+    rule = _Rule(band, T, S)
 
     q_layout = _Layout(D, T_l, bool(load_balanced))
     k_layout = _Layout(D, S_l, bool(load_balanced))
@@ -222,7 +213,9 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
         strategy, D, q_layout, k_layout, rule, allow_bottom_right=not dynamic_rows, segments=q_seg is not None
     )
     forwarded = tuple((name, kwargs[name]) for name in _FORWARDED if kwargs.get(name) is not None)
-    if "implementation" in dict(forwarded) and not isinstance(dict(forwarded)["implementation"], str):
+    if "implementation" in dict(forwarded) and not isinstance(
+        dict(forwarded)["implementation"], (str, *dispatch.CONFIGURED)
+    ):
         forwarded = tuple((n, tuple(x) if n == "implementation" else x) for n, x in forwarded)
     opts = _Options(axis_name, D, rule, forwarded, plan)
 

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import validation
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Load-balanced layout
@@ -20,13 +22,11 @@ def _chunk_order(num_shards: int) -> np.ndarray:
 
 def _permute_chunks(x: Any, num_shards: Any, axis: int, name: str, inverse: bool) -> jax.Array:
     x = jnp.asarray(x)
-    if isinstance(num_shards, bool) or not isinstance(num_shards, numbers.Integral) or num_shards < 1:
-        raise ValueError(f"`num_shards` must be a positive Python int. Got {num_shards!r}.")
+    D = validation.require_positive_int("num_shards", num_shards)
     if isinstance(axis, bool) or not isinstance(axis, numbers.Integral) or not -x.ndim <= axis < x.ndim:
         raise ValueError(f"`axis` must be an int in [-{x.ndim}, {x.ndim}) for `x` of rank {x.ndim}. Got {axis!r}.")
     ax = axis % x.ndim
     L = x.shape[ax]
-    D = int(num_shards)
     if L % (2 * D):
         raise ValueError(
             f"`{name}` splits the sequence axis into 2 * num_shards = {2 * D} equal chunks, so its length must be "

@@ -2,8 +2,9 @@
 into a few `attnlib.attention` calls on sub-blocks (see the package docstring)."""
 
 import dataclasses
-import math
 from collections.abc import Sequence
+
+from ..band import Band
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -29,11 +30,15 @@ class _Layout:
 
 @dataclasses.dataclass(frozen=True)
 class _Rule:
-    """Key `k` is visible to query `q` when `lo <= k - (q + shift) <= hi` (positions global)."""
+    """Which global keys each global query sees: `band` on the whole call, `q_len` queries by `kv_len` keys."""
 
-    lo: float
-    hi: float
-    shift: int
+    band: Band
+    q_len: int
+    kv_len: int
+
+    def on(self, q_run, k_run) -> Band:
+        """The band on a pair of runs, aligned top-left on the pair (its row `i` is the query run's `i`-th token)."""
+        return self.band.block(q_run[1], k_run[1], self.q_len, self.kv_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,37 +71,18 @@ class _Placed:
 # rows (columns) are one or two runs adjacent in local memory; global positions increase from run to run.
 
 
-def _band(q_run, k_run, rule: _Rule, nlo: float, nhi: float, dl: int):
-    """The visible set of a run pair as a closed interval of `x = kk - qq` (local offsets in the pair), or None.
-
-    Args:
-        q_run, k_run: the runs.
-        rule, nlo, nhi, dl: with `rule`, use the global positions; otherwise the native band `[nlo, nhi]` on
-            `x + dl` (`dl` = the pair's offset in the task's local coordinates, alignment shift included).
-    """
-    _, qg, n = q_run
-    _, kg, m = k_run
-    if rule is not None:
-        d = kg - (qg + rule.shift)
-        a, b = rule.lo - d, rule.hi - d
-    else:
-        a, b = nlo - dl, nhi - dl
-    a, b = max(a, -(n - 1)), min(b, m - 1)
-    return (int(a), int(b)) if a <= b else None
+def _visible(q_run, k_run, rule: _Rule):
+    """The visible set of a run pair as a closed interval of `x = kk - qq` (local offsets in the pair), or None."""
+    return rule.on(q_run, k_run).visible_offsets(q_run[2], k_run[2])
 
 
 def _trim(q_runs, k_runs, rule: _Rule):
     """Drop the key columns at the two ends of `k_runs` that no query of `q_runs` sees (None: nothing visible)."""
     seen = []  # per key run: (first, last) visible offset within the run, over all query runs, or None
-    for _, kg, m in k_runs:
-        first, last = m, -1
-        for _, qg, n in q_runs:
-            qa = qg + rule.shift
-            f = max(kg, qa + rule.lo) if math.isfinite(rule.lo) else kg
-            l = min(kg + m - 1, qa + n - 1 + rule.hi) if math.isfinite(rule.hi) else kg + m - 1
-            if f <= l:
-                first, last = min(first, int(f - kg)), max(last, int(l - kg))
-        seen.append((first, last) if last >= 0 else None)
+    for k_run in k_runs:
+        keys = [rule.on(q_run, k_run).visible_keys(q_run[2], k_run[2]) for q_run in q_runs]
+        keys = [k for k in keys if k is not None]
+        seen.append((min(f for f, _ in keys), max(l for _, l in keys)) if keys else None)
     keep = [j for j, v in enumerate(seen) if v is not None]
     if not keep:
         return None
@@ -113,41 +99,26 @@ def _native_candidates(q_runs, k_runs, rule: _Rule, allow_bottom_right: bool):
     """`(is_causal, window, alignment)` forms of `attnlib.attention` that may reproduce the rule on the block."""
     n_tot = sum(r[2] for r in q_runs)
     m_tot = sum(r[2] for r in k_runs)
-    big = n_tot + m_tot
     q0, k0 = q_runs[0][0], k_runs[0][0]
     out = []
-    for alignment in ("top_left", "bottom_right") if allow_bottom_right else ("top_left",):
-        sh = 0 if alignment == "top_left" else m_tot - n_tot
-        for ql, qg, n in q_runs:
-            for kl, kg, m in k_runs:
-                d = kg - (qg + rule.shift)
-                dl = (kl - k0) - (ql - q0) - sh
-                nlo, nhi = rule.lo - d + dl, rule.hi - d + dl  # the pair's band in native coordinates
-                for lo_opt in {nlo, -math.inf}:
-                    for hi_opt in {nhi, math.inf}:
-                        left = None if lo_opt == -math.inf else -lo_opt
-                        right = None if hi_opt == math.inf else hi_opt
-                        if (left is not None and left < 0) or (right is not None and right < 0):
-                            continue
-                        is_causal = right == 0
-                        window = None
-                        if not (left is None and right in (None, 0)):
-                            window = (int(big if left is None else left), int(big if right is None else right))
-                        out.append((is_causal, window, alignment))
+    for bottom_right in (False, True) if allow_bottom_right else (False,):
+        for q_run in q_runs:
+            for k_run in k_runs:
+                # the rule on the pair, as a band of the whole block with this alignment
+                pair = rule.on(q_run, k_run).around(q_run[0] - q0, k_run[0] - k0, n_tot, m_tot, bottom_right)
+                for left in {pair.left, None}:
+                    for right in {pair.right, None}:
+                        flags = Band(left, right, bottom_right).flags(unbounded=n_tot + m_tot)
+                        if flags is not None:
+                            out.append(flags)
     # prefer plain causal, then top-left, then narrower descriptions
     return sorted(set(out), key=lambda c: (c[1] is not None, c[2] != "top_left", str(c)))
-
-
-def _native_bounds(is_causal, window):
-    nlo = -window[0] if window is not None else -math.inf
-    nhi = window[1] if window is not None else math.inf
-    return nlo, (min(nhi, 0) if is_causal else nhi)
 
 
 def _form(q_runs, k_runs, rule: _Rule, allow_bottom_right: bool):
     """"full", a native `(is_causal, window, alignment)`, or None when the block needs an explicit mask."""
     pairs = [(qr, kr) for qr in q_runs for kr in k_runs]
-    exact = [_band(qr, kr, rule, 0, 0, 0) for qr, kr in pairs]
+    exact = [_visible(qr, kr, rule) for qr, kr in pairs]
     if all(e == (-(qr[2] - 1), kr[2] - 1) for e, (qr, kr) in zip(exact, pairs, strict=True)):
         return "full"
     n_tot = sum(r[2] for r in q_runs)
@@ -155,10 +126,9 @@ def _form(q_runs, k_runs, rule: _Rule, allow_bottom_right: bool):
     q0, k0 = q_runs[0][0], k_runs[0][0]
     for cand in _native_candidates(q_runs, k_runs, rule, allow_bottom_right):
         is_causal, window, alignment = cand
-        sh = 0 if alignment == "top_left" else m_tot - n_tot
-        nlo, nhi = _native_bounds(is_causal, window)
+        native = Band.from_flags(is_causal=is_causal, window=window, diagonal_alignment=alignment)
         if all(
-            _band(qr, kr, None, nlo, nhi, (kr[0] - k0) - (qr[0] - q0) - sh) == e
+            native.block(qr[0] - q0, kr[0] - k0, n_tot, m_tot).visible_offsets(qr[2], kr[2]) == e
             for e, (qr, kr) in zip(exact, pairs, strict=True)
         ):
             return cand
@@ -188,7 +158,7 @@ def _device_tasks(q_layout, k_layout, shard, block, rule, allow_bottom_right, se
     """
     q_all, k_all = q_layout.chunks(shard), k_layout.chunks(block)
     visible = {
-        (i, j): _band(qr, kr, rule, 0, 0, 0) is not None for i, qr in enumerate(q_all) for j, kr in enumerate(k_all)
+        (i, j): _visible(qr, kr, rule) is not None for i, qr in enumerate(q_all) for j, kr in enumerate(k_all)
     }
     fine: list[_Placed] = []
     for i, qr in enumerate(q_all):

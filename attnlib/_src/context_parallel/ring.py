@@ -3,7 +3,6 @@ the ring strategy (`ppermute` steps, with a `custom_vjp` backward that rings aga
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -60,13 +59,8 @@ def _task_call(opts: _Options, task: _Task, qt, kt, vt, aux, q_pos, k_pos):
     rule = opts.rule
     q_len, kv_len = aux.get("q_len"), aux.get("kv_len")
     if task.kind == "mask":
-        offset = k_pos[None, :] - (q_pos[:, None] + jnp.int32(rule.shift))
-        allowed = jnp.ones(offset.shape, bool)
-        if math.isfinite(rule.lo):
-            allowed &= offset >= jnp.int32(rule.lo)
-        if math.isfinite(rule.hi):
-            allowed &= offset <= jnp.int32(rule.hi)
-        allowed = allowed[None]  # [1, n, m]
+        offset = k_pos[None, :] - rule.band.diagonal(q_pos[:, None], rule.q_len, rule.kv_len)
+        allowed = (jnp.ones(offset.shape, bool) & rule.band.allows(offset))[None]  # [1, n, m]
         if q_len is not None:
             allowed = allowed & (q_pos[None, :] < q_len[:, None])[:, :, None]
         if kv_len is not None:
