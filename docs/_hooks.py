@@ -11,7 +11,7 @@ import logging
 
 
 _KNOWN = "Failed to get 'name: description' pair from 'query_seq_lengths, key_value_seq_lengths, q_segment_ids,"
-_FILES = ("attnlib/_src/layers/equinox.py", "attnlib/_src/layers/haiku.py")
+_FILES = ("attnlib/_src/layers/equinox/dot_product.py", "attnlib/_src/layers/haiku/dot_product.py")
 
 
 class _KnownGroupedArgs(logging.Filter):
