@@ -413,7 +413,7 @@ def test_inference_forward_without_stats_matches_reference(case, dtype):
 
 def test_plan_autotuning_times_candidates_and_records_the_choice(monkeypatch):
     from attnlib._src import ffi
-    from attnlib._src.backends.cudnn import graphs
+    from attnlib._src.backends.cudnn import autotune, graphs
 
     spec = graphs.GraphSpec(direction="bwd", dtype="bfloat16", b=2, t=520, s=392, n=6, k=2, h=128, hv=64,
                             scale=0.09, right_bound=0)  # fmt: skip
@@ -421,7 +421,7 @@ def test_plan_autotuning_times_candidates_and_records_the_choice(monkeypatch):
     entry = graphs.build(spec)
     assert "autotuned:" in entry.plan or "the only backend plan that builds" in entry.plan, entry.plan
     assert "timing failed" not in entry.plan
-    ms = ffi.extension().time_graph(entry.blob, graphs.timing_tensors(spec), entry.workspace_bytes)
+    ms = ffi.extension().time_graph(entry.blob, autotune.timing_tensors(spec), entry.workspace_bytes)
     assert 0.0 < ms < 1000.0
     monkeypatch.setenv("ATTNLIB_CUDNN_AUTOTUNE", "0")
     assert "heuristics' first" in graphs.build(spec).plan

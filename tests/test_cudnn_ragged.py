@@ -24,7 +24,7 @@ from helpers import fake_cudnn
 
 import attnlib
 from attnlib._src import logs, positions
-from attnlib._src.backends.cudnn import executor, graphs, ragged, row_fill, support, varlen
+from attnlib._src.backends.cudnn import autotune, executor, graph_spec, ragged, row_fill, support, varlen
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 from attnlib._src.config import AttentionConfig
 
@@ -157,9 +157,9 @@ def test_ragged_graph_specs(monkeypatch):
     assert with_memset(fwd).zero_fill() == () and with_memset(bwd).zero_fill() == ()  # a dense-only fallback
     assert fwd.shape(Uid.O, (1000, 1500)) == ((1000, 8, 128), "bfloat16")
     assert fwd.shape(Uid.OFF_K, (1000, 1500)) == ((9, 2), "int32")
-    assert graphs.graph_data_type(Uid.OFF_K, fwd) == "int64"
+    assert graph_spec.graph_data_type(Uid.OFF_K, fwd) == "int64"
     assert fwd.shape(Uid.STATS, (1000, 1500)) == ((8, 8, 512), "float32")
-    dims, strides = graphs._layout(Uid.Q, fwd)
+    dims, strides = graph_spec._layout(Uid.Q, fwd)
     assert dims == [8, 8, 512, 128] and strides == [512 * 8 * 128, 128, 8 * 128, 1]
 
 
@@ -174,10 +174,10 @@ def test_ragged_stats_graph_specs(monkeypatch):
     assert Uid.OFF_STATS not in dataclasses.replace(fwd, stats=False).in_uids()
     assert fwd.shape(Uid.STATS, (1000, 1500)) == ((1000, 8), "float32")
     assert fwd.shape(Uid.OFF_STATS, (1000, 1500)) == ((9, 2), "int32")
-    assert graphs.graph_data_type(Uid.OFF_STATS, fwd) == "int64"
-    dims, strides = graphs._layout(Uid.STATS, fwd)
+    assert graph_spec.graph_data_type(Uid.OFF_STATS, fwd) == "int64"
+    dims, strides = graph_spec._layout(Uid.STATS, fwd)
     assert dims == [8, 8, 512, 1] and strides == [8 * 512, 1, 8, 1]  # token-major: the N stats of a token together
-    timed = {uid: (size, contents) for uid, size, contents in graphs.timing_tensors(fwd)}
+    timed = {uid: (size, contents) for uid, size, contents in autotune.timing_tensors(fwd)}
     offsets = np.frombuffer(timed[int(Uid.OFF_STATS)][1], np.int64)
     assert offsets[1] - offsets[0] == (65536 // 8 if fwd.t > 65536 // 8 else fwd.t) * fwd.n
 
@@ -187,9 +187,9 @@ def test_paged_graph_spec_layouts():
                      stats=False)  # fmt: skip
     assert spec.out_uids() == (Uid.O,)
     assert spec.in_uids() == (Uid.Q, Uid.K, Uid.V, Uid.PT_K, Uid.PT_V, Uid.SEQ_Q, Uid.SEQ_KV)
-    assert graphs._layout(Uid.K, spec) == ([64, 2, 64, 128], [64 * 2 * 128, 128, 2 * 128, 1])
-    assert graphs._layout(Uid.V, spec) == ([64, 2, 64, 64], [64 * 2 * 64, 64, 2 * 64, 1])
-    assert graphs._layout(Uid.PT_K, spec) == ([4, 1, 16, 1], [16, 16, 1, 1])
+    assert graph_spec._layout(Uid.K, spec) == ([64, 2, 64, 128], [64 * 2 * 128, 128, 2 * 128, 1])
+    assert graph_spec._layout(Uid.V, spec) == ([64, 2, 64, 64], [64 * 2 * 64, 64, 2 * 64, 1])
+    assert graph_spec._layout(Uid.PT_K, spec) == ([4, 1, 16, 1], [16, 16, 1, 1])
     assert spec.shape(Uid.V) == ((64, 64, 2, 64), "bfloat16")
 
 

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from attnlib._src.backends.cudnn import graphs, support
+from attnlib._src.backends.cudnn import autotune, graph_spec, graphs, support
 from attnlib._src.config import AttentionConfig
 
 
@@ -152,18 +152,18 @@ def test_autotune_switch_and_cache_key(monkeypatch, value, selection, wanted):
         monkeypatch.delenv("ATTNLIB_CUDNN_AUTOTUNE", raising=False)
     else:
         monkeypatch.setenv("ATTNLIB_CUDNN_AUTOTUNE", value)
-    assert graphs.autotune_enabled() is (selection != "heuristics")
+    assert autotune.autotune_enabled() is (selection != "heuristics")
     device = support.Device(name="NVIDIA H200", compute_capability=(9, 0), cudnn_version=91900)
     spec = graphs.GraphSpec(direction="fwd", dtype="bfloat16", b=2, t=65, s=33, n=6, k=2, h=24, hv=40, scale=0.2)
     key = graphs.cache_key(spec, device)
     assert key["plan_selection"] == selection
-    assert graphs._candidates_wanted(spec) == wanted
+    assert autotune._candidates_wanted(spec) == wanted
 
 
 def test_timing_tensors_describe_every_graph_tensor():
     spec = graphs.GraphSpec(direction="bwd", dtype="float16", b=3, t=64, s=128, n=6, k=2, h=24, hv=40, scale=0.2,
                             padding=True, ragged=True, t_total=1024, s_total=1024)
-    tensors = {uid: (size, data) for uid, size, data in graphs.timing_tensors(spec)}
+    tensors = {uid: (size, data) for uid, size, data in autotune.timing_tensors(spec)}
     assert set(tensors) == {int(u) for u in spec.in_uids() + spec.out_uids()}
     assert tensors[int(graphs.Uid.Q)] == (3 * 64 * 6 * 24 * 2, b"")  # b full sequences of t tokens, zeros
     assert tensors[int(graphs.Uid.STATS)][0] == 3 * 6 * 64 * 4
@@ -174,11 +174,11 @@ def test_timing_tensors_describe_every_graph_tensor():
     off_v = np.frombuffer(tensors[int(graphs.Uid.OFF_V)][1], np.int64)  # little-endian int64 = (low, high) int32
     np.testing.assert_array_equal(off_v, np.arange(4) * 128 * 2 * 40)
     capped = dataclasses.replace(spec, b=16, s=512, s_total=1024)  # 16 sequences of 64 keys fill the capacity
-    seq_kv = dict((u, d) for u, _, d in graphs.timing_tensors(capped))[int(graphs.Uid.SEQ_KV)]
+    seq_kv = dict((u, d) for u, _, d in autotune.timing_tensors(capped))[int(graphs.Uid.SEQ_KV)]
     np.testing.assert_array_equal(np.frombuffer(seq_kv, np.int32), [64] * 16)
     paged = graphs.GraphSpec(direction="fwd", dtype="bfloat16", b=2, t=1, s=48, n=4, k=2, h=16, hv=16, scale=0.25,
                              padding=True, pages=(5, 16, 3))
-    table = dict((u, d) for u, _, d in graphs.timing_tensors(paged))[int(graphs.Uid.PT_K)]
+    table = dict((u, d) for u, _, d in autotune.timing_tensors(paged))[int(graphs.Uid.PT_K)]
     np.testing.assert_array_equal(np.frombuffer(table, np.int32).reshape(2, 3), [[0, 1, 2], [3, 4, 0]])
 
 
@@ -200,7 +200,7 @@ def test_graph_spec_uid_tables():
     assert dataclasses.replace(spec, padding=False, direction="fwd").zero_fill() == ()
     assert spec.shape(graphs.Uid.V) == ((2, 96, 2, 32), "bfloat16")
     assert spec.shape(graphs.Uid.STATS) == ((2, 8, 64), "float32")
-    dim, stride = graphs._layout(graphs.Uid.Q, spec)
+    dim, stride = graph_spec._layout(graphs.Uid.Q, spec)
     assert dim == [2, 8, 64, 64] and stride == [64 * 8 * 64, 64, 8 * 64, 1]
 
 
