@@ -27,7 +27,7 @@ class PagedPlan:
 
     Attributes:
         fwd: the forward graph spec.
-        band: the call's mask (`band.py`; the graph may drop a bound that changes nothing, see `attention`).
+        band: the call's mask (`band.py`).
         fallback: what a gradient differentiates (`base.Implementation`); None when cuDNN was named alone: a
             gradient then raises.
         config: the call's configuration (for the fallback backward).
@@ -103,14 +103,12 @@ def attention(
         seq_q = jnp.full((B,), T, jnp.int32)
     else:
         seq_q = jnp.clip(jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32), 0, T)
-    band = graph_band = Band.of(config)
-    if T == 1 and band.bottom_right and band.left is None and band.right is not None and band.right >= 0:
-        graph_band = Band(None, None, False)  # decode: the single query is the last position and sees every key
+    band = Band.of(config)  # decode's no-op causal mask is already dropped (`validation._causal_mask_is_a_no_op`)
     spec = GraphSpec(
         direction="fwd", dtype=np.dtype(config.dtype).name, b=B, t=T, s=config.kv_len, n=N,
         k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim, scale=float(config.scale),
-        alignment="bottom_right" if graph_band.bottom_right else "top_left",
-        left_bound=None if graph_band.left is None else graph_band.left + 1, right_bound=graph_band.right, padding=True,
+        alignment="bottom_right" if band.bottom_right else "top_left",
+        left_bound=None if band.left is None else band.left + 1, right_bound=band.right, padding=True,
         pages=(config.num_pages, config.page_size, config.pages_per_seq), stats=config.return_residual,
     )  # fmt: skip
     plan = PagedPlan(spec, band, fallback, config)

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import canonical, dropout as dropout_lib, logs, masks as masks_lib, varying
+from ... import canonical, dropout as dropout_lib, logs, varying
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
-from .. import lse as lse_lib
+from .. import lse as lse_lib, scores
 from ..base import Fallback
 from . import executor, ragged, row_fill, support
 from .graphs import GraphSpec, Uid
@@ -175,10 +175,7 @@ def _lse_reference(plan: RaggedPlan, q, k, v, sinks, reference: dict[str, Any]) 
     config = dataclasses.replace(plan.config, dropout_rate=0.0)
     reference = {name: x for name, x in reference.items() if name != "dropout_key"}
     problem = canonical.canonicalize(config, _unpacked(config, q, k, v, sinks, reference))
-    p = problem.positions
-    visible = masks_lib.visible(
-        p.q_segment, p.q_position, p.kv_segment, p.kv_position, is_causal=config.is_causal, window=config.window
-    )
+    visible = scores.visible(config, problem, 0, problem.key.shape[1], None)[:, 0, 0]  # [B, T, S]
     lse = lse_lib.logsumexp(problem.query, problem.key, visible, scale=config.scale, sinks=problem.sinks)
     return jnp.reshape(lse, (-1, plan.fwd.n))
 
