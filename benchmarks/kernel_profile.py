@@ -81,3 +81,39 @@ def table(name: str, profile: dict, top: int = 12) -> list[str]:
     for kernel in profile["kernels"][:top]:
         rows.append(f"    {kernel['us']:9.1f} us  x{kernel['launches']:<5g} {kernel['name'][:100]}")
     return rows
+
+
+def pipelined_profile(fn, args, calls: int = 30, host_top: int = 12) -> dict:
+    """Device busy and idle time per call when `calls` calls are dispatched back to back (as a training loop or the
+    benchmarks' `best_per_call` do), plus the host events that take the most time per call.
+
+    Returns:
+        {"busy_us" (kernel time per call), "span_us" (first kernel start to last kernel end, divided by `calls`),
+         "idle_us" (span minus busy: the device waiting for the host), "host": [{"name", "count", "us"}] per call}.
+    """
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    directory = tempfile.mkdtemp(prefix="attnlib_profile_")
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # the Python tracer's own cost would show as host time
+    with jax.profiler.trace(directory, profiler_options=options):
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    paths = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        raise RuntimeError(f"the profiler wrote no trace under {directory}")
+    intervals = [(start, start + duration) for _, _, start, duration in _events(paths[0], "/device:GPU:0")]
+    if not intervals:
+        raise RuntimeError(f"no GPU events in {paths[0]}")
+    busy = sum(end - start for start, end in intervals)
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    host_time, host_count = collections.Counter(), collections.Counter()
+    for _, name, _, duration in _events(paths[0], "/host:CPU"):
+        host_time[name] += duration
+        host_count[name] += 1
+    host = [{"name": name[:120], "count": host_count[name] / calls, "us": ns / calls / 1e3}
+            for name, ns in host_time.most_common(host_top)]
+    return {"busy_us": busy / calls / 1e3, "span_us": span / calls / 1e3, "idle_us": (span - busy) / calls / 1e3,
+            "host": host}
