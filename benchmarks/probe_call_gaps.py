@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 from bench_peers import _kwargs, _peer_kwargs, CASES, variants
-from kernel_profile import pipelined_profile
+from kernel_profile import kernel_profile, pipelined_profile
 
 
 GAP_CASES = ("mla_192_128_causal_b4_s4096_h16", "gqa_32_8_window1024_b1_s8192", "small_b2_s1024_h16_d64",
@@ -22,6 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--only", nargs="*")
+    parser.add_argument("--grad", action="store_true", help="also forward + backward")
     args = parser.parse_args()
     for name in args.only or GAP_CASES:
         case = CASES[name]
@@ -34,16 +35,24 @@ def main() -> None:
         for label, fn in variants(case).items():
             call_kw = kw if label.startswith("attnlib") else _peer_kwargs(case, kw)
             fwd = jax.jit(lambda q, k, v, fn=fn, call_kw=call_kw: fn(q, k, v, **call_kw))
-            try:
-                wall = min(best_per_call(fwd, (q, k, v), loop=20, reps=5) for _ in range(2)) * 1e6
-                p = pipelined_profile(fwd, (q, k, v), calls=args.calls)
-            except Exception as e:  # noqa: BLE001  (reported, not fatal)
-                print(f"{label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            print(f"{label:16s} wall {wall:8.1f} us | device busy {p['busy_us']:8.1f} idle {p['idle_us']:7.1f} "
-                  f"span {p['span_us']:8.1f} us per call", flush=True)  # fmt: skip
-            for event in p["host"]:
-                print(f"    host {event['us']:8.1f} us  x{event['count']:<6.3g} {event['name']}", flush=True)
+            calls = {"fwd": fwd}
+            if args.grad:
+                loss = lambda q, k, v, fn=fn, call_kw=call_kw: jnp.sum(fn(q, k, v, **call_kw).astype(jnp.float32))  # noqa: E731
+                calls["fwd+bwd"] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            for kind, call in calls.items():
+                try:
+                    wall = min(best_per_call(call, (q, k, v), loop=20, reps=5) for _ in range(2)) * 1e6
+                    p = pipelined_profile(call, (q, k, v), calls=args.calls)
+                except Exception as e:  # noqa: BLE001  (reported, not fatal)
+                    print(f"{label} {kind}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                print(f"{label:16s} {kind:7s} wall {wall:8.1f} us | device busy {p['busy_us']:8.1f} "
+                      f"idle {p['idle_us']:7.1f} span {p['span_us']:8.1f} us per call", flush=True)  # fmt: skip
+                for event in p["host"]:
+                    print(f"    host {event['us']:8.1f} us  x{event['count']:<6.3g} {event['name']}", flush=True)
+                for kernel in kernel_profile(call, (q, k, v), calls=10)["kernels"][:5]:
+                    print(f"    kernel {kernel['us']:8.1f} us  x{kernel['launches']:<5g} {kernel['name'][:96]}",
+                          flush=True)
 
 
 if __name__ == "__main__":

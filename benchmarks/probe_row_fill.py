@@ -1,0 +1,488 @@
+"""Probe (H200): Pallas Mosaic GPU candidates for attnlib's row fill (`row_fill.set_rows`), checked and timed.
+
+Usage: python benchmarks/probe_row_fill.py              H200: check every candidate against XLA's scatter, time it
+       python benchmarks/probe_row_fill.py --interpret  any machine: check the Mosaic GPU candidates in Pallas' GPU
+                                                        interpreter on small shapes (no timing)
+       python benchmarks/probe_row_fill.py --lower      any machine: lower the Mosaic GPU candidates for CUDA on the
+                                                        benchmark's shapes (Pallas -> Mosaic GPU MLIR, no PTX)
+       --fori: time with a `lax.fori_loop` instead of an unrolled chain; --calls N: fills per timed chain (20)
+
+`row_fill.set_rows_kernel` runs on Pallas' Triton backend, which jax 0.11.2 deprecates; `set_rows(x, zero, nan)` must
+keep costing what the rows set cost, not a pass over `x`. Both candidates keep `x` aliased to the result: they hand
+`pl.kernel` a GMEM `Ref` of it, which becomes an input/output alias of the Mosaic GPU custom call (jax 0.11.2 lowers
+Mosaic GPU kernels only through `pl.kernel` / `plgpu.kernel`; `pl.pallas_call` no longer reaches Mosaic GPU).
+
+- `set_rows_mosaic` (A, read-modify-write): `x` viewed as `[T, C]`; a program per block of 128 rows and `Cb` columns
+  loads its 128 flags (one per thread) and, only if one is set, TMA-copies the block GMEM -> SMEM, computes
+  `where(flag == NaN, nan, where(flag == ZERO, 0, x))` in registers (WGMMA layout, the flags broadcast along rows),
+  stores it to SMEM and TMA-copies it back. The last block's copies stop at row T (static sizes).
+- `set_rows_mosaic_b` (B, store-only): `x` viewed as a flat `[T * C]`; XLA packs the flags into two 32-bit masks
+  (zero rows, NaN rows) per 32 rows. A program per `words` masks returns at once when they are 0; otherwise it fills
+  an SMEM buffer with 0 and / or NaN and issues bulk copies SMEM -> GMEM: a run of chunks for a word whose 32 rows
+  are all of one kind, else a copy per set bit (lowest set bit by `clz`, until the mask is 0). `x` is never read,
+  rows past T have no bit set, so nothing is written past the end.
+
+Both need rows of `C * itemsize` bytes, a multiple of 16 (TMA strides, bulk copy sizes and addresses), and
+`T * C < 2**31` (int32 offsets); other shapes (e.g. `[1000, 7, 5]` f16: 70-byte rows) go to `set_rows_scatter`, marked
+with `*` in the table.
+
+Timing: each fill under `jax.jit` with `x` donated, as a chain of `--calls` fills in one `jit`, each on the previous
+result (the aliasing is exercised, no fresh `x` is needed); an `optimization_barrier` before each fill keeps XLA from
+merging or hoisting the flags' preparation of the calls. 2 warm-up chains, then the best of 10 repetitions of 5
+chains ending in one `block_until_ready`, divided by the number of fills. The chain is unrolled (a `fori_loop` with
+`unroll=True`, in effect): XLA's GPU while loop can add a cost per iteration of its own, which `--fori` shows. The
+`loop` column is the harness alone (an identity fill). Each candidate is first checked against `set_rows_scatter`
+bit for bit except NaN payloads: a wrong one is reported "wrong", not timed; one that fails to lower or run is
+reported with the first lines of its exception.
+"""
+
+import argparse
+import functools
+import math
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnlib._src.backends.cudnn import row_fill
+
+
+_KEEP, _ZERO, _NAN = 0, 1, 2  # as in row_fill
+_WORD = 32  # rows per mask word (B)
+_BLOCK_ROWS = 128  # rows per program (A): a multiple of 64 (WGMMA layout) and 128 (one flag per thread)
+_TILE_BYTES = 32 * 1024  # SMEM of a block (A)
+_FILL_BYTES = 16 * 1024  # SMEM of each of the two fill buffers (B)
+
+
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # imported on first use, as in row_fill
+
+    return plgpu
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def interpret_params():
+    """Pallas' GPU interpreter: `plgpu.InterpretGPUParams` in jax 0.11.2, private in 0.10.2."""
+    plgpu = _plgpu()
+    if hasattr(plgpu, "InterpretGPUParams"):
+        return plgpu.InterpretGPUParams()
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def reset_interpreter() -> None:
+    """After an exception in a kernel, Pallas' GPU interpreter must be reset before it runs another."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def _layout_cast(x, layout, interpret):
+    """`plgpu.layout_cast`, left out in the interpreter (jax 0.10.2's has no rule for it; layouts are not values)."""
+    return x if interpret is not None else _plgpu().layout_cast(x, layout)
+
+
+def _load(ref, layout, optimized=True, interpret=None):
+    """`plgpu.load` into a layout (jax 0.11.2 deprecates the separate index that 0.10.2 requires). In the interpreter
+    a plain `ref[...]`: jax 0.10.2's interpreter fails on `plgpu.load` (an assertion in its abstract evaluation)."""
+    plgpu = _plgpu()
+    if interpret is not None:
+        return ref[...]
+    try:
+        return plgpu.load(ref, layout=layout, optimized=optimized)
+    except TypeError:  # jax 0.10.2: `idx` positional and required
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+
+
+def _rows_aligned(x: jax.Array) -> bool:
+    """Whether the Mosaic GPU candidates take `x`: 16-byte rows, int32 offsets."""
+    rows, columns = x.shape[0], math.prod(x.shape[1:])
+    return rows > 0 and columns > 0 and columns * x.dtype.itemsize % 16 == 0 and rows * columns < 2**31
+
+
+def _in_place(body, operands, x_flat: jax.Array, grid: dict[str, int], scratch: tuple, name: str, interpret):
+    """Runs `body(*operand_refs, x_ref, *scratch_refs)` in each program of `grid` on a GMEM `Ref` of `x_flat`; returns
+    its final value. The `Ref` makes `pl.kernel` alias `x_flat`'s buffer to the result (no copy if it was donated)."""
+    from jax.experimental import pallas as pl
+
+    plgpu = _plgpu()
+
+    def kernel(*refs):  # scratch through `run_scoped`, as `plgpu.kernel` does (Barrier types included)
+        pl.run_scoped(lambda *scratch_refs: body(*refs, *scratch_refs), *scratch)
+
+    x_ref = jax.new_ref(x_flat, memory_space=plgpu.GMEM)
+    mesh = plgpu.Mesh(grid=tuple(grid.values()), grid_names=tuple(grid), kernel_name=name)
+    pl.kernel(kernel, out_type=(), mesh=mesh, compiler_params=plgpu.CompilerParams(),
+              interpret=interpret or False)(*operands, x_ref)  # fmt: skip
+    return jax.freeze(x_ref)
+
+
+# --- A: read-modify-write of the row blocks that hold a flagged row --------------------------------------------------
+
+
+def _column_tile(columns: int, itemsize: int) -> int | None:
+    """A's tile width: divides `columns`, at most 256 (a TMA box side), a multiple of 8 (WGMMA layout) and of 16
+    bytes, and a block of `_BLOCK_ROWS` rows of it fits `_TILE_BYTES`."""
+    limit = min(256, _TILE_BYTES // (_BLOCK_ROWS * itemsize))
+    for tile in range(limit - limit % 8, 0, -8):
+        if columns % tile == 0 and tile * itemsize % 16 == 0:
+            return tile
+    return None
+
+
+def _takes_a(x: jax.Array) -> bool:
+    return _rows_aligned(x) and _column_tile(math.prod(x.shape[1:]), x.dtype.itemsize) is not None
+
+
+def _body_a(flags_ref, x_ref, tile, flags_smem, barrier, *, rows: int, tile_columns: int, interpret):
+    from jax.experimental import pallas as pl
+
+    plgpu = _plgpu()
+    block = jax.lax.axis_index("rows")
+    first = block * _BLOCK_ROWS
+    columns = pl.ds(jax.lax.axis_index("columns") * tile_columns, tile_columns)
+    flags = flags_ref[pl.ds(first, _BLOCK_ROWS)]  # one per thread (the flags are padded to whole blocks)
+
+    def read_modify_write(count: int):  # the block's first `count` rows (static)
+        target = x_ref.at[pl.ds(first, count), columns]
+        plgpu.copy_gmem_to_smem(target, tile.at[pl.ds(0, count)], barrier)
+        flags_smem[...] = flags
+        plgpu.barrier_wait(barrier)
+        row_flags = _load(flags_smem, plgpu.Layout.WGMMA.reduce(1), interpret=interpret)
+        block_flags = _layout_cast(jax.lax.broadcast_in_dim(row_flags, tile.shape, (0,)), plgpu.Layout.WGMMA, interpret)
+        values = _load(tile, plgpu.Layout.WGMMA, optimized=False, interpret=interpret)
+        values = jnp.where(block_flags == _NAN, jnp.asarray(jnp.nan, tile.dtype),
+                           jnp.where(block_flags == _ZERO, jnp.asarray(0, tile.dtype), values))  # fmt: skip
+        tile[...] = values  # rows from `count` on are not copied back
+        plgpu.commit_smem()  # the SMEM stores, visible to the TMA engine
+        plgpu.copy_smem_to_gmem(tile.at[pl.ds(0, count)], target)
+        plgpu.wait_smem_to_gmem(0)
+
+    full, tail = divmod(rows, _BLOCK_ROWS)
+
+    @pl.when(jnp.max(flags) > _KEEP)
+    def _fill():
+        # The last block's copies stop at row T rather than lean on TMA's out-of-bounds handling (zero-filled loads,
+        # dropped stores), which Pallas' interpreter does not model.
+        if tail:
+            pl.when(block < full)(lambda: read_modify_write(_BLOCK_ROWS))
+            pl.when(block == full)(lambda: read_modify_write(tail))
+        else:
+            read_modify_write(_BLOCK_ROWS)
+
+
+def set_rows_mosaic(x: jax.Array, zero: jax.Array, nan: jax.Array, *, interpret=None) -> jax.Array:
+    """Design A: `x` `[T, ...]` with rows `zero` set to 0 and rows `nan` to NaN (`nan` wins), by a read-modify-write
+    of each block of 128 rows that holds one (Mosaic GPU, TMA); XLA's scatter where rows are not 16-byte aligned.
+    `interpret`: Pallas' GPU interpreter params (`interpret_params()`), to run anywhere."""
+    plgpu = _plgpu()
+    if not _takes_a(x):
+        return row_fill.set_rows_scatter(x, zero, nan)
+    rows, columns = x.shape[0], math.prod(x.shape[1:])
+    tile_columns = _column_tile(columns, x.dtype.itemsize)
+    blocks = cdiv(rows, _BLOCK_ROWS)
+    flags = jnp.where(nan, _NAN, jnp.where(zero, _ZERO, _KEEP)).astype(jnp.int32)
+    flags = jnp.pad(flags, (0, blocks * _BLOCK_ROWS - rows))
+    scratch = (plgpu.SMEM((_BLOCK_ROWS, tile_columns), x.dtype), plgpu.SMEM((_BLOCK_ROWS,), jnp.int32),
+               plgpu.Barrier())  # fmt: skip
+    body = functools.partial(_body_a, rows=rows, tile_columns=tile_columns, interpret=interpret)
+    grid = {"rows": blocks, "columns": columns // tile_columns}
+    out = _in_place(body, (flags,), jnp.reshape(x, (rows, columns)), grid, scratch, "attnlib_set_rows_a", interpret)
+    return jnp.reshape(out, x.shape)
+
+
+# --- B: bulk stores into the flagged rows only ----------------------------------------------------------------------
+
+
+def _chunk(elements: int, itemsize: int) -> int:
+    """The largest divisor of `elements` of at most `_FILL_BYTES` bytes and a multiple of 16 bytes."""
+    best = 0
+    for d in range(1, math.isqrt(elements) + 1):
+        if elements % d == 0:
+            for size in (d, elements // d):
+                if size * itemsize <= _FILL_BYTES and size * itemsize % 16 == 0:
+                    best = max(best, size)
+    assert best, (elements, itemsize)  # 16-byte rows always have one
+    return best
+
+
+def _repeat(count: int, fn) -> None:
+    """`fn(k)` for k in range(count): unrolled when short."""
+    if count <= 8:
+        for k in range(count):
+            fn(k)
+    else:
+        jax.lax.fori_loop(0, count, lambda k, carry: (fn(k), carry)[1], 0)
+
+
+def _body_b(masks_ref, x_ref, zeros, nans, *, words: int, columns: int, row_chunk: int, word_chunk: int):
+    from jax.experimental import pallas as pl
+
+    plgpu = _plgpu()
+    first = jax.lax.axis_index("words") * words
+    masks = [(masks_ref[first + w, 0], masks_ref[first + w, 1]) for w in range(words)]
+    any_zero = functools.reduce(jnp.bitwise_or, [zero for zero, _ in masks])
+    any_nan = functools.reduce(jnp.bitwise_or, [nan for _, nan in masks])
+
+    def store(fill, start, elements: int, chunk: int):  # x[start : start + elements] = fill, in copies of `chunk`
+        def copy(k):
+            plgpu.copy_smem_to_gmem(fill.at[pl.ds(0, chunk)], x_ref.at[pl.ds(start + k * chunk, chunk)])
+
+        _repeat(elements // chunk, copy)
+
+    def fill_word(fill, mask, row):  # the rows of `mask`'s set bits (bit i: row `row + i`)
+        @pl.when(mask == -1)  # all 32 rows: one contiguous run
+        def _whole():
+            store(fill, row * columns, _WORD * columns, word_chunk)
+
+        @pl.when((mask != 0) & (mask != -1))
+        def _some():
+            def one_row(mask):
+                low = mask & -mask
+                store(fill, (row + 31 - jax.lax.clz(low)) * columns, columns, row_chunk)
+                return mask ^ low
+
+            jax.lax.while_loop(lambda mask: mask != 0, one_row, mask)
+
+    @pl.when((any_zero | any_nan) != 0)
+    def _fill():
+        @pl.when(any_zero != 0)
+        def _():
+            zeros[...] = jnp.zeros(zeros.shape, zeros.dtype)
+
+        @pl.when(any_nan != 0)
+        def _():
+            nans[...] = jnp.full(nans.shape, jnp.nan, nans.dtype)
+
+        plgpu.commit_smem()  # the SMEM stores, visible to the TMA engine
+        for w, (zero_mask, nan_mask) in enumerate(masks):
+            row = (first + w) * _WORD
+            fill_word(zeros, zero_mask, row)
+            fill_word(nans, nan_mask, row)
+        plgpu.wait_smem_to_gmem(0)  # the fill buffers must outlive the copies that read them
+
+
+def row_masks(zero: jax.Array, nan: jax.Array, words: int = 1) -> jax.Array:
+    """int32 `[W, 2]`: bit i of `[w, 0]` / `[w, 1]` set where row `32 w + i` is to be 0 / NaN (NaN wins); `W` is
+    `ceil(T / 32)` rounded up to a multiple of `words`, rows past T unset. One XLA reduction."""
+    rows = zero.shape[0]
+    count = cdiv(cdiv(rows, _WORD), words) * words
+    flags = jnp.pad(jnp.stack([zero & ~nan, nan], axis=1), ((0, count * _WORD - rows), (0, 0)))
+    bits = jnp.left_shift(jnp.uint32(1), jnp.arange(_WORD, dtype=jnp.uint32))[:, None]
+    packed = jnp.sum(jnp.where(flags.reshape(count, _WORD, 2), bits, jnp.uint32(0)), axis=1, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(packed, jnp.int32)
+
+
+def set_rows_mosaic_b(x: jax.Array, zero: jax.Array, nan: jax.Array, *, words: int = 1, interpret=None) -> jax.Array:
+    """Design B: the same by bulk copies SMEM -> GMEM into the flagged rows only, `x` never read (Mosaic GPU); a
+    program per `words` masks of 32 rows. XLA's scatter where rows are not 16-byte aligned."""
+    plgpu = _plgpu()
+    if not _rows_aligned(x):
+        return row_fill.set_rows_scatter(x, zero, nan)
+    rows, columns = x.shape[0], math.prod(x.shape[1:])
+    itemsize = x.dtype.itemsize
+    row_chunk, word_chunk = _chunk(columns, itemsize), _chunk(_WORD * columns, itemsize)
+    size = cdiv(word_chunk, 1024) * 1024  # whole vector stores for each of the 128 threads
+    masks = row_masks(zero, nan, words)
+    body = functools.partial(_body_b, words=words, columns=columns, row_chunk=row_chunk, word_chunk=word_chunk)
+    scratch = (plgpu.SMEM((size,), x.dtype), plgpu.SMEM((size,), x.dtype))
+    grid = {"words": masks.shape[0] // words}
+    out = _in_place(body, (masks,), jnp.reshape(x, (rows * columns,)), grid, scratch, "attnlib_set_rows_b", interpret)
+    return jnp.reshape(out, x.shape)
+
+
+# --- checks and timing ----------------------------------------------------------------------------------------------
+
+
+def mosaic_candidates(interpret=None) -> dict:
+    """name -> (fill, takes(x)); `takes` is False where the candidate hands `x` to XLA's scatter."""
+    return {
+        "mosaic_a": (functools.partial(set_rows_mosaic, interpret=interpret), _takes_a),
+        "mosaic_b": (functools.partial(set_rows_mosaic_b, interpret=interpret), _rows_aligned),
+        "mosaic_b4": (functools.partial(set_rows_mosaic_b, words=4, interpret=interpret), _rows_aligned),
+    }
+
+
+def candidates() -> dict:
+    everything = lambda x: True  # noqa: E731
+    peers = {"triton": (row_fill.set_rows_kernel, everything), "scatter": (row_fill.set_rows_scatter, everything)}
+    return {**peers, **mosaic_candidates()}
+
+
+def pattern(rows: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Padding-like flags: a run at the end of each quarter of the rows, `fraction` of the rows in all, the runs
+    alternately zero and NaN; the first 3 rows of the first run are both (NaN wins)."""
+    zero, nan = np.zeros(rows, bool), np.zeros(rows, bool)
+    bounds = np.linspace(0, rows, 5).astype(int)
+    for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        start = hi - int(round(fraction * (hi - lo)))
+        (zero if s % 2 == 0 else nan)[start:hi] = True
+        if s == 0:
+            nan[start : min(start + 3, hi)] = True
+    return zero, nan
+
+
+def inputs(shape, dtype, fraction, seed: int = 0):
+    x = jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+    zero, nan = pattern(shape[0], fraction)
+    return x, jnp.asarray(zero), jnp.asarray(nan)
+
+
+def same(a, b) -> bool:
+    """Equal bit for bit except NaN payloads (NaN in the same places)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    nan_a, nan_b = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+    bits = np.dtype(f"u{a.dtype.itemsize}")
+    return bool((nan_a == nan_b).all() and (a.view(bits)[~nan_a] == b.view(bits)[~nan_a]).all())
+
+
+def error_lines(error: BaseException, lines: int = 3) -> str:
+    """The exception's first lines, without JAX's note on filtered frames."""
+    text = "".join(traceback.format_exception_only(type(error), error)).splitlines()
+    text = [line.strip() for line in text if line.strip() and not line.startswith(("---", "For simplicity"))]
+    return " | ".join(text[:lines])
+
+
+def chain(fill, calls: int, fori: bool):
+    """`calls` fills, each on the previous result, in one `jit` with `x` donated."""
+
+    def step(x, zero, nan):
+        x, zero, nan = jax.lax.optimization_barrier((x, zero, nan))
+        return fill(x, zero, nan)
+
+    def run(x, zero, nan):
+        if fori:
+            return jax.lax.fori_loop(0, calls, lambda i, x: step(x, zero, nan), x)
+        for _ in range(calls):
+            x = step(x, zero, nan)
+        return x
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def time_per_fill(fill, x, zero, nan, calls: int, fori: bool, chains: int = 5, reps: int = 10) -> float:
+    run = chain(fill, calls, fori)
+    x = jnp.copy(x)  # donated from here on: each chain takes the previous one's result
+    for _ in range(2):
+        x = run(x, zero, nan)
+    jax.block_until_ready(x)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(chains):
+            x = run(x, zero, nan)
+        jax.block_until_ready(x)
+        best = min(best, (time.perf_counter() - start) / (chains * calls))
+    return best
+
+
+CASES = [  # label, shape, dtype, fraction of the rows flagged
+    ("[32768,32,128] bf16 1%", (32768, 32, 128), jnp.bfloat16, 0.01),
+    ("[32768,32,128] bf16 25%", (32768, 32, 128), jnp.bfloat16, 0.25),
+    ("[32768,32,128] bf16 100%", (32768, 32, 128), jnp.bfloat16, 1.0),
+    ("[32768,32] f32 25%", (32768, 32), jnp.float32, 0.25),
+    ("[1000,7,5] f16 25%", (1000, 7, 5), jnp.float16, 0.25),
+    ("[4097,16,64] bf16 25%", (4097, 16, 64), jnp.bfloat16, 0.25),
+]
+
+INTERPRET_CASES = [  # the same kinds (a partial last block, narrow rows, odd rows), small enough to interpret
+    ("[300,4,32] f32 25%", (300, 4, 32), jnp.float32, 0.25),
+    ("[300,4,32] f32 100%", (300, 4, 32), jnp.float32, 1.0),
+    ("[200,32] f32 25%", (200, 32), jnp.float32, 0.25),
+    ("[161,8,32] bf16 10%", (161, 8, 32), jnp.bfloat16, 0.1),
+    ("[70,7,5] f16 25%", (70, 7, 5), jnp.float16, 0.25),
+]
+
+WIDTH = 26
+
+
+def row(label: str, cells) -> str:
+    return f"{label:<{WIDTH}}" + "".join(f"{cell:>12}" for cell in cells)
+
+
+def lower_all() -> None:
+    """Lowers each Mosaic GPU candidate for CUDA on each benchmark shape, on any machine."""
+    fills = mosaic_candidates()
+    print(row("case", fills) + "   [lowered for cuda]")
+    problems = []
+    for label, shape, dtype, _ in CASES:
+        x, flag = jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape[:1], jnp.bool_)
+        cells = []
+        for name, (fill, takes) in fills.items():
+            try:
+                jax.jit(fill, donate_argnums=0).trace(x, flag, flag).lower(lowering_platforms=("cuda",))
+                cells.append("ok" + ("" if takes(x) else "*"))
+            except Exception as error:  # reported, never fatal
+                cells.append("error")
+                problems.append(f"{label} / {name}: {error_lines(error)}")
+        print(row(label, cells), flush=True)
+    print("* the candidate hands this shape to XLA's scatter (rows not 16-byte aligned)")
+    for problem in problems:
+        print("error:", problem)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--interpret", action="store_true", help="check in Pallas' GPU interpreter, no timing")
+    parser.add_argument("--lower", action="store_true", help="only lower the Mosaic GPU candidates for CUDA")
+    parser.add_argument("--fori", action="store_true", help="time with lax.fori_loop instead of an unrolled chain")
+    parser.add_argument("--calls", type=int, default=20, help="fills per timed chain")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}", flush=True)
+    if args.lower:
+        return lower_all()
+    timing = not args.interpret
+    if timing and jax.default_backend() != "gpu":
+        print("no GPU: timing needs the H200 (--interpret or --lower check the kernels here)")
+        return
+    interpret = None if timing else interpret_params()
+    fills = candidates() if timing else mosaic_candidates(interpret)
+    cases = CASES if timing else INTERPRET_CASES
+    mode = f"us per fill, {'fori_loop' if args.fori else 'chain'} of {args.calls}" if timing else "interpreter"
+    print(row("case", [*fills, *(["loop"] if timing else [])]) + f"   [{mode}]", flush=True)
+    fastest, problems, wrong = [], [], []
+    for label, shape, dtype, fraction in cases:
+        x, zero, nan = inputs(shape, dtype, fraction)
+        expected = jax.jit(row_fill.set_rows_scatter)(x, zero, nan)
+        cells, times = [], {}
+        for name, (fill, takes) in fills.items():
+            try:
+                if not same(jax.jit(fill)(x, zero, nan), expected):
+                    cells.append("wrong")
+                    wrong.append(f"{label} / {name}")
+                elif timing:
+                    times[name] = time_per_fill(fill, x, zero, nan, args.calls, args.fori) * 1e6
+                    cells.append(f"{times[name]:.1f}")
+                else:
+                    cells.append("ok")
+            except Exception as error:  # a candidate that fails to lower or run: reported, never fatal
+                cells.append("error")
+                problems.append(f"{label} / {name}: {error_lines(error)}")
+                if interpret is not None:
+                    reset_interpreter()
+            cells[-1] += "" if takes(x) else "*"
+        if timing:
+            cells.append(f"{time_per_fill(lambda x, z, n: x, x, zero, nan, args.calls, args.fori) * 1e6:.1f}")
+        print(row(label, cells), flush=True)
+        if times:
+            best = min(times, key=times.get)
+            fastest.append(f"{label}: {best} {times[best]:.1f} us")
+    print("* the candidate hands this shape to XLA's scatter (rows not 16-byte aligned)")
+    for problem in problems:
+        print("error:", problem)
+    if timing:
+        print("fastest per case: " + "; ".join(fastest))
+    else:
+        print("interpreter: " + ("all right" if not problems and not wrong else f"{len(problems + wrong)} failures"))
+
+
+if __name__ == "__main__":
+    main()
