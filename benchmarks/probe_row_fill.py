@@ -7,10 +7,11 @@ Usage: python benchmarks/probe_row_fill.py              H200: check every candid
                                                         benchmark's shapes (Pallas -> Mosaic GPU MLIR, no PTX)
        --fori: time with a `lax.fori_loop` instead of an unrolled chain; --calls N: fills per timed chain (20)
 
-`row_fill.set_rows_kernel` runs on Pallas' Triton backend, which jax 0.11.2 deprecates; `set_rows(x, zero, nan)` must
-keep costing what the rows set cost, not a pass over `x`. Both candidates keep `x` aliased to the result: they hand
-`pl.kernel` a GMEM `Ref` of it, which becomes an input/output alias of the Mosaic GPU custom call (jax 0.11.2 lowers
-Mosaic GPU kernels only through `pl.kernel` / `plgpu.kernel`; `pl.pallas_call` no longer reaches Mosaic GPU).
+`row_fill.py` ran a kernel on Pallas' Triton backend (here `set_rows_triton`, the "before"), which jax 0.11.2
+deprecates; `shipped` is `row_fill.set_rows` as it is now. `set_rows(x, zero, nan)` must keep costing what the rows
+set cost, not a pass over `x`. Both candidates keep `x` aliased to the result: they hand `pl.kernel` a GMEM `Ref` of
+it, which becomes an input/output alias of the Mosaic GPU custom call (jax 0.11.2 lowers Mosaic GPU kernels only
+through `pl.kernel` / `plgpu.kernel`; `pl.pallas_call` no longer reaches Mosaic GPU).
 
 - `set_rows_mosaic` (A, read-modify-write): `x` viewed as `[T, C]`; a program per block of 128 rows and `Cb` columns
   loads its 128 flags (one per thread) and, only if one is set, TMA-copies the block GMEM -> SMEM, computes
@@ -297,6 +298,52 @@ def set_rows_mosaic_b(x: jax.Array, zero: jax.Array, nan: jax.Array, *, words: i
     return jnp.reshape(out, x.shape)
 
 
+# --- the Triton kernel these candidates replace (row_fill.py before the move), the "before" column ------------------
+
+
+def _triton_fill_kernel(flag_ref, x_ref, out_ref, *, rows: int, columns: int, block: tuple[int, int]):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pallas_triton
+
+    del x_ref  # aliased to out_ref: rows not stored into keep their values
+    block_rows, block_columns = block
+    first = pl.program_id(0) * block_rows
+    row = first + jnp.arange(block_rows, dtype=jnp.int32)
+    flags = pallas_triton.load(flag_ref.at[pl.ds(first, block_rows)], mask=row < rows, other=_KEEP)
+    fill = (flags != _KEEP) & (row < rows)
+    value = jnp.broadcast_to(jnp.where(flags == _NAN, jnp.nan, 0.0).astype(out_ref.dtype)[:, None], block)
+
+    @pl.when(jnp.max(fill.astype(jnp.int32)) > 0)
+    def _store():
+        def store_columns(j, carry):
+            column = j * block_columns + jnp.arange(block_columns, dtype=jnp.int32)
+            target = out_ref.at[pl.ds(first, block_rows), pl.ds(j * block_columns, block_columns)]
+            pallas_triton.store(target, value, mask=fill[:, None] & (column < columns)[None, :])
+            return carry
+
+        jax.lax.fori_loop(0, pl.cdiv(columns, block_columns), store_columns, 0)
+
+
+def set_rows_triton(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
+    """The Pallas (Triton) kernel `row_fill.py` ran before: a program per 32 rows stores only into flagged rows."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pallas_triton
+
+    rows, columns = x.shape[0], math.prod(x.shape[1:])
+    flat = jnp.reshape(x, (rows, columns))
+    block = (32, min(1024, pl.next_power_of_2(columns)))
+    flags = jnp.where(nan, _NAN, jnp.where(zero, _ZERO, _KEEP)).astype(jnp.int32)
+    out = pl.pallas_call(
+        functools.partial(_triton_fill_kernel, rows=rows, columns=columns, block=block),
+        out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+        grid=(pl.cdiv(rows, block[0]),),
+        input_output_aliases={1: 0},
+        compiler_params=pallas_triton.CompilerParams(num_warps=4, num_stages=1),
+        name="attnlib_set_rows_triton",
+    )(flags, flat)
+    return jnp.reshape(out, x.shape)
+
+
 # --- checks and timing ----------------------------------------------------------------------------------------------
 
 
@@ -311,7 +358,8 @@ def mosaic_candidates(interpret=None) -> dict:
 
 def candidates() -> dict:
     everything = lambda x: True  # noqa: E731
-    peers = {"triton": (row_fill.set_rows_kernel, everything), "scatter": (row_fill.set_rows_scatter, everything)}
+    peers = {"triton": (set_rows_triton, everything), "scatter": (row_fill.set_rows_scatter, everything),
+             "shipped": (row_fill.set_rows, row_fill.kernel_takes)}  # fmt: skip
     return {**peers, **mosaic_candidates()}
 
 

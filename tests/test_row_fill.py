@@ -1,7 +1,7 @@
 """`row_fill.set_rows`: chosen rows of a packed result set to 0 or NaN, every other bit untouched.
 
-The Pallas kernel is checked on the CPU in Pallas' interpreter and on the GPU compiled (Triton), each against a
-NumPy reference written from the definition, and bit for bit against the XLA scatter it replaces.
+The Pallas kernel is checked on the CPU in Pallas' GPU interpreter and on the GPU compiled (Mosaic GPU), each against
+a NumPy reference written from the definition, and bit for bit against the XLA scatter it replaces.
 """
 
 import jax
@@ -12,22 +12,26 @@ import pytest
 from attnlib._src.backends.cudnn import row_fill
 
 
-# Odd sizes: rows not a multiple of the kernel's row block, columns not a multiple of its column block or a power of
-# two; one case wider than a column block (several programs per row).
-SHAPES = [(37, 3, 6), (100, 5, 3), (1, 1, 1), (53, 9, 131)]
+# Rows of a multiple of 16 bytes (what the kernel takes) in odd counts: not a multiple of the kernel's 32-row word;
+# one row of 16 bytes; rows of 1224 elements (several copies per row and per word, copies of odd sizes).
+SHAPES = [(37, 3, 8), (100, 5, 16), (1, 1, 8), (53, 9, 136)]
+# Rows the kernel does not take (not a multiple of 16 bytes): `set_rows` uses the scatter there.
+UNALIGNED = [(37, 3, 6), (100, 5, 3), (1, 1, 1)]
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
 
 def _case(shape, dtype, seed=0):
+    """Random flags (`nan` may overlap `zero`: NaN wins), plus rows 32-63 all zero and 64-95 all NaN where there are
+    that many: whole 32-row words take the kernel's one-run path."""
     a, b, c = jax.random.split(jax.random.key(seed), 3)
     x = jax.random.normal(a, shape).astype(dtype)
-    zero = jax.random.bernoulli(b, 0.3, shape[:1])
-    nan = jax.random.bernoulli(c, 0.2, shape[:1])  # may overlap `zero`: NaN wins
+    zero = jax.random.bernoulli(b, 0.3, shape[:1]).at[32:64].set(True)
+    nan = jax.random.bernoulli(c, 0.2, shape[:1]).at[32:64].set(False).at[64:96].set(True)
     return x, zero, nan
 
 
 def _bits(x):
-    """The bits of `x`, with every NaN given one payload (XLA's and Triton's NaN constants differ on a GPU)."""
+    """The bits of `x`, with every NaN given one payload (XLA's and the kernel's NaN constants may differ)."""
     bits = np.asarray(jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]))
     return np.where(np.isnan(np.asarray(x.astype(jnp.float32))), 0, bits)
 
@@ -44,7 +48,7 @@ def _check(actual, x, zero, nan):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernel_in_the_interpreter(shape, dtype):
-    pytest.importorskip("jax.experimental.pallas.triton")  # without it `set_rows` falls back (tested below)
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")  # without it `set_rows` falls back (tested below)
     x, zero, nan = _case(shape, dtype)
     actual = jax.jit(lambda *a: row_fill.set_rows_kernel(*a, interpret=True))(x, zero, nan)
     assert actual.shape == x.shape and actual.dtype == x.dtype
@@ -66,17 +70,42 @@ def test_empty_arrays():
     for shape in [(0, 4, 8), (5, 0, 8)]:
         x = jnp.ones(shape, jnp.bfloat16)
         flags = jnp.ones(shape[:1], bool)
-        assert row_fill.set_rows_kernel(x, flags, flags, interpret=True).shape == shape
+        assert row_fill.set_rows(x, flags, flags).shape == shape
+
+
+def test_kernel_refuses_rows_it_cannot_copy():
+    """Rows not a multiple of 16 bytes: the kernel says so (`set_rows` hands them to the scatter)."""
+    for shape in UNALIGNED:
+        assert not row_fill.kernel_takes(jnp.ones(shape, jnp.bfloat16))
+        with pytest.raises(ValueError, match="16 bytes"):
+            flags = jnp.ones(shape[:1], bool)
+            row_fill.set_rows_kernel(jnp.ones(shape, jnp.bfloat16), flags, flags)
+    assert all(row_fill.kernel_takes(jnp.ones(shape, jnp.bfloat16)) for shape in SHAPES)
+
+
+def test_row_masks_bits():
+    """Bit i of word w is row 32 w + i; NaN wins; rows past T are unset."""
+    zero = np.zeros(70, bool)
+    nan = np.zeros(70, bool)
+    zero[[0, 31, 33, 69]] = True
+    nan[[31, 40]] = True
+    masks = np.asarray(row_fill.row_masks(jnp.asarray(zero), jnp.asarray(nan))).view(np.uint32)
+    assert masks.shape == (3, 2)
+    assert masks[0].tolist() == [1, 1 << 31] and masks[1].tolist() == [1 << 1, 1 << 8]
+    assert masks[2].tolist() == [1 << 5, 0]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES + [(4099, 32, 128)], ids=str)
+@pytest.mark.parametrize("shape", SHAPES + UNALIGNED + [(4099, 32, 128), (4099, 8)], ids=str)
 def test_kernel_on_the_gpu(shape, dtype):
-    """Compiled on the GPU (`set_rows` runs the Triton kernel there), bit-identical to the scatter."""
+    """Compiled on the GPU (`set_rows` runs the Mosaic GPU kernel there, the scatter for rows it cannot copy),
+    bit-identical to the scatter."""
     x, zero, nan = _case(shape, dtype, seed=2)
     lowered = jax.jit(row_fill.set_rows).lower(x, zero, nan).as_text()
-    assert "__gpu$xla.gpu.triton" in lowered and "stablehlo.while" not in lowered, "not the compiled kernel"
+    kernel = "custom_call @mosaic_gpu" in lowered
+    assert kernel == row_fill.kernel_takes(x), "the kernel runs exactly where it can"
+    assert kernel != ("stablehlo.scatter" in lowered)
     actual = jax.jit(row_fill.set_rows)(x, zero, nan)
     _check(actual, x, zero, nan)
     np.testing.assert_array_equal(_bits(actual), _bits(jax.jit(row_fill.set_rows_scatter)(x, zero, nan)))
@@ -90,21 +119,22 @@ def test_kernel_on_the_gpu_writes_in_place():
     assert " copy(" not in compiled and "copy-start" not in compiled, compiled[:2000]
 
 
-def test_falls_back_to_the_scatter_without_pallas_triton(monkeypatch, caplog):
-    """A JAX without Pallas' Triton backend: the scatter runs, and says so once at WARNING."""
+def test_falls_back_to_the_scatter_without_pallas_mosaic_gpu(monkeypatch, caplog):
+    """A JAX without Pallas' Mosaic GPU backend (on a GPU): the scatter runs, and says so once at WARNING."""
     import sys
-
-    from attnlib._src import logs
 
     import jax.experimental.pallas as pallas
 
-    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)  # import fails
-    monkeypatch.delattr(pallas, "triton", raising=False)
+    from attnlib._src import logs
+
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.mosaic_gpu", None)  # import fails
+    monkeypatch.delattr(pallas, "mosaic_gpu", raising=False)
     monkeypatch.setattr(logs, "_logged", set())
-    x, zero, nan = _case((37, 3, 6), jnp.bfloat16)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    x, zero, nan = _case((37, 3, 8), jnp.bfloat16)
     with caplog.at_level("WARNING", logger="attnlib"):
         actual = row_fill.set_rows(x, zero, nan)
         row_fill.set_rows(x, zero, nan)
     _check(actual, x, zero, nan)
-    warnings = [r.getMessage() for r in caplog.records if "Triton backend is unavailable" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "Mosaic GPU backend is unavailable" in r.getMessage()]
     assert len(warnings) == 1, warnings

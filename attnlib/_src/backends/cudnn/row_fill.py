@@ -2,17 +2,15 @@
 
 cuDNN's ragged graphs leave the rows outside every sequence unwritten (`varlen.py`). XLA's scatter, given one index
 per row, runs a thread per element of the whole array whether or not the row is set: 160 us on a `[32768, 32, 128]`
-bf16 output on the H200, as much as rewriting it (`docs/performance.md`). On a GPU this is a Pallas (Triton) kernel
-instead: each program reads the flags of a block of rows and stores only into flagged rows; the array is aliased to
-the result, so unflagged rows are never read or written. `set_rows_scatter` is the XLA scatter it replaced (same
-values; the NaN payload may differ): what runs when JAX's default backend is not a GPU (the CPU, where cuDNN is emulated
-in tests), the benchmarks' "before", and the fallback should JAX drop Pallas' Triton backend. The kernel's
-own tests run it in Pallas' interpreter on the CPU.
+bf16 output on the H200, as much as rewriting it (`docs/performance.md`). On a GPU this is a Pallas Mosaic GPU kernel
+instead: the flags are packed into two 32-bit masks per 32 rows (rows to zero, rows to NaN); a program per mask word
+returns at once when both are 0, else fills a shared-memory buffer with 0 or NaN and bulk-copies it into the flagged
+rows only (one run of copies when all 32 rows are flagged alike, else one per row). `x` is handed to the kernel as a
+reference, so its buffer is aliased to the result and unflagged rows are never read or written.
 
-jax 0.11.2 deprecates that backend in favour of Mosaic GPU: it emits a `DeprecationWarning` at every lowering of the
-kernel (hidden by Python's default filters; the test suite's configuration ignores that one message). attnlib does
-not filter warnings itself: a filter set at trace time does not outlive a test's warning context, and a cached trace
-lowers again without it. Porting the kernel to Mosaic GPU is the way forward once JAX removes the Triton backend.
+The copies need rows of a multiple of 16 bytes; other rows (and every platform but a GPU, where the tests emulate
+cuDNN) take `set_rows_scatter`, the XLA scatter the kernel replaced (same values; the NaN payload may differ), which is
+also the benchmarks' "before". The kernel's own tests run it in Pallas' GPU interpreter on the CPU.
 """
 
 import functools
@@ -25,57 +23,135 @@ import jax.numpy as jnp
 from ... import logs
 
 
-ROWS_PER_PROGRAM = 32
-COLUMNS_PER_PROGRAM = 1024
-
-_KEEP, _ZERO, _NAN = 0, 1, 2
+ROWS_PER_WORD = 32  # rows per mask word: one program each
+FILL_BYTES = 16 * 1024  # shared memory of each of the two fill buffers (0 and NaN)
 
 
-def _fill_kernel(flag_ref, x_ref, out_ref, *, rows: int, columns: int, block: tuple[int, int]):
-    """One program per block of rows: reads their flags and, only if one is set, stores into the flagged rows."""
+def _mosaic_gpu():
+    from jax.experimental.pallas import mosaic_gpu  # imported on first use: `import attnlib` stays light
+
+    return mosaic_gpu
+
+
+def _interpret_params():
+    """Pallas' GPU interpreter (`InterpretGPUParams`: public from jax 0.11, private before)."""
+    mosaic_gpu = _mosaic_gpu()
+    if hasattr(mosaic_gpu, "InterpretGPUParams"):
+        return mosaic_gpu.InterpretGPUParams()
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def kernel_takes(x: jax.Array) -> bool:
+    """Whether the kernel can fill `x`'s rows: rows of a multiple of 16 bytes (bulk copies), int32 offsets."""
+    rows, columns = x.shape[0], math.prod(x.shape[1:])
+    return rows > 0 and columns > 0 and columns * x.dtype.itemsize % 16 == 0 and rows * columns < 2**31
+
+
+def row_masks(zero: jax.Array, nan: jax.Array) -> jax.Array:
+    """int32 `[ceil(T / 32), 2]`: bit i of `[w, 0]` / `[w, 1]` set where row `32 w + i` is to be 0 / NaN (NaN wins);
+    rows past T unset."""
+    rows = zero.shape[0]
+    words = -(-rows // ROWS_PER_WORD)
+    flags = jnp.pad(jnp.stack([zero & ~nan, nan], axis=1), ((0, words * ROWS_PER_WORD - rows), (0, 0)))
+    bits = jnp.left_shift(jnp.uint32(1), jnp.arange(ROWS_PER_WORD, dtype=jnp.uint32))[:, None]
+    packed = jnp.sum(jnp.where(flags.reshape(words, ROWS_PER_WORD, 2), bits, jnp.uint32(0)), axis=1, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(packed, jnp.int32)
+
+
+def _copy_size(elements: int, itemsize: int) -> int:
+    """The largest divisor of `elements` of at most `FILL_BYTES` bytes and a multiple of 16 bytes."""
+    best = 0
+    for d in range(1, math.isqrt(elements) + 1):
+        if elements % d == 0:
+            for size in (d, elements // d):
+                if size * itemsize <= FILL_BYTES and size * itemsize % 16 == 0:
+                    best = max(best, size)
+    assert best, (elements, itemsize)  # rows of 16-byte multiples always have one
+    return best
+
+
+def _repeat(count: int, fn) -> None:
+    """`fn(k)` for k in range(count), unrolled when short."""
+    if count <= 8:
+        for k in range(count):
+            fn(k)
+    else:
+        jax.lax.fori_loop(0, count, lambda k, carry: (fn(k), carry)[1], 0)
+
+
+def _fill_kernel(masks_ref, x_ref, zeros, nans, *, columns: int, row_copy: int, word_copy: int):
+    """One program per mask word: bulk copies of 0 / NaN from shared memory into the word's flagged rows of the flat
+    `x_ref`."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pallas_triton
 
-    del x_ref  # aliased to out_ref: rows not stored into keep their values
-    block_rows, block_columns = block
-    first = pl.program_id(0) * block_rows
-    row = first + jnp.arange(block_rows, dtype=jnp.int32)
-    flags = pallas_triton.load(flag_ref.at[pl.ds(first, block_rows)], mask=row < rows, other=_KEEP)
-    fill = (flags != _KEEP) & (row < rows)
-    value = jnp.broadcast_to(jnp.where(flags == _NAN, jnp.nan, 0.0).astype(out_ref.dtype)[:, None], block)
+    mosaic_gpu = _mosaic_gpu()
+    word = jax.lax.axis_index("words")
+    zero_mask, nan_mask = masks_ref[word, 0], masks_ref[word, 1]
+    first_row = word * ROWS_PER_WORD
 
-    @pl.when(jnp.max(fill.astype(jnp.int32)) > 0)
-    def _store():
-        def store_columns(j, carry):
-            column = j * block_columns + jnp.arange(block_columns, dtype=jnp.int32)
-            target = out_ref.at[pl.ds(first, block_rows), pl.ds(j * block_columns, block_columns)]
-            pallas_triton.store(target, value, mask=fill[:, None] & (column < columns)[None, :])
-            return carry
+    def store(fill, start, elements: int, size: int):  # x[start : start + elements] = fill, in copies of `size`
+        def copy(k):
+            mosaic_gpu.copy_smem_to_gmem(fill.at[pl.ds(0, size)], x_ref.at[pl.ds(start + k * size, size)])
 
-        jax.lax.fori_loop(0, pl.cdiv(columns, block_columns), store_columns, 0)
+        _repeat(elements // size, copy)
+
+    def fill_rows(fill, mask):  # the rows of `mask`'s set bits (bit i: row `first_row + i`)
+        @pl.when(mask == -1)  # all 32 rows: one contiguous run
+        def _whole():
+            store(fill, first_row * columns, ROWS_PER_WORD * columns, word_copy)
+
+        @pl.when((mask != 0) & (mask != -1))
+        def _some():
+            def one_row(mask):
+                lowest = mask & -mask
+                store(fill, (first_row + 31 - jax.lax.clz(lowest)) * columns, columns, row_copy)
+                return mask ^ lowest
+
+            jax.lax.while_loop(lambda mask: mask != 0, one_row, mask)
+
+    @pl.when((zero_mask | nan_mask) != 0)
+    def _fill():
+        @pl.when(zero_mask != 0)
+        def _():
+            zeros[...] = jnp.zeros(zeros.shape, zeros.dtype)
+
+        @pl.when(nan_mask != 0)
+        def _():
+            nans[...] = jnp.full(nans.shape, jnp.nan, nans.dtype)
+
+        mosaic_gpu.commit_smem()  # the shared-memory stores, visible to the copy engine
+        fill_rows(zeros, zero_mask)
+        fill_rows(nans, nan_mask)
+        mosaic_gpu.wait_smem_to_gmem(0)  # the buffers must outlive the copies that read them
 
 
 def set_rows_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """The Pallas kernel alone (`interpret=True` runs it on any platform, for tests)."""
-    from jax.experimental import pallas as pl  # imported on first use: `import attnlib` stays light
-    from jax.experimental.pallas import triton as pallas_triton
+    """The Mosaic GPU kernel alone, for `x` that `kernel_takes` (`interpret=True` runs it on any platform, for
+    tests)."""
+    from jax.experimental import pallas as pl
 
+    mosaic_gpu = _mosaic_gpu()
+    if not kernel_takes(x):
+        raise ValueError(f"row_fill: rows of {x.shape[1:]} {x.dtype} are not a multiple of 16 bytes")
     rows, columns = x.shape[0], math.prod(x.shape[1:])
-    if rows == 0 or columns == 0:
-        return x
-    flat = jnp.reshape(x, (rows, columns))
-    block = (ROWS_PER_PROGRAM, min(COLUMNS_PER_PROGRAM, pl.next_power_of_2(columns)))
-    flags = jnp.where(nan, _NAN, jnp.where(zero, _ZERO, _KEEP)).astype(jnp.int32)
-    out = pl.pallas_call(
-        functools.partial(_fill_kernel, rows=rows, columns=columns, block=block),
-        out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-        grid=(pl.cdiv(rows, block[0]),),
-        input_output_aliases={1: 0},
-        interpret=interpret,
-        compiler_params=pallas_triton.CompilerParams(num_warps=4, num_stages=1),  # Triton, not Mosaic GPU
-        name="attnlib_set_rows",
-    )(flags, flat)
-    return jnp.reshape(out, x.shape)
+    row_copy = _copy_size(columns, x.dtype.itemsize)
+    word_copy = _copy_size(ROWS_PER_WORD * columns, x.dtype.itemsize)
+    buffer = -(-word_copy // 1024) * 1024  # whole vector stores for each of the 128 threads
+    masks = row_masks(zero, nan)
+    body = functools.partial(_fill_kernel, columns=columns, row_copy=row_copy, word_copy=word_copy)
+    scratch = (mosaic_gpu.SMEM((buffer,), x.dtype), mosaic_gpu.SMEM((buffer,), x.dtype))
+
+    def kernel(masks_ref, x_ref):
+        pl.run_scoped(lambda zeros, nans: body(masks_ref, x_ref, zeros, nans), *scratch)
+
+    # A reference to `x`: `pl.kernel` aliases its buffer to the result (no copy when the caller's `x` is dead).
+    x_ref = jax.new_ref(jnp.reshape(x, (rows * columns,)), memory_space=mosaic_gpu.GMEM)
+    mesh = mosaic_gpu.Mesh(grid=(masks.shape[0],), grid_names=("words",), kernel_name="attnlib_set_rows")
+    pl.kernel(kernel, out_type=(), mesh=mesh, compiler_params=mosaic_gpu.CompilerParams(),
+              interpret=_interpret_params() if interpret else False)(masks, x_ref)  # fmt: skip
+    return jnp.reshape(jax.freeze(x_ref), x.shape)
 
 
 def set_rows_scatter(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
@@ -94,14 +170,21 @@ def set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
         x: floating `[T, ...]`.
         zero, nan: bool `[T]`.
     """
-    try:
-        from jax.experimental.pallas import triton  # noqa: F401
-    except ImportError as error:  # a JAX without Pallas' Triton backend
-        logs.log_once(("row_fill", "scatter"), logging.WARNING,
-                      "attnlib: Pallas' Triton backend is unavailable (%s); the rows outside THD/packed sequences are "
-                      "set by XLA's scatter, which costs a pass over each result.", error)  # fmt: skip
-        return set_rows_scatter(x, zero, nan)
     # `jax.lax.platform_dependent` would choose at lowering, but leaves a `case` in the lowered module.
     if jax.default_backend() != "gpu":  # the CPU emulation of cuDNN in tests
+        return set_rows_scatter(x, zero, nan)
+    if x.size == 0:
+        return x
+    if not kernel_takes(x):
+        logs.log_once(("row_fill", "unaligned", x.shape[1:], str(x.dtype)), logging.DEBUG,
+                      "attnlib: rows of %s %s are not a multiple of 16 bytes; XLA's scatter sets the rows outside "
+                      "THD/packed sequences (a pass over the result).", x.shape[1:], x.dtype)  # fmt: skip
+        return set_rows_scatter(x, zero, nan)
+    try:
+        _mosaic_gpu()
+    except ImportError as error:  # a JAX without Pallas' Mosaic GPU backend
+        logs.log_once(("row_fill", "scatter"), logging.WARNING,
+                      "attnlib: Pallas' Mosaic GPU backend is unavailable (%s); the rows outside THD/packed sequences "
+                      "are set by XLA's scatter, which costs a pass over each result.", error)  # fmt: skip
         return set_rows_scatter(x, zero, nan)
     return set_rows_kernel(x, zero, nan)
