@@ -111,6 +111,34 @@ def test_kernel_on_the_gpu(shape, dtype):
     np.testing.assert_array_equal(_bits(actual), _bits(jax.jit(row_fill.set_rows_scatter)(x, zero, nan)))
 
 
+def _vmapped_cases():
+    """(function, arguments) pairs: `set_rows_kernel` under `vmap`, with all or only `x` mapped, and nested."""
+    x, zero, nan = _case((3 * 37, 3, 8), jnp.bfloat16, seed=4)
+    x, zero, nan = x.reshape(3, 37, 3, 8), zero.reshape(3, 37), nan.reshape(3, 37)
+    return [
+        (jax.vmap(row_fill.set_rows_kernel), jax.vmap(row_fill.set_rows_scatter), (x, zero, nan)),
+        (jax.vmap(row_fill.set_rows_kernel, in_axes=(0, None, None)),
+         jax.vmap(row_fill.set_rows_scatter, in_axes=(0, None, None)), (x, zero[0], nan[0])),
+        (jax.vmap(jax.vmap(row_fill.set_rows_kernel), in_axes=(0, None, None)),
+         jax.vmap(jax.vmap(row_fill.set_rows_scatter), in_axes=(0, None, None)), (jnp.stack([x, -x]), zero, nan)),
+    ]  # fmt: skip
+
+
+def test_kernel_under_vmap_lowers_to_one_kernel_in_place():
+    """Pallas' kernels take no batch axis: `vmap` folds the mapped axes into the rows, one kernel, `x` still aliased
+    to the result (lowered for CUDA on any machine; values on the GPU below)."""
+    for kernel, _, args in _vmapped_cases():
+        lowered = jax.jit(kernel, donate_argnums=0).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert lowered.count("custom_call @mosaic_gpu") == 1 and "stablehlo.scatter" not in lowered
+        assert "tf.aliasing_output = 0" in lowered, "x not aliased to the result"
+
+
+@pytest.mark.gpu
+def test_kernel_under_vmap_on_the_gpu():
+    for kernel, scatter, args in _vmapped_cases():
+        np.testing.assert_array_equal(_bits(jax.jit(kernel)(*args)), _bits(jax.jit(scatter)(*args)))
+
+
 @pytest.mark.gpu
 def test_kernel_on_the_gpu_writes_in_place():
     """The input buffer is donated to the kernel: no copy of the array in the compiled module."""

@@ -127,14 +127,10 @@ def _fill_kernel(masks_ref, x_ref, zeros, nans, *, columns: int, row_copy: int, 
         mosaic_gpu.wait_smem_to_gmem(0)  # the buffers must outlive the copies that read them
 
 
-def set_rows_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """The Mosaic GPU kernel alone, for `x` that `kernel_takes` (`interpret=True` runs it on any platform, for
-    tests)."""
+def _run_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, interpret: bool) -> jax.Array:
     from jax.experimental import pallas as pl
 
     mosaic_gpu = _mosaic_gpu()
-    if not kernel_takes(x):
-        raise ValueError(f"row_fill: rows of {x.shape[1:]} {x.dtype} are not a multiple of 16 bytes")
     rows, columns = x.shape[0], math.prod(x.shape[1:])
     row_copy = _copy_size(columns, x.dtype.itemsize)
     word_copy = _copy_size(ROWS_PER_WORD * columns, x.dtype.itemsize)
@@ -146,12 +142,53 @@ def set_rows_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, *, interpret:
     def kernel(masks_ref, x_ref):
         pl.run_scoped(lambda zeros, nans: body(masks_ref, x_ref, zeros, nans), *scratch)
 
-    # A reference to `x`: `pl.kernel` aliases its buffer to the result (no copy when the caller's `x` is dead).
-    x_ref = jax.new_ref(jnp.reshape(x, (rows * columns,)), memory_space=mosaic_gpu.GMEM)
     mesh = mosaic_gpu.Mesh(grid=(masks.shape[0],), grid_names=("words",), kernel_name="attnlib_set_rows")
-    pl.kernel(kernel, out_type=(), mesh=mesh, compiler_params=mosaic_gpu.CompilerParams(),
-              interpret=_interpret_params() if interpret else False)(masks, x_ref)  # fmt: skip
-    return jnp.reshape(jax.freeze(x_ref), x.shape)
+    fill = pl.kernel(kernel, out_type=(), mesh=mesh, compiler_params=mosaic_gpu.CompilerParams(),
+                     interpret=_interpret_params() if interpret else False)  # fmt: skip
+
+    # `x` handed to the kernel as a reference, which aliases its buffer to the result (no copy when the caller's `x`
+    # is dead). Compiled, `run_state` keeps the reference inside (no effect escapes into `custom_vmap` or the
+    # caller); Pallas' GPU interpreter needs the reference's memory space, which only `new_ref` gives.
+    flat = jnp.reshape(x, (rows * columns,))
+    if interpret:
+        x_ref = jax.new_ref(flat, memory_space=mosaic_gpu.GMEM)
+        fill(masks, x_ref)
+        return jnp.reshape(jax.freeze(x_ref), x.shape)
+
+    def run(refs):
+        masks_ref, x_ref = refs
+        fill(masks_ref[...], x_ref)
+
+    _, flat = pl.run_state(run)((masks, flat))
+    return jnp.reshape(flat, x.shape)
+
+
+@jax.custom_batching.custom_vmap
+def _batchable_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
+    """The compiled kernel, also under `vmap`: Pallas' kernels take no batch axis, so the mapped axis is folded into
+    the rows."""
+    if not kernel_takes(x):  # only a fold under `vmap` can grow past int32 offsets
+        return set_rows_scatter(x, zero, nan)
+    return _run_kernel(x, zero, nan, interpret=False)
+
+
+@_batchable_kernel.def_vmap
+def _fold(axis_size, in_batched, x, zero, nan):
+    x, zero, nan = (a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+                    for a, batched in zip((x, zero, nan), in_batched))  # fmt: skip
+    rows = (-1, *x.shape[2:])
+    folded = _batchable_kernel(jnp.reshape(x, rows), jnp.reshape(zero, (-1,)), jnp.reshape(nan, (-1,)))
+    return jnp.reshape(folded, x.shape), True
+
+
+def set_rows_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """The Mosaic GPU kernel alone, for `x` that `kernel_takes` (`interpret=True` runs it in Pallas' GPU interpreter
+    on any platform, for tests; not under `vmap`)."""
+    if not kernel_takes(x):
+        raise ValueError(f"row_fill: rows of {x.shape[1:]} {x.dtype} are not a multiple of 16 bytes")
+    if interpret:
+        return _run_kernel(x, zero, nan, interpret=True)
+    return _batchable_kernel(x, zero, nan)
 
 
 def set_rows_scatter(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
