@@ -256,13 +256,14 @@ def test_one_device_mesh_matches_attention(strategy):
         ({"frobnicate": 1}, TypeError, r"unexpected keyword argument `frobnicate`"),
         ({"load_balanced": 1}, TypeError, r"`load_balanced` must be a Python bool\. Got 1 of type int"),
         ({"is_causal": "yes"}, TypeError, r"`is_causal` must be a Python bool\. Got 'yes'"),
+        ({"return_residual": 1}, TypeError, r"`return_residual` must be a Python bool\. Got 1 of type int"),
         ({"diagonal_alignment": "center"}, ValueError,
          r"`diagonal_alignment` must be 'top_left' or 'bottom_right'\. Got 'center'"),
         ({"sinks": jnp.zeros((2,), jnp.int32)}, TypeError, r"`sinks` must have a floating dtype\. Got sinks"),
     ],
     ids=["bias", "mask", "dropout", "thd", "paged", "bottom_right_lengths", "strategy", "segment_shape",
-         "length_dtype", "sinks_shape", "window", "unknown", "load_balanced", "is_causal", "alignment",
-         "sinks_dtype"],
+         "length_dtype", "sinks_shape", "window", "unknown", "load_balanced", "is_causal", "return_residual",
+         "alignment", "sinks_dtype"],
 )  # fmt: skip
 def test_errors(kwargs, error, match):
     x = jnp.zeros((1, 4, 2, 8), jnp.float32)

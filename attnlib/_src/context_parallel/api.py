@@ -139,7 +139,8 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
     validation.require_bool("load_balanced", load_balanced)
     is_causal = kwargs.get("is_causal", False)
     validation.require_bool("is_causal", is_causal)
-    return_residual = bool(kwargs.get("return_residual", False))
+    return_residual = kwargs.get("return_residual", False)
+    validation.require_bool("return_residual", return_residual)
     try:
         D = jax.lax.axis_size(axis_name)
     except NameError:
