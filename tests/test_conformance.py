@@ -213,11 +213,11 @@ def _thd(r, d, **kw):
     return make_case(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kw)
 
 
-def _paged(r, d, t=7, **kw):
+def _paged(r, d, t=7, hv=HV, **kw):
     page_size, num_pages, pages_per_seq = 4, 9, 3
     q = normal(r, (B, t, N, 8), d)
     k = normal(r, (num_pages, page_size, K, 8), d)
-    v = normal(r, (num_pages, page_size, K, HV), d)
+    v = normal(r, (num_pages, page_size, K, hv), d)
     table = lengths([[5, 1, 7], [2, 8, 0]])  # unordered pages; sequence 1 uses page 0 last
     assert table.shape == (B, pages_per_seq)
     return make_case(q, k, v, page_table=table, key_value_seq_lengths=lengths([10, 7]), grad=False, **kw)
@@ -328,6 +328,10 @@ FEATURES: list[tuple[str, Callable]] = [
     ("paged_causal_br", lambda r, d: _paged(r, d, is_causal=True, diagonal_alignment="bottom_right")),
     # Decoding: one query row, bottom-right causal (it sees every key of its sequence) and top-left.
     ("paged_decode_causal_br", lambda r, d: _paged(r, d, t=1, is_causal=True, diagonal_alignment="bottom_right")),
+    # The same with equal head dims, which cuDNN's paged graphs take (they decline Hv = 5).
+    ("paged_hv8", lambda r, d: _paged(r, d, hv=8)),
+    ("paged_decode_causal_br_hv8", lambda r, d: _paged(r, d, t=1, hv=8, is_causal=True,
+                                                       diagonal_alignment="bottom_right")),
     ("decode_causal_br_lengths_window", lambda r, d: make_case(
         *qkv(r, t=1, dtype=d), key_value_seq_lengths=lengths([S, 6]), is_causal=True,
         diagonal_alignment="bottom_right", local_window_size=(3, 2))),
