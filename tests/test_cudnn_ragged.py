@@ -821,7 +821,7 @@ def test_thd_lowers_to_forward_and_backward_graph_calls(fake_entries, monkeypatc
     # scatter, which costs a pass over the whole result.
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, cu, cu).lower(
         lowering_platforms=("cuda",)).as_text()  # fmt: skip
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 4 and "stablehlo.scatter" not in text
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 4 and "stablehlo.scatter" not in text
 
 
 def test_paged_decode_lowers_to_one_graph_call(fake_entries):
