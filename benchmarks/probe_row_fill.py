@@ -8,20 +8,18 @@ Usage: python benchmarks/probe_row_fill.py              H200: check every candid
        --fori: time with a `lax.fori_loop` instead of an unrolled chain; --calls N: fills per timed chain (20)
 
 `row_fill.py` ran a kernel on Pallas' Triton backend (here `set_rows_triton`, the "before"), which jax 0.11.2
-deprecates; `shipped` is `row_fill.set_rows` as it is now. `set_rows(x, zero, nan)` must keep costing what the rows
-set cost, not a pass over `x`. Both candidates keep `x` aliased to the result: they hand `pl.kernel` a GMEM `Ref` of
-it, which becomes an input/output alias of the Mosaic GPU custom call (jax 0.11.2 lowers Mosaic GPU kernels only
-through `pl.kernel` / `plgpu.kernel`; `pl.pallas_call` no longer reaches Mosaic GPU).
+deprecates. `set_rows(x, zero, nan)` must keep costing what the rows set cost, not a pass over `x`. Both candidates
+keep `x` aliased to the result: they hand `pl.kernel` a GMEM `Ref` of it, which becomes an input/output alias of the
+Mosaic GPU custom call (jax 0.11.2 lowers Mosaic GPU kernels only through `pl.kernel` / `plgpu.kernel`;
+`pl.pallas_call` no longer reaches Mosaic GPU).
 
 - `set_rows_mosaic` (A, read-modify-write): `x` viewed as `[T, C]`; a program per block of 128 rows and `Cb` columns
   loads its 128 flags (one per thread) and, only if one is set, TMA-copies the block GMEM -> SMEM, computes
   `where(flag == NaN, nan, where(flag == ZERO, 0, x))` in registers (WGMMA layout, the flags broadcast along rows),
   stores it to SMEM and TMA-copies it back. The last block's copies stop at row T (static sizes).
-- `set_rows_mosaic_b` (B, store-only): `x` viewed as a flat `[T * C]`; XLA packs the flags into two 32-bit masks
-  (zero rows, NaN rows) per 32 rows. A program per `words` masks returns at once when they are 0; otherwise it fills
-  an SMEM buffer with 0 and / or NaN and issues bulk copies SMEM -> GMEM: a run of chunks for a word whose 32 rows
-  are all of one kind, else a copy per set bit (lowest set bit by `clz`, until the mask is 0). `x` is never read,
-  rows past T have no bit set, so nothing is written past the end.
+- `mosaic_b` (B, store-only): the library's kernel, `row_fill.set_rows_kernel` (its docstring says how it works):
+  the flags packed into two 32-bit masks per 32 rows, bulk copies of 0 / NaN from SMEM into the flagged rows only,
+  `x` never read.
 
 Both need rows of `C * itemsize` bytes, a multiple of 16 (TMA strides, bulk copy sizes and addresses), and
 `T * C < 2**31` (int32 offsets); other shapes (e.g. `[1000, 7, 5]` f16: 70-byte rows) go to `set_rows_scatter`, marked
@@ -51,10 +49,8 @@ from attnlib._src.backends.cudnn import row_fill
 
 
 _KEEP, _ZERO, _NAN = 0, 1, 2  # as in row_fill
-_WORD = 32  # rows per mask word (B)
 _BLOCK_ROWS = 128  # rows per program (A): a multiple of 64 (WGMMA layout) and 128 (one flag per thread)
 _TILE_BYTES = 32 * 1024  # SMEM of a block (A)
-_FILL_BYTES = 16 * 1024  # SMEM of each of the two fill buffers (B)
 
 
 def _plgpu():
@@ -198,106 +194,6 @@ def set_rows_mosaic(x: jax.Array, zero: jax.Array, nan: jax.Array, *, interpret=
     return jnp.reshape(out, x.shape)
 
 
-# --- B: bulk stores into the flagged rows only ----------------------------------------------------------------------
-
-
-def _chunk(elements: int, itemsize: int) -> int:
-    """The largest divisor of `elements` of at most `_FILL_BYTES` bytes and a multiple of 16 bytes."""
-    best = 0
-    for d in range(1, math.isqrt(elements) + 1):
-        if elements % d == 0:
-            for size in (d, elements // d):
-                if size * itemsize <= _FILL_BYTES and size * itemsize % 16 == 0:
-                    best = max(best, size)
-    assert best, (elements, itemsize)  # 16-byte rows always have one
-    return best
-
-
-def _repeat(count: int, fn) -> None:
-    """`fn(k)` for k in range(count): unrolled when short."""
-    if count <= 8:
-        for k in range(count):
-            fn(k)
-    else:
-        jax.lax.fori_loop(0, count, lambda k, carry: (fn(k), carry)[1], 0)
-
-
-def _body_b(masks_ref, x_ref, zeros, nans, *, words: int, columns: int, row_chunk: int, word_chunk: int):
-    from jax.experimental import pallas as pl
-
-    plgpu = _plgpu()
-    first = jax.lax.axis_index("words") * words
-    masks = [(masks_ref[first + w, 0], masks_ref[first + w, 1]) for w in range(words)]
-    any_zero = functools.reduce(jnp.bitwise_or, [zero for zero, _ in masks])
-    any_nan = functools.reduce(jnp.bitwise_or, [nan for _, nan in masks])
-
-    def store(fill, start, elements: int, chunk: int):  # x[start : start + elements] = fill, in copies of `chunk`
-        def copy(k):
-            plgpu.copy_smem_to_gmem(fill.at[pl.ds(0, chunk)], x_ref.at[pl.ds(start + k * chunk, chunk)])
-
-        _repeat(elements // chunk, copy)
-
-    def fill_word(fill, mask, row):  # the rows of `mask`'s set bits (bit i: row `row + i`)
-        @pl.when(mask == -1)  # all 32 rows: one contiguous run
-        def _whole():
-            store(fill, row * columns, _WORD * columns, word_chunk)
-
-        @pl.when((mask != 0) & (mask != -1))
-        def _some():
-            def one_row(mask):
-                low = mask & -mask
-                store(fill, (row + 31 - jax.lax.clz(low)) * columns, columns, row_chunk)
-                return mask ^ low
-
-            jax.lax.while_loop(lambda mask: mask != 0, one_row, mask)
-
-    @pl.when((any_zero | any_nan) != 0)
-    def _fill():
-        @pl.when(any_zero != 0)
-        def _():
-            zeros[...] = jnp.zeros(zeros.shape, zeros.dtype)
-
-        @pl.when(any_nan != 0)
-        def _():
-            nans[...] = jnp.full(nans.shape, jnp.nan, nans.dtype)
-
-        plgpu.commit_smem()  # the SMEM stores, visible to the TMA engine
-        for w, (zero_mask, nan_mask) in enumerate(masks):
-            row = (first + w) * _WORD
-            fill_word(zeros, zero_mask, row)
-            fill_word(nans, nan_mask, row)
-        plgpu.wait_smem_to_gmem(0)  # the fill buffers must outlive the copies that read them
-
-
-def row_masks(zero: jax.Array, nan: jax.Array, words: int = 1) -> jax.Array:
-    """int32 `[W, 2]`: bit i of `[w, 0]` / `[w, 1]` set where row `32 w + i` is to be 0 / NaN (NaN wins); `W` is
-    `ceil(T / 32)` rounded up to a multiple of `words`, rows past T unset. One XLA reduction."""
-    rows = zero.shape[0]
-    count = cdiv(cdiv(rows, _WORD), words) * words
-    flags = jnp.pad(jnp.stack([zero & ~nan, nan], axis=1), ((0, count * _WORD - rows), (0, 0)))
-    bits = jnp.left_shift(jnp.uint32(1), jnp.arange(_WORD, dtype=jnp.uint32))[:, None]
-    packed = jnp.sum(jnp.where(flags.reshape(count, _WORD, 2), bits, jnp.uint32(0)), axis=1, dtype=jnp.uint32)
-    return jax.lax.bitcast_convert_type(packed, jnp.int32)
-
-
-def set_rows_mosaic_b(x: jax.Array, zero: jax.Array, nan: jax.Array, *, words: int = 1, interpret=None) -> jax.Array:
-    """Design B: the same by bulk copies SMEM -> GMEM into the flagged rows only, `x` never read (Mosaic GPU); a
-    program per `words` masks of 32 rows. XLA's scatter where rows are not 16-byte aligned."""
-    plgpu = _plgpu()
-    if not _rows_aligned(x):
-        return row_fill.set_rows_scatter(x, zero, nan)
-    rows, columns = x.shape[0], math.prod(x.shape[1:])
-    itemsize = x.dtype.itemsize
-    row_chunk, word_chunk = _chunk(columns, itemsize), _chunk(_WORD * columns, itemsize)
-    size = cdiv(word_chunk, 1024) * 1024  # whole vector stores for each of the 128 threads
-    masks = row_masks(zero, nan, words)
-    body = functools.partial(_body_b, words=words, columns=columns, row_chunk=row_chunk, word_chunk=word_chunk)
-    scratch = (plgpu.SMEM((size,), x.dtype), plgpu.SMEM((size,), x.dtype))
-    grid = {"words": masks.shape[0] // words}
-    out = _in_place(body, (masks,), jnp.reshape(x, (rows * columns,)), grid, scratch, "attnlib_set_rows_b", interpret)
-    return jnp.reshape(out, x.shape)
-
-
 # --- the Triton kernel these candidates replace (row_fill.py before the move), the "before" column ------------------
 
 
@@ -347,19 +243,24 @@ def set_rows_triton(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
 # --- checks and timing ----------------------------------------------------------------------------------------------
 
 
+def _library_kernel(x, zero, nan, *, interpret: bool):
+    """B: `row_fill.set_rows` as the library runs it on a GPU (the kernel, or the scatter for rows it cannot copy)."""
+    if not row_fill.kernel_takes(x):
+        return row_fill.set_rows_scatter(x, zero, nan)
+    return row_fill.set_rows_kernel(x, zero, nan, interpret=interpret)
+
+
 def mosaic_candidates(interpret=None) -> dict:
     """name -> (fill, takes(x)); `takes` is False where the candidate hands `x` to XLA's scatter."""
     return {
         "mosaic_a": (functools.partial(set_rows_mosaic, interpret=interpret), _takes_a),
-        "mosaic_b": (functools.partial(set_rows_mosaic_b, interpret=interpret), _rows_aligned),
-        "mosaic_b4": (functools.partial(set_rows_mosaic_b, words=4, interpret=interpret), _rows_aligned),
+        "mosaic_b": (functools.partial(_library_kernel, interpret=interpret is not None), row_fill.kernel_takes),
     }
 
 
 def candidates() -> dict:
     everything = lambda x: True  # noqa: E731
-    peers = {"triton": (set_rows_triton, everything), "scatter": (row_fill.set_rows_scatter, everything),
-             "shipped": (row_fill.set_rows, row_fill.kernel_takes)}  # fmt: skip
+    peers = {"triton": (set_rows_triton, everything), "scatter": (row_fill.set_rows_scatter, everything)}
     return {**peers, **mosaic_candidates()}
 
 
