@@ -38,6 +38,27 @@ def _span_per_call(intervals: list[tuple[float, float]], calls: int) -> float:
     return sum(spans) / len(spans)
 
 
+def _trace(fn, args, calls: int, back_to_back: bool) -> str:
+    """Path of the XPlane trace of `calls` calls of `fn(*args)` (compiled and warmed up first), each waited for or
+    all dispatched back to back then waited for; the Python tracer is off (its own cost would show as host time)."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    directory = tempfile.mkdtemp(prefix="attnlib_profile_")
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(directory, profiler_options=options):
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+            if not back_to_back:
+                jax.block_until_ready(out)
+        jax.block_until_ready(out)
+    paths = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        raise RuntimeError(f"the profiler wrote no trace under {directory}")
+    return paths[0]
+
+
 def kernel_profile(fn, args, calls: int = 10, plane_prefix: str = "/device:GPU:0", top: int = 25) -> dict:
     """Device time per call of `fn(*args)`, by kernel.
 
@@ -45,23 +66,16 @@ def kernel_profile(fn, args, calls: int = 10, plane_prefix: str = "/device:GPU:0
         {"kernels": [{"name", "launches", "us"}] (per call, longest first, at most `top`), "kernel_us",
          "span_us" (first kernel start to last kernel end), "launches"} — each per call.
     """
-    jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
-    directory = tempfile.mkdtemp(prefix="attnlib_profile_")
-    with jax.profiler.trace(directory):
-        for _ in range(calls):
-            jax.block_until_ready(fn(*args))
-    paths = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
-    if not paths:
-        raise RuntimeError(f"the profiler wrote no trace under {directory}")
+    path = _trace(fn, args, calls, back_to_back=False)
     time_by_name = collections.Counter()
     launches = collections.Counter()
     intervals = []
-    for _, name, start, duration in _events(paths[0], plane_prefix):
+    for _, name, start, duration in _events(path, plane_prefix):
         time_by_name[name] += duration
         launches[name] += 1
         intervals.append((start, start + duration))
     if not launches:
-        raise RuntimeError(f"no events on a plane named {plane_prefix}* in {paths[0]}")
+        raise RuntimeError(f"no events on a plane named {plane_prefix}* in {path}")
     kernels = [
         {"name": name[:160], "launches": launches[name] / calls, "us": ns / calls / 1e3}
         for name, ns in time_by_name.most_common(top)
@@ -91,26 +105,14 @@ def pipelined_profile(fn, args, calls: int = 30, host_top: int = 12) -> dict:
         {"busy_us" (kernel time per call), "span_us" (first kernel start to last kernel end, divided by `calls`),
          "idle_us" (span minus busy: the device waiting for the host), "host": [{"name", "count", "us"}] per call}.
     """
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    directory = tempfile.mkdtemp(prefix="attnlib_profile_")
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0  # the Python tracer's own cost would show as host time
-    with jax.profiler.trace(directory, profiler_options=options):
-        out = None
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-    paths = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
-    if not paths:
-        raise RuntimeError(f"the profiler wrote no trace under {directory}")
-    intervals = [(start, start + duration) for _, _, start, duration in _events(paths[0], "/device:GPU:0")]
+    path = _trace(fn, args, calls, back_to_back=True)
+    intervals = [(start, start + duration) for _, _, start, duration in _events(path, "/device:GPU:0")]
     if not intervals:
-        raise RuntimeError(f"no GPU events in {paths[0]}")
+        raise RuntimeError(f"no GPU events in {path}")
     busy = sum(end - start for start, end in intervals)
     span = max(end for _, end in intervals) - min(start for start, _ in intervals)
     host_time, host_count = collections.Counter(), collections.Counter()
-    for _, name, _, duration in _events(paths[0], "/host:CPU"):
+    for _, name, _, duration in _events(path, "/host:CPU"):
         host_time[name] += duration
         host_count[name] += 1
     host = [{"name": name[:120], "count": host_count[name] / calls, "us": ns / calls / 1e3}

@@ -66,19 +66,23 @@ def test_scatter_and_default(shape):
                                   _bits(row_fill.set_rows_scatter(x, zero, nan)))  # fmt: skip
 
 
-def test_empty_arrays():
+@pytest.mark.parametrize("backend", ["cpu", "gpu"], ids=["scatter_path", "kernel_path"])
+def test_empty_arrays(backend, monkeypatch):
+    """Nothing to fill: `x` back as it is, on the CPU's path (the scatter) and the GPU's (no kernel)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
     for shape in [(0, 4, 8), (5, 0, 8)]:
         x = jnp.ones(shape, jnp.bfloat16)
         flags = jnp.ones(shape[:1], bool)
-        assert row_fill.set_rows(x, flags, flags).shape == shape
+        actual = row_fill.set_rows(x, flags, flags)
+        assert actual.shape == shape and actual.dtype == x.dtype
 
 
 def test_kernel_refuses_rows_it_cannot_copy():
     """Rows not a multiple of 16 bytes: the kernel says so (`set_rows` hands them to the scatter)."""
     for shape in UNALIGNED:
         assert not row_fill.kernel_takes(jnp.ones(shape, jnp.bfloat16))
+        flags = jnp.ones(shape[:1], bool)
         with pytest.raises(ValueError, match="16 bytes"):
-            flags = jnp.ones(shape[:1], bool)
             row_fill.set_rows_kernel(jnp.ones(shape, jnp.bfloat16), flags, flags)
     assert all(row_fill.kernel_takes(jnp.ones(shape, jnp.bfloat16)) for shape in SHAPES)
 
