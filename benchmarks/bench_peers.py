@@ -1,7 +1,7 @@
 """GPU benchmark: attnlib against every JAX peer, one process (issue 17): attnlib `cudnn`, jax.nn `cudnn`, tokamax
 `mosaic` (its Hopper Pallas kernel) and `triton`.
 
-Usage: python benchmarks/bench_peers.py [--json out.json] [--only CASE ...] [--rounds 3]
+Usage: python benchmarks/bench_peers.py [--json out.json] [--only CASE ...] [--rounds 3] [--own]
 
 Per case: every variant's output is first checked against a float32 XLA reference on the same bf16 inputs (max |err|
 within `4 eps(bf16) max|ref|`, else the variant is reported as wrong and not timed); then the variants are timed
@@ -66,12 +66,25 @@ def _kwargs(case: Case) -> dict:
     return kw
 
 
-def variants(case: Case) -> dict:
-    """name -> fn(q, k, v, **kw) for the peers that exist here."""
+def _own(case: Case) -> dict:
+    """attnlib's plain-JAX implementations on the GPU (`--own`): measured beside the peers, never counted as one."""
+    one_block = attnlib.XlaChunked(block_k=case.s)
+    return {
+        f"attnlib_{label}": lambda q, k, v, impl=impl, **kw: attnlib.attention(
+            q, k, v, implementation=impl, **_decode(case, kw)
+        )
+        for label, impl in (("xla", "xla"), ("xla_chunked", "xla_chunked"), ("xla_one_block", one_block))
+    }
+
+
+def variants(case: Case, own: bool = False) -> dict:
+    """name -> fn(q, k, v, **kw) for the peers that exist here (and attnlib's plain-JAX implementations if `own`)."""
     table = {
         "attnlib_cudnn": lambda q, k, v, **kw: attnlib.attention(q, k, v, implementation="cudnn", **_decode(case, kw)),
         "jax_nn_cudnn": lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw),
     }
+    if own:
+        table.update(_own(case))
     try:
         import tokamax
 
@@ -102,7 +115,7 @@ def _reference(q, k, v, kw) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def run_case(name: str, case: Case, rounds: int) -> dict:
+def run_case(name: str, case: Case, rounds: int, own: bool = False) -> dict:
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (case.b, case.t, case.n, case.h), jnp.bfloat16)
     k = jax.random.normal(keys[1], (case.b, case.s, case.k, case.h), jnp.bfloat16)
@@ -116,7 +129,7 @@ def run_case(name: str, case: Case, rounds: int) -> dict:
     if "query_seq_lengths" in kw:
         rows = np.arange(case.t)[None, :] < np.asarray(kw["query_seq_lengths"])[:, None]
     row, timed = {}, {}
-    for label, fn in variants(case).items():
+    for label, fn in variants(case, own).items():
         call_kw = kw if label.startswith("attnlib") else _peer_kwargs(case, kw)
         fwd = jax.jit(lambda q, k, v, fn=fn, call_kw=call_kw: fn(q, k, v, **call_kw))
 
@@ -147,7 +160,7 @@ def run_case(name: str, case: Case, rounds: int) -> dict:
     mine = row.get("attnlib_cudnn", {})
     for kind in ("fwd", "fwd_bwd"):
         peers = [r[f"{kind}_ms"] for label, r in row.items()
-                 if label != "attnlib_cudnn" and isinstance(r, dict) and f"{kind}_ms" in r]
+                 if not label.startswith("attnlib") and isinstance(r, dict) and f"{kind}_ms" in r]
         if peers and f"{kind}_ms" in mine:
             row[f"{kind}_speed_vs_best_peer"] = min(peers) / mine[f"{kind}_ms"]
     return row
@@ -155,6 +168,7 @@ def run_case(name: str, case: Case, rounds: int) -> dict:
 
 def table(results: dict) -> str:
     labels = ["attnlib_cudnn", "jax_nn_cudnn", "tokamax_mosaic", "tokamax_triton"]
+    labels += sorted({label for row in results.values() for label in row if label.startswith("attnlib_")} - {*labels})
     lines = ["| case | " + " | ".join(labels) + " | attnlib vs best peer (fwd / fwd+bwd) |",
              "|---" * (len(labels) + 2) + "|"]  # fmt: skip
     for name, row in results.items():
@@ -175,12 +189,13 @@ def main():
     parser.add_argument("--json")
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--own", action="store_true", help="also attnlib's plain-JAX implementations (not peers)")
     args = parser.parse_args()
     results = {}
     for name, case in CASES.items():
         if args.only is not None and name not in args.only:
             continue
-        results[name] = run_case(name, case, args.rounds)
+        results[name] = run_case(name, case, args.rounds, args.own)
         print(name, json.dumps(results[name]), flush=True)
         if args.json:
             with open(args.json, "w") as f:

@@ -336,6 +336,13 @@ FEATURES: list[tuple[str, Callable]] = [
         *qkv(r, t=1, dtype=d), key_value_seq_lengths=lengths([S, 6]), is_causal=True,
         diagonal_alignment="bottom_right", local_window_size=(3, 2))),
     ("decode_causal_top_left", lambda r, d: make_case(*qkv(r, t=1, dtype=d), is_causal=True)),
+    # A few query rows over 1024+ keys: cuDNN's backward runs in plain JAX from the forward's lse (`lse_backward`).
+    ("decode_long_keys_lengths_window", lambda r, d: make_case(
+        *qkv(r, t=1, s=1031, dtype=d), key_value_seq_lengths=lengths([1031, 517]), is_causal=True,
+        diagonal_alignment="bottom_right", local_window_size=(700, 0))),
+    ("short_query_long_keys_bias_sinks_lengths", lambda r, d: make_case(
+        *qkv(r, t=3, s=1029, dtype=d), bias=normal(r, (N, 3, 1029), d), sinks=normal(r, (N,), jnp.float32),
+        key_value_seq_lengths=lengths([0, 800]))),
     ("softcap", lambda r, d: _base(r, d, logits_soft_cap=2.5)),
     ("softcap_bias", lambda r, d: _base(r, d, logits_soft_cap=3.0, bias=normal(r, (N, T, S), d, 2.0))),
     ("sinks", _sinks),

@@ -135,6 +135,40 @@ def test_padded_top_left_calls_make_no_pass_over_output_or_gradients(emulated, m
         assert len(selects) >= 4  # out, dO, dQ, and dK/dV
 
 
+@pytest.mark.parametrize(
+    "t,s,kw,graph",
+    [
+        (1, 1024, {"is_causal": True, "diagonal_alignment": "bottom_right"}, False),
+        (16, 2048, {"bias": True}, False),
+        (1, 1023, {}, True),  # few keys: cuDNN's graph
+        (17, 2048, {}, True),  # more query rows: cuDNN's graph
+        (1, 1024, {"mask": True}, True),  # a boolean mask reaches cuDNN as a bias: its graph
+        (1, 1024, {"logits_soft_cap": 5.0}, True),  # a score modifier: its graph
+    ],
+    ids=["decode", "t16_bias", "s1023", "t17", "mask", "soft_cap"],
+)
+def test_backward_of_few_query_rows_over_many_keys_runs_without_a_graph(emulated, monkeypatch, t, s, kw, graph):
+    """Few query rows over 1024+ keys: the gradient comes from `lse_backward` (in plain JAX, from the forward's
+    statistics), not from cuDNN's backward graph (the conformance cases `decode_long_keys_*` and
+    `short_query_long_keys_*` check its values)."""
+    directions = []
+
+    def recording(spec, entry, *operands, tokens=None):
+        directions.append(spec.direction)
+        return emulate(spec, entry, *operands, tokens=tokens)
+
+    monkeypatch.setattr(executor, "ffi_graph_call", recording)
+    q, k, v = _qkv(8, 2, t, s, 4, 2, Hv=64)
+    kw = dict(kw)
+    if kw.pop("bias", False):
+        kw["bias"] = jax.random.normal(jax.random.key(9), (4, t, s), jnp.bfloat16)
+    if kw.pop("mask", False):
+        kw["mask"] = jax.random.uniform(jax.random.key(9), (t, s)) < 0.5
+    loss = lambda q, k, v: jnp.sum(attnlib.attention(q, k, v, implementation="cudnn", **kw).astype(jnp.float32))
+    jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert directions == (["fwd", "bwd"] if graph else ["fwd"])
+
+
 def test_context_parallel_on_the_emulated_cudnn_wrapper():
     """`tests/cp_cudnn_emulated.py` on 4 simulated CPU devices."""
     run_pytest_on_simulated_devices("cp_cudnn_emulated.py", 4)

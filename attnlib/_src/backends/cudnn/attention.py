@@ -26,7 +26,7 @@ import numpy as np
 from ... import canonical, dropout as dropout_lib, fp8 as fp8_lib, logs, masks as masks_lib, varying
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
-from .. import lse as lse_lib
+from .. import lse as lse_lib, lse_backward
 from . import executor, graphs, modifier as modifier_lib, ragged, support
 from .graphs import GraphSpec, Uid
 
@@ -47,6 +47,8 @@ class Plan:
         detect_masked: rows may see no key for reasons only the data knows (a boolean `mask`, a modifier's masks):
             a row whose softmax statistic is below `masked_below` saw no key and is zeroed.
         masked_below: that threshold (`modifier.masked_below`).
+        lse_backward: the backward runs in plain JAX from the forward's statistics (`lse_backward.gradients`)
+            instead of `bwd`'s graph (`_short_query_backward`).
     """
 
     fwd: GraphSpec
@@ -56,6 +58,7 @@ class Plan:
     inference: GraphSpec | None = None
     detect_masked: bool = False
     masked_below: float = -1e29
+    lse_backward: bool = False
 
     @property
     def rows_by_length(self) -> bool:
@@ -265,11 +268,16 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
         Uid.SINK: sinks,
         **_arg_values(args),
     }
-    grads = executor.graph_call(plan.bwd)(*_operands(plan.bwd, values))
-    dq, dk, dv = grads[:3]
-    dbias = None
-    if bias is not None:
-        dbias = grads[3] if plan.bwd.bias_grad else jnp.zeros(bias.shape, bias.dtype)
+    if plan.lse_backward:
+        dq, dk, dv, dbias = lse_backward.gradients(
+            q, k, v, out, d_out, stats, _visible(plan, seq_q, seq_kv), scale=plan.bwd.scale, bias=bias
+        )
+    else:
+        grads = executor.graph_call(plan.bwd)(*_operands(plan.bwd, values))
+        dq, dk, dv = grads[:3]
+        dbias = None
+        if bias is not None:
+            dbias = grads[3] if plan.bwd.bias_grad else jnp.zeros(bias.shape, bias.dtype)
     zero = lambda x: jnp.zeros((), x.dtype)
     if mask_rows:
         dq = jnp.where(valid[..., None], dq, zero(dq))
@@ -379,7 +387,24 @@ def make_plan(
     return Plan(
         fwd, bwd, band, all_valid, inference, detect_masked=detect,
         masked_below=modifier_lib.masked_below(config.dtype),
+        lse_backward=_short_query_backward(fwd) and score_modifier is None and not detect and not config.dropout_rate,
     )
+
+
+# Few query rows against many keys: cuDNN 9.19's backward graph is several times slower than one plain-JAX pass
+# from the forward's statistics there (decode steps; measured in docs/performance.md).
+SHORT_QUERY_ROWS = 16
+SHORT_QUERY_MIN_KEYS = 1024
+SHORT_QUERY_SCORE_BYTES = 1 << 28
+
+
+def _short_query_backward(fwd: GraphSpec) -> bool:
+    """Whether a dense backward without modifier, mask or dropout runs `lse_backward.gradients` instead of
+    cuDNN's graph: at most `SHORT_QUERY_ROWS` query rows, at least `SHORT_QUERY_MIN_KEYS` keys, and float32 scores
+    `[B, N, T, S]` within `SHORT_QUERY_SCORE_BYTES`."""
+    score_bytes = 4 * fwd.b * fwd.n * fwd.t * fwd.s
+    few_rows = fwd.t <= SHORT_QUERY_ROWS and fwd.s >= SHORT_QUERY_MIN_KEYS
+    return few_rows and not fwd.fp8 and score_bytes <= SHORT_QUERY_SCORE_BYTES
 
 
 def _bias_rank4(bias: jax.Array, batch_shape: tuple[int, ...], n: int, t: int, s: int, dtype: Any) -> jax.Array:
