@@ -6,9 +6,12 @@ Per shape, forward + backward (gradient of `sum(out * dout)` for q, k, v) of `at
 no call qualifies) and once with `lse_backward` forced; both checked against each other before timing; best of
 3 rounds of `best_per_call`, round-robin.
 
-Usage: python benchmarks/probe_short_query_backward.py
+`--profile`: instead, the kernels of one call of each (and of `implementation="xla"`) at the first shape.
+
+Usage: python benchmarks/probe_short_query_backward.py [--profile]
 """
 
+import argparse
 import contextlib
 import itertools
 
@@ -16,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
+from kernel_profile import kernel_profile, table
 
 import attnlib
 from attnlib._src.backends.cudnn import attention as dense
@@ -39,6 +43,9 @@ def backward(kind: str):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--profile", action="store_true")
+    profile = parser.parse_args().profile
     print("B T S N K | graph fwd+bwd ms | lse_backward fwd+bwd ms | graph / lse_backward | max |diff| / max |g|")
     for b, t, s, n, k in SHAPES:
         if 4 * b * n * t * s > 1 << 32:
@@ -51,8 +58,8 @@ def main() -> None:
         lengths = jnp.where(jnp.arange(b) % 2 == 1, s * 3 // 4, s).astype(jnp.int32)
         kw = dict(is_causal=True, diagonal_alignment="bottom_right", key_value_seq_lengths=lengths)
 
-        def loss(q, k, v):
-            out = attnlib.attention(q, k, v, implementation="cudnn", **kw)
+        def loss(q, k, v, implementation="cudnn"):
+            out = attnlib.attention(q, k, v, implementation=implementation, **kw)
             return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
 
         fns, grads = {}, {}
@@ -61,6 +68,11 @@ def main() -> None:
                 fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
                 grads[kind] = [np.asarray(g, np.float32) for g in fn(q, kk, v)]  # traced here, under `kind`
             fns[kind] = fn
+        if profile:
+            fns["xla"] = jax.jit(jax.grad(lambda *a: loss(*a, implementation="xla"), argnums=(0, 1, 2)))
+            for kind, fn in fns.items():
+                print("\n".join(table(f"{b} {t} {s} {n} {k} {kind}", kernel_profile(fn, (q, kk, v), calls=5))))
+            return
         diff = max(float(np.max(np.abs(a - c)) / max(np.max(np.abs(c)), 1e-30))
                    for a, c in zip(grads["lse_backward"], grads["graph"]))  # fmt: skip
         best = {kind: float("inf") for kind in fns}
