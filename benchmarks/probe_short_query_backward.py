@@ -7,8 +7,10 @@ no call qualifies) and once with `lse_backward` forced; both checked against eac
 3 rounds of `best_per_call`, round-robin.
 
 `--profile`: instead, the kernels of one call of each (and of `implementation="xla"`) at the first shape.
+`--forms`: instead, `lse_backward` alone in its two forms (elementwise products / matmuls: `PRODUCT_ROWS`) at
+b64 · s8192 and T = 1, 2, 4, 16 (4 to 64 query rows per key head).
 
-Usage: python benchmarks/probe_short_query_backward.py [--profile]
+Usage: python benchmarks/probe_short_query_backward.py [--profile | --forms]
 """
 
 import argparse
@@ -22,6 +24,7 @@ from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.
 from kernel_profile import kernel_profile, table
 
 import attnlib
+from attnlib._src.backends import lse_backward
 from attnlib._src.backends.cudnn import attention as dense
 
 
@@ -45,7 +48,11 @@ def backward(kind: str):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--profile", action="store_true")
-    profile = parser.parse_args().profile
+    parser.add_argument("--forms", action="store_true")
+    args = parser.parse_args()
+    profile = args.profile
+    if args.forms:
+        return forms()
     print("B T S N K | graph fwd+bwd ms | lse_backward fwd+bwd ms | graph / lse_backward | max |diff| / max |g|")
     for b, t, s, n, k in SHAPES:
         if 4 * b * n * t * s > 1 << 32:
@@ -80,6 +87,40 @@ def main() -> None:
             best[kind] = min(best[kind], best_per_call(fns[kind], (q, kk, v), loop=10, reps=3) * 1e3)
         print(f"{b} {t} {s} {n} {k} | {best['graph']:.3f} | {best['lse_backward']:.3f} | "
               f"{best['graph'] / best['lse_backward']:.2f} | {diff:.2e}", flush=True)  # fmt: skip
+
+
+def forms() -> None:
+    print("B T S N K | products fwd+bwd ms | matmuls fwd+bwd ms | matmuls / products | max |diff| / max |g|")
+    for t in (1, 2, 4, 16):
+        b, s, n, k = 64, 8192, 32, 8
+        keys = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(keys[0], (b, t, n, 128), jnp.bfloat16)
+        kk = jax.random.normal(keys[1], (b, s, k, 128), jnp.bfloat16)
+        v = jax.random.normal(keys[2], (b, s, k, 128), jnp.bfloat16)
+        dout = jax.random.normal(keys[3], (b, t, n, 128), jnp.bfloat16)
+        lengths = jnp.where(jnp.arange(b) % 2 == 1, s * 3 // 4, s).astype(jnp.int32)
+        kw = dict(is_causal=True, diagonal_alignment="bottom_right", key_value_seq_lengths=lengths)
+
+        def loss(q, k, v):
+            out = attnlib.attention(q, k, v, implementation="cudnn", **kw)
+            return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+        fns, grads = {}, {}
+        saved = lse_backward.PRODUCT_ROWS
+        for form, rows in (("products", 1 << 30), ("matmuls", 0)):
+            lse_backward.PRODUCT_ROWS = rows
+            with backward("lse_backward"):
+                fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+                grads[form] = [np.asarray(g, np.float32) for g in fn(q, kk, v)]
+            fns[form] = fn
+        lse_backward.PRODUCT_ROWS = saved
+        diff = max(float(np.max(np.abs(a - c)) / max(np.max(np.abs(c)), 1e-30))
+                   for a, c in zip(grads["products"], grads["matmuls"]))  # fmt: skip
+        best = {form: float("inf") for form in fns}
+        for _, form in itertools.product(range(3), fns):
+            best[form] = min(best[form], best_per_call(fns[form], (q, kk, v), loop=10, reps=3) * 1e3)
+        print(f"{b} {t} {s} {n} {k} | {best['products']:.3f} | {best['matmuls']:.3f} | "
+              f"{best['matmuls'] / best['products']:.2f} | {diff:.2e}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
