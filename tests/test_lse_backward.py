@@ -9,6 +9,7 @@ from reference import reference_attention, reference_attention_vjp
 
 from attnlib._src.backends import lse_backward
 
+
 B, T, S, N, K, H, HV = 3, 2, 37, 6, 2, 16, 8  # T * G = 6 rows per key head
 
 
