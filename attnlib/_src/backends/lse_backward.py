@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 # Query rows per key head (T * G) up to which the gradients come from elementwise products rather than matmuls
 # (docs/performance.md).
-PRODUCT_ROWS = 8
+PRODUCT_ROWS = 4
 
 
 def gradients(
