@@ -20,6 +20,7 @@ def gradients(
     *,
     scale: float,
     bias: jax.Array | None = None,
+    products: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """`(dq, dk, dv, dbias)` of softmax attention whose forward saved `out` and `lse`.
 
@@ -39,6 +40,8 @@ def gradients(
         visible: bool `[B, T, S]`: the keys each query row sees.
         scale: the logit scale.
         bias: `[B|1, N|1, T, S]`, added to the scaled logits.
+        products: the elementwise-products form (True) or the matmul form (False); None: products for at most
+            `PRODUCT_ROWS` query rows per key head.
 
     Returns:
         `dq [B, T, N, H]`, `dk [B, S, K, H]`, `dv [B, S, K, Hv]` in the inputs' dtypes and `dbias` in the bias'
@@ -47,7 +50,9 @@ def gradients(
     B, T, N, H = query.shape
     K = key.shape[2]
     G = N // K
-    if T * G <= PRODUCT_ROWS:
+    if products is None:
+        products = T * G <= PRODUCT_ROWS
+    if products:
         dq, dk, dv, ds = _by_products(query, key, value, out, d_out, lse, visible, scale, bias)
     else:
         dq, dk, dv, ds = _by_matmuls(query, key, value, out, d_out, lse, visible, scale, bias)
