@@ -45,82 +45,79 @@ def backward(kind: str):
         dense.SHORT_QUERY_ROWS, dense.SHORT_QUERY_MIN_KEYS, dense.SHORT_QUERY_SCORE_BYTES = saved
 
 
+def _problem(b: int, t: int, s: int, n: int, k: int):
+    """bf16 `(q, k, v)`, the cotangent and the loss `sum(out * dout)` of one shape (key lengths 3/4 on odd rows)."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    qkv = (jax.random.normal(keys[0], (b, t, n, 128), jnp.bfloat16),
+           jax.random.normal(keys[1], (b, s, k, 128), jnp.bfloat16),
+           jax.random.normal(keys[2], (b, s, k, 128), jnp.bfloat16))  # fmt: skip
+    dout = jax.random.normal(keys[3], (b, t, n, 128), jnp.bfloat16).astype(jnp.float32)
+    lengths = jnp.where(jnp.arange(b) % 2 == 1, s * 3 // 4, s).astype(jnp.int32)
+    kw = dict(is_causal=True, diagonal_alignment="bottom_right", key_value_seq_lengths=lengths)
+
+    def loss(q, k, v, implementation="cudnn"):
+        return jnp.sum(attnlib.attention(q, k, v, implementation=implementation, **kw).astype(jnp.float32) * dout)
+
+    return qkv, loss
+
+
+def _traced(loss, qkv, under: dict) -> tuple[dict, dict]:
+    """label -> the jitted gradient traced (and run once) inside the context `under[label]`, and its gradients."""
+    fns, grads = {}, {}
+    for label, context in under.items():
+        with context:
+            fns[label] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            grads[label] = [np.asarray(g, np.float32) for g in fns[label](*qkv)]
+    return fns, grads
+
+
+def _row(shape, fns: dict, grads: dict, qkv) -> str:
+    """Best of 3 round-robin rounds of each; the first two compared (max |diff| over the largest entry)."""
+    (a, fa), (c, fc) = list(fns.items())[:2]
+    diff = max(float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)) for x, y in zip(grads[a], grads[c]))
+    best = {label: float("inf") for label in fns}
+    for _, label in itertools.product(range(3), fns):
+        best[label] = min(best[label], best_per_call(fns[label], qkv, loop=10, reps=3) * 1e3)
+    return f"{' '.join(map(str, shape))} | {best[a]:.3f} | {best[c]:.3f} | {best[a] / best[c]:.2f} | {diff:.2e}"
+
+
+@contextlib.contextmanager
+def product_rows(rows: int):
+    saved = lse_backward.PRODUCT_ROWS
+    lse_backward.PRODUCT_ROWS = rows
+    try:
+        with backward("lse_backward"):
+            yield
+    finally:
+        lse_backward.PRODUCT_ROWS = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--forms", action="store_true")
     args = parser.parse_args()
-    profile = args.profile
     if args.forms:
-        return forms()
+        print("B T S N K | matmuls fwd+bwd ms | products fwd+bwd ms | matmuls / products | max |diff| / max |g|")
+        for t in (1, 2, 4, 16):
+            qkv, loss = _problem(64, t, 8192, 32, 8)
+            fns, grads = _traced(loss, qkv, {"matmuls": product_rows(0), "products": product_rows(1 << 30)})
+            print(_row((64, t, 8192, 32, 8), fns, grads, qkv), flush=True)
+        return
     print("B T S N K | graph fwd+bwd ms | lse_backward fwd+bwd ms | graph / lse_backward | max |diff| / max |g|")
-    for b, t, s, n, k in SHAPES:
+    for shape in SHAPES:
+        b, t, s, n, _ = shape
         if 4 * b * n * t * s > 1 << 32:
             continue
-        keys = jax.random.split(jax.random.key(0), 4)
-        q = jax.random.normal(keys[0], (b, t, n, 128), jnp.bfloat16)
-        kk = jax.random.normal(keys[1], (b, s, k, 128), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (b, s, k, 128), jnp.bfloat16)
-        dout = jax.random.normal(keys[3], (b, t, n, 128), jnp.bfloat16)
-        lengths = jnp.where(jnp.arange(b) % 2 == 1, s * 3 // 4, s).astype(jnp.int32)
-        kw = dict(is_causal=True, diagonal_alignment="bottom_right", key_value_seq_lengths=lengths)
-
-        def loss(q, k, v, implementation="cudnn"):
-            out = attnlib.attention(q, k, v, implementation=implementation, **kw)
-            return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
-
-        fns, grads = {}, {}
-        for kind in ("graph", "lse_backward"):
-            with backward(kind):
-                fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                grads[kind] = [np.asarray(g, np.float32) for g in fn(q, kk, v)]  # traced here, under `kind`
-            fns[kind] = fn
-        if profile:
+        qkv, loss = _problem(*shape)
+        fns, grads = _traced(loss, qkv, {"graph": backward("graph"), "lse_backward": backward("lse_backward")})
+        if args.profile:
             fns["xla"] = jax.jit(jax.grad(lambda *a: loss(*a, implementation="xla"), argnums=(0, 1, 2)))
-            for kind, fn in fns.items():
-                print("\n".join(table(f"{b} {t} {s} {n} {k} {kind}", kernel_profile(fn, (q, kk, v), calls=5))))
+            for label, fn in fns.items():
+                name = f"{' '.join(map(str, shape))} {label}"
+                print("\n".join(table(name, kernel_profile(fn, qkv, calls=5))))
             return
-        diff = max(float(np.max(np.abs(a - c)) / max(np.max(np.abs(c)), 1e-30))
-                   for a, c in zip(grads["lse_backward"], grads["graph"]))  # fmt: skip
-        best = {kind: float("inf") for kind in fns}
-        for _, kind in itertools.product(range(3), fns):
-            best[kind] = min(best[kind], best_per_call(fns[kind], (q, kk, v), loop=10, reps=3) * 1e3)
-        print(f"{b} {t} {s} {n} {k} | {best['graph']:.3f} | {best['lse_backward']:.3f} | "
-              f"{best['graph'] / best['lse_backward']:.2f} | {diff:.2e}", flush=True)  # fmt: skip
-
-
-def forms() -> None:
-    print("B T S N K | products fwd+bwd ms | matmuls fwd+bwd ms | matmuls / products | max |diff| / max |g|")
-    for t in (1, 2, 4, 16):
-        b, s, n, k = 64, 8192, 32, 8
-        keys = jax.random.split(jax.random.key(0), 4)
-        q = jax.random.normal(keys[0], (b, t, n, 128), jnp.bfloat16)
-        kk = jax.random.normal(keys[1], (b, s, k, 128), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (b, s, k, 128), jnp.bfloat16)
-        dout = jax.random.normal(keys[3], (b, t, n, 128), jnp.bfloat16)
-        lengths = jnp.where(jnp.arange(b) % 2 == 1, s * 3 // 4, s).astype(jnp.int32)
-        kw = dict(is_causal=True, diagonal_alignment="bottom_right", key_value_seq_lengths=lengths)
-
-        def loss(q, k, v):
-            out = attnlib.attention(q, k, v, implementation="cudnn", **kw)
-            return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
-
-        fns, grads = {}, {}
-        saved = lse_backward.PRODUCT_ROWS
-        for form, rows in (("products", 1 << 30), ("matmuls", 0)):
-            lse_backward.PRODUCT_ROWS = rows
-            with backward("lse_backward"):
-                fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                grads[form] = [np.asarray(g, np.float32) for g in fn(q, kk, v)]
-            fns[form] = fn
-        lse_backward.PRODUCT_ROWS = saved
-        diff = max(float(np.max(np.abs(a - c)) / max(np.max(np.abs(c)), 1e-30))
-                   for a, c in zip(grads["products"], grads["matmuls"]))  # fmt: skip
-        best = {form: float("inf") for form in fns}
-        for _, form in itertools.product(range(3), fns):
-            best[form] = min(best[form], best_per_call(fns[form], (q, kk, v), loop=10, reps=3) * 1e3)
-        print(f"{b} {t} {s} {n} {k} | {best['products']:.3f} | {best['matmuls']:.3f} | "
-              f"{best['matmuls'] / best['products']:.2f} | {diff:.2e}", flush=True)  # fmt: skip
+        print(_row(shape, fns, grads, qkv), flush=True)
 
 
 if __name__ == "__main__":
