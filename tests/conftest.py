@@ -33,7 +33,7 @@ def _gpu_unavailable_reason() -> str | None:
     except RuntimeError as e:  # pragma: no cover - backend init failure
         return f"JAX could not initialise a GPU backend: {e}"
     try:
-        from attnlib._src import ffi
+        from attnlib._src.backends.cudnn import ffi
     except ImportError as e:  # pragma: no cover
         return f"attnlib's FFI module failed to import: {e}"
     reason = ffi.unavailable_reason()

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attnlib._src import ffi
+from attnlib._src.backends.cudnn import ffi
 
 
 pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None, reason=f"{ffi.unavailable_reason()}")

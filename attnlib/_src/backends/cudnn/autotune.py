@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from ... import ffi
+from . import ffi
 from .graph_spec import GraphSpec, Uid
 
 

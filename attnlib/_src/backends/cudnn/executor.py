@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import ffi, varying
-from . import graphs, support
+from ... import varying
+from . import ffi, graphs, support
 from .cache import GraphCache, GraphEntry
 from .graphs import GraphSpec, Uid
 

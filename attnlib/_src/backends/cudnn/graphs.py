@@ -14,8 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ... import ffi
-from . import support
+from . import ffi, support
 from .autotune import _BuiltPlan, _candidates_wanted, _choose, autotune_enabled, autotune_mode
 from .cache import GraphEntry
 from .graph_spec import (

@@ -13,10 +13,9 @@ import sys
 import jax
 import numpy as np
 
-from ... import ffi
 from ...band import Band
 from ...config import AttentionConfig
-from . import modifier as modifier_lib
+from . import ffi, modifier as modifier_lib
 
 
 @dataclasses.dataclass(frozen=True)
