@@ -391,8 +391,8 @@ def make_plan(
     )
 
 
-# Few query rows against many keys: cuDNN 9.19's backward graph is several times slower than one plain-JAX pass
-# from the forward's statistics there (decode steps; measured in docs/performance.md).
+# Few query rows against many keys: cuDNN 9.19's backward graph is up to 1.5x slower than one plain-JAX pass from
+# the forward's statistics there (decode steps; measured in docs/performance.md).
 SHORT_QUERY_ROWS = 16
 SHORT_QUERY_MIN_KEYS = 1024
 SHORT_QUERY_SCORE_BYTES = 1 << 28
