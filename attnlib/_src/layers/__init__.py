@@ -1,0 +1,1 @@
+"""The Equinox and Haiku layers (`equinox/`, `haiku/`) and what they share (`_common.py`)."""
