@@ -56,6 +56,18 @@ def test_kernel_in_the_interpreter(shape, dtype):
     np.testing.assert_array_equal(_bits(actual), _bits(row_fill.set_rows_scatter(x, zero, nan)))
 
 
+@pytest.mark.parametrize("parts", [2, 4, 32])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], (129, 2, 16)], ids=str)
+def test_kernel_with_several_programs_per_word_in_the_interpreter(shape, parts):
+    """The kernel's `parts` programs per 32-row word (measured by `benchmarks/probe_row_fill.py`): each sets its
+    share of a whole word and its rows of a partly flagged one, together exactly the flagged rows."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    x, zero, nan = _case(shape, jnp.bfloat16, seed=parts)
+    actual = jax.jit(lambda *a: row_fill._run_kernel(*a, interpret=True, parts=parts))(x, zero, nan)
+    _check(actual, x, zero, nan)
+    np.testing.assert_array_equal(_bits(actual), _bits(row_fill.set_rows_scatter(x, zero, nan)))
+
+
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
 def test_scatter_and_default(shape):
     """The scatter (the benchmark's "before") against the definition, and `set_rows` (the scatter when JAX runs on a

@@ -81,15 +81,25 @@ def _repeat(count: int, fn) -> None:
         jax.lax.fori_loop(0, count, lambda k, carry: (fn(k), carry)[1], 0)
 
 
-def _fill_kernel(masks_ref, x_ref, zeros, nans, *, columns: int, row_copy: int, word_copy: int):
-    """One program per mask word: bulk copies of 0 / NaN from shared memory into the word's flagged rows of the flat
-    `x_ref`."""
+def _part_rows(parts: int) -> int:
+    """int32 mask of the rows `i % parts == 0` of a word (shifted left by `part` it selects that part's rows)."""
+    bits = sum(1 << (j * parts) for j in range(ROWS_PER_WORD // parts))
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+def _fill_kernel(masks_ref, x_ref, zeros, nans, *, columns: int, row_copy: int, word_copy: int, parts: int):
+    """`parts` programs per mask word: bulk copies of 0 / NaN from shared memory into the word's flagged rows of the
+    flat `x_ref`. Part `p` copies the `p`-th `1 / parts` of a wholly flagged word and, of a partly flagged one, the
+    rows `i % parts == p`."""
     from jax.experimental import pallas as pl
 
     mosaic_gpu = _mosaic_gpu()
     word = jax.lax.axis_index("words")
+    part = jax.lax.axis_index("parts") if parts > 1 else 0
     zero_mask, nan_mask = masks_ref[word, 0], masks_ref[word, 1]
     first_row = word * ROWS_PER_WORD
+    mine = jnp.left_shift(jnp.int32(_part_rows(parts)), part)  # this part's rows of a partly flagged word
+    whole = ROWS_PER_WORD * columns // parts  # elements of a wholly flagged word per part
 
     def store(fill, start, elements: int, size: int):  # x[start : start + elements] = fill, in copies of `size`
         def copy(k):
@@ -97,10 +107,10 @@ def _fill_kernel(masks_ref, x_ref, zeros, nans, *, columns: int, row_copy: int, 
 
         _repeat(elements // size, copy)
 
-    def fill_rows(fill, mask):  # the rows of `mask`'s set bits (bit i: row `first_row + i`)
-        @pl.when(mask == -1)  # all 32 rows: one contiguous run
+    def fill_rows(fill, mask):  # the part's rows of `mask`'s set bits (bit i: row `first_row + i`)
+        @pl.when(mask == -1)  # all 32 rows: one contiguous run, split between the parts
         def _whole():
-            store(fill, first_row * columns, ROWS_PER_WORD * columns, word_copy)
+            store(fill, first_row * columns + part * whole, whole, word_copy)
 
         @pl.when((mask != 0) & (mask != -1))
         def _some():
@@ -109,15 +119,17 @@ def _fill_kernel(masks_ref, x_ref, zeros, nans, *, columns: int, row_copy: int, 
                 store(fill, (first_row + 31 - jax.lax.clz(lowest)) * columns, columns, row_copy)
                 return mask ^ lowest
 
-            jax.lax.while_loop(lambda mask: mask != 0, one_row, mask)
+            jax.lax.while_loop(lambda mask: mask != 0, one_row, mask & mine)
 
-    @pl.when((zero_mask | nan_mask) != 0)
+    busy = lambda mask: (mask == -1) | ((mask & mine) != 0)  # noqa: E731
+
+    @pl.when(busy(zero_mask) | busy(nan_mask))
     def _fill():
-        @pl.when(zero_mask != 0)
+        @pl.when(busy(zero_mask))
         def _():
             zeros[...] = jnp.zeros(zeros.shape, zeros.dtype)
 
-        @pl.when(nan_mask != 0)
+        @pl.when(busy(nan_mask))
         def _():
             nans[...] = jnp.full(nans.shape, jnp.nan, nans.dtype)
 
@@ -127,22 +139,26 @@ def _fill_kernel(masks_ref, x_ref, zeros, nans, *, columns: int, row_copy: int, 
         mosaic_gpu.wait_smem_to_gmem(0)  # the buffers must outlive the copies that read them
 
 
-def _run_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, interpret: bool) -> jax.Array:
+def _run_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, interpret: bool, parts: int = 1) -> jax.Array:
+    """The kernel with `parts` programs per mask word (reduced to a divisor of 32; 1 in the library, other counts
+    for `benchmarks/probe_row_fill.py`)."""
     from jax.experimental import pallas as pl
 
     mosaic_gpu = _mosaic_gpu()
     rows, columns = x.shape[0], math.prod(x.shape[1:])
     row_copy = _copy_size(columns, x.dtype.itemsize)
-    word_copy = _copy_size(ROWS_PER_WORD * columns, x.dtype.itemsize)
+    parts = math.gcd(parts, ROWS_PER_WORD)
+    word_copy = _copy_size(ROWS_PER_WORD * columns // parts, x.dtype.itemsize)
     buffer = -(-word_copy // 1024) * 1024  # whole vector stores for each of the 128 threads
     masks = row_masks(zero, nan)
-    body = functools.partial(_fill_kernel, columns=columns, row_copy=row_copy, word_copy=word_copy)
+    body = functools.partial(_fill_kernel, columns=columns, row_copy=row_copy, word_copy=word_copy, parts=parts)
     scratch = (mosaic_gpu.SMEM((buffer,), x.dtype), mosaic_gpu.SMEM((buffer,), x.dtype))
 
     def kernel(masks_ref, x_ref):
         pl.run_scoped(lambda zeros, nans: body(masks_ref, x_ref, zeros, nans), *scratch)
 
-    mesh = mosaic_gpu.Mesh(grid=(masks.shape[0],), grid_names=("words",), kernel_name="attnlib_set_rows")
+    grid, names = ((masks.shape[0],), ("words",)) if parts == 1 else ((masks.shape[0], parts), ("words", "parts"))
+    mesh = mosaic_gpu.Mesh(grid=grid, grid_names=names, kernel_name="attnlib_set_rows")
     fill = pl.kernel(kernel, out_type=(), mesh=mesh, compiler_params=mosaic_gpu.CompilerParams(),
                      interpret=_interpret_params() if interpret else False)  # fmt: skip
 
