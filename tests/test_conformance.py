@@ -343,6 +343,9 @@ FEATURES: list[tuple[str, Callable]] = [
     ("short_query_long_keys_bias_sinks_lengths", lambda r, d: make_case(
         *qkv(r, t=3, s=1029, dtype=d), bias=normal(r, (N, 3, 1029), d), sinks=normal(r, (N,), jnp.float32),
         key_value_seq_lengths=lengths([0, 800]))),
+    ("short_query_long_keys_lengths_causal_br", lambda r, d: make_case(
+        *qkv(r, t=4, s=1030, dtype=d), query_seq_lengths=lengths([4, 2]), key_value_seq_lengths=lengths([1030, 600]),
+        is_causal=True, diagonal_alignment="bottom_right")),
     ("softcap", lambda r, d: _base(r, d, logits_soft_cap=2.5)),
     ("softcap_bias", lambda r, d: _base(r, d, logits_soft_cap=3.0, bias=normal(r, (N, T, S), d, 2.0))),
     ("sinks", _sinks),
