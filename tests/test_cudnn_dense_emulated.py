@@ -8,6 +8,8 @@ defines the result (zeros, `-inf`, gradients). What this cannot show is that cuD
 `test_cudnn_gpu.py` checks that on the GPU.
 """
 
+import logging
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from helpers import run_pytest_on_simulated_devices
 from test_cudnn_ragged import _close, _compare, _eps
 
 import attnlib
+from attnlib._src import logs
 from attnlib._src.backends.cudnn import attention as dense, executor, support
 
 
@@ -147,7 +150,8 @@ def test_padded_top_left_calls_make_no_pass_over_output_or_gradients(emulated, m
     ],
     ids=["decode", "t16_bias", "s1023", "t17", "mask", "soft_cap"],
 )
-def test_backward_of_few_query_rows_over_many_keys_runs_without_a_graph(emulated, monkeypatch, t, s, kw, graph):
+def test_backward_of_few_query_rows_over_many_keys_runs_without_a_graph(emulated, monkeypatch, caplog, t, s, kw,
+                                                                          graph):  # fmt: skip
     """Few query rows over 1024+ keys: the gradient comes from `lse_backward` (in plain JAX, from the forward's
     statistics), not from cuDNN's backward graph (the conformance cases `decode_long_keys_*` and
     `short_query_long_keys_*` check its values)."""
@@ -158,6 +162,7 @@ def test_backward_of_few_query_rows_over_many_keys_runs_without_a_graph(emulated
         return emulate(spec, entry, *operands, tokens=tokens)
 
     monkeypatch.setattr(executor, "ffi_graph_call", recording)
+    monkeypatch.setattr(logs, "_logged", set())  # logged once per process: forget earlier tests' messages
     q, k, v = _qkv(8, 2, t, s, 4, 2, Hv=64)
     kw = dict(kw)
     if kw.pop("bias", False):
@@ -165,8 +170,10 @@ def test_backward_of_few_query_rows_over_many_keys_runs_without_a_graph(emulated
     if kw.pop("mask", False):
         kw["mask"] = jax.random.uniform(jax.random.key(9), (t, s)) < 0.5
     loss = lambda q, k, v: jnp.sum(attnlib.attention(q, k, v, implementation="cudnn", **kw).astype(jnp.float32))
-    jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    with caplog.at_level(logging.INFO, logger="attnlib"):
+        jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     assert directions == (["fwd", "bwd"] if graph else ["fwd"])
+    assert graph or any("lse_backward" in record.getMessage() for record in caplog.records)
 
 
 def test_context_parallel_on_the_emulated_cudnn_wrapper():

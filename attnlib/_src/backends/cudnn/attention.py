@@ -269,6 +269,11 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
         **_arg_values(args),
     }
     if plan.lse_backward:
+        logs.log_once(
+            ("lse backward", plan.fwd.t, plan.fwd.s), logging.INFO,
+            "attnlib cudnn: the backward of %d query rows over %d keys runs in plain JAX from the forward's "
+            "statistics (lse_backward), faster than cuDNN's backward graph for so few rows.", plan.fwd.t, plan.fwd.s,
+        )  # fmt: skip
         dq, dk, dv, dbias = lse_backward.gradients(
             q, k, v, out, d_out, stats, _visible(plan, seq_q, seq_kv), scale=plan.bwd.scale, bias=bias
         )
