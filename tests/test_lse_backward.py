@@ -5,21 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_grad_close, lengths, normal, qkv, rng
-from reference import reference_attention, reference_attention_vjp
+from reference import reference_attention, reference_attention_vjp, visibility
 
 from attnlib._src.backends import lse_backward
 
 
 B, T, S, N, K, H, HV = 3, 2, 37, 6, 2, 16, 8  # T * G = 6 rows per key head
-
-
-def _visible(t, s, kv_lengths, window_left):
-    """`[B, T, S]`: key padding and a bottom-right causal window, as `attention._visible` derives them."""
-    i = np.arange(t)[None, :, None]
-    j = np.arange(s)[None, None, :]
-    kv = np.asarray(kv_lengths)[:, None, None]
-    diagonal = i + kv - t
-    return jnp.asarray((j < kv) & (j <= diagonal) & (j >= diagonal - window_left))
 
 
 @pytest.mark.parametrize("form", ["products", "matmuls"])
@@ -38,7 +29,7 @@ def test_gradients_match_reference(form, with_bias):
     ref = reference_attention_vjp(f64(q), f64(k), f64(v), f64(bias), d_out=f64(d_out), **kw)
 
     scale = 1 / np.sqrt(H)
-    visible = _visible(T, S, kv_lengths, 11)
+    visible = jnp.asarray(visibility(f64(q), f64(k), f64(v), f64(bias), **kw)[:, 0])  # the same for every head
     seen = np.asarray(visible).any(-1)  # [B, T]
     # As the cuDNN path hands them over: finite statistics and zero cotangents in rows that see no key.
     lse_heads = jnp.asarray(np.where(seen[:, :, None], lse, 0.0).transpose(0, 2, 1), jnp.float32)

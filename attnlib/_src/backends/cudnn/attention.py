@@ -260,36 +260,19 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
     mask_rows = valid is not None and (plan.detect_masked or not plan.rows_by_length)
     if mask_rows:
         d_out = jnp.where(valid[..., None], d_out, jnp.zeros((), d_out.dtype))
-    seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
-    values = {
-        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.BIAS: bias,
-        Uid.SEQ_Q: _graph_seq_q(plan, seq_q, seq_kv), Uid.SEQ_KV: _graph_seq_kv(plan, seq_kv), Uid.SEED: seed,
-        Uid.OFFSET: offset,
-        Uid.SINK: sinks,
-        **_arg_values(args),
-    }
     if plan.lse_backward:
         logs.log_once(
             ("lse backward", plan.fwd.t, plan.fwd.s), logging.INFO,
             "attnlib cudnn: the backward of %d query rows over %d keys runs in plain JAX from the forward's "
             "statistics (lse_backward), faster than cuDNN's backward graph for so few rows.", plan.fwd.t, plan.fwd.s,
         )  # fmt: skip
+        # Exact zeros wherever a row or a key is not visible: no masking pass over the gradients.
         dq, dk, dv, dbias = lse_backward.gradients(
             q, k, v, out, d_out, stats, _visible(plan, seq_q, seq_kv), scale=plan.bwd.scale, bias=bias
         )
     else:
-        grads = executor.graph_call(plan.bwd)(*_operands(plan.bwd, values))
-        dq, dk, dv = grads[:3]
-        dbias = None
-        if bias is not None:
-            dbias = grads[3] if plan.bwd.bias_grad else jnp.zeros(bias.shape, bias.dtype)
-    zero = lambda x: jnp.zeros((), x.dtype)
-    if mask_rows:
-        dq = jnp.where(valid[..., None], dq, zero(dq))
-    if seq_kv is not None and not plan.rows_by_length:
-        key_valid = jnp.arange(plan.fwd.s)[None, :] < seq_kv[:, None]
-        dk = jnp.where(key_valid[:, :, None, None], dk, zero(dk))
-        dv = jnp.where(key_valid[:, :, None, None], dv, zero(dv))
+        dq, dk, dv, dbias = _graph_gradients(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, out, stats,
+                                             d_out, valid if mask_rows else None)  # fmt: skip
     dsinks = None
     if sinks is not None:
         # d out_i / d sink = -p_sink,i * out_i with p_sink,i = exp(sink - lse_i); rows that see no key have out = 0.
@@ -309,6 +292,32 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
         if sinks is not None:
             dsinks = dsinks + extra[3].astype(dsinks.dtype)
     return dq, dk, dv, dbias, dsinks, None, None, None, jax.tree.map(lambda _: None, args), no_fp8
+
+
+def _graph_gradients(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, out, stats, d_out, valid_rows):
+    """`(dq, dk, dv, dbias)` from the backward graph, zero in the rows `valid_rows` `[B, T, 1|N]` marks invalid (None:
+    no row masking) and, unless the graph zero-fills them, in the keys past `seq_kv`."""
+    seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
+    values = {
+        Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.BIAS: bias,
+        Uid.SEQ_Q: _graph_seq_q(plan, seq_q, seq_kv), Uid.SEQ_KV: _graph_seq_kv(plan, seq_kv), Uid.SEED: seed,
+        Uid.OFFSET: offset,
+        Uid.SINK: sinks,
+        **_arg_values(args),
+    }
+    grads = executor.graph_call(plan.bwd)(*_operands(plan.bwd, values))
+    dq, dk, dv = grads[:3]
+    dbias = None
+    if bias is not None:
+        dbias = grads[3] if plan.bwd.bias_grad else jnp.zeros(bias.shape, bias.dtype)
+    zero = lambda x: jnp.zeros((), x.dtype)
+    if valid_rows is not None:
+        dq = jnp.where(valid_rows[..., None], dq, zero(dq))
+    if seq_kv is not None and not plan.rows_by_length:
+        key_valid = jnp.arange(plan.fwd.s)[None, :] < seq_kv[:, None]
+        dk = jnp.where(key_valid[:, :, None, None], dk, zero(dk))
+        dv = jnp.where(key_valid[:, :, None, None], dv, zero(dv))
+    return dq, dk, dv, dbias
 
 
 _sdpa.defvjp(_sdpa_fwd, _sdpa_bwd, symbolic_zeros=True)
