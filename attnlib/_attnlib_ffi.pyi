@@ -9,6 +9,10 @@ def registrations(command_buffer: bool = True) -> dict[str, dict[str, Any]]:
 def state_type() -> dict[str, Any]:
     """The FFI state type of `attnlib_cudnn_graph`, for `jax.ffi.register_ffi_type`."""
 
+def graph_replay_counts() -> dict[str, int]:
+    """Process-wide counts of graph executions: captured into a CUDA graph, replayed from one, run directly, and
+    failed captures."""
+
 def frontend_version() -> int:
     """CUDNN_FRONTEND_VERSION of the headers this module was compiled against (13200 for 1.32.0)."""
 

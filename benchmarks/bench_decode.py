@@ -11,7 +11,8 @@ reference before timing. Timing: `bench_cudnn.best_per_call` (wall clock, best o
 of `--rounds`. Every variant runs twice: jitted with XLA's default flags (`step_ms`) and with
 `compiler_options={"xla_gpu_graph_min_graph_size": 1}` (`step_ms_min_graph_1`), which lets XLA capture the loop
 body (the attention call and the layer's two fusions, fewer commands than XLA's default minimum) into a command
-buffer (CUDA graph); `benchmarks/probe_command_buffers.py` shows what XLA captures.
+buffer (CUDA graph); `benchmarks/probe_command_buffers.py` shows what XLA captures. The `_direct` variants are
+attnlib's calls with the native executor's CUDA-graph replay off (not peers).
 """
 
 import argparse
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
+from bench_peers import graph_replay
 
 import attnlib
 
@@ -56,12 +58,14 @@ def layer_fns(lengths, page_table):
         "attnlib_dense": lambda q, k, v: attnlib.attention(
             q, k, v, key_value_seq_lengths=lengths, is_causal=True, diagonal_alignment="bottom_right",
             implementation="cudnn"),
-        # The same two calls without the causal mask: one query row aligned bottom-right sees every key of its
-        # sequence, so the mask is a no-op (attnlib drops it itself); these time the unmasked graphs directly.
-        "attnlib_paged_unmasked": lambda q, kp, vp: attnlib.attention(
-            q, kp, vp, page_table=page_table, key_value_seq_lengths=lengths, implementation="cudnn"),
-        "attnlib_dense_unmasked": lambda q, k, v: attnlib.attention(
-            q, k, v, key_value_seq_lengths=lengths, implementation="cudnn"),
+        # The same two calls with the native executor's CUDA-graph replay off (compiled with
+        # ATTNLIB_CUDNN_GRAPH_REPLAY=0): not peers.
+        "attnlib_paged_direct": lambda q, kp, vp: attnlib.attention(
+            q, kp, vp, page_table=page_table, key_value_seq_lengths=lengths, is_causal=True,
+            diagonal_alignment="bottom_right", implementation="cudnn"),
+        "attnlib_dense_direct": lambda q, k, v: attnlib.attention(
+            q, k, v, key_value_seq_lengths=lengths, is_causal=True, diagonal_alignment="bottom_right",
+            implementation="cudnn"),
         "jax_nn_cudnn": lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, key_value_seq_lengths=lengths, implementation="cudnn"),
     }  # fmt: skip
@@ -110,13 +114,17 @@ def main():
         for label, attend in layer_fns(lengths, page_table).items():
             cache = (k_pool, v_pool) if label.startswith("attnlib_paged") else (k, v)
             try:
-                err = float(np.max(np.abs(np.asarray(jax.jit(attend)(x, *cache), np.float32) - reference)))
+                with graph_replay(not label.endswith("_direct")):
+                    single = jax.jit(attend).lower(x, *cache).compile()
+                err = float(np.max(np.abs(np.asarray(single(x, *cache), np.float32) - reference)))
                 row[label] = {"max_err": err}
                 if not err <= tol:
                     row[label]["wrong"] = f"max |err| {err:.3g} > {tol:.3g}"
                     continue
                 for suffix, options in CONFIGS.items():
-                    steps[(label, suffix)] = (decode_step(attend, args.layers, options), (x, *cache))
+                    with graph_replay(not label.endswith("_direct")):
+                        step = decode_step(attend, args.layers, options).lower(x, *cache).compile()
+                    steps[(label, suffix)] = (step, (x, *cache))
             except Exception as e:  # noqa: BLE001
                 row[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         for _ in range(args.rounds):

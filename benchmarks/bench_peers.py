@@ -1,20 +1,24 @@
 """GPU benchmark: attnlib against every JAX peer, one process (issue 17): attnlib `cudnn`, jax.nn `cudnn`, tokamax
 `mosaic` (its Hopper Pallas kernel) and `triton`.
 
-Usage: python benchmarks/bench_peers.py [--json out.json] [--only CASE ...] [--rounds 3] [--own]
+Usage: python benchmarks/bench_peers.py [--json out.json] [--only CASE ...] [--rounds 3] [--own] [--direct]
 
 Per case: every variant's output is first checked against a float32 XLA reference on the same bf16 inputs (max |err|
 within `4 eps(bf16) max|ref|`, else the variant is reported as wrong and not timed); then the variants are timed
 round-robin, best of `--rounds` rounds of `bench_cudnn.best_per_call` (wall clock under `jax.jit`), forward and
 forward + backward (gradient of `sum(out * dout)` with respect to q, k, v). A variant that cannot run the case
 (unsupported feature, import error) is reported with its error. The summary gives attnlib's speed against the
-best peer per case. tokamax is a benchmark-only dependency (`../shared/tools/device-wheels.sh --peers`; it needs
+best peer per case. `--own` adds attnlib's plain-JAX implementations and `--direct` attnlib's cuDNN call with the
+native executor's CUDA-graph replay off (`attnlib_cudnn_direct`, ATTNLIB_CUDNN_GRAPH_REPLAY=0 while it compiles);
+neither is a peer. tokamax is a benchmark-only dependency (`../shared/tools/device-wheels.sh --peers`; it needs
 the xprof stand-in on `PYTHONPATH`).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 
 import jax
@@ -77,12 +81,39 @@ def _own(case: Case) -> dict:
     }
 
 
-def variants(case: Case, own: bool = False) -> dict:
-    """name -> fn(q, k, v, **kw) for the peers that exist here (and attnlib's plain-JAX implementations if `own`)."""
+DIRECT = "attnlib_cudnn_direct"
+
+
+@contextlib.contextmanager
+def graph_replay(on: bool):
+    """ATTNLIB_CUDNN_GRAPH_REPLAY for the executables compiled inside (the extension reads it per executable)."""
+    before = os.environ.get("ATTNLIB_CUDNN_GRAPH_REPLAY")
+    os.environ["ATTNLIB_CUDNN_GRAPH_REPLAY"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["ATTNLIB_CUDNN_GRAPH_REPLAY"]
+        else:
+            os.environ["ATTNLIB_CUDNN_GRAPH_REPLAY"] = before
+
+
+def compile_variant(label: str, fn, args):
+    """`jax.jit(fn)` compiled for `args`, with graph replay off for the `DIRECT` variant."""
+    with graph_replay(label != DIRECT):
+        return jax.jit(fn).lower(*args).compile()
+
+
+def variants(case: Case, own: bool = False, direct: bool = False) -> dict:
+    """name -> fn(q, k, v, **kw) for the peers that exist here (and attnlib's plain-JAX implementations if `own`,
+    attnlib's cuDNN call without graph replay if `direct`)."""
+    cudnn = lambda q, k, v, **kw: attnlib.attention(q, k, v, implementation="cudnn", **_decode(case, kw))  # noqa: E731
     table = {
-        "attnlib_cudnn": lambda q, k, v, **kw: attnlib.attention(q, k, v, implementation="cudnn", **_decode(case, kw)),
+        "attnlib_cudnn": cudnn,
         "jax_nn_cudnn": lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw),
     }
+    if direct:
+        table[DIRECT] = cudnn
     if own:
         table.update(_own(case))
     try:
@@ -115,7 +146,7 @@ def _reference(q, k, v, kw) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def run_case(name: str, case: Case, rounds: int, own: bool = False) -> dict:
+def run_case(name: str, case: Case, rounds: int, own: bool = False, direct: bool = False) -> dict:
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (case.b, case.t, case.n, case.h), jnp.bfloat16)
     k = jax.random.normal(keys[1], (case.b, case.s, case.k, case.h), jnp.bfloat16)
@@ -129,15 +160,14 @@ def run_case(name: str, case: Case, rounds: int, own: bool = False) -> dict:
     if "query_seq_lengths" in kw:
         rows = np.arange(case.t)[None, :] < np.asarray(kw["query_seq_lengths"])[:, None]
     row, timed = {}, {}
-    for label, fn in variants(case, own).items():
+    for label, fn in variants(case, own, direct).items():
         call_kw = kw if label.startswith("attnlib") else _peer_kwargs(case, kw)
-        fwd = jax.jit(lambda q, k, v, fn=fn, call_kw=call_kw: fn(q, k, v, **call_kw))
 
         def loss(q, k, v, fn=fn, call_kw=call_kw):
             return jnp.sum(fn(q, k, v, **call_kw).astype(jnp.float32) * dout.astype(jnp.float32))
 
-        fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         try:
+            fwd = compile_variant(label, lambda q, k, v, fn=fn, call_kw=call_kw: fn(q, k, v, **call_kw), (q, k, v))
             out = np.asarray(fwd(q, k, v), np.float32)
             err = float(np.max(np.abs(np.where(rows[..., None, None], out - reference, 0))))
             row[label] = {"max_err": err}
@@ -147,7 +177,11 @@ def run_case(name: str, case: Case, rounds: int, own: bool = False) -> dict:
         except Exception as e:  # noqa: BLE001
             row[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             continue
-        timed[label] = {"fwd": fwd, "fwd_bwd": fwd_bwd}
+        timed[label] = {"fwd": fwd}
+        try:
+            timed[label]["fwd_bwd"] = compile_variant(label, jax.grad(loss, argnums=(0, 1, 2)), (q, k, v))
+        except Exception as e:  # noqa: BLE001  (e.g. a peer without a backward)
+            row[label]["fwd_bwd_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     for _ in range(rounds):
         for label, fns in timed.items():
             for kind, fn in fns.items():
@@ -190,12 +224,13 @@ def main():
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--own", action="store_true", help="also attnlib's plain-JAX implementations (not peers)")
+    parser.add_argument("--direct", action="store_true", help="also attnlib's cuDNN call without graph replay")
     args = parser.parse_args()
     results = {}
     for name, case in CASES.items():
         if args.only is not None and name not in args.only:
             continue
-        results[name] = run_case(name, case, args.rounds, args.own)
+        results[name] = run_case(name, case, args.rounds, args.own, args.direct)
         print(name, json.dumps(results[name]), flush=True)
         if args.json:
             with open(args.json, "w") as f:

@@ -1,6 +1,7 @@
 """Probe (H200, issue 17): where a forward call's time goes when calls run back to back, for the cases where a peer
 leads — device busy time (the kernels), device idle time (waiting for the host) and the host events that take the
-most time, per call, for attnlib's cuDNN call, jax.nn's and tokamax's, all in one process.
+most time, per call, for attnlib's cuDNN call (with and without the native executor's CUDA-graph replay), jax.nn's
+and tokamax's, all in one process.
 
 Usage: python benchmarks/probe_call_gaps.py [--calls 30] [--only CASE ...]
 """
@@ -10,7 +11,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
-from bench_peers import _kwargs, _peer_kwargs, CASES, variants
+from bench_peers import _kwargs, _peer_kwargs, CASES, compile_variant, variants
 from kernel_profile import kernel_profile, pipelined_profile
 
 
@@ -32,15 +33,15 @@ def main() -> None:
         v = jax.random.normal(keys[2], (case.b, case.s, case.k, case.hv), jnp.bfloat16)
         kw = _kwargs(case)
         print(f"\n== {name}", flush=True)
-        for label, fn in variants(case).items():
+        for label, fn in variants(case, direct=True).items():
             call_kw = kw if label.startswith("attnlib") else _peer_kwargs(case, kw)
-            fwd = jax.jit(lambda q, k, v, fn=fn, call_kw=call_kw: fn(q, k, v, **call_kw))
-            calls = {"fwd": fwd}
+            calls = {"fwd": lambda q, k, v, fn=fn, call_kw=call_kw: fn(q, k, v, **call_kw)}
             if args.grad:
                 loss = lambda q, k, v, fn=fn, call_kw=call_kw: jnp.sum(fn(q, k, v, **call_kw).astype(jnp.float32))  # noqa: E731
-                calls["fwd+bwd"] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-            for kind, call in calls.items():
+                calls["fwd+bwd"] = jax.grad(loss, argnums=(0, 1, 2))
+            for kind, traced in calls.items():
                 try:
+                    call = compile_variant(label, traced, (q, k, v))
                     wall = min(best_per_call(call, (q, k, v), loop=20, reps=5) for _ in range(2)) * 1e6
                     p = pipelined_profile(call, (q, k, v), calls=args.calls)
                 except Exception as e:  # noqa: BLE001  (reported, not fatal)

@@ -6,12 +6,15 @@
 //   INITIALIZE (every execution, outside command-buffer capture): on first use per device, create this thread's
 //     cuDNN handle and deserialize the plan (shared across executables by blob), map the graph's sorted UIDs to
 //     FFI operands and results, and check the workspace size. Afterwards it is a couple of atomic loads.
-//   EXECUTE: set the handle's stream to XLA's, optionally zero some results, and run the plan. No allocation, no
-//     deserialization, no locks: safe to capture into a command buffer (CUDA graph).
+//   EXECUTE: set the handle's stream to XLA's, optionally zero some results, and run the plan, or replay that work
+//     from a CUDA graph captured for the same buffer addresses (graph_replay.h; ATTNLIB_CUDNN_GRAPH_REPLAY=0 turns it
+//     off). No device allocation, no deserialization, no blocking lock: safe to capture into a command buffer (CUDA
+//     graph), where the plan always runs directly.
 // Operands are the graph's inputs in `in_uids` order; results are its outputs in `out_uids` order plus a trailing
 // uint8 workspace of at least `ws_bytes` bytes.
 
 #include "cudnn_graph.h"
+#include "graph_replay.h"
 
 #include <dlfcn.h>
 #include <link.h>
@@ -105,10 +108,12 @@ struct GraphState {
   std::vector<int64_t> out_uids;
   std::vector<int64_t> zero_fill;
   int64_t ws_bytes = 0;
+  bool replay = false;  // GraphReplayEnabled() when the executable was instantiated
 
   std::mutex mu;
   std::array<std::atomic<DeviceGraph*>, kMaxDevices> devices{};
   std::array<std::shared_ptr<DeviceGraph>, kMaxDevices> owned;
+  std::array<std::unique_ptr<GraphReplay>, kMaxDevices> replays;  // null: run the plan directly
 };
 
 ffi::TypeId GraphState::id = {};
@@ -134,6 +139,36 @@ std::mutex& SharedMutex() {
 std::unordered_map<SharedGraphKey, std::vector<SharedGraph>, SharedGraphKeyHash>& SharedGraphs() {
   static auto* map = new std::unordered_map<SharedGraphKey, std::vector<SharedGraph>, SharedGraphKeyHash>;
   return *map;
+}
+
+// The CUDA runtime's graph entry points, resolved once from the runtime the frontend loaded; null when one is missing.
+const CudaGraphApi* GraphApi() {
+  static const CudaGraphApi* api = []() -> const CudaGraphApi* {
+    try {
+      auto symbol = [](const char* name) { return fe::detail::get_cuda_symbol(fe::detail::CudaLibrary::CUDART, name); };
+      static CudaGraphApi resolved;
+      resolved.stream_create_with_flags =
+          reinterpret_cast<decltype(resolved.stream_create_with_flags)>(symbol("cudaStreamCreateWithFlags"));
+      resolved.stream_destroy = reinterpret_cast<decltype(resolved.stream_destroy)>(symbol("cudaStreamDestroy"));
+      resolved.stream_is_capturing =
+          reinterpret_cast<decltype(resolved.stream_is_capturing)>(symbol("cudaStreamIsCapturing"));
+      resolved.stream_begin_capture =
+          reinterpret_cast<decltype(resolved.stream_begin_capture)>(symbol("cudaStreamBeginCapture"));
+      resolved.stream_end_capture =
+          reinterpret_cast<decltype(resolved.stream_end_capture)>(symbol("cudaStreamEndCapture"));
+      resolved.graph_instantiate_with_flags =
+          reinterpret_cast<decltype(resolved.graph_instantiate_with_flags)>(symbol("cudaGraphInstantiateWithFlags"));
+      resolved.graph_destroy = reinterpret_cast<decltype(resolved.graph_destroy)>(symbol("cudaGraphDestroy"));
+      resolved.graph_launch = reinterpret_cast<decltype(resolved.graph_launch)>(symbol("cudaGraphLaunch"));
+      resolved.graph_exec_destroy =
+          reinterpret_cast<decltype(resolved.graph_exec_destroy)>(symbol("cudaGraphExecDestroy"));
+      resolved.get_last_error = reinterpret_cast<decltype(resolved.get_last_error)>(symbol("cudaGetLastError"));
+      return &resolved;
+    } catch (const std::exception&) {
+      return nullptr;
+    }
+  }();
+  return api;
 }
 
 // One cuDNN handle per (device, thread): `set_stream` mutates a handle. Handles live until the process exits.
@@ -261,6 +296,7 @@ ffi::ErrorOr<std::unique_ptr<GraphState>> Instantiate(ffi::Span<const uint8_t> g
   st->out_uids.assign(out_uids.begin(), out_uids.end());
   st->zero_fill.assign(zero_fill.begin(), zero_fill.end());
   st->ws_bytes = ws_bytes;
+  st->replay = GraphReplayEnabled();
   for (int64_t r : st->zero_fill) {
     if (r < 0 || r >= static_cast<int64_t>(st->out_uids.size())) {
       return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(
@@ -315,6 +351,7 @@ ffi::Error Initialize(cudaStream_t stream, int32_t device, GraphState* st) {
     std::shared_ptr<DeviceGraph> dg;
     if (ffi::Error err = BuildDeviceGraph(*st, device, handle, stream, &dg); err.failure()) return err;
     st->owned[device] = dg;
+    if (st->replay && GraphApi() != nullptr) st->replays[device] = std::make_unique<GraphReplay>(*GraphApi());
     st->devices[device].store(dg.get(), std::memory_order_release);
     return ffi::Error::Success();
   } catch (const std::exception& e) {
@@ -355,6 +392,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, GraphState* st, ffi::Rem
     void* ptrs[kMaxSlots];
     const size_t n = dg->slots.size();
     if (n > kMaxSlots) return ffi::Error::Internal(Where(*st, "execute") + "too many graph tensors.");
+    GraphReplay::Key key;
     for (size_t i = 0; i < n; ++i) {
       int32_t slot = dg->slots[i];
       if (slot >= 0) {
@@ -366,21 +404,43 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, GraphState* st, ffi::Rem
         if (!ret.has_value()) return ffi::Error::Internal(Where(*st, "execute") + "cannot read a result.");
         ptrs[i] = (*ret)->untyped_data();
       }
+      key.addresses[key.size++] = ptrs[i];
     }
-    for (int64_t r : st->zero_fill) {
-      auto ret = rets.get<ffi::AnyBuffer>(r);
+    key.addresses[key.size++] = workspace;
+    if (st->zero_fill.size() > kMaxSlots) return ffi::Error::Internal(Where(*st, "execute") + "too many results.");
+    std::array<std::pair<void*, size_t>, kMaxSlots> zero;  // (result, bytes) of the results to zero
+    const size_t n_zero = st->zero_fill.size();
+    for (size_t z = 0; z < n_zero; ++z) {
+      auto ret = rets.get<ffi::AnyBuffer>(st->zero_fill[z]);
       if (!ret.has_value()) return ffi::Error::Internal(Where(*st, "execute") + "cannot read a result.");
-      cudaError_t err = fe::detail::cuda_mem_set_async((*ret)->untyped_data(), 0, (*ret)->size_bytes(), stream);
-      if (err != cudaSuccess) {
-        return ffi::Error::Internal(Where(*st, "cudaMemsetAsync") + "CUDA error " + std::to_string(err) + ".");
+      zero[z] = {(*ret)->untyped_data(), (*ret)->size_bytes()};
+      if (key.size < GraphReplay::kMaxAddresses) {
+        key.addresses[key.size++] = (*ret)->untyped_data();
+      } else {
+        key.size = 0;  // never replayed
       }
     }
-    if (fe::detail::set_stream(handle, stream) != CUDNN_STATUS_SUCCESS) {
-      return ffi::Error::Internal(Where(*st, "cudnnSetStream") + fe::detail::get_last_error_string_());
+    auto launch = [&](cudaStream_t on) -> ffi::Error {
+      for (size_t z = 0; z < n_zero; ++z) {
+        const auto& [data, bytes] = zero[z];
+        cudaError_t err = fe::detail::cuda_mem_set_async(data, 0, bytes, on);
+        if (err != cudaSuccess) {
+          return ffi::Error::Internal(Where(*st, "cudaMemsetAsync") + "CUDA error " + std::to_string(err) + ".");
+        }
+      }
+      if (fe::detail::set_stream(handle, on) != CUDNN_STATUS_SUCCESS) {
+        return ffi::Error::Internal(Where(*st, "cudnnSetStream") + fe::detail::get_last_error_string_());
+      }
+      fe::error_t status = dg->graph->execute(handle, ptrs, static_cast<int>(n), workspace);
+      if (status.is_bad()) return FeError(*st, "execute", status);
+      return ffi::Error::Success();
+    };
+    GraphReplay* replay = st->replays[device].get();
+    if (replay == nullptr) {
+      CountDirectRun();
+      return launch(stream);
     }
-    fe::error_t status = dg->graph->execute(handle, ptrs, static_cast<int>(n), workspace);
-    if (status.is_bad()) return FeError(*st, "execute", status);
-    return ffi::Error::Success();
+    return replay->Run(stream, key, launch);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(Where(*st, "execute") + e.what());
   }

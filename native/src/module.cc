@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cudnn_graph.h"
+#include "graph_replay.h"
 
 namespace nb = nanobind;
 
@@ -67,6 +68,20 @@ NB_MODULE(_attnlib_ffi, m) {
         return type;
       },
       "The FFI state type of `attnlib_cudnn_graph`, for `jax.ffi.register_ffi_type`.");
+
+  m.def(
+      "graph_replay_counts",
+      []() {
+        attnlib::GraphReplayCounts c = attnlib::ReadGraphReplayCounts();
+        nb::dict out;
+        out["captures"] = c.captures;
+        out["replays"] = c.replays;
+        out["direct"] = c.direct;
+        out["failures"] = c.failures;
+        return out;
+      },
+      "Process-wide counts of graph executions: captured into a CUDA graph, replayed from one, run directly, and "
+      "failed captures.");
 
   m.def("frontend_version", &attnlib::FrontendVersion,
         "CUDNN_FRONTEND_VERSION of the headers this module was compiled against (13200 for 1.32.0).");

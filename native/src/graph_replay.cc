@@ -1,0 +1,126 @@
+// The CUDA-graph replay cache of graph_replay.h.
+
+#include "graph_replay.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace ffi = xla::ffi;
+
+namespace attnlib {
+namespace {
+
+std::atomic<int64_t> g_captures{0};
+std::atomic<int64_t> g_replays{0};
+std::atomic<int64_t> g_direct{0};
+std::atomic<int64_t> g_failures{0};
+
+ffi::Error CudaFailure(const char* step, cudaError_t err) {
+  return ffi::Error::Internal(std::string("attnlib CUDA graph replay, ") + step + ": CUDA error " +
+                              std::to_string(static_cast<int>(err)) + ".");
+}
+
+}  // namespace
+
+GraphReplayCounts ReadGraphReplayCounts() {
+  return {g_captures.load(), g_replays.load(), g_direct.load(), g_failures.load()};
+}
+
+void CountDirectRun() { g_direct.fetch_add(1, std::memory_order_relaxed); }
+
+bool GraphReplayEnabled() {
+  const char* value = std::getenv("ATTNLIB_CUDNN_GRAPH_REPLAY");
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
+bool GraphReplay::Key::operator==(const Key& other) const {
+  return size == other.size && std::memcmp(addresses.data(), other.addresses.data(), size * sizeof(void*)) == 0;
+}
+
+GraphReplay::~GraphReplay() {
+  for (Captured& g : graphs_) api_.graph_exec_destroy(g.exec);  // one still running is freed when it completes
+  if (capture_stream_ != nullptr) api_.stream_destroy(capture_stream_);
+}
+
+bool GraphReplay::SeenRecently(const Key& key) {
+  return std::any_of(recent_.begin(), recent_.end(), [&](const Key& k) { return k.size > 0 && k == key; });
+}
+
+ffi::Error GraphReplay::Capture(const Launch& launch, cudaGraphExec_t* exec) {
+  *exec = nullptr;
+  if (capture_stream_ == nullptr) {
+    if (cudaError_t err = api_.stream_create_with_flags(&capture_stream_, cudaStreamNonBlocking); err != cudaSuccess) {
+      capture_stream_ = nullptr;
+      return CudaFailure("cudaStreamCreateWithFlags", err);
+    }
+  }
+  if (cudaError_t err = api_.stream_begin_capture(capture_stream_, cudaStreamCaptureModeThreadLocal);
+      err != cudaSuccess) {
+    return CudaFailure("cudaStreamBeginCapture", err);
+  }
+  ffi::Error launched = launch(capture_stream_);
+  cudaGraph_t graph = nullptr;
+  cudaError_t ended = api_.stream_end_capture(capture_stream_, &graph);
+  if (launched.failure() || ended != cudaSuccess || graph == nullptr) {
+    if (graph != nullptr) api_.graph_destroy(graph);
+    if (launched.failure()) return launched;
+    return CudaFailure("cudaStreamEndCapture", ended);
+  }
+  cudaError_t made = api_.graph_instantiate_with_flags(exec, graph, 0);
+  api_.graph_destroy(graph);
+  if (made != cudaSuccess) {
+    *exec = nullptr;
+    return CudaFailure("cudaGraphInstantiateWithFlags", made);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GraphReplay::Run(cudaStream_t stream, const Key& key, const Launch& launch) {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (!lock.owns_lock() || off_ || key.size == 0 || api_.stream_is_capturing(stream, &capturing) != cudaSuccess ||
+      capturing != cudaStreamCaptureStatusNone) {
+    g_direct.fetch_add(1, std::memory_order_relaxed);
+    return launch(stream);
+  }
+  ++clock_;
+  auto found = std::find_if(graphs_.begin(), graphs_.end(), [&](const Captured& g) { return g.key == key; });
+  if (found == graphs_.end() && captures_left_ > 0 && SeenRecently(key)) {
+    cudaGraphExec_t exec = nullptr;
+    if (Capture(launch, &exec).failure()) {
+      // Whatever failed (a plan that cannot be captured, no memory for the graph), the direct path still works.
+      api_.get_last_error();
+      off_ = true;
+      g_failures.fetch_add(1, std::memory_order_relaxed);
+      g_direct.fetch_add(1, std::memory_order_relaxed);
+      return launch(stream);
+    }
+    --captures_left_;
+    g_captures.fetch_add(1, std::memory_order_relaxed);
+    if (graphs_.size() == kMaxGraphs) {
+      auto oldest = std::min_element(graphs_.begin(), graphs_.end(),
+                                     [](const Captured& a, const Captured& b) { return a.last_use < b.last_use; });
+      api_.graph_exec_destroy(oldest->exec);
+      graphs_.erase(oldest);
+    }
+    graphs_.push_back({key, exec, clock_});
+    found = graphs_.end() - 1;
+  }
+  if (found == graphs_.end()) {
+    recent_[recent_next_] = key;
+    recent_next_ = (recent_next_ + 1) % kRecentKeys;
+    g_direct.fetch_add(1, std::memory_order_relaxed);
+    return launch(stream);
+  }
+  found->last_use = clock_;
+  if (cudaError_t err = api_.graph_launch(found->exec, stream); err != cudaSuccess) {
+    api_.get_last_error();
+    return CudaFailure("cudaGraphLaunch", err);
+  }
+  g_replays.fetch_add(1, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+
+}  // namespace attnlib

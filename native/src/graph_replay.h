@@ -1,0 +1,109 @@
+// Replays a cuDNN plan's launches from CUDA graphs captured once per set of buffer addresses.
+//
+// Running a plan costs the host 15-30 us (variant pack, cuDNN's host logic, an auxiliary memset and the kernel launch);
+// replaying the same launches from an instantiated CUDA graph costs one cudaGraphLaunch. A graph bakes in the buffer
+// addresses, so one is captured per address set, on that set's second use (an address set seen once is never
+// captured), and only a bounded number of captures per executable and device is ever made: a caller whose addresses
+// change on every call pays one key comparison per call. Calls made while XLA captures the stream into its own command
+// buffer, and calls that find the cache busy on another thread, run the plan directly.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace attnlib {
+
+// Process-wide counts, for tests and benchmarks (`_attnlib_ffi.graph_replay_counts`).
+struct GraphReplayCounts {
+  int64_t captures;  // address sets captured into a CUDA graph
+  int64_t replays;   // calls launched from a captured graph
+  int64_t direct;    // calls that ran the plan directly
+  int64_t failures;  // captures that failed (the cache then stays off for that executable and device)
+};
+GraphReplayCounts ReadGraphReplayCounts();
+// Counts a call that ran the plan directly without consulting a cache (replay off for its executable).
+void CountDirectRun();
+
+// Whether ATTNLIB_CUDNN_GRAPH_REPLAY allows replay (unset or anything but "0"). Read by each executable once.
+bool GraphReplayEnabled();
+
+// The CUDA runtime entry points the cache uses (the extension links no libcudart: the caller resolves them from the
+// runtime the process loaded).
+struct CudaGraphApi {
+  cudaError_t (*stream_create_with_flags)(cudaStream_t*, unsigned int);
+  cudaError_t (*stream_destroy)(cudaStream_t);
+  cudaError_t (*stream_is_capturing)(cudaStream_t, cudaStreamCaptureStatus*);
+  cudaError_t (*stream_begin_capture)(cudaStream_t, cudaStreamCaptureMode);
+  cudaError_t (*stream_end_capture)(cudaStream_t, cudaGraph_t*);
+  cudaError_t (*graph_instantiate_with_flags)(cudaGraphExec_t*, cudaGraph_t, unsigned long long);
+  cudaError_t (*graph_destroy)(cudaGraph_t);
+  cudaError_t (*graph_launch)(cudaGraphExec_t, cudaStream_t);
+  cudaError_t (*graph_exec_destroy)(cudaGraphExec_t);
+  cudaError_t (*get_last_error)();
+};
+
+class GraphReplay {
+ public:
+  static constexpr size_t kMaxAddresses = 48;
+  // An address set: the graph's tensor pointers, the workspace and the zero-filled results, in a fixed order.
+  struct Key {
+    std::array<void*, kMaxAddresses> addresses{};
+    size_t size = 0;
+    bool operator==(const Key& other) const;
+  };
+  // Enqueues the plan's work on the given stream (and nothing else): a non-owning reference to a callable.
+  class Launch {
+   public:
+    template <typename F>
+    Launch(const F& f)  // NOLINT(google-explicit-constructor): built from the caller's lambda at the call site
+        : context_(&f), call_([](const void* c, cudaStream_t s) { return (*static_cast<const F*>(c))(s); }) {}
+    xla::ffi::Error operator()(cudaStream_t stream) const { return call_(context_, stream); }
+
+   private:
+    const void* context_;
+    xla::ffi::Error (*call_)(const void*, cudaStream_t);
+  };
+
+  explicit GraphReplay(const CudaGraphApi& api) : api_(api) {}
+  GraphReplay(const GraphReplay&) = delete;
+  GraphReplay& operator=(const GraphReplay&) = delete;
+  ~GraphReplay();
+
+  // Runs `launch`'s work on `stream`: from the graph captured for `key` when there is one, else directly (capturing it
+  // first, on a private stream, when `key` was seen before and captures are left).
+  xla::ffi::Error Run(cudaStream_t stream, const Key& key, const Launch& launch);
+
+ private:
+  static constexpr size_t kMaxGraphs = 4;    // instantiated graphs kept (least recently used one replaced)
+  static constexpr size_t kRecentKeys = 8;   // address sets remembered without a graph
+  static constexpr int kMaxCaptures = 16;    // captures ever made
+
+  struct Captured {
+    Key key;
+    cudaGraphExec_t exec = nullptr;
+    uint64_t last_use = 0;
+  };
+
+  xla::ffi::Error Capture(const Launch& launch, cudaGraphExec_t* exec);
+  bool SeenRecently(const Key& key);
+
+  const CudaGraphApi& api_;
+  std::mutex mu_;
+  std::vector<Captured> graphs_;
+  std::array<Key, kRecentKeys> recent_{};
+  size_t recent_next_ = 0;
+  uint64_t clock_ = 0;
+  int captures_left_ = kMaxCaptures;
+  bool off_ = false;
+  cudaStream_t capture_stream_ = nullptr;
+};
+
+}  // namespace attnlib

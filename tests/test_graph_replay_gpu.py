@@ -1,0 +1,139 @@
+"""GPU tests of the native executor's CUDA-graph replay (native/src/graph_replay.h).
+
+A cuDNN graph call whose buffer addresses repeat is captured into a CUDA graph on the second use of those addresses
+and replayed from it afterwards. These tests check what replay must never change — every call's result, against
+the float64 reference of tests/reference.py, while the addresses repeat with new contents, change, or outnumber the
+cache — and that replay happens at all (the extension's process-wide counts).
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from reference import reference_attention, reference_attention_vjp
+
+
+pytestmark = pytest.mark.gpu
+
+EPS = float(ml_dtypes.finfo(jnp.bfloat16).eps)
+KW = dict(is_causal=True, diagonal_alignment="bottom_right")
+
+
+def _counts():
+    from attnlib import _attnlib_ffi
+
+    return _attnlib_ffi.graph_replay_counts()
+
+
+def _delta(before):
+    after = _counts()
+    return {name: after[name] - before[name] for name in after}
+
+
+def _inputs(seed, t=37, s=91, n=6, kh=2, h=64, hv=64):
+    kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+    shapes = ((2, t, n, h), (2, s, kh, h), (2, s, kh, hv), (2, t, n, hv))
+    return [jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key, shape in
+            zip((kq, kk, kv, kd), shapes)]  # fmt: skip
+
+
+def _as64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _assert_close(actual, expected, what, scale_by_max=False):
+    actual, expected = _as64(actual), np.asarray(expected, np.float64)
+    atol = (8 * EPS * np.abs(expected).max()) if scale_by_max else 2 * EPS
+    np.testing.assert_allclose(actual, expected, atol=atol, rtol=EPS, err_msg=what)
+
+
+def test_repeated_addresses_with_new_contents_replay_the_captured_graph():
+    """Inside one jitted function the graph reads intermediates (q scaled by a traced factor) and writes one, so its
+    addresses repeat across calls while the contents change: from the third call on the call is replayed, and every
+    call's output, log-sum-exp and gradients are those of its own inputs."""
+    import attnlib
+
+    q, k, v, d_out = _inputs(1)
+
+    def step(q, k, v, d_out, factor):
+        def loss(q, k, v):
+            out, lse = attnlib.attention(q * factor.astype(q.dtype), k, v, implementation="cudnn",
+                                         return_residual=True, **KW)  # fmt: skip
+            return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), (out * 1, lse * 1)
+
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    step = jax.jit(step)
+    factors = [1.0, 0.5, 2.0, 0.5, 1.5, 1.0, 0.25]
+    jax.block_until_ready(step(q, k, v, d_out, jnp.float32(3.0)))  # compiled; its addresses seen once
+    before = _counts()
+    for factor in factors:
+        (dq, dk, dv), (out, lse) = step(q, k, v, d_out, jnp.float32(factor))
+        qs = jnp.asarray(q * jnp.asarray(factor, q.dtype))
+        ref_out, ref_lse = reference_attention(_as64(qs), _as64(k), _as64(v), **KW)
+        ref = reference_attention_vjp(_as64(qs), _as64(k), _as64(v), d_out=_as64(d_out), **KW)
+        _assert_close(out, ref_out, f"out, factor {factor}")
+        _assert_close(lse, ref_lse, f"lse, factor {factor}")
+        _assert_close(dq, ref["query"] * factor, f"dq, factor {factor}", scale_by_max=True)
+        _assert_close(dk, ref["key"], f"dk, factor {factor}", scale_by_max=True)
+        _assert_close(dv, ref["value"], f"dv, factor {factor}", scale_by_max=True)
+    delta = _delta(before)
+    assert delta["failures"] == 0, delta
+    assert delta["captures"] >= 2, delta  # the forward and the backward graph
+    assert delta["replays"] >= 2 * (len(factors) - 2), delta
+
+
+def test_changing_addresses_run_directly_and_captures_stay_bounded():
+    """Forty distinct inputs, each called twice and kept alive: every result is right, and no executable captures
+    more than its budget of 16 graphs however many address sets it meets."""
+    import attnlib
+
+    f = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation="cudnn", **KW))
+    _, k, v, _ = _inputs(2)
+    ref_k, ref_v = _as64(k), _as64(v)
+    kept = []
+    before = _counts()
+    for seed in range(40):
+        q = _inputs(100 + seed)[0]
+        ref, _ = reference_attention(_as64(q), ref_k, ref_v, **KW)
+        for _ in range(2):
+            out = f(q, k, v)
+            _assert_close(out, ref, f"input {seed}")
+            kept.append(out)
+        kept.append(q)
+    delta = _delta(before)
+    assert delta["failures"] == 0, delta
+    assert delta["captures"] <= 16, delta
+    assert delta["replays"] + delta["direct"] == 80, delta
+
+
+def test_replay_off_runs_every_call_directly(tmp_path):
+    """ATTNLIB_CUDNN_GRAPH_REPLAY=0 (read when an executable is loaded) runs every call directly, with the same
+    results bit for bit."""
+    code = (
+        "import sys, jax, jax.numpy as jnp, numpy as np, attnlib\n"
+        "from attnlib import _attnlib_ffi\n"
+        "q = jax.random.normal(jax.random.key(0), (2, 96, 4, 64)).astype(jnp.bfloat16)\n"
+        "f = jax.jit(lambda q, s: attnlib.attention(q * s, q, q, is_causal=True, implementation='cudnn') * 1)\n"
+        "outs = [np.asarray(f(q, jnp.bfloat16(s)), np.float32) for s in (1.0, 0.5, 2.0, 0.75, 1.0)]\n"
+        "np.save(sys.argv[1], np.stack(outs))\n"
+        "print('COUNTS', _attnlib_ffi.graph_replay_counts())\n"
+    )
+    results, counts = [], []
+    for flag in ("1", "0"):
+        path = tmp_path / f"out{flag}.npy"
+        env = dict(os.environ, ATTNLIB_CUDNN_GRAPH_REPLAY=flag, ATTNLIB_CACHE_DIR=str(tmp_path / "cache"))
+        run = subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env, capture_output=True,
+                             text=True)  # fmt: skip
+        line = next(line for line in run.stdout.splitlines() if line.startswith("COUNTS"))
+        counts.append(eval(line.removeprefix("COUNTS ")))  # a dict literal printed by the child
+        results.append(np.load(path))
+    on, off = counts
+    assert on["replays"] >= 3 and on["failures"] == 0, on
+    assert off["replays"] == 0 and off["captures"] == 0 and off["direct"] == 5, off
+    np.testing.assert_array_equal(results[0], results[1])
