@@ -12,7 +12,8 @@ of `--rounds`. Every variant runs twice: jitted with XLA's default flags (`step_
 `compiler_options={"xla_gpu_graph_min_graph_size": 1}` (`step_ms_min_graph_1`), which lets XLA capture the loop
 body (the attention call and the layer's two fusions, fewer commands than XLA's default minimum) into a command
 buffer (CUDA graph); `benchmarks/probe_command_buffers.py` shows what XLA captures. The `_direct` variants are
-attnlib's calls with the native executor's CUDA-graph replay off (not peers).
+attnlib's calls with the native executor's CUDA-graph replay off, the `_idle` ones with replay only when the stream
+is idle (not peers).
 """
 
 import argparse
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
-from bench_peers import graph_replay
+from bench_peers import graph_replay, replay_mode
 
 import attnlib
 
@@ -58,14 +59,13 @@ def layer_fns(lengths, page_table):
         "attnlib_dense": lambda q, k, v: attnlib.attention(
             q, k, v, key_value_seq_lengths=lengths, is_causal=True, diagonal_alignment="bottom_right",
             implementation="cudnn"),
-        # The same two calls with the native executor's CUDA-graph replay off (compiled with
-        # ATTNLIB_CUDNN_GRAPH_REPLAY=0): not peers.
-        "attnlib_paged_direct": lambda q, kp, vp: attnlib.attention(
-            q, kp, vp, page_table=page_table, key_value_seq_lengths=lengths, is_causal=True,
-            diagonal_alignment="bottom_right", implementation="cudnn"),
-        "attnlib_dense_direct": lambda q, k, v: attnlib.attention(
-            q, k, v, key_value_seq_lengths=lengths, is_causal=True, diagonal_alignment="bottom_right",
-            implementation="cudnn"),
+    }  # fmt: skip
+    # The same two calls with the native executor's CUDA-graph replay off (`_direct`, compiled with
+    # ATTNLIB_CUDNN_GRAPH_REPLAY=0) and only when the stream is idle (`_idle`): not peers.
+    for mode in ("direct", "idle"):
+        table[f"attnlib_paged_{mode}"] = table["attnlib_paged"]
+        table[f"attnlib_dense_{mode}"] = table["attnlib_dense"]
+    table |= {
         "jax_nn_cudnn": lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, key_value_seq_lengths=lengths, implementation="cudnn"),
     }  # fmt: skip
@@ -114,7 +114,7 @@ def main():
         for label, attend in layer_fns(lengths, page_table).items():
             cache = (k_pool, v_pool) if label.startswith("attnlib_paged") else (k, v)
             try:
-                with graph_replay(not label.endswith("_direct")):
+                with graph_replay(replay_mode(label)):
                     single = jax.jit(attend).lower(x, *cache).compile()
                 err = float(np.max(np.abs(np.asarray(single(x, *cache), np.float32) - reference)))
                 row[label] = {"max_err": err}
@@ -122,7 +122,7 @@ def main():
                     row[label]["wrong"] = f"max |err| {err:.3g} > {tol:.3g}"
                     continue
                 for suffix, options in CONFIGS.items():
-                    with graph_replay(not label.endswith("_direct")):
+                    with graph_replay(replay_mode(label)):
                         step = decode_step(attend, args.layers, options).lower(x, *cache).compile()
                     steps[(label, suffix)] = (step, (x, *cache))
             except Exception as e:  # noqa: BLE001

@@ -9,9 +9,9 @@ round-robin, best of `--rounds` rounds of `bench_cudnn.best_per_call` (wall cloc
 forward + backward (gradient of `sum(out * dout)` with respect to q, k, v). A variant that cannot run the case
 (unsupported feature, import error) is reported with its error. The summary gives attnlib's speed against the
 best peer per case. `--own` adds attnlib's plain-JAX implementations and `--direct` attnlib's cuDNN call with the
-native executor's CUDA-graph replay off (`attnlib_cudnn_direct`, ATTNLIB_CUDNN_GRAPH_REPLAY=0 while it compiles);
-neither is a peer. tokamax is a benchmark-only dependency (`../shared/tools/device-wheels.sh --peers`; it needs
-the xprof stand-in on `PYTHONPATH`).
+native executor's CUDA-graph replay off (`attnlib_cudnn_direct`, ATTNLIB_CUDNN_GRAPH_REPLAY=0 while it compiles) and
+only when the stream is idle (`attnlib_cudnn_idle`, "idle"); neither is a peer. tokamax is a benchmark-only
+dependency (`../shared/tools/device-wheels.sh --peers`; it needs the xprof stand-in on `PYTHONPATH`).
 """
 
 import argparse
@@ -81,14 +81,16 @@ def _own(case: Case) -> dict:
     }
 
 
-DIRECT = "attnlib_cudnn_direct"
+def replay_mode(label: str) -> str:
+    """ATTNLIB_CUDNN_GRAPH_REPLAY for a variant: "0" for `*_direct`, "idle" for `*_idle`, else "1"."""
+    return "0" if label.endswith("_direct") else "idle" if label.endswith("_idle") else "1"
 
 
 @contextlib.contextmanager
-def graph_replay(on: bool):
+def graph_replay(mode: str):
     """ATTNLIB_CUDNN_GRAPH_REPLAY for the executables compiled inside (the extension reads it per executable)."""
     before = os.environ.get("ATTNLIB_CUDNN_GRAPH_REPLAY")
-    os.environ["ATTNLIB_CUDNN_GRAPH_REPLAY"] = "1" if on else "0"
+    os.environ["ATTNLIB_CUDNN_GRAPH_REPLAY"] = mode
     try:
         yield
     finally:
@@ -99,8 +101,8 @@ def graph_replay(on: bool):
 
 
 def compile_variant(label: str, fn, args):
-    """`jax.jit(fn)` compiled for `args`, with graph replay off for the `DIRECT` variant."""
-    with graph_replay(label != DIRECT):
+    """`jax.jit(fn)` compiled for `args`, with the variant's graph replay mode."""
+    with graph_replay(replay_mode(label)):
         return jax.jit(fn).lower(*args).compile()
 
 
@@ -113,7 +115,7 @@ def variants(case: Case, own: bool = False, direct: bool = False) -> dict:
         "jax_nn_cudnn": lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw),
     }
     if direct:
-        table[DIRECT] = cudnn
+        table["attnlib_cudnn_direct"] = table["attnlib_cudnn_idle"] = cudnn
     if own:
         table.update(_own(case))
     try:

@@ -115,9 +115,9 @@ def test_changing_addresses_run_directly_and_captures_stay_bounded():
     assert delta["replays"] + delta["direct"] == 80, delta
 
 
-def test_replay_off_runs_every_call_directly(tmp_path):
-    """ATTNLIB_CUDNN_GRAPH_REPLAY=0 (read when an executable is loaded) runs every call directly, with the same
-    results bit for bit."""
+def test_replay_modes_give_the_same_results(tmp_path):
+    """ATTNLIB_CUDNN_GRAPH_REPLAY (read when an executable is loaded): "0" runs every call directly, "idle" replays
+    only calls that find the stream idle; the results are the same bit for bit."""
     code = (
         "import sys, jax, jax.numpy as jnp, numpy as np, attnlib\n"
         "from attnlib import _attnlib_ffi\n"
@@ -128,7 +128,7 @@ def test_replay_off_runs_every_call_directly(tmp_path):
         "print('COUNTS', _attnlib_ffi.graph_replay_counts())\n"
     )
     results, counts = [], []
-    for flag in ("1", "0"):
+    for flag in ("1", "0", "idle"):
         path = tmp_path / f"out{flag}.npy"
         env = dict(os.environ, ATTNLIB_CUDNN_GRAPH_REPLAY=flag, ATTNLIB_CACHE_DIR=str(tmp_path / "cache"))
         run = subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env, capture_output=True,
@@ -136,7 +136,9 @@ def test_replay_off_runs_every_call_directly(tmp_path):
         line = next(line for line in run.stdout.splitlines() if line.startswith("COUNTS"))
         counts.append(eval(line.removeprefix("COUNTS ")))  # a dict literal printed by the child
         results.append(np.load(path))
-    on, off = counts
+    on, off, idle = counts
     assert on["replays"] >= 3 and on["failures"] == 0, on
     assert off["replays"] == 0 and off["captures"] == 0 and off["direct"] == 5, off
+    assert idle["replays"] + idle["direct"] == 5 and idle["failures"] == 0, idle
     np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])

@@ -108,7 +108,7 @@ struct GraphState {
   std::vector<int64_t> out_uids;
   std::vector<int64_t> zero_fill;
   int64_t ws_bytes = 0;
-  bool replay = false;  // GraphReplayEnabled() when the executable was instantiated
+  ReplayMode replay = ReplayMode::kOff;  // GraphReplayMode() when the executable was instantiated
 
   std::mutex mu;
   std::array<std::atomic<DeviceGraph*>, kMaxDevices> devices{};
@@ -152,6 +152,7 @@ const CudaGraphApi* GraphApi() {
       resolved.stream_destroy = reinterpret_cast<decltype(resolved.stream_destroy)>(symbol("cudaStreamDestroy"));
       resolved.stream_is_capturing =
           reinterpret_cast<decltype(resolved.stream_is_capturing)>(symbol("cudaStreamIsCapturing"));
+      resolved.stream_query = reinterpret_cast<decltype(resolved.stream_query)>(symbol("cudaStreamQuery"));
       resolved.stream_begin_capture =
           reinterpret_cast<decltype(resolved.stream_begin_capture)>(symbol("cudaStreamBeginCapture"));
       resolved.stream_end_capture =
@@ -296,7 +297,7 @@ ffi::ErrorOr<std::unique_ptr<GraphState>> Instantiate(ffi::Span<const uint8_t> g
   st->out_uids.assign(out_uids.begin(), out_uids.end());
   st->zero_fill.assign(zero_fill.begin(), zero_fill.end());
   st->ws_bytes = ws_bytes;
-  st->replay = GraphReplayEnabled();
+  st->replay = GraphReplayMode();
   for (int64_t r : st->zero_fill) {
     if (r < 0 || r >= static_cast<int64_t>(st->out_uids.size())) {
       return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(
@@ -351,7 +352,9 @@ ffi::Error Initialize(cudaStream_t stream, int32_t device, GraphState* st) {
     std::shared_ptr<DeviceGraph> dg;
     if (ffi::Error err = BuildDeviceGraph(*st, device, handle, stream, &dg); err.failure()) return err;
     st->owned[device] = dg;
-    if (st->replay && GraphApi() != nullptr) st->replays[device] = std::make_unique<GraphReplay>(*GraphApi());
+    if (st->replay != ReplayMode::kOff && GraphApi() != nullptr) {
+      st->replays[device] = std::make_unique<GraphReplay>(*GraphApi(), st->replay);
+    }
     st->devices[device].store(dg.get(), std::memory_order_release);
     return ffi::Error::Success();
   } catch (const std::exception& e) {

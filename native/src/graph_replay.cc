@@ -30,9 +30,12 @@ GraphReplayCounts ReadGraphReplayCounts() {
 
 void CountDirectRun() { g_direct.fetch_add(1, std::memory_order_relaxed); }
 
-bool GraphReplayEnabled() {
+ReplayMode GraphReplayMode() {
   const char* value = std::getenv("ATTNLIB_CUDNN_GRAPH_REPLAY");
-  return value == nullptr || std::strcmp(value, "0") != 0;
+  if (value == nullptr) return ReplayMode::kAlways;
+  if (std::strcmp(value, "0") == 0) return ReplayMode::kOff;
+  if (std::strcmp(value, "idle") == 0) return ReplayMode::kWhenIdle;
+  return ReplayMode::kAlways;
 }
 
 bool GraphReplay::Key::operator==(const Key& other) const {
@@ -81,7 +84,7 @@ ffi::Error GraphReplay::Run(cudaStream_t stream, const Key& key, const Launch& l
   std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (!lock.owns_lock() || off_ || key.size == 0 || api_.stream_is_capturing(stream, &capturing) != cudaSuccess ||
-      capturing != cudaStreamCaptureStatusNone) {
+      capturing != cudaStreamCaptureStatusNone || (when_idle_ && api_.stream_query(stream) != cudaSuccess)) {
     g_direct.fetch_add(1, std::memory_order_relaxed);
     return launch(stream);
   }
