@@ -12,8 +12,8 @@ of `--rounds`. Every variant runs twice: jitted with XLA's default flags (`step_
 `compiler_options={"xla_gpu_graph_min_graph_size": 1}` (`step_ms_min_graph_1`), which lets XLA capture the loop
 body (the attention call and the layer's two fusions, fewer commands than XLA's default minimum) into a command
 buffer (CUDA graph); `benchmarks/probe_command_buffers.py` shows what XLA captures. The `_direct` variants are
-attnlib's calls with the native executor's CUDA-graph replay off, the `_idle` ones with replay only when the stream
-is idle (not peers).
+attnlib's calls with the native executor's CUDA-graph replay off, the `_always` ones with replay for every call
+whatever its size (not peers).
 """
 
 import argparse
@@ -61,8 +61,8 @@ def layer_fns(lengths, page_table):
             implementation="cudnn"),
     }  # fmt: skip
     # The same two calls with the native executor's CUDA-graph replay off (`_direct`, compiled with
-    # ATTNLIB_CUDNN_GRAPH_REPLAY=0) and only when the stream is idle (`_idle`): not peers.
-    for mode in ("direct", "idle"):
+    # ATTNLIB_CUDNN_GRAPH_REPLAY=0) and on for every call (`_always`): not peers.
+    for mode in ("direct", "always"):
         table[f"attnlib_paged_{mode}"] = table["attnlib_paged"]
         table[f"attnlib_dense_{mode}"] = table["attnlib_dense"]
     table |= {

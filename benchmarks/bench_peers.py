@@ -10,7 +10,7 @@ forward + backward (gradient of `sum(out * dout)` with respect to q, k, v). A va
 (unsupported feature, import error) is reported with its error. The summary gives attnlib's speed against the
 best peer per case. `--own` adds attnlib's plain-JAX implementations and `--direct` attnlib's cuDNN call with the
 native executor's CUDA-graph replay off (`attnlib_cudnn_direct`, ATTNLIB_CUDNN_GRAPH_REPLAY=0 while it compiles) and
-only when the stream is idle (`attnlib_cudnn_idle`, "idle"); neither is a peer. tokamax is a benchmark-only
+on for every call (`attnlib_cudnn_always`, "always"); neither is a peer. tokamax is a benchmark-only
 dependency (`../shared/tools/device-wheels.sh --peers`; it needs the xprof stand-in on `PYTHONPATH`).
 """
 
@@ -82,8 +82,9 @@ def _own(case: Case) -> dict:
 
 
 def replay_mode(label: str) -> str:
-    """ATTNLIB_CUDNN_GRAPH_REPLAY for a variant: "0" for `*_direct`, "idle" for `*_idle`, else "1"."""
-    return "0" if label.endswith("_direct") else "idle" if label.endswith("_idle") else "1"
+    """ATTNLIB_CUDNN_GRAPH_REPLAY for a variant: "0" for `*_direct`, "always" for `*_always`, else "" (each call's
+    own choice, `executor.replays`)."""
+    return "0" if label.endswith("_direct") else "always" if label.endswith("_always") else ""
 
 
 @contextlib.contextmanager
@@ -115,7 +116,7 @@ def variants(case: Case, own: bool = False, direct: bool = False) -> dict:
         "jax_nn_cudnn": lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw),
     }
     if direct:
-        table["attnlib_cudnn_direct"] = table["attnlib_cudnn_idle"] = cudnn
+        table["attnlib_cudnn_direct"] = table["attnlib_cudnn_always"] = cudnn
     if own:
         table.update(_own(case))
     try:

@@ -7,9 +7,10 @@
 //     cuDNN handle and deserialize the plan (shared across executables by blob), map the graph's sorted UIDs to
 //     FFI operands and results, and check the workspace size. Afterwards it is a couple of atomic loads.
 //   EXECUTE: set the handle's stream to XLA's, optionally zero some results, and run the plan, or replay that work
-//     from a CUDA graph captured for the same buffer addresses (graph_replay.h; ATTNLIB_CUDNN_GRAPH_REPLAY=0 turns it
-//     off). No device allocation, no deserialization, no blocking lock: safe to capture into a command buffer (CUDA
-//     graph), where the plan always runs directly.
+//     from a CUDA graph captured for the same buffer addresses when the call's `replay` attribute allows it
+//     (graph_replay.h; ATTNLIB_CUDNN_GRAPH_REPLAY overrides the attribute). No device allocation, no
+//     deserialization, no blocking lock: safe to capture into a command buffer (CUDA graph), where the plan always
+//     runs directly.
 // Operands are the graph's inputs in `in_uids` order; results are its outputs in `out_uids` order plus a trailing
 // uint8 workspace of at least `ws_bytes` bytes.
 
@@ -108,7 +109,7 @@ struct GraphState {
   std::vector<int64_t> out_uids;
   std::vector<int64_t> zero_fill;
   int64_t ws_bytes = 0;
-  ReplayMode replay = ReplayMode::kOff;  // GraphReplayMode() when the executable was instantiated
+  bool replay = false;  // GraphReplayAllowed(the call's attribute) when it was instantiated
 
   std::mutex mu;
   std::array<std::atomic<DeviceGraph*>, kMaxDevices> devices{};
@@ -152,7 +153,6 @@ const CudaGraphApi* GraphApi() {
       resolved.stream_destroy = reinterpret_cast<decltype(resolved.stream_destroy)>(symbol("cudaStreamDestroy"));
       resolved.stream_is_capturing =
           reinterpret_cast<decltype(resolved.stream_is_capturing)>(symbol("cudaStreamIsCapturing"));
-      resolved.stream_query = reinterpret_cast<decltype(resolved.stream_query)>(symbol("cudaStreamQuery"));
       resolved.stream_begin_capture =
           reinterpret_cast<decltype(resolved.stream_begin_capture)>(symbol("cudaStreamBeginCapture"));
       resolved.stream_end_capture =
@@ -288,7 +288,7 @@ ffi::Error BuildDeviceGraph(GraphState& st, int device, cudnnHandle_t handle, cu
 ffi::ErrorOr<std::unique_ptr<GraphState>> Instantiate(ffi::Span<const uint8_t> graph, std::string_view label,
                                                       ffi::Span<const int64_t> in_uids,
                                                       ffi::Span<const int64_t> out_uids, int64_t ws_bytes,
-                                                      ffi::Span<const int64_t> zero_fill) {
+                                                      ffi::Span<const int64_t> zero_fill, bool replay) {
   auto st = std::make_unique<GraphState>();
   st->label = std::string(label);
   st->blob.assign(reinterpret_cast<const char*>(graph.begin()), graph.size());
@@ -297,7 +297,7 @@ ffi::ErrorOr<std::unique_ptr<GraphState>> Instantiate(ffi::Span<const uint8_t> g
   st->out_uids.assign(out_uids.begin(), out_uids.end());
   st->zero_fill.assign(zero_fill.begin(), zero_fill.end());
   st->ws_bytes = ws_bytes;
-  st->replay = GraphReplayMode();
+  st->replay = GraphReplayAllowed(replay);
   for (int64_t r : st->zero_fill) {
     if (r < 0 || r >= static_cast<int64_t>(st->out_uids.size())) {
       return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(
@@ -352,8 +352,8 @@ ffi::Error Initialize(cudaStream_t stream, int32_t device, GraphState* st) {
     std::shared_ptr<DeviceGraph> dg;
     if (ffi::Error err = BuildDeviceGraph(*st, device, handle, stream, &dg); err.failure()) return err;
     st->owned[device] = dg;
-    if (st->replay != ReplayMode::kOff && GraphApi() != nullptr) {
-      st->replays[device] = std::make_unique<GraphReplay>(*GraphApi(), st->replay);
+    if (st->replay && GraphApi() != nullptr) {
+      st->replays[device] = std::make_unique<GraphReplay>(*GraphApi());
     }
     st->devices[device].store(dg.get(), std::memory_order_release);
     return ffi::Error::Success();
@@ -686,6 +686,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnlibCudnnGraphInstantiate, attnlib::Instantiate
                                   .Attr<ffi::Span<const int64_t>>("out_uids")   // tensor uid of each result
                                   .Attr<int64_t>("ws_bytes")                    // workspace size at build time
                                   .Attr<ffi::Span<const int64_t>>("zero_fill")  // results to zero before running
+                                  .Attr<bool>("replay")  // the call may be replayed from a captured CUDA graph
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnlibCudnnGraphInitialize, attnlib::Initialize,

@@ -30,12 +30,11 @@ GraphReplayCounts ReadGraphReplayCounts() {
 
 void CountDirectRun() { g_direct.fetch_add(1, std::memory_order_relaxed); }
 
-ReplayMode GraphReplayMode() {
+bool GraphReplayAllowed(bool requested) {
   const char* value = std::getenv("ATTNLIB_CUDNN_GRAPH_REPLAY");
-  if (value == nullptr) return ReplayMode::kAlways;
-  if (std::strcmp(value, "0") == 0) return ReplayMode::kOff;
-  if (std::strcmp(value, "idle") == 0) return ReplayMode::kWhenIdle;
-  return ReplayMode::kAlways;
+  if (value != nullptr && std::strcmp(value, "0") == 0) return false;
+  if (value != nullptr && std::strcmp(value, "always") == 0) return true;
+  return requested;
 }
 
 bool GraphReplay::Key::operator==(const Key& other) const {
@@ -84,7 +83,7 @@ ffi::Error GraphReplay::Run(cudaStream_t stream, const Key& key, const Launch& l
   std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (!lock.owns_lock() || off_ || key.size == 0 || api_.stream_is_capturing(stream, &capturing) != cudaSuccess ||
-      capturing != cudaStreamCaptureStatusNone || (when_idle_ && api_.stream_query(stream) != cudaSuccess)) {
+      capturing != cudaStreamCaptureStatusNone) {
     g_direct.fetch_add(1, std::memory_order_relaxed);
     return launch(stream);
   }

@@ -32,10 +32,9 @@ GraphReplayCounts ReadGraphReplayCounts();
 // Counts a call that ran the plan directly without consulting a cache (replay off for its executable).
 void CountDirectRun();
 
-// When a call may be replayed, from ATTNLIB_CUDNN_GRAPH_REPLAY (read by each executable once): "0" never, "idle" only
-// when XLA's stream has no unfinished work (the host, not the device, is then the bottleneck), anything else always.
-enum class ReplayMode { kOff, kAlways, kWhenIdle };
-ReplayMode GraphReplayMode();
+// Whether a call may be replayed: its `replay` attribute (set by the caller for short graphs), unless
+// ATTNLIB_CUDNN_GRAPH_REPLAY (read once per executable) says "0" (never) or "always" (every call).
+bool GraphReplayAllowed(bool requested);
 
 // The CUDA runtime entry points the cache uses (the extension links no libcudart: the caller resolves them from the
 // runtime the process loaded).
@@ -43,7 +42,6 @@ struct CudaGraphApi {
   cudaError_t (*stream_create_with_flags)(cudaStream_t*, unsigned int);
   cudaError_t (*stream_destroy)(cudaStream_t);
   cudaError_t (*stream_is_capturing)(cudaStream_t, cudaStreamCaptureStatus*);
-  cudaError_t (*stream_query)(cudaStream_t);
   cudaError_t (*stream_begin_capture)(cudaStream_t, cudaStreamCaptureMode);
   cudaError_t (*stream_end_capture)(cudaStream_t, cudaGraph_t*);
   cudaError_t (*graph_instantiate_with_flags)(cudaGraphExec_t*, cudaGraph_t, unsigned long long);
@@ -75,7 +73,7 @@ class GraphReplay {
     xla::ffi::Error (*call_)(const void*, cudaStream_t);
   };
 
-  GraphReplay(const CudaGraphApi& api, ReplayMode mode) : api_(api), when_idle_(mode == ReplayMode::kWhenIdle) {}
+  explicit GraphReplay(const CudaGraphApi& api) : api_(api) {}
   GraphReplay(const GraphReplay&) = delete;
   GraphReplay& operator=(const GraphReplay&) = delete;
   ~GraphReplay();
@@ -99,7 +97,6 @@ class GraphReplay {
   bool SeenRecently(const Key& key);
 
   const CudaGraphApi& api_;
-  const bool when_idle_;
   std::mutex mu_;
   std::vector<Captured> graphs_;
   std::array<Key, kRecentKeys> recent_{};

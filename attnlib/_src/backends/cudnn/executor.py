@@ -2,7 +2,8 @@
 
 - `get_entry(spec)`: the built graph of a `GraphSpec` (memory / disk cache, else built and autotuned now).
 - `run(spec, values)`: fetch (or build) and run a graph on tensors by UID.
-- `ffi_graph_call`: one `jax.ffi.ffi_call` of the target `attnlib_cudnn_graph` for a built graph.
+- `ffi_graph_call`: one `jax.ffi.ffi_call` of the target `attnlib_cudnn_graph` for a built graph, marked for the
+  native executor's CUDA-graph replay when its work is short (`replays`).
 - `graph_call(spec)`: the same under `jax.custom_batching.custom_vmap`, whose rule folds a vmapped axis into the
   graph's batch dim and runs one bigger graph (a fused call, not a loop).
 """
@@ -23,6 +24,33 @@ from .graphs import GraphSpec, Uid
 
 CACHE = GraphCache()
 """The process's graph cache (memory, plus disk under `ATTNLIB_CACHE_DIR`)."""
+
+REPLAY_BELOW_US = 30.0
+"""Calls whose work `expected_device_us` puts below this many microseconds are marked for replay (docs/performance.md,
+"Replaying short graph calls")."""
+
+_FLOPS_PER_US = 500e6  # bf16 attention on an H200, large shapes (benchmarks/results)
+_BYTES_PER_US = 4e6  # H200 HBM3e
+
+
+def expected_device_us(spec: GraphSpec) -> float:
+    """A rough H200 time of one run of `spec`'s graph: its matmul work or its Q, K, V, O traffic, whichever is more
+    (a backward as 2.5 forwards; a causal band as half the scores)."""
+    rows, keys = spec.b * spec.t, spec.b * spec.s
+    flops = 2.0 * rows * spec.s * spec.n * (spec.h + spec.hv)
+    if spec.right_bound == 0:
+        flops /= 2
+    elt = 1 if spec.fp8 else 2
+    traffic = elt * (rows * spec.n + keys * spec.k) * (spec.h + spec.hv)
+    us = max(flops / _FLOPS_PER_US, traffic / _BYTES_PER_US)
+    return 2.5 * us if spec.direction == "bwd" else us
+
+
+def replays(spec: GraphSpec) -> bool:
+    """Whether the native executor may replay `spec`'s calls from a captured CUDA graph: a replayed call costs the host
+    one graph launch instead of cuDNN's 15-30 us of host work, and the device about 2 us more, so it pays only for
+    short graphs, where the host rather than the device sets the pace."""
+    return expected_device_us(spec) < REPLAY_BELOW_US
 
 
 def get_entry(spec: GraphSpec) -> GraphEntry:
@@ -62,6 +90,7 @@ def ffi_graph_call(
         out_uids=np.asarray(entry.out_uids, np.int64),
         ws_bytes=np.int64(entry.workspace_bytes),
         zero_fill=np.asarray(entry.zero_fill, np.int64),
+        replay=replays(spec),
     )
     return tuple(varying.vary_over(x, axes) for x in outs[:-1])
 
