@@ -22,6 +22,7 @@ pytestmark = pytest.mark.gpu
 
 EPS = float(ml_dtypes.finfo(jnp.bfloat16).eps)
 KW = dict(is_causal=True, diagonal_alignment="bottom_right")
+NO_COMMAND_BUFFERS = {"xla_gpu_graph_min_graph_size": 1000}  # no XLA command buffer forms in these small programs
 
 
 def _counts():
@@ -55,7 +56,9 @@ def _assert_close(actual, expected, what, scale_by_max=False):
 def test_repeated_addresses_with_new_contents_replay_the_captured_graph():
     """Calls of one jitted step whose graphs read and write only XLA's temporary buffers (q scaled by a traced factor
     in, converted results out) reuse the same addresses with new contents: they are replayed, and every call's output,
-    log-sum-exp and gradients are those of its own inputs."""
+    log-sum-exp and gradients are those of its own inputs. The step is compiled without XLA's own command buffers,
+    which would otherwise capture the graph calls with the fusions around them and replay them without calling
+    attnlib's handler at all (measured on the H200: 6 direct calls in 7 steps, none through the cache)."""
     import attnlib
 
     q, k, v, d_out = _inputs(1)
@@ -69,7 +72,7 @@ def test_repeated_addresses_with_new_contents_replay_the_captured_graph():
         grads, (out, twice_lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, factor)
         return tuple(g.astype(jnp.float32) for g in grads), out, twice_lse
 
-    step = jax.jit(step)
+    step = jax.jit(step, compiler_options=NO_COMMAND_BUFFERS)
     factors = [1.0, 0.5, 2.0, 0.5, 1.5, 1.0, 0.25]
     jax.block_until_ready(step(q, k, v, jnp.float32(3.0)))  # compiled; its addresses seen once
     before = _counts()
