@@ -21,7 +21,7 @@ from test_cudnn_ragged import _close, _compare, _eps
 
 import attnlib
 from attnlib._src import logs
-from attnlib._src.backends.cudnn import attention as dense, executor, support
+from attnlib._src.backends.cudnn import executor
 
 
 @pytest.fixture(params=[92100, 91900], ids=["memset", "kernel_zeros"])

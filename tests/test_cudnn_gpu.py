@@ -412,8 +412,7 @@ def test_inference_forward_without_stats_matches_reference(case, dtype):
 
 
 def test_plan_autotuning_times_candidates_and_records_the_choice(monkeypatch):
-    from attnlib._src.backends.cudnn import ffi
-    from attnlib._src.backends.cudnn import autotune, graphs
+    from attnlib._src.backends.cudnn import autotune, ffi, graphs
 
     spec = graphs.GraphSpec(direction="bwd", dtype="bfloat16", b=2, t=520, s=392, n=6, k=2, h=128, hv=64,
                             scale=0.09, right_bound=0)  # fmt: skip

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
 from helpers import fake_cudnn
 
 import attnlib

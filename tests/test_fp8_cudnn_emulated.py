@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import fake_cudnn, assert_close, normal, rng, Tol
+from helpers import assert_close, fake_cudnn, normal, rng, Tol
 from reference import reference_attention_vjp, reference_fp8_attention
 from test_cudnn_dense_emulated import _unwritten, emulate, entry_for
 from test_cudnn_ragged import _mask

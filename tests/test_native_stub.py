@@ -11,4 +11,5 @@ def test_stub_lists_every_function_of_the_extension():
     stub = pathlib.Path(__file__).parent.parent / "attnlib" / "_attnlib_ffi.pyi"
     declared = {node.name for node in ast.parse(stub.read_text()).body if isinstance(node, ast.FunctionDef)}
     exported = {name for name in dir(module) if not name.startswith("_") and callable(getattr(module, name))}
-    assert declared == exported, {"missing from the stub": exported - declared, "not in the module": declared - exported}
+    differences = {"missing from the stub": exported - declared, "not in the module": declared - exported}
+    assert declared == exported, differences

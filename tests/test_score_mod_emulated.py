@@ -18,7 +18,7 @@ from test_cudnn_dense_emulated import entry_for
 from test_cudnn_gpu import _compare, _qkv
 from test_score_mod_gpu import _materialize, CASES, MASK_CASES, N
 
-from attnlib._src.backends.cudnn import executor, graphs, support
+from attnlib._src.backends.cudnn import executor, graphs
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
 
