@@ -5,7 +5,8 @@ Usage: python benchmarks/probe_row_fill.py              H200: check every candid
                                                         interpreter on small shapes (no timing)
        python benchmarks/probe_row_fill.py --lower      any machine: lower the Mosaic GPU candidates for CUDA on the
                                                         benchmark's shapes (Pallas -> Mosaic GPU MLIR, no PTX)
-       --fori: time with a `lax.fori_loop` instead of an unrolled chain; --calls N: fills per timed chain (20)
+       --fori: time with a `lax.fori_loop` instead of an unrolled chain; --calls N: fills per timed chain (20);
+       --only TEXT ...: the cases whose label (spaces as _) contains one; --candidates NAME ...: those candidates only
 
 `row_fill.py` ran a kernel on Pallas' Triton backend (here `set_rows_triton`, the "before"), which jax 0.11.2
 deprecates. `set_rows(x, zero, nan)` must keep costing what the rows set cost, not a pass over `x`. Both candidates
@@ -395,6 +396,8 @@ def main() -> None:
     parser.add_argument("--lower", action="store_true", help="only lower the Mosaic GPU candidates for CUDA")
     parser.add_argument("--fori", action="store_true", help="time with lax.fori_loop instead of an unrolled chain")
     parser.add_argument("--calls", type=int, default=20, help="fills per timed chain")
+    parser.add_argument("--only", nargs="*", help="the cases whose label, spaces as _, contains one of these")
+    parser.add_argument("--candidates", nargs="*", help="these candidates only")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}", flush=True)
     if args.lower:
@@ -406,6 +409,10 @@ def main() -> None:
     interpret = None if timing else interpret_params()
     fills = candidates() if timing else mosaic_candidates(interpret)
     cases = CASES if timing else INTERPRET_CASES
+    if args.only:
+        cases = [case for case in cases if any(part in case[0].replace(" ", "_") for part in args.only)]
+    if args.candidates:
+        fills = {name: fill for name, fill in fills.items() if name in args.candidates}
     mode = f"us per fill, {'fori_loop' if args.fori else 'chain'} of {args.calls}" if timing else "interpreter"
     print(row("case", [*fills, *(["loop"] if timing else [])]) + f"   [{mode}]", flush=True)
     fastest, problems, wrong = [], [], []

@@ -7,7 +7,8 @@
 #   selfcheck                   python -m attnlib
 #   tests[:SECONDS]             pytest -m gpu over tests/ (or the node ids / files in $ATTNLIB_TESTS, or listed one
 #                               per line in the file $ATTNLIB_TESTS_FILE), in parallel (ATTNLIB_WORKERS, default 12)
-#   bench:SCRIPT[:SECONDS]      benchmarks/SCRIPT.py --json OUT_DIR/SCRIPT.json (extra args in $ATTNLIB_BENCH_ARGS)
+#   bench:SCRIPT[:SECONDS]      benchmarks/SCRIPT.py --json OUT_DIR/SCRIPT.json (extra args in $ATTNLIB_ARGS_SCRIPT,
+#                               else $ATTNLIB_BENCH_ARGS)
 #   probe:SCRIPT[:SECONDS]      benchmarks/SCRIPT.py (a probe: console output only)
 # Example: bash benchmarks/run_h200.sh $OUT tests:300 bench:bench_peers:240 bench:bench_decode:120
 #
@@ -78,7 +79,10 @@ for step in "$@"; do
       args=()
       [ "$kind" = bench ] && args=(--json "$out/$name.json")
       # shellcheck disable=SC2086
-      (cd benchmarks && timeout "$seconds" python3 "$name.py" "${args[@]}" ${ATTNLIB_BENCH_ARGS:-}) \
+      extra_args="ATTNLIB_ARGS_$name"
+      extra_args=${!extra_args:-${ATTNLIB_BENCH_ARGS:-}}
+      # shellcheck disable=SC2086
+      (cd benchmarks && timeout "$seconds" python3 "$name.py" "${args[@]}" $extra_args) \
         > "$out/$name.log" 2>&1
       grep -v "^WARNING:absl\|^ *%\|^$" "$out/$name.log" | tail -40 ;;
     *) echo "unknown step: $step"; exit 2 ;;

@@ -15,12 +15,12 @@ from attnlib._src.backends.cudnn import ffi
 pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None, reason=f"{ffi.unavailable_reason()}")
 
 
-def _fake_entries(monkeypatch):
+def _fake_entries(monkeypatch, workspace_bytes=4 << 20):
     from attnlib._src.backends.cudnn import cache, executor as attention
 
     def get_entry(spec):
         return cache.GraphEntry(
-            blob=b"\x7bblob-" + spec.label.encode(), workspace_bytes=1 << 20,
+            blob=b"\x7bblob-" + spec.label.encode(), workspace_bytes=workspace_bytes,
             in_uids=tuple(int(u) for u in spec.in_uids()), out_uids=tuple(int(u) for u in spec.out_uids()),
             zero_fill=spec.zero_fill(), label=spec.label,
         )
@@ -50,9 +50,36 @@ def test_forward_lowers_to_one_custom_call_with_attributes(monkeypatch):
     assert f"graph = dense<{blob}> : tensor<{len(blob)}xui8>".replace(" ", "") in call.replace(" ", "")
     assert "in_uids = dense<[1, 2, 3, 12, 13]> : tensor<5xi64>" in call
     assert "out_uids = dense<[4, 5]> : tensor<2xi64>" in call
-    assert "ws_bytes = 1048576 : i64" in call
+    assert "ws_bytes = 4194304 : i64" in call
     assert f'label = "{spec.label}"' in call
-    assert "-> (tensor<2x16x4x32xbf16>, tensor<2x4x16xf32>, tensor<1048576xui8>)" in call
+    assert "own_workspace = false" in call and "replay = true" in call
+    assert "-> (tensor<2x16x4x32xbf16>, tensor<2x4x16xf32>, tensor<4194304xui8>)" in call
+
+
+@pytest.mark.parametrize(
+    "workspace_bytes, direction, owned",
+    [(0, "bwd", True), (1 << 20, "fwd", True), ((1 << 20) + 1, "fwd", False), (1 << 20, "bwd", False)],
+    ids=["none_needed", "short_call_small_workspace", "workspace_too_large", "long_call"],
+)
+def test_workspace_result_only_where_xla_provides_it(monkeypatch, workspace_bytes, direction, owned):
+    """A call without a workspace result says `own_workspace = true` (the executor allocates it once per device): a
+    plan that needs none, or a replayed call whose plan needs at most `OWN_WORKSPACE_BYTES`."""
+    attention = _fake_entries(monkeypatch, workspace_bytes)
+    from attnlib._src.backends.cudnn.graphs import GraphSpec
+
+    spec = GraphSpec(direction, "bfloat16", 2, 16, 24, 4, 2, 64, 64, 0.125)
+    if direction == "bwd":  # long enough not to be replayed
+        spec = GraphSpec(direction, "bfloat16", 4, 4096, 4096, 32, 32, 128, 128, 0.125)
+    assert attention.replays(spec) is (direction == "fwd")
+    q = jax.ShapeDtypeStruct((spec.b, spec.t, spec.n, spec.h), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((spec.b, spec.s, spec.k, spec.h), jnp.bfloat16)
+    stats = jax.ShapeDtypeStruct((spec.b, spec.n, spec.t), jnp.float32)
+    operands = (q, kv, kv) if direction == "fwd" else (q, kv, kv, q, q, stats)
+    text = _lower(lambda *a: attention.graph_call(spec)(*a), *operands)
+    call = next(line for line in text.splitlines() if "custom_call @attnlib_cudnn_graph" in line)
+    assert f"own_workspace = {str(owned).lower()}" in call, call
+    workspace_result = f"tensor<{max(workspace_bytes, 1)}xui8>"
+    assert (workspace_result in call) is not owned, call
 
 
 def test_vmap_folds_into_one_bigger_call(monkeypatch):
