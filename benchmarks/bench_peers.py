@@ -11,8 +11,7 @@ forward + backward (gradient of `sum(out * dout)` with respect to q, k, v). A va
 (unsupported feature, import error) is reported with its error. The summary gives attnlib's speed against the
 best peer per case. `--own` adds attnlib's plain-JAX implementations and `--direct` attnlib's cuDNN call with the
 native executor's CUDA-graph replay off (`attnlib_cudnn_direct`, ATTNLIB_CUDNN_GRAPH_REPLAY=0 while it compiles) and
-on for every call (`attnlib_cudnn_always`, "always"), and with the workspace XLA allocates per execution
-(`attnlib_cudnn_xla_workspace`, `executor.owns_workspace` off); none is a peer. tokamax is a benchmark-only
+on for every call (`attnlib_cudnn_always`, "always"); neither is a peer. tokamax is a benchmark-only
 dependency (`../shared/tools/device-wheels.sh --peers`; it needs the xprof stand-in on `PYTHONPATH`).
 """
 
@@ -103,33 +102,10 @@ def graph_replay(mode: str):
             os.environ["ATTNLIB_CUDNN_GRAPH_REPLAY"] = before
 
 
-@contextlib.contextmanager
-def xla_workspace(on: bool):
-    """Trace attnlib's cuDNN calls with (`on`) a workspace result XLA allocates on every execution, as before the
-    executor owned short calls' workspaces (`executor.owns_workspace`)."""
-    from attnlib._src.backends.cudnn import executor
-
-    if not on:
-        yield
-        return
-    before = executor.owns_workspace
-    executor.owns_workspace = lambda spec, entry: False
-    jax.clear_caches()  # no traced call may come back from a cache with the other choice
-    try:
-        yield
-    finally:
-        executor.owns_workspace = before
-        jax.clear_caches()
-
-
 def compile_variant(label: str, fn, args):
-    """`jax.jit(fn)` compiled for `args`, with the variant's graph replay mode and workspace (`*_xla_workspace`)."""
-    on_xla = label.endswith("_xla_workspace")
-    with graph_replay(replay_mode(label)), xla_workspace(on_xla):
-        lowered = jax.jit(fn).lower(*args)
-        if on_xla and "own_workspace = true" in lowered.as_text():
-            raise RuntimeError(f"{label}: a cuDNN call still owns its workspace")
-        return lowered.compile()
+    """`jax.jit(fn)` compiled for `args`, with the variant's graph replay mode."""
+    with graph_replay(replay_mode(label)):
+        return jax.jit(fn).lower(*args).compile()
 
 
 def variants(case: Case, own: bool = False, direct: bool = False) -> dict:
@@ -142,8 +118,6 @@ def variants(case: Case, own: bool = False, direct: bool = False) -> dict:
     }
     if direct:
         table["attnlib_cudnn_direct"] = table["attnlib_cudnn_always"] = cudnn
-        # A function of its own: jit must trace it again (the workspace is chosen at trace time).
-        table["attnlib_cudnn_xla_workspace"] = lambda q, k, v, **kw: cudnn(q, k, v, **kw)
     if own:
         table.update(_own(case))
     try:

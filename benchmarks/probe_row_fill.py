@@ -21,8 +21,9 @@ Mosaic GPU custom call (jax 0.11.2 lowers Mosaic GPU kernels only through `pl.ke
 - `mosaic_b` (B, store-only): the library's kernel, `row_fill.set_rows_kernel` (its docstring says how it works):
   the flags packed into two 32-bit masks per 32 rows, bulk copies of 0 / NaN from SMEM into the flagged rows only,
   `x` never read.
-- `mosaic_b2`, `mosaic_b4`, `mosaic_b8`: B with 2, 4 or 8 programs per 32-row word, which split a wholly flagged
-  word's copies and a partly flagged word's rows between them (`row_fill._run_kernel(parts=...)`; B is `parts=1`).
+- `mosaic_b1`, `mosaic_b2`, `mosaic_b4`, `mosaic_b8`: B with 1, 2, 4 or 8 programs per 32-row word, which split a
+  wholly flagged word's copies and a partly flagged word's rows between them (`row_fill._run_kernel(parts=...)`; B
+  runs `row_fill.PROGRAMS_PER_WORD`, 4 since 2026-12-03; it ran 1 before).
 
 Both need rows of `C * itemsize` bytes, a multiple of 16 (TMA strides, bulk copy sizes and addresses), and
 `T * C < 2**31` (int32 offsets); other shapes (e.g. `[1000, 7, 5]` f16: 70-byte rows) go to `set_rows_scatter`, marked
@@ -266,7 +267,7 @@ def mosaic_candidates(interpret=None) -> dict:
         "mosaic_a": (functools.partial(set_rows_mosaic, interpret=interpret), _takes_a),
         "mosaic_b": (functools.partial(_library_kernel, interpret=interpret is not None), row_fill.kernel_takes),
         **{f"mosaic_b{parts}": (functools.partial(_library_kernel_parts, parts=parts, interpret=interpret is not None),
-                                row_fill.kernel_takes) for parts in (2, 4, 8)},
+                                row_fill.kernel_takes) for parts in (1, 2, 4, 8)},
     }  # fmt: skip
 
 

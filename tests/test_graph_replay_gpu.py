@@ -182,14 +182,19 @@ def test_replay_modes_give_the_same_results(tmp_path):
     np.testing.assert_array_equal(results[0], results[2])
 
 
-def test_owned_workspace_gives_the_same_results_as_xla_workspace(monkeypatch):
-    """A short call runs on a workspace the executor allocated for it (no workspace result, `own_workspace = true`);
-    the forward and backward results are bit for bit those of the same calls on XLA's per-execution workspace, and
-    match the float64 reference. At least one of the two graphs needs a workspace (else this shows nothing)."""
+def test_graphs_with_and_without_a_workspace_run_replayed_and_directly():
+    """Plans that need no workspace run without a workspace result, the others on XLA's temporary buffer, replayed
+    or not: the forward (with and without statistics) and backward of a short call match the float64 reference, and
+    each lowered call has its workspace result exactly when its plan needs one."""
     import attnlib
     from attnlib._src.backends.cudnn import executor
 
     q, k, v, d_out = _inputs(3)
+    entries = []
+
+    def recorded_entry(spec, get=executor.get_entry):
+        entries.append(get(spec))
+        return entries[-1]
 
     def step(q, k, v):
         def loss(q, k, v):
@@ -197,35 +202,27 @@ def test_owned_workspace_gives_the_same_results_as_xla_workspace(monkeypatch):
             return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
 
         grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-        return out, grads
+        inference = attnlib.attention(q, k, v, implementation="cudnn", **KW)
+        return out, inference, grads
 
-    entries = []
-
-    def recorded_entry(spec, get=executor.get_entry):
-        entries.append(get(spec))
-        return entries[-1]
-
-    def run(owned: bool):
-        jax.clear_caches()  # traced again, with this choice
-        with monkeypatch.context() as patched:
-            patched.setattr(executor, "get_entry", recorded_entry)
-            if not owned:
-                patched.setattr(executor, "owns_workspace", lambda spec, entry: False)
-            lowered = jax.jit(step).lower(q, k, v)
-        text = lowered.as_text()
-        assert ("own_workspace = true" in text) is owned and ("own_workspace = false" in text) is not owned
-        compiled = lowered.compile()
-        return [jax.device_get(compiled(q, k, v)) for _ in range(4)]  # direct, captured, replayed
-
-    owned, xla = run(True), run(False)
-    assert any(entry.workspace_bytes > 0 for entry in entries), [entry.workspace_bytes for entry in entries]
-    for a, b in zip(owned, xla):
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    out, (dq, dk, dv) = owned[-1]
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(executor, "get_entry", recorded_entry)
+        lowered = jax.jit(step).lower(q, k, v)
+    calls = [line for line in lowered.as_text().splitlines() if "custom_call @attnlib_cudnn_graph" in line]
+    assert len(calls) == len(entries) == 3, (len(calls), len(entries))
+    for line in calls:
+        ws = int(line.split("ws_bytes = ")[1].split(" ")[0])
+        assert (f"tensor<{ws}xui8>" in line) is (ws > 0), line
+    compiled = lowered.compile()
     ref_out, _ = reference_attention(_as64(q), _as64(k), _as64(v), **KW)
     ref = reference_attention_vjp(_as64(q), _as64(k), _as64(v), d_out=_as64(d_out), **KW)
-    _assert_close(out, ref_out, "out")
-    _assert_close(dq, ref["query"], "dq", scale_by_max=True)
-    _assert_close(dk, ref["key"], "dk", scale_by_max=True)
-    _assert_close(dv, ref["value"], "dv", scale_by_max=True)
+    before = _counts()
+    for _ in range(4):  # direct, captured, replayed
+        out, inference, (dq, dk, dv) = jax.device_get(compiled(q, k, v))
+        _assert_close(out, ref_out, "out")
+        _assert_close(inference, ref_out, "inference out")
+        _assert_close(dq, ref["query"], "dq", scale_by_max=True)
+        _assert_close(dk, ref["key"], "dk", scale_by_max=True)
+        _assert_close(dv, ref["value"], "dv", scale_by_max=True)
+    assert _delta(before)["failures"] == 0
+    print("workspace bytes:", {entry.label: entry.workspace_bytes for entry in entries})

@@ -52,34 +52,27 @@ def test_forward_lowers_to_one_custom_call_with_attributes(monkeypatch):
     assert "out_uids = dense<[4, 5]> : tensor<2xi64>" in call
     assert "ws_bytes = 4194304 : i64" in call
     assert f'label = "{spec.label}"' in call
-    assert "own_workspace = false" in call and "replay = true" in call
+    assert "replay = true" in call
     assert "-> (tensor<2x16x4x32xbf16>, tensor<2x4x16xf32>, tensor<4194304xui8>)" in call
 
 
-@pytest.mark.parametrize(
-    "workspace_bytes, direction, owned",
-    [(0, "bwd", True), (1 << 20, "fwd", True), ((1 << 20) + 1, "fwd", False), (1 << 20, "bwd", False)],
-    ids=["none_needed", "short_call_small_workspace", "workspace_too_large", "long_call"],
-)
-def test_workspace_result_only_where_xla_provides_it(monkeypatch, workspace_bytes, direction, owned):
-    """A call without a workspace result says `own_workspace = true` (the executor allocates it once per device): a
-    plan that needs none, or a replayed call whose plan needs at most `OWN_WORKSPACE_BYTES`."""
+@pytest.mark.parametrize("workspace_bytes", [0, 1, 4 << 20])
+def test_workspace_result_only_when_the_plan_needs_one(monkeypatch, workspace_bytes):
+    """A plan that needs no workspace gets no workspace result (XLA allocates no temporary buffer for it)."""
     attention = _fake_entries(monkeypatch, workspace_bytes)
     from attnlib._src.backends.cudnn.graphs import GraphSpec
 
-    spec = GraphSpec(direction, "bfloat16", 2, 16, 24, 4, 2, 64, 64, 0.125)
-    if direction == "bwd":  # long enough not to be replayed
-        spec = GraphSpec(direction, "bfloat16", 4, 4096, 4096, 32, 32, 128, 128, 0.125)
-    assert attention.replays(spec) is (direction == "fwd")
-    q = jax.ShapeDtypeStruct((spec.b, spec.t, spec.n, spec.h), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((spec.b, spec.s, spec.k, spec.h), jnp.bfloat16)
-    stats = jax.ShapeDtypeStruct((spec.b, spec.n, spec.t), jnp.float32)
-    operands = (q, kv, kv) if direction == "fwd" else (q, kv, kv, q, q, stats)
-    text = _lower(lambda *a: attention.graph_call(spec)(*a), *operands)
+    spec = GraphSpec("fwd", "bfloat16", 2, 16, 24, 4, 2, 64, 64, 0.125)
+    q = jax.ShapeDtypeStruct((2, 16, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 24, 2, 64), jnp.bfloat16)
+    text = _lower(lambda *a: attention.graph_call(spec)(*a), q, kv, kv)
     call = next(line for line in text.splitlines() if "custom_call @attnlib_cudnn_graph" in line)
-    assert f"own_workspace = {str(owned).lower()}" in call, call
-    workspace_result = f"tensor<{max(workspace_bytes, 1)}xui8>"
-    assert (workspace_result in call) is not owned, call
+    assert f"ws_bytes = {workspace_bytes} : i64" in call, call
+    results = "(tensor<2x16x4x64xbf16>, tensor<2x4x16xf32>"
+    if workspace_bytes:
+        assert f"-> {results}, tensor<{workspace_bytes}xui8>)" in call, call
+    else:
+        assert f"-> {results})" in call and "xui8>)" not in call, call
 
 
 def test_vmap_folds_into_one_bigger_call(monkeypatch):

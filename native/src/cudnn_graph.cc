@@ -11,10 +11,8 @@
 //     (graph_replay.h; ATTNLIB_CUDNN_GRAPH_REPLAY overrides the attribute). No device allocation, no
 //     deserialization, no blocking lock: safe to capture into a command buffer (CUDA graph), where the plan always
 //     runs directly.
-// Operands are the graph's inputs in `in_uids` order; results are its outputs in `out_uids` order plus, unless the
-// call sets `own_workspace`, a trailing uint8 workspace of at least `ws_bytes` bytes. With `own_workspace` the
-// executor allocates the plan's workspace itself, once per device at initialization, and keeps it as long as the
-// executable: XLA then allocates no temporary buffer for the call on every execution.
+// Operands are the graph's inputs in `in_uids` order; results are its outputs in `out_uids` order plus, when the plan
+// needs one (`ws_bytes` > 0), a trailing uint8 workspace of at least `ws_bytes` bytes.
 
 #include "cudnn_graph.h"
 #include "graph_replay.h"
@@ -112,20 +110,11 @@ struct GraphState {
   std::vector<int64_t> zero_fill;
   int64_t ws_bytes = 0;
   bool replay = false;  // GraphReplayAllowed(the call's attribute) when it was instantiated
-  bool own_workspace = false;  // no workspace result: the plan runs on `workspaces[device]`
 
   std::mutex mu;
   std::array<std::atomic<DeviceGraph*>, kMaxDevices> devices{};
   std::array<std::shared_ptr<DeviceGraph>, kMaxDevices> owned;
   std::array<std::unique_ptr<GraphReplay>, kMaxDevices> replays;  // null: run the plan directly
-  std::array<void*, kMaxDevices> workspaces{};  // own_workspace: cudaMalloc'ed at initialization, null if none needed
-
-  ~GraphState() {
-    // cudaFree waits for the device's work in flight; errors (a runtime already unloading at exit) are ignored.
-    for (void* p : workspaces) {
-      if (p != nullptr) fe::detail::cuda_free(p);
-    }
-  }
 };
 
 ffi::TypeId GraphState::id = {};
@@ -299,8 +288,7 @@ ffi::Error BuildDeviceGraph(GraphState& st, int device, cudnnHandle_t handle, cu
 ffi::ErrorOr<std::unique_ptr<GraphState>> Instantiate(ffi::Span<const uint8_t> graph, std::string_view label,
                                                       ffi::Span<const int64_t> in_uids,
                                                       ffi::Span<const int64_t> out_uids, int64_t ws_bytes,
-                                                      ffi::Span<const int64_t> zero_fill, bool replay,
-                                                      bool own_workspace) {
+                                                      ffi::Span<const int64_t> zero_fill, bool replay) {
   auto st = std::make_unique<GraphState>();
   st->label = std::string(label);
   st->blob.assign(reinterpret_cast<const char*>(graph.begin()), graph.size());
@@ -310,7 +298,6 @@ ffi::ErrorOr<std::unique_ptr<GraphState>> Instantiate(ffi::Span<const uint8_t> g
   st->zero_fill.assign(zero_fill.begin(), zero_fill.end());
   st->ws_bytes = ws_bytes;
   st->replay = GraphReplayAllowed(replay);
-  st->own_workspace = own_workspace;
   for (int64_t r : st->zero_fill) {
     if (r < 0 || r >= static_cast<int64_t>(st->out_uids.size())) {
       return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(
@@ -364,16 +351,6 @@ ffi::Error Initialize(cudaStream_t stream, int32_t device, GraphState* st) {
     if (st->devices[device].load(std::memory_order_acquire) != nullptr) return ffi::Error::Success();
     std::shared_ptr<DeviceGraph> dg;
     if (ffi::Error err = BuildDeviceGraph(*st, device, handle, stream, &dg); err.failure()) return err;
-    if (st->own_workspace && dg->workspace_bytes > 0 && st->workspaces[device] == nullptr) {
-      void* p = nullptr;
-      if (cudaError_t err = fe::detail::cuda_malloc(&p, static_cast<size_t>(dg->workspace_bytes));
-          err != cudaSuccess) {
-        fe::detail::cuda_get_last_error();
-        return ffi::Error::Internal(Where(*st, "cudaMalloc") + "CUDA error " + std::to_string(err) + " allocating " +
-                                    std::to_string(dg->workspace_bytes) + " workspace bytes.");
-      }
-      st->workspaces[device] = p;
-    }
     st->owned[device] = dg;
     if (st->replay && GraphApi() != nullptr) {
       st->replays[device] = std::make_unique<GraphReplay>(*GraphApi());
@@ -396,20 +373,19 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, GraphState* st, ffi::Rem
       return ffi::Error::Internal(Where(*st, "execute") + "the graph was not initialized on device " +
                                   std::to_string(device) + ".");
     }
-    const size_t n_rets = st->out_uids.size() + (st->own_workspace ? 0 : 1);
+    const bool has_workspace = st->ws_bytes > 0;
+    const size_t n_rets = st->out_uids.size() + (has_workspace ? 1 : 0);
     if (args.size() != st->in_uids.size() || rets.size() != n_rets) {
       return ffi::Error::InvalidArgument(Where(*st, "execute") + "expected " + std::to_string(st->in_uids.size()) +
                                          " operands and " + std::to_string(n_rets) + " results" +
-                                         (st->own_workspace ? "" : " (the last one the workspace)") + "; got " +
+                                         (has_workspace ? " (the last one the workspace)" : "") + "; got " +
                                          std::to_string(args.size()) + " and " + std::to_string(rets.size()) + ".");
     }
     cudnnHandle_t handle = nullptr;
     if (ffi::Error err = GetHandle(*st, device, &handle); err.failure()) return err;
 
-    void* workspace = nullptr;
-    if (st->own_workspace) {
-      workspace = st->workspaces[device];
-    } else {
+    void* workspace = nullptr;  // Initialize checked that the plan needs no more than ws_bytes
+    if (has_workspace) {
       auto ws = rets.get<ffi::AnyBuffer>(st->out_uids.size());
       if (!ws.has_value()) return ffi::Error::Internal(Where(*st, "execute") + "cannot read the workspace result.");
       if (static_cast<int64_t>((*ws)->size_bytes()) < dg->workspace_bytes) {
@@ -716,7 +692,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnlibCudnnGraphInstantiate, attnlib::Instantiate
                                   .Attr<int64_t>("ws_bytes")                    // workspace size at build time
                                   .Attr<ffi::Span<const int64_t>>("zero_fill")  // results to zero before running
                                   .Attr<bool>("replay")  // the call may be replayed from a captured CUDA graph
-                                  .Attr<bool>("own_workspace")  // no workspace result: the executor allocates it
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnlibCudnnGraphInitialize, attnlib::Initialize,
@@ -731,8 +706,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnlibCudnnGraphExecute, attnlib::Execute,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::State<attnlib::GraphState>>()
                                   .RemainingArgs()   // graph inputs, in in_uids order
-                                  .RemainingRets(),  // graph outputs in out_uids order, then the workspace
-                                                     // unless own_workspace
+                                  .RemainingRets(),  // graph outputs in out_uids order, then any workspace
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnlibCudnnGraphExecuteNoCmdBuffer, attnlib::Execute,
@@ -741,7 +715,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnlibCudnnGraphExecuteNoCmdBuffer, attnlib::Exec
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::State<attnlib::GraphState>>()
                                   .RemainingArgs()    // graph inputs, in in_uids order
-                                  .RemainingRets());  // graph outputs in out_uids order, then the workspace
+                                  .RemainingRets());  // graph outputs in out_uids order, then any workspace
 
 extern "C" XLA_FFI_TypeId* AttnlibGraphStateTypeId() { return &attnlib::GraphState::id; }
 

@@ -3,8 +3,7 @@
 - `get_entry(spec)`: the built graph of a `GraphSpec` (memory / disk cache, else built and autotuned now).
 - `run(spec, values)`: fetch (or build) and run a graph on tensors by UID.
 - `ffi_graph_call`: one `jax.ffi.ffi_call` of the target `attnlib_cudnn_graph` for a built graph, marked for the
-  native executor's CUDA-graph replay when its work is short (`replays`), and run on a workspace the executor owns
-  rather than one XLA allocates per execution when that is small (`owns_workspace`).
+  native executor's CUDA-graph replay when its work is short (`replays`).
 - `graph_call(spec)`: the same under `jax.custom_batching.custom_vmap`, whose rule folds a vmapped axis into the
   graph's batch dim and runs one bigger graph (a fused call, not a loop).
 """
@@ -30,9 +29,6 @@ REPLAY_BELOW_US = 30.0
 """Calls whose work `expected_device_us` puts below this many microseconds are marked for replay (docs/performance.md,
 "Replaying short graph calls")."""
 
-OWN_WORKSPACE_BYTES = 1 << 20
-"""The largest workspace a short call's executor allocates for itself (`owns_workspace`)."""
-
 _FLOPS_PER_US = 500e6  # bf16 attention on an H200, large shapes (benchmarks/results)
 _BYTES_PER_US = 4e6  # H200 HBM3e
 
@@ -55,14 +51,6 @@ def replays(spec: GraphSpec) -> bool:
     one graph launch instead of cuDNN's 15-30 us of host work, and the device about 2 us more, so it pays only for
     short graphs, where the host rather than the device sets the pace."""
     return expected_device_us(spec) < REPLAY_BELOW_US
-
-
-def owns_workspace(spec: GraphSpec, entry: GraphEntry) -> bool:
-    """Whether the native executor provides the call's workspace (allocated once per device when the executable first
-    runs, kept as long as it lives) instead of XLA (a temporary buffer allocated on every execution): for plans that
-    need none, and for the short calls of `replays` whose plan needs at most `OWN_WORKSPACE_BYTES`, where the host
-    sets the pace and an allocation per execution is a cost worth saving."""
-    return entry.workspace_bytes == 0 or (replays(spec) and entry.workspace_bytes <= OWN_WORKSPACE_BYTES)
 
 
 def get_entry(spec: GraphSpec) -> GraphEntry:
@@ -90,9 +78,8 @@ def ffi_graph_call(
     `tokens` is the packed `(Tq, Tkv)` of a ragged graph's call (its results' leading dims).
     """
     results = [jax.ShapeDtypeStruct(*spec.shape(uid, tokens)) for uid in spec.out_uids()]
-    own_workspace = owns_workspace(spec, entry)
-    if not own_workspace:
-        results.append(jax.ShapeDtypeStruct((max(entry.workspace_bytes, 1),), jnp.uint8))
+    if entry.workspace_bytes > 0:  # a temporary buffer XLA allocates for each execution
+        results.append(jax.ShapeDtypeStruct((entry.workspace_bytes,), jnp.uint8))
     call = jax.ffi.ffi_call(ffi.TARGET, results, vmap_method="sequential")
     # Inside shard_map the results vary like the operands (ffi_call types them from `results`, which says nothing).
     axes = varying.union_axes(operands)
@@ -105,7 +92,6 @@ def ffi_graph_call(
         ws_bytes=np.int64(entry.workspace_bytes),
         zero_fill=np.asarray(entry.zero_fill, np.int64),
         replay=replays(spec),
-        own_workspace=own_workspace,
     )
     return tuple(varying.vary_over(x, axes) for x in outs[: len(spec.out_uids())])
 

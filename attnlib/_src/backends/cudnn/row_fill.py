@@ -3,10 +3,11 @@
 cuDNN's ragged graphs leave the rows outside every sequence unwritten (`varlen.py`). XLA's scatter, given one index
 per row, runs a thread per element of the whole array whether or not the row is set: 160 us on a `[32768, 32, 128]`
 bf16 output on the H200, as much as rewriting it (`docs/performance.md`). On a GPU this is a Pallas Mosaic GPU kernel
-instead: the flags are packed into two 32-bit masks per 32 rows (rows to zero, rows to NaN); a program per mask word
-returns at once when both are 0, else fills a shared-memory buffer with 0 or NaN and bulk-copies it into the flagged
-rows only (one run of copies when all 32 rows are flagged alike, else one per row). `x` is handed to the kernel as a
-reference, so its buffer is aliased to the result and unflagged rows are never read or written.
+instead: the flags are packed into two 32-bit masks per 32 rows (rows to zero, rows to NaN); `PROGRAMS_PER_WORD`
+programs per mask word return at once when both are 0, else fill a shared-memory buffer with 0 or NaN and bulk-copy it
+into their share of the flagged rows only (a run of copies when all 32 rows are flagged alike, else one per row). `x`
+is handed to the kernel as a reference, so its buffer is aliased to the result and unflagged rows are never read or
+written.
 
 The copies need rows of a multiple of 16 bytes; other rows (and every platform but a GPU, where the tests emulate
 cuDNN) take `set_rows_scatter`, the XLA scatter the kernel replaced (same values; the NaN payload may differ), which is
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 from ... import logs
 
 
-ROWS_PER_WORD = 32  # rows per mask word: one program each
+ROWS_PER_WORD = 32  # rows per mask word
+PROGRAMS_PER_WORD = 4  # programs sharing a word's copies (docs/performance.md: 4 measured fastest on the H200)
 FILL_BYTES = 16 * 1024  # shared memory of each of the two fill buffers (0 and NaN)
 
 
@@ -139,8 +141,10 @@ def _fill_kernel(masks_ref, x_ref, zeros, nans, *, columns: int, row_copy: int, 
         mosaic_gpu.wait_smem_to_gmem(0)  # the buffers must outlive the copies that read them
 
 
-def _run_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, interpret: bool, parts: int = 1) -> jax.Array:
-    """The kernel with `parts` programs per mask word (reduced to a divisor of 32; 1 in the library, other counts
+def _run_kernel(
+    x: jax.Array, zero: jax.Array, nan: jax.Array, interpret: bool, parts: int = PROGRAMS_PER_WORD
+) -> jax.Array:
+    """The kernel with `parts` programs per mask word (reduced to a divisor of 32; other counts than the library's
     for `benchmarks/probe_row_fill.py`)."""
     from jax.experimental import pallas as pl
 
