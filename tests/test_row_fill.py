@@ -115,16 +115,31 @@ def test_row_masks_bits():
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES + UNALIGNED + [(4099, 32, 128), (4099, 8)], ids=str)
 def test_kernel_on_the_gpu(shape, dtype):
-    """Compiled on the GPU (`set_rows` runs the Mosaic GPU kernel there, the scatter for rows it cannot copy),
-    bit-identical to the scatter."""
+    """Compiled on the GPU: `set_rows` runs the Mosaic GPU kernel on results over `SCATTER_MAX_BYTES` whose rows it can
+    copy, the scatter elsewhere; the kernel itself runs on every shape it takes. Both bit-identical to the scatter."""
     x, zero, nan = _case(shape, dtype, seed=2)
     lowered = jax.jit(row_fill.set_rows).lower(x, zero, nan).as_text()
     kernel = "custom_call @mosaic_gpu" in lowered
-    assert kernel == row_fill.kernel_takes(x), "the kernel runs exactly where it can"
+    assert kernel == row_fill.runs_kernel(x), "the kernel runs exactly where it is chosen"
     assert kernel != ("stablehlo.scatter" in lowered)
+    expected = _bits(jax.jit(row_fill.set_rows_scatter)(x, zero, nan))
     actual = jax.jit(row_fill.set_rows)(x, zero, nan)
     _check(actual, x, zero, nan)
-    np.testing.assert_array_equal(_bits(actual), _bits(jax.jit(row_fill.set_rows_scatter)(x, zero, nan)))
+    np.testing.assert_array_equal(_bits(actual), expected)
+    if row_fill.kernel_takes(x):
+        forced = jax.jit(row_fill.set_rows_kernel)(x, zero, nan)
+        np.testing.assert_array_equal(_bits(forced), expected)
+
+
+def test_small_results_take_the_scatter():
+    """The kernel runs only on results larger than `SCATTER_MAX_BYTES` whose rows it can copy."""
+    limit = row_fill.SCATTER_MAX_BYTES
+    at_limit = jax.ShapeDtypeStruct((limit // 256, 64), jnp.float32)  # 256-byte rows
+    above = jax.ShapeDtypeStruct((limit // 256 + 1, 64), jnp.float32)
+    unaligned = jax.ShapeDtypeStruct((limit // 6 + 1, 3), jnp.float16)  # 6-byte rows, over the limit
+    assert row_fill.kernel_takes(at_limit) and not row_fill.runs_kernel(at_limit)
+    assert row_fill.runs_kernel(above)
+    assert not row_fill.kernel_takes(unaligned) and not row_fill.runs_kernel(unaligned)
 
 
 def _vmapped_cases():
@@ -175,7 +190,8 @@ def test_falls_back_to_the_scatter_without_pallas_mosaic_gpu(monkeypatch, caplog
     monkeypatch.delattr(pallas, "mosaic_gpu", raising=False)
     monkeypatch.setattr(logs, "_logged", set())
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    x, zero, nan = _case((37, 3, 8), jnp.bfloat16)
+    x, zero, nan = _case((2053, 64, 32), jnp.float32)  # over SCATTER_MAX_BYTES: the kernel's
+    assert row_fill.runs_kernel(x)
     with caplog.at_level("WARNING", logger="attnlib"):
         actual = row_fill.set_rows(x, zero, nan)
         row_fill.set_rows(x, zero, nan)

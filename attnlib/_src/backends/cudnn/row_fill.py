@@ -9,9 +9,10 @@ into their share of the flagged rows only (a run of copies when all 32 rows are 
 is handed to the kernel as a reference, so its buffer is aliased to the result and unflagged rows are never read or
 written.
 
-The copies need rows of a multiple of 16 bytes; other rows (and every platform but a GPU, where the tests emulate
-cuDNN) take `set_rows_scatter`, the XLA scatter the kernel replaced (same values; the NaN payload may differ), which is
-also the benchmarks' "before". The kernel's own tests run it in Pallas' GPU interpreter on the CPU.
+The copies need rows of a multiple of 16 bytes; other rows, results of at most `SCATTER_MAX_BYTES` (where a pass over
+the result is cheap) and every platform but a GPU (where the tests emulate cuDNN) take `set_rows_scatter`, the XLA
+scatter the kernel replaced (same values; the NaN payload may differ), which is also the benchmarks' "before". The
+kernel's own tests run it in Pallas' GPU interpreter on the CPU.
 """
 
 import functools
@@ -26,6 +27,9 @@ from ... import logs
 
 ROWS_PER_WORD = 32  # rows per mask word
 PROGRAMS_PER_WORD = 4  # programs sharing a word's copies (docs/performance.md: 4 measured fastest on the H200)
+SCATTER_MAX_BYTES = 8 << 20
+"""Results up to this size take XLA's scatter: its pass over them costs less than the kernel's programs
+(docs/performance.md, "Setting the rows outside the sequences")."""
 FILL_BYTES = 16 * 1024  # shared memory of each of the two fill buffers (0 and NaN)
 
 
@@ -43,6 +47,12 @@ def _interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
+
+
+def runs_kernel(x: jax.Array) -> bool:
+    """Whether `set_rows` runs the kernel on `x` on a GPU: rows the kernel can copy, in a result larger than
+    `SCATTER_MAX_BYTES`."""
+    return kernel_takes(x) and x.size * x.dtype.itemsize > SCATTER_MAX_BYTES
 
 
 def kernel_takes(x: jax.Array) -> bool:
@@ -232,6 +242,8 @@ def set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
         return set_rows_scatter(x, zero, nan)
     if x.size == 0:
         return x
+    if kernel_takes(x) and not runs_kernel(x):  # small: the scatter is as fast
+        return set_rows_scatter(x, zero, nan)
     if not kernel_takes(x):
         logs.log_once(("row_fill", "unaligned", x.shape[1:], str(x.dtype)), logging.DEBUG,
                       "attnlib: rows of %s %s are not a multiple of 16 bytes; XLA's scatter sets the rows outside "
