@@ -353,8 +353,10 @@ CASES = [  # label, shape, dtype, fraction of the rows flagged
     ("[32768,32] f32 25%", (32768, 32), jnp.float32, 0.25),
     ("[1000,7,5] f16 25%", (1000, 7, 5), jnp.float16, 0.25),
     ("[4097,16,64] bf16 25%", (4097, 16, 64), jnp.bfloat16, 0.25),
-    ("[8192,32] f32 25%", (8192, 32), jnp.float32, 0.25),  # 1 MB, 4 MB, 8 MB above; 16 MB, 32 MB: where the scatter
-    ("[8192,16,64] bf16 25%", (8192, 16, 64), jnp.bfloat16, 0.25),  # stops being as fast (row_fill.SCATTER_MAX_BYTES)
+    # With the 4 MB and 8 MB cases above: sizes around `row_fill.SCATTER_MAX_BYTES`, where the scatter stops being
+    # as fast as the kernel (1 MB, 16 MB, 32 MB).
+    ("[8192,32] f32 25%", (8192, 32), jnp.float32, 0.25),
+    ("[8192,16,64] bf16 25%", (8192, 16, 64), jnp.bfloat16, 0.25),
     ("[8192,32,64] bf16 25%", (8192, 32, 64), jnp.bfloat16, 0.25),
 ]
 

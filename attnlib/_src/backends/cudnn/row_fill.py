@@ -27,8 +27,8 @@ from ... import logs
 
 ROWS_PER_WORD = 32  # rows per mask word
 PROGRAMS_PER_WORD = 4  # programs sharing a word's copies (docs/performance.md: 4 measured fastest on the H200)
-SCATTER_MAX_BYTES = 8 << 20
-"""Results up to this size take XLA's scatter: its pass over them costs less than the kernel's programs
+SCATTER_MAX_BYTES = 4 << 20
+"""Results up to this size take XLA's scatter: on a 4 MiB result it took 4.0 us, the kernel 6.4-9.4
 (docs/performance.md, "Setting the rows outside the sequences")."""
 FILL_BYTES = 16 * 1024  # shared memory of each of the two fill buffers (0 and NaN)
 
