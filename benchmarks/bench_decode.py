@@ -3,6 +3,7 @@ attention against a KV cache of `context` tokens per sequence — attnlib (paged
 against jax.nn `cudnn` and tokamax (`mosaic`, `triton`), one process.
 
 Usage: python benchmarks/bench_decode.py [--json out.json] [--only NAME ...] [--rounds 3] [--layers 32]
+       [--profile VARIANT ...]
 
 Each layer reads the same cache (one cache per variant: 32 real caches of the larger shapes would not fit; the cache
 is far larger than L2, so every layer still streams it from HBM) and feeds its output to the next layer's query.
@@ -13,7 +14,10 @@ of `--rounds`. Every variant runs twice: jitted with XLA's default flags (`step_
 body (the attention call and the layer's two fusions, fewer commands than XLA's default minimum) into a command
 buffer (CUDA graph); `benchmarks/probe_command_buffers.py` shows what XLA captures. The `_direct` variants are
 attnlib's calls with the native executor's CUDA-graph replay off, the `_always` ones with replay for every call
-whatever its size (not peers).
+whatever its size (not peers). `--profile` then prints, for the named variants in both configurations, where a
+step's time goes when steps run back to back (`kernel_profile.pipelined_profile`: device busy / idle per step, the
+host events that take longest) and the step's kernels (`kernel_profile.kernel_profile`): e.g. how XLA's capture of
+attnlib's call differs from its own cuDNN command (`--profile attnlib_dense jax_nn_cudnn`).
 """
 
 import argparse
@@ -24,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 from bench_peers import graph_replay, replay_mode
+from kernel_profile import kernel_profile, pipelined_profile
 
 import attnlib
 
@@ -93,12 +98,29 @@ def decode_step(attend, layers: int, options: dict | None = None):
     return jax.jit(step, compiler_options=options)
 
 
+def print_profile(title: str, step, call_args) -> None:
+    """Where one step's time goes, steps back to back: device busy / idle, the longest host events, the kernels."""
+    try:
+        p = pipelined_profile(step, call_args, calls=20)
+        kernels = kernel_profile(step, call_args, calls=5)
+    except Exception as e:  # noqa: BLE001  (reported, not fatal)
+        print(f"{title}: profile failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return
+    print(f"{title}: device busy {p['busy_us']:.1f} idle {p['idle_us']:.1f} span {p['span_us']:.1f} us per step; "
+          f"kernels {kernels['kernel_us']:.1f} us in {kernels['launches']:.0f} launches", flush=True)  # fmt: skip
+    for event in p["host"]:
+        print(f"    host   {event['us']:8.1f} us  x{event['count']:<6.3g} {event['name']}", flush=True)
+    for kernel in kernels["kernels"][:8]:
+        print(f"    kernel {kernel['us']:8.1f} us  x{kernel['launches']:<5g} {kernel['name'][:96]}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--profile", nargs="*", default=(), help="variants to profile after timing")
     args = parser.parse_args()
     results = {}
     for name, (b, context) in SHAPES.items():
@@ -139,6 +161,9 @@ def main():
                     row[label][f"speed_vs_best_peer{suffix}"] = min(peers) / row[label][key]
         results[name] = row
         print(name, json.dumps(row), flush=True)
+        for (label, suffix), (step, call_args) in steps.items():
+            if label in args.profile:
+                print_profile(f"{name} {label}{suffix or '_default'}", step, call_args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": args.layers,
