@@ -201,7 +201,8 @@ import jax, jax.numpy as jnp, attnlib
 jax.devices()
 from attnlib._src.backends.cudnn import executor as A
 q = jnp.zeros((2, 1024, 8, 128), jnp.bfloat16)
-f = jax.jit(jax.grad(lambda q: jnp.sum(attnlib.attention(q, q, q, is_causal=True, implementation="cudnn").astype(jnp.float32))))
+loss = lambda q: jnp.sum(attnlib.attention(q, q, q, is_causal=True, implementation="cudnn").astype(jnp.float32))
+f = jax.jit(jax.grad(loss))
 t1 = time.perf_counter()
 lowered = f.lower(q)
 t2 = time.perf_counter()
