@@ -131,6 +131,19 @@ def test_kernel_on_the_gpu(shape, dtype):
         np.testing.assert_array_equal(_bits(forced), expected)
 
 
+@pytest.mark.parametrize("shape", SHAPES + UNALIGNED + [(4099, 32, 128), (4099, 8), (2053, 64, 32)], ids=str)
+def test_set_rows_lowers_to_the_kernel_exactly_where_chosen(shape, monkeypatch):
+    """Lowered for CUDA on this machine (as JAX on a GPU traces it): the Mosaic GPU kernel where `runs_kernel`, XLA's
+    scatter elsewhere, never both."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    x, zero, nan = _case(shape, jnp.float32)
+    lowered = jax.jit(row_fill.set_rows).trace(x, zero, nan).lower(lowering_platforms=("cuda",)).as_text()
+    kernel = "custom_call @mosaic_gpu" in lowered
+    assert kernel == row_fill.runs_kernel(x)
+    assert kernel != ("stablehlo.scatter" in lowered)
+
+
 def test_small_results_take_the_scatter():
     """The kernel runs only on results larger than `SCATTER_MAX_BYTES` whose rows it can copy."""
     limit = row_fill.SCATTER_MAX_BYTES
