@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 from bench_peers import graph_replay, replay_mode
-from kernel_profile import kernel_profile, pipelined_profile
+from kernel_profile import event_rows, kernel_profile, pipelined_profile
 
 import attnlib
 
@@ -108,10 +108,7 @@ def print_profile(title: str, step, call_args) -> None:
         return
     print(f"{title}: device busy {p['busy_us']:.1f} idle {p['idle_us']:.1f} span {p['span_us']:.1f} us per step; "
           f"kernels {kernels['kernel_us']:.1f} us in {kernels['launches']:.0f} launches", flush=True)  # fmt: skip
-    for event in p["host"]:
-        print(f"    host   {event['us']:8.1f} us  x{event['count']:<6.3g} {event['name']}", flush=True)
-    for kernel in kernels["kernels"][:8]:
-        print(f"    kernel {kernel['us']:8.1f} us  x{kernel['launches']:<5g} {kernel['name'][:96]}", flush=True)
+    print("\n".join(event_rows(p, kernels, top_kernels=8)), flush=True)
 
 
 def main():

@@ -119,3 +119,10 @@ def pipelined_profile(fn, args, calls: int = 30, host_top: int = 12) -> dict:
             for name, ns in host_time.most_common(host_top)]
     return {"busy_us": busy / calls / 1e3, "span_us": span / calls / 1e3, "idle_us": (span - busy) / calls / 1e3,
             "host": host}
+
+
+def event_rows(pipelined: dict, kernels: dict, top_kernels: int) -> list[str]:
+    """Text rows of a `pipelined_profile`'s host events and a `kernel_profile`'s longest kernels."""
+    rows = [f"    host   {e['us']:8.1f} us  x{e['count']:<6.3g} {e['name']}" for e in pipelined["host"]]
+    return rows + [f"    kernel {k['us']:8.1f} us  x{k['launches']:<5g} {k['name'][:96]}"
+                   for k in kernels["kernels"][:top_kernels]]  # fmt: skip

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 from bench_peers import _kwargs, _peer_kwargs, CASES, compile_variant, variants
-from kernel_profile import kernel_profile, pipelined_profile
+from kernel_profile import event_rows, kernel_profile, pipelined_profile
 
 
 GAP_CASES = ("mla_192_128_causal_b4_s4096_h16", "gqa_32_8_window1024_b1_s8192", "small_b2_s1024_h16_d64",
@@ -49,11 +49,8 @@ def main() -> None:
                     continue
                 print(f"{label:16s} {kind:7s} wall {wall:8.1f} us | device busy {p['busy_us']:8.1f} "
                       f"idle {p['idle_us']:7.1f} span {p['span_us']:8.1f} us per call", flush=True)  # fmt: skip
-                for event in p["host"]:
-                    print(f"    host {event['us']:8.1f} us  x{event['count']:<6.3g} {event['name']}", flush=True)
-                for kernel in kernel_profile(call, (q, k, v), calls=10)["kernels"][:5]:
-                    print(f"    kernel {kernel['us']:8.1f} us  x{kernel['launches']:<5g} {kernel['name'][:96]}",
-                          flush=True)
+                kernels = kernel_profile(call, (q, k, v), calls=10)
+                print("\n".join(event_rows(p, kernels, top_kernels=5)), flush=True)
 
 
 if __name__ == "__main__":
