@@ -242,12 +242,12 @@ def set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
         return set_rows_scatter(x, zero, nan)
     if x.size == 0:
         return x
-    if kernel_takes(x) and not runs_kernel(x):  # small: the scatter is as fast
-        return set_rows_scatter(x, zero, nan)
     if not kernel_takes(x):
         logs.log_once(("row_fill", "unaligned", x.shape[1:], str(x.dtype)), logging.DEBUG,
                       "attnlib: rows of %s %s are not a multiple of 16 bytes; XLA's scatter sets the rows outside "
                       "THD/packed sequences (a pass over the result).", x.shape[1:], x.dtype)  # fmt: skip
+        return set_rows_scatter(x, zero, nan)
+    if not runs_kernel(x):  # a small result: the scatter is as fast
         return set_rows_scatter(x, zero, nan)
     try:
         _mosaic_gpu()
