@@ -10,8 +10,8 @@ def state_type() -> dict[str, Any]:
     """The FFI state type of `attnlib_cudnn_graph`, for `jax.ffi.register_ffi_type`."""
 
 def graph_replay_counts() -> dict[str, int]:
-    """Process-wide counts of graph executions: captured into a CUDA graph, replayed from one, run directly, and
-    failed captures."""
+    """Process-wide counts of graph executions: captured into a CUDA graph, replayed from one, run directly, failed
+    captures, recorded into XLA's command buffers, and graphs built by cuDNN's CUDA-graph API."""
 
 def frontend_version() -> int:
     """CUDNN_FRONTEND_VERSION of the headers this module was compiled against (13200 for 1.32.0)."""

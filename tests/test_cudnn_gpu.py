@@ -430,7 +430,8 @@ def test_command_buffers_capture_the_graph_call(tmp_path):
     """XLA captures the graph call into a command buffer (CUDA graph) with the layer loop's fusions when the loop
     body is allowed to form one (`xla_gpu_graph_min_graph_size=1`; XLA's default minimum is more commands than this
     body has); with ATTNLIB_CUDNN_COMMAND_BUFFER=0 it does not. Both give the same result. XLA reports what it puts
-    into each command buffer in its log (`command_buffer_conversion_pass`)."""
+    into each command buffer in its log (`command_buffer_conversion_pass`), and the extension counts the calls it
+    recorded into XLA's capture."""
     code = (
         "import sys, jax, jax.numpy as jnp, numpy as np, attnlib\n"
         "q = (jax.random.normal(jax.random.key(0), (2, 64, 4, 64))).astype(jnp.bfloat16)\n"
@@ -440,8 +441,9 @@ def test_command_buffers_capture_the_graph_call(tmp_path):
         "options = {'xla_gpu_graph_min_graph_size': 1}\n"
         "f = jax.jit(lambda x: jax.lax.scan(layer, x, None, length=4)[0], compiler_options=options)\n"
         "f(q); np.save(sys.argv[1], np.asarray(f(q), np.float32))\n"
+        "from attnlib import _attnlib_ffi; print('COUNTS', _attnlib_ffi.graph_replay_counts())\n"
     )
-    results, captured = [], []
+    results, captured, counts = [], [], []
     for flag in ("1", "0"):
         path = tmp_path / f"out{flag}.npy"
         env = dict(os.environ, ATTNLIB_CUDNN_COMMAND_BUFFER=flag, ATTNLIB_CACHE_DIR=str(tmp_path / "cache"),
@@ -451,7 +453,14 @@ def test_command_buffers_capture_the_graph_call(tmp_path):
         created = [line for line in run.stderr.splitlines() if "Creating command buffer thunk with" in line]
         captured.append(any("ffi_call" in line or "attnlib" in line for line in created))
         results.append(np.load(path))
+        line = next(line for line in run.stdout.splitlines() if line.startswith("COUNTS"))
+        counts.append(eval(line.removeprefix("COUNTS ")))  # a dict literal printed by the child
     assert captured == [True, False], captured
+    recorded, not_recorded = counts
+    # Captured, the call adds the graph cuDNN's CUDA-graph API builds to XLA's capture (none stream-captured).
+    assert recorded["xla_records"] >= 1 and recorded["failures"] == 0, recorded
+    assert recorded["populated"] == recorded["xla_records"] + recorded["captures"], recorded
+    assert not_recorded["xla_records"] == 0, not_recorded
     np.testing.assert_array_equal(results[0], results[1])
 
 

@@ -226,3 +226,42 @@ def test_graphs_with_and_without_a_workspace_run_replayed_and_directly():
         _assert_close(dv, ref["value"], "dv", scale_by_max=True)
     assert _delta(before)["failures"] == 0
     print("workspace bytes:", {entry.label: entry.workspace_bytes for entry in entries})
+
+
+@pytest.mark.parametrize("command_buffers", [False, True], ids=["replayed", "in_xla_command_buffer"])
+def test_zero_filled_results_are_recorded_by_cudnns_graph_api(command_buffers):
+    """A backward with a padded bias gradient zeroes dBias before cuDNN runs (its `zero_fill`): recorded into a CUDA
+    graph those fills become memset nodes ahead of the plan's graph, which cuDNN's CUDA-graph API builds. Called with
+    new contents at the same addresses, replayed (XLA's command buffers off) or recorded into XLA's command buffer
+    (`xla_gpu_graph_min_graph_size=1`), every call's gradients match the float64 reference, dBias zero past the
+    lengths, and every graph made was built by cuDNN's API (none stream-captured)."""
+    import attnlib
+
+    q, k, v, d_out = _inputs(4)
+    bias = jax.random.normal(jax.random.key(5), (2, 6, 37, 91), jnp.float32).astype(jnp.bfloat16)
+    lengths = dict(key_value_seq_lengths=jnp.asarray([91, 50], jnp.int32))
+
+    def loss(q, k, v, bias, factor):
+        out = attnlib.attention(q * factor.astype(q.dtype), k, v, bias, implementation="cudnn", **KW, **lengths)
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+    def step(q, k, v, bias, factor):
+        return tuple(g.astype(jnp.float32) for g in jax.grad(loss, argnums=(0, 3))(q, k, v, bias, factor))
+
+    options = {"xla_gpu_graph_min_graph_size": 1} if command_buffers else NO_COMMAND_BUFFERS
+    step = jax.jit(step, compiler_options=options)
+    jax.block_until_ready(step(q, k, v, bias, jnp.float32(1.0)))
+    lengths64 = {name: np.asarray(x) for name, x in lengths.items()}
+    before = _counts()
+    for factor in (0.5, 2.0, 1.0, 0.75):
+        dq, dbias = jax.device_get(step(q, k, v, bias, jnp.float32(factor)))
+        qs = _as64(jnp.asarray(q * jnp.asarray(factor, q.dtype)))
+        ref = reference_attention_vjp(qs, _as64(k), _as64(v), _as64(bias), d_out=_as64(d_out), **KW, **lengths64)
+        _assert_close(dq, ref["query"] * factor, f"dq, factor {factor}", scale_by_max=True)
+        _assert_close(dbias, ref["bias"], f"dbias, factor {factor}", scale_by_max=True)
+        assert not np.any(dbias[1, :, :, 50:]), "dbias past the key length"
+    delta = _delta(before)
+    assert delta["failures"] == 0, delta
+    made = delta["captures"] + delta["xla_records"]
+    assert made >= 1 and delta["populated"] == made, delta
+    assert (delta["xla_records"] > 0) is command_buffers, delta
