@@ -98,10 +98,23 @@ def decode_step(attend, layers: int, options: dict | None = None):
     return jax.jit(step, compiler_options=options)
 
 
+def executor_counts_per_step(step, call_args, steps: int = 4) -> dict[str, float]:
+    """What the native executor did per step (`_attnlib_ffi.graph_replay_counts`): calls replayed, run directly,
+    recorded into XLA's command buffer (XLA records a command buffer again when it must update it)."""
+    from attnlib import _attnlib_ffi
+
+    jax.block_until_ready(step(*call_args))
+    before = _attnlib_ffi.graph_replay_counts()
+    for _ in range(steps):
+        jax.block_until_ready(step(*call_args))
+    after = _attnlib_ffi.graph_replay_counts()
+    return {name: (after[name] - before[name]) / steps for name in after}
+
+
 def print_profile(title: str, step, call_args) -> None:
     """Where one step's time goes, steps back to back: device busy / idle, the longest host events, the kernels."""
     try:
-        p = pipelined_profile(step, call_args, calls=20)
+        p = pipelined_profile(step, call_args, calls=20, host_top=24)
         kernels = kernel_profile(step, call_args, calls=5)
     except Exception as e:  # noqa: BLE001  (reported, not fatal)
         print(f"{title}: profile failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -150,6 +163,9 @@ def main():
             for (label, suffix), (step, call_args) in steps.items():
                 ms = best_per_call(step, call_args, loop=10, reps=5) * 1e3
                 row[label][f"step_ms{suffix}"] = min(row[label].get(f"step_ms{suffix}", float("inf")), ms)
+        for (label, suffix), (step, call_args) in steps.items():
+            if label.startswith("attnlib"):
+                row[label][f"executor_per_step{suffix}"] = executor_counts_per_step(step, call_args)
         for suffix in CONFIGS:
             key = f"step_ms{suffix}"
             peers = [r[key] for label, r in row.items() if not label.startswith("attnlib") and key in r]

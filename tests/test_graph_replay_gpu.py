@@ -242,7 +242,8 @@ def test_zero_filled_results_are_recorded_by_cudnns_graph_api(command_buffers):
     lengths = dict(key_value_seq_lengths=jnp.asarray([91, 50], jnp.int32))
 
     def loss(q, k, v, bias, factor):
-        out = attnlib.attention(q * factor.astype(q.dtype), k, v, bias, implementation="cudnn", **KW, **lengths)
+        out = attnlib.attention(q * factor.astype(q.dtype), k, v, bias, implementation="cudnn", is_causal=True,
+                                **lengths)  # fmt: skip
         return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
 
     def step(q, k, v, bias, factor):
@@ -256,7 +257,8 @@ def test_zero_filled_results_are_recorded_by_cudnns_graph_api(command_buffers):
     for factor in (0.5, 2.0, 1.0, 0.75):
         dq, dbias = jax.device_get(step(q, k, v, bias, jnp.float32(factor)))
         qs = _as64(jnp.asarray(q * jnp.asarray(factor, q.dtype)))
-        ref = reference_attention_vjp(qs, _as64(k), _as64(v), _as64(bias), d_out=_as64(d_out), **KW, **lengths64)
+        ref = reference_attention_vjp(qs, _as64(k), _as64(v), _as64(bias), d_out=_as64(d_out), is_causal=True,
+                                      **lengths64)  # fmt: skip
         _assert_close(dq, ref["query"] * factor, f"dq, factor {factor}", scale_by_max=True)
         _assert_close(dbias, ref["bias"], f"dbias, factor {factor}", scale_by_max=True)
         assert not np.any(dbias[1, :, :, 50:]), "dbias past the key length"
