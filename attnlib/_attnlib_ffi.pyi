@@ -11,7 +11,7 @@ def state_type() -> dict[str, Any]:
 
 def graph_replay_counts() -> dict[str, int]:
     """Process-wide counts of graph executions: captured into a CUDA graph, replayed from one, run directly, failed
-    captures, recorded into XLA's command buffers, and graphs built by cuDNN's CUDA-graph API."""
+    captures, and run while XLA captured them into its command buffer."""
 
 def frontend_version() -> int:
     """CUDNN_FRONTEND_VERSION of the headers this module was compiled against (13200 for 1.32.0)."""

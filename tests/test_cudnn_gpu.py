@@ -457,9 +457,7 @@ def test_command_buffers_capture_the_graph_call(tmp_path):
         counts.append(eval(line.removeprefix("COUNTS ")))  # a dict literal printed by the child
     assert captured == [True, False], captured
     recorded, not_recorded = counts
-    # Captured, the call adds the graph cuDNN's CUDA-graph API builds to XLA's capture (none stream-captured).
     assert recorded["xla_records"] >= 1 and recorded["failures"] == 0, recorded
-    assert recorded["populated"] == recorded["xla_records"] + recorded["captures"], recorded
     assert not_recorded["xla_records"] == 0, not_recorded
     np.testing.assert_array_equal(results[0], results[1])
 

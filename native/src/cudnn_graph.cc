@@ -93,7 +93,6 @@ std::string DlError() {
 // A plan deserialized on one device, with the FFI buffer each of its user UIDs binds to.
 struct DeviceGraph {
   std::shared_ptr<fe::graph::Graph> graph;
-  std::vector<int64_t> uids;  // the graph's user UIDs, sorted (the order of execute's pointers)
   // For each user UID in the graph's sorted order: >= 0 is an operand index, < 0 is result index -(slot + 1).
   std::vector<int32_t> slots;
   int64_t workspace_bytes = 0;
@@ -165,21 +164,6 @@ const CudaGraphApi* GraphApi() {
       resolved.graph_exec_destroy =
           reinterpret_cast<decltype(resolved.graph_exec_destroy)>(symbol("cudaGraphExecDestroy"));
       resolved.get_last_error = reinterpret_cast<decltype(resolved.get_last_error)>(symbol("cudaGetLastError"));
-      resolved.graph_create = reinterpret_cast<decltype(resolved.graph_create)>(symbol("cudaGraphCreate"));
-      resolved.graph_add_child_graph_node =
-          reinterpret_cast<decltype(resolved.graph_add_child_graph_node)>(symbol("cudaGraphAddChildGraphNode"));
-      resolved.graph_add_memset_node =
-          reinterpret_cast<decltype(resolved.graph_add_memset_node)>(symbol("cudaGraphAddMemsetNode"));
-      resolved.thread_exchange_stream_capture_mode =
-          reinterpret_cast<decltype(resolved.thread_exchange_stream_capture_mode)>(
-              symbol("cudaThreadExchangeStreamCaptureMode"));
-      if (fe::detail::loaded_cudart_version() >= 13000) {  // the unversioned symbols take edge data from CUDA 13
-        resolved.stream_get_capture_info =
-            reinterpret_cast<decltype(resolved.stream_get_capture_info)>(symbol("cudaStreamGetCaptureInfo"));
-        resolved.stream_update_capture_dependencies =
-            reinterpret_cast<decltype(resolved.stream_update_capture_dependencies)>(
-                symbol("cudaStreamUpdateCaptureDependencies"));
-      }
       return &resolved;
     } catch (const std::exception&) {
       return nullptr;
@@ -270,8 +254,7 @@ ffi::Error BuildDeviceGraph(GraphState& st, int device, cudnnHandle_t handle, cu
                                 "; clear attnlib's graph cache (ATTNLIB_CACHE_DIR).");
   }
 
-  dg->uids = dg->graph->get_variant_pack_uids_sorted();
-  for (int64_t uid : dg->uids) {
+  for (int64_t uid : dg->graph->get_variant_pack_uids_sorted()) {
     int32_t slot = 0;
     bool found = false;
     for (size_t i = 0; i < st.in_uids.size() && !found; ++i) {
@@ -460,53 +443,13 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, GraphState* st, ffi::Rem
       if (status.is_bad()) return FeError(*st, "execute", status);
       return ffi::Error::Success();
     };
-    auto record = [&](cudaGraph_t graph) -> ffi::Error {
-      const CudaGraphApi& api = *GraphApi();
-      std::unordered_map<int64_t, void*> bound;
-      for (size_t i = 0; i < n; ++i) bound.emplace(dg->uids[i], ptrs[i]);
-      if (n_zero == 0) {
-        fe::error_t status = dg->graph->populate_cuda_graph(handle, bound, workspace, graph);
-        return status.is_bad() ? FeError(*st, "populate_cuda_graph", status) : ffi::Error::Success();
-      }
-      // populate_cuda_graph needs an empty graph: the zero fills first, then the plan's graph as a child node.
-      cudaGraphNode_t last = nullptr;
-      for (size_t z = 0; z < n_zero; ++z) {
-        const auto& [data, bytes] = zero[z];
-        const bool words = bytes % 4 == 0 && reinterpret_cast<uintptr_t>(data) % 4 == 0;
-        cudaMemsetParams fill{};
-        fill.dst = data;
-        fill.elementSize = words ? 4 : 1;
-        fill.width = words ? bytes / 4 : bytes;
-        fill.height = 1;
-        cudaGraphNode_t node = nullptr;
-        if (cudaError_t err = api.graph_add_memset_node(&node, graph, &last, last != nullptr ? 1 : 0, &fill);
-            err != cudaSuccess) {
-          return ffi::Error::Internal(Where(*st, "cudaGraphAddMemsetNode") + "CUDA error " + std::to_string(err));
-        }
-        last = node;
-      }
-      cudaGraph_t plan = nullptr;
-      if (cudaError_t err = api.graph_create(&plan, 0); err != cudaSuccess) {
-        return ffi::Error::Internal(Where(*st, "cudaGraphCreate") + "CUDA error " + std::to_string(err));
-      }
-      fe::error_t status = dg->graph->populate_cuda_graph(handle, bound, workspace, plan);
-      cudaGraphNode_t node = nullptr;
-      cudaError_t added = status.is_bad() ? cudaSuccess : api.graph_add_child_graph_node(&node, graph, &last, 1, plan);
-      api.graph_destroy(plan);
-      if (status.is_bad()) return FeError(*st, "populate_cuda_graph", status);
-      if (added != cudaSuccess) {
-        return ffi::Error::Internal(Where(*st, "cudaGraphAddChildGraphNode") + "CUDA error " + std::to_string(added));
-      }
-      return ffi::Error::Success();
-    };
-    const CudaGraphApi* api = GraphApi();
-    if (api != nullptr && StreamCapturing(*api, stream)) return RecordIntoCapture(*api, stream, record, launch);
+    if (const CudaGraphApi* api = GraphApi(); api != nullptr && CapturedByXla(*api, stream)) return launch(stream);
     GraphReplay* replay = st->replays[device].get();
     if (replay == nullptr) {
       CountDirectRun();
       return launch(stream);
     }
-    return replay->Run(stream, key, launch, record);
+    return replay->Run(stream, key, launch);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(Where(*st, "execute") + e.what());
   }

@@ -17,74 +17,23 @@ std::atomic<int64_t> g_replays{0};
 std::atomic<int64_t> g_direct{0};
 std::atomic<int64_t> g_failures{0};
 std::atomic<int64_t> g_xla_records{0};
-std::atomic<int64_t> g_populated{0};
 
 ffi::Error CudaFailure(const char* step, cudaError_t err) {
   return ffi::Error::Internal(std::string("attnlib CUDA graph replay, ") + step + ": CUDA error " +
                               std::to_string(static_cast<int>(err)) + ".");
 }
 
-// Builds the call's work into a new graph with `record` (stays null when that fails: the caller falls back).
-cudaGraph_t Populate(const CudaGraphApi& api, const Record& record) {
-  cudaGraph_t graph = nullptr;
-  if (api.graph_create(&graph, 0) != cudaSuccess) {
-    api.get_last_error();
-    return nullptr;
-  }
-  // cuDNN's graph calls are not stream work; relaxed, they are allowed while this thread's stream is captured.
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  api.thread_exchange_stream_capture_mode(&mode);
-  bool built = record(graph).success();
-  api.thread_exchange_stream_capture_mode(&mode);
-  if (!built) {
-    api.get_last_error();
-    api.graph_destroy(graph);
-    return nullptr;
-  }
-  g_populated.fetch_add(1, std::memory_order_relaxed);
-  return graph;
-}
-
 }  // namespace
 
 GraphReplayCounts ReadGraphReplayCounts() {
-  return {g_captures.load(), g_replays.load(), g_direct.load(), g_failures.load(), g_xla_records.load(),
-          g_populated.load()};
+  return {g_captures.load(), g_replays.load(), g_direct.load(), g_failures.load(), g_xla_records.load()};
 }
 
-bool StreamCapturing(const CudaGraphApi& api, cudaStream_t stream) {
+bool CapturedByXla(const CudaGraphApi& api, cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return api.stream_is_capturing(stream, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
-}
-
-ffi::Error RecordIntoCapture(const CudaGraphApi& api, cudaStream_t stream, const Record& record,
-                             const Launch& launch) {
+  if (api.stream_is_capturing(stream, &status) != cudaSuccess || status == cudaStreamCaptureStatusNone) return false;
   g_xla_records.fetch_add(1, std::memory_order_relaxed);
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  cudaGraph_t capture = nullptr;
-  const cudaGraphNode_t* dependencies = nullptr;
-  const cudaGraphEdgeData* edges = nullptr;
-  size_t n_dependencies = 0;
-  if (api.stream_get_capture_info == nullptr || api.stream_update_capture_dependencies == nullptr ||
-      api.stream_get_capture_info(stream, &status, nullptr, &capture, &dependencies, &edges, &n_dependencies) !=
-          cudaSuccess ||
-      status != cudaStreamCaptureStatusActive || capture == nullptr) {
-    api.get_last_error();
-    return launch(stream);
-  }
-  cudaGraph_t graph = Populate(api, record);
-  if (graph == nullptr) return launch(stream);
-  // The node waits on everything the capture's next node would (ordinary edges: stricter than any programmatic ones).
-  cudaGraphNode_t node = nullptr;
-  cudaError_t added = api.graph_add_child_graph_node(&node, capture, dependencies, n_dependencies, graph);
-  api.graph_destroy(graph);  // the node holds a copy
-  if (added != cudaSuccess) return CudaFailure("cudaGraphAddChildGraphNode", added);
-  if (cudaError_t err = api.stream_update_capture_dependencies(stream, &node, nullptr, 1,
-                                                               cudaStreamSetCaptureDependencies);
-      err != cudaSuccess) {
-    return CudaFailure("cudaStreamUpdateCaptureDependencies", err);
-  }
-  return ffi::Error::Success();
+  return true;
 }
 
 void CountDirectRun() { g_direct.fetch_add(1, std::memory_order_relaxed); }
@@ -109,8 +58,8 @@ bool GraphReplay::SeenRecently(const Key& key) {
   return std::any_of(recent_.begin(), recent_.end(), [&](const Key& k) { return k.size > 0 && k == key; });
 }
 
-ffi::Error GraphReplay::CaptureStream(const Launch& launch, cudaGraph_t* graph) {
-  *graph = nullptr;
+ffi::Error GraphReplay::Capture(const Launch& launch, cudaGraphExec_t* exec) {
+  *exec = nullptr;
   if (capture_stream_ == nullptr) {
     if (cudaError_t err = api_.stream_create_with_flags(&capture_stream_, cudaStreamNonBlocking); err != cudaSuccess) {
       capture_stream_ = nullptr;
@@ -122,21 +71,12 @@ ffi::Error GraphReplay::CaptureStream(const Launch& launch, cudaGraph_t* graph) 
     return CudaFailure("cudaStreamBeginCapture", err);
   }
   ffi::Error launched = launch(capture_stream_);
-  cudaError_t ended = api_.stream_end_capture(capture_stream_, graph);
-  if (launched.failure() || ended != cudaSuccess || *graph == nullptr) {
-    if (*graph != nullptr) api_.graph_destroy(*graph);
-    *graph = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaError_t ended = api_.stream_end_capture(capture_stream_, &graph);
+  if (launched.failure() || ended != cudaSuccess || graph == nullptr) {
+    if (graph != nullptr) api_.graph_destroy(graph);
     if (launched.failure()) return launched;
     return CudaFailure("cudaStreamEndCapture", ended);
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error GraphReplay::Capture(const Launch& launch, const Record& record, cudaGraphExec_t* exec) {
-  *exec = nullptr;
-  cudaGraph_t graph = Populate(api_, record);
-  if (graph == nullptr) {
-    if (ffi::Error err = CaptureStream(launch, &graph); err.failure()) return err;
   }
   cudaError_t made = api_.graph_instantiate_with_flags(exec, graph, 0);
   api_.graph_destroy(graph);
@@ -147,7 +87,7 @@ ffi::Error GraphReplay::Capture(const Launch& launch, const Record& record, cuda
   return ffi::Error::Success();
 }
 
-ffi::Error GraphReplay::Run(cudaStream_t stream, const Key& key, const Launch& launch, const Record& record) {
+ffi::Error GraphReplay::Run(cudaStream_t stream, const Key& key, const Launch& launch) {
   std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
   if (!lock.owns_lock() || off_ || key.size == 0) {
     g_direct.fetch_add(1, std::memory_order_relaxed);
@@ -157,7 +97,7 @@ ffi::Error GraphReplay::Run(cudaStream_t stream, const Key& key, const Launch& l
   auto found = std::find_if(graphs_.begin(), graphs_.end(), [&](const Captured& g) { return g.key == key; });
   if (found == graphs_.end() && captures_left_ > 0 && SeenRecently(key)) {
     cudaGraphExec_t exec = nullptr;
-    if (Capture(launch, record, &exec).failure()) {
+    if (Capture(launch, &exec).failure()) {
       // Whatever failed (a plan that cannot be captured, no memory for the graph), the direct path still works.
       api_.get_last_error();
       off_ = true;

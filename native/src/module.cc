@@ -79,11 +79,10 @@ NB_MODULE(_attnlib_ffi, m) {
         out["direct"] = c.direct;
         out["failures"] = c.failures;
         out["xla_records"] = c.xla_records;
-        out["populated"] = c.populated;
         return out;
       },
       "Process-wide counts of graph executions: captured into a CUDA graph, replayed from one, run directly, failed "
-      "captures, recorded into XLA's command buffers, and graphs built by cuDNN's CUDA-graph API.");
+      "captures, and run while XLA captured them into its command buffer.");
 
   m.def("frontend_version", &attnlib::FrontendVersion,
         "CUDNN_FRONTEND_VERSION of the headers this module was compiled against (13200 for 1.32.0).");
