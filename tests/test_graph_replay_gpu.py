@@ -229,7 +229,7 @@ def test_graphs_with_and_without_a_workspace_run_replayed_and_directly():
 
 
 @pytest.mark.parametrize("command_buffers", [False, True], ids=["replayed", "in_xla_command_buffer"])
-def test_zero_filled_results_are_recorded_by_cudnns_graph_api(command_buffers):
+def test_zero_filled_results_replayed_and_in_xla_command_buffers(command_buffers):
     """A backward with a padded bias gradient zeroes dBias before cuDNN runs (its `zero_fill`), so a captured call
     holds the memset ahead of the plan's launches. Called with new contents at the same addresses, replayed (XLA's
     command buffers off) or captured into XLA's command buffer (`xla_gpu_graph_min_graph_size=1`), every call's
