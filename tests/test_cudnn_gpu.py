@@ -1,7 +1,8 @@
 """GPU tests of `implementation="cudnn"`: every feature, forward and backward, against the `xla` reference.
 
 The reference is `attnlib.attention(..., implementation="xla")` evaluated in float32 (full-precision matmuls) on the
-same float16/bfloat16 values the cuDNN path gets. Tolerances follow from the dtype's machine epsilon `eps` (never tuned):
+same float16/bfloat16 values the cuDNN path gets. Tolerances follow from the dtype's machine epsilon `eps` (never
+tuned):
 - out: cuDNN rounds the probabilities and the output to the io dtype, `atol = 2 eps`, `rtol = eps`;
 - lse: logits and log-sum-exp run in float32 from rounded inputs, `atol = 2 eps`;
 - gradients: sums of products of rounded probabilities / `dS`, compared with `atol = 8 eps * max|expected|` plus
@@ -126,8 +127,10 @@ CASES = [
     ("gqa_causal", (2,), 96, 96, 8, 2, 64, 64, {"is_causal": True}),
     ("mqa", (2,), 64, 80, 4, 1, 128, 128, {}),
     ("mla_causal", (2,), 96, 96, 4, 4, 192, 128, {"is_causal": True}),
-    ("causal_bottom_right_t_lt_s", (2,), 48, 160, 4, 2, 64, 64, {"is_causal": True, "diagonal_alignment": "bottom_right"}),
-    ("causal_bottom_right_t_gt_s", (2,), 160, 48, 4, 2, 64, 64, {"is_causal": True, "diagonal_alignment": "bottom_right"}),
+    ("causal_bottom_right_t_lt_s", (2,), 48, 160, 4, 2, 64, 64,
+     {"is_causal": True, "diagonal_alignment": "bottom_right"}),
+    ("causal_bottom_right_t_gt_s", (2,), 160, 48, 4, 2, 64, 64,
+     {"is_causal": True, "diagonal_alignment": "bottom_right"}),
     ("causal_top_left_t_gt_s", (2,), 160, 48, 4, 2, 64, 64, {"is_causal": True}),
     ("window_causal", (2,), 128, 128, 4, 2, 64, 64, {"is_causal": True, "local_window_size": (31, 0)}),
     ("window_two_sided", (2,), 128, 128, 4, 2, 64, 64, {"local_window_size": (16, 8)}),
