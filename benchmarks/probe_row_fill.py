@@ -6,7 +6,8 @@ Usage: python benchmarks/probe_row_fill.py              H200: check every candid
        python benchmarks/probe_row_fill.py --lower      any machine: lower the Mosaic GPU candidates for CUDA on the
                                                         benchmark's shapes (Pallas -> Mosaic GPU MLIR, no PTX)
        --fori: time with a `lax.fori_loop` instead of an unrolled chain; --calls N: fills per timed chain (20);
-       --only TEXT ...: the cases whose label (spaces as _) contains one; --candidates NAME ...: those candidates only
+       --only TEXT ...: the cases whose label (spaces as _) contains one; --candidates NAME ...: those candidates only;
+       --profile: after timing a case, each candidate's kernels per fill and the chain's span (JAX's profiler)
 
 `row_fill.py` ran a kernel on Pallas' Triton backend (here `set_rows_triton`, the "before"), which jax 0.11.2
 deprecates. `set_rows(x, zero, nan)` must keep costing what the rows set cost, not a pass over `x`. Both candidates
@@ -48,6 +49,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kernel_profile import kernel_profile
 
 from attnlib._src.backends.cudnn import row_fill
 
@@ -313,8 +315,8 @@ def error_lines(error: BaseException, lines: int = 3) -> str:
     return " | ".join(text[:lines])
 
 
-def chain(fill, calls: int, fori: bool):
-    """`calls` fills, each on the previous result, in one `jit` with `x` donated."""
+def chain(fill, calls: int, fori: bool, donate: bool = True):
+    """`calls` fills, each on the previous result, in one `jit` with `x` donated (unless `donate` is False)."""
 
     def step(x, zero, nan):
         x, zero, nan = jax.lax.optimization_barrier((x, zero, nan))
@@ -327,7 +329,16 @@ def chain(fill, calls: int, fori: bool):
             x = step(x, zero, nan)
         return x
 
-    return jax.jit(run, donate_argnums=0)
+    return jax.jit(run, donate_argnums=0 if donate else ())
+
+
+def profile_rows(fill, x, zero, nan, calls: int, fori: bool) -> list[str]:
+    """Where a fill's device time goes: the kernels of a chain of `calls` fills per fill (the chain is not donated
+    here, so one copy of `x` per chain is among them) and the chain's span, first kernel start to last kernel end."""
+    profile = kernel_profile(chain(fill, calls, fori, donate=False), (x, zero, nan), calls=3)
+    rows = [f"      span {profile['span_us'] / calls:.2f} us per fill, kernels {profile['kernel_us'] / calls:.2f} us"]
+    return rows + [f"      {k['us'] / calls:8.2f} us  x{k['launches'] / calls:<5.3g} {k['name'][:90]}"
+                   for k in profile["kernels"][:6]]  # fmt: skip
 
 
 def time_per_fill(fill, x, zero, nan, calls: int, fori: bool, chains: int = 5, reps: int = 10) -> float:
@@ -404,6 +415,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="fills per timed chain")
     parser.add_argument("--only", nargs="*", help="the cases whose label, spaces as _, contains one of these")
     parser.add_argument("--candidates", nargs="*", help="these candidates only")
+    parser.add_argument("--profile", action="store_true", help="after timing, each fill's kernels (JAX's profiler)")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}", flush=True)
     if args.lower:
@@ -445,6 +457,10 @@ def main() -> None:
         if timing:
             cells.append(f"{time_per_fill(lambda x, z, n: x, x, zero, nan, args.calls, args.fori) * 1e6:.1f}")
         print(row(label, cells), flush=True)
+        if args.profile:
+            for name in times:
+                print(f"    {name}:", flush=True)
+                print("\n".join(profile_rows(fills[name][0], x, zero, nan, args.calls, args.fori)), flush=True)
         if times:
             best = min(times, key=times.get)
             fastest.append(f"{label}: {best} {times[best]:.1f} us")
