@@ -28,8 +28,8 @@ from ... import logs
 ROWS_PER_WORD = 32  # rows per mask word
 PROGRAMS_PER_WORD = 4  # programs sharing a word's copies (docs/performance.md: 4 measured fastest on the H200)
 SCATTER_MAX_BYTES = 4 << 20
-"""Results up to this size take XLA's scatter: on a 4 MiB result it took 4.0 us, the kernel 6.4-9.4
-(docs/performance.md, "Setting the rows outside the sequences")."""
+"""Results up to this size take XLA's scatter, the faster of the two there (4 MB: 2.8 us, the kernel 7.2; 8 MB: 11.6
+against 6.1; docs/performance.md, "H200: packed sequences and paged decoding")."""
 FILL_BYTES = 16 * 1024  # shared memory of each of the two fill buffers (0 and NaN)
 
 
