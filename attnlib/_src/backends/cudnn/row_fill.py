@@ -28,8 +28,8 @@ from ... import logs
 ROWS_PER_WORD = 32  # rows per mask word
 PROGRAMS_PER_WORD = 4  # programs sharing a word's copies (docs/performance.md: 4 measured fastest on the H200)
 SCATTER_MAX_BYTES = 4 << 20
-"""Results up to this size take XLA's scatter, the faster of the two there (4 MB: 2.8 us, the kernel 7.2; 8 MB: 11.6
-against 6.1; docs/performance.md, "H200: packed sequences and paged decoding")."""
+"""Results up to this size take XLA's scatter, the faster of the two there (4 MB: 2.9 us, the kernel 5.4; 8 MB: 11.6
+against 4.9; docs/performance.md, "H200: packed sequences and paged decoding")."""
 FILL_BYTES = 16 * 1024  # shared memory of each of the two fill buffers (0 and NaN)
 
 
@@ -63,12 +63,15 @@ def kernel_takes(x: jax.Array) -> bool:
 
 def row_masks(zero: jax.Array, nan: jax.Array) -> jax.Array:
     """int32 `[ceil(T / 32), 2]`: bit i of `[w, 0]` / `[w, 1]` set where row `32 w + i` is to be 0 / NaN (NaN wins);
-    rows past T unset."""
+    rows past T unset. One XLA fusion: each row's code (0 kept, 1 zero, 2 NaN) is compared with both kinds at once;
+    stacking the two flag arrays instead costs a second kernel (a concatenation) before the fill."""
     rows = zero.shape[0]
     words = -(-rows // ROWS_PER_WORD)
-    flags = jnp.pad(jnp.stack([zero & ~nan, nan], axis=1), ((0, words * ROWS_PER_WORD - rows), (0, 0)))
+    codes = jnp.where(nan, 2, jnp.where(zero, 1, 0)).astype(jnp.int32)
+    codes = jnp.reshape(jnp.pad(codes, (0, words * ROWS_PER_WORD - rows)), (words, ROWS_PER_WORD, 1))
+    flags = codes == jnp.array([[[1, 2]]], jnp.int32)  # [words, 32, 2]: to zero, to NaN
     bits = jnp.left_shift(jnp.uint32(1), jnp.arange(ROWS_PER_WORD, dtype=jnp.uint32))[:, None]
-    packed = jnp.sum(jnp.where(flags.reshape(words, ROWS_PER_WORD, 2), bits, jnp.uint32(0)), axis=1, dtype=jnp.uint32)
+    packed = jnp.sum(jnp.where(flags, bits, jnp.uint32(0)), axis=1, dtype=jnp.uint32)
     return jax.lax.bitcast_convert_type(packed, jnp.int32)
 
 

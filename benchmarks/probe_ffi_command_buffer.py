@@ -1,0 +1,235 @@
+"""Probe (issue 17): does XLA launch a command buffer more slowly when it holds *any* FFI call?
+
+With `xla_gpu_graph_min_graph_size=1` the host's `cuGraphLaunch` of a decode layer holding attnlib's cuDNN call
+takes about the layer's device time, against 14 µs for the one holding XLA's own cuDNN command
+(`docs/performance.md`, "Inside XLA's command buffers the launch of attnlib's call waits"). This probe takes cuDNN
+and attnlib out: it compiles a trivial FFI target (`nvcc`, XLA's FFI headers) that copies its operand, optionally
+spinning a fixed time on the device, and times a 32-layer `lax.scan` whose body is a fusion, that call and a fusion,
+against the same loop without the call. Every variant runs with XLA's default flags and with the minimum graph size
+1, and is profiled: device busy / idle per step and the host's `cuGraphLaunch` per layer.
+
+Variants (L = the layer's heavy part, a ~`--heavy-us` reduction over a large array, or a spin of that length):
+  xla_heavy            fusion(x, mean(big)) -> convert                      no FFI call
+  ffi_copy_xla_heavy   fusion(x, mean(big)) -> ffi copy -> convert          trivial FFI call, heavy XLA fusion
+  ffi_spin             fusion(x) -> ffi copy + spin -> convert              the heavy part inside the FFI call
+  ffi_state_spin       as ffi_spin, the target with instantiate + initialize stages and a state (as attnlib's)
+  ffi_blob_spin        as ffi_spin, with a 128 KB attribute (as attnlib's serialized graph); ffi_blob1m_spin: 1 MB
+  ffi_many_spin        as ffi_spin through a target with remaining operands / results; ffi_cache_spin: also given
+                       a decode layer's K and V (64 MB each, unread); ffi_workspace_spin: a second, 1 MB result
+                       (as attnlib's workspace); ffi_cache_workspace_spin: both
+  xla_light / ffi_copy_light / ffi_blob_light / ffi_blob1m_light   the light versions (host-bound)
+
+Usage: python benchmarks/probe_ffi_command_buffer.py [--heavy-us 30] [--layers 32] [--only VARIANT ...]
+       [--repeat N]  (each variant N times, in turn: the spread between runs)
+"""
+
+import argparse
+import ctypes
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
+from jaxlib import xla_client
+from kernel_profile import pipelined_profile
+
+
+SOURCE = r"""
+#include <cstdint>
+#include <memory>
+#include <cuda_runtime.h>
+#include "xla/ffi/api/ffi.h"
+namespace ffi = xla::ffi;
+
+__global__ void CopySpin(const uint16_t* x, uint16_t* y, int64_t n, int64_t spin_ns) {
+  uint64_t start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = x[i];
+  if (spin_ns > 0) {
+    uint64_t now;
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < (uint64_t)spin_ns);
+  }
+}
+
+static ffi::Error Launch(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t spin_ns) {
+  CopySpin<<<1, 256, 0, stream>>>(static_cast<const uint16_t*>(x.untyped_data()),
+                                  static_cast<uint16_t*>(y->untyped_data()), (int64_t)x.element_count(), spin_ns);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
+}
+
+static ffi::Error Plain(cudaStream_t s, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t spin_ns,
+                        ffi::Span<const uint8_t>) {
+  return Launch(s, x, y, spin_ns);
+}
+
+struct ProbeState {
+  static ffi::TypeId id;
+  int64_t spin_ns = 0;
+};
+ffi::TypeId ProbeState::id = {};
+
+static ffi::ErrorOr<std::unique_ptr<ProbeState>> Instantiate(int64_t spin_ns, ffi::Span<const uint8_t>) {
+  auto st = std::make_unique<ProbeState>();
+  st->spin_ns = spin_ns;
+  return std::move(st);
+}
+static ffi::Error Initialize(cudaStream_t, ProbeState*) { return ffi::Error::Success(); }
+static ffi::Error Stateful(cudaStream_t s, ProbeState* st, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  return Launch(s, x, y, st->spin_ns);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbePlain, Plain,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+        .Attr<int64_t>("spin_ns").Attr<ffi::Span<const uint8_t>>("blob"),
+    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbeInstantiate, Instantiate,
+    ffi::Ffi::BindInstantiate().Attr<int64_t>("spin_ns").Attr<ffi::Span<const uint8_t>>("blob"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbeInitialize, Initialize,
+    ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>().Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::State<ProbeState>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbeStateful, Stateful,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::State<ProbeState>>()
+        .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+    {ffi::Traits::kCmdBufferCompatible});
+
+static ffi::Error Many(cudaStream_t s, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t spin_ns) {
+  auto x = args.get<ffi::AnyBuffer>(0);
+  auto y = rets.get<ffi::AnyBuffer>(0);
+  if (x.has_error() || y.has_error()) return ffi::Error::InvalidArgument("probe_many: bad operand or result");
+  return Launch(s, *x, *y, spin_ns);
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbeMany, Many,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().RemainingArgs().RemainingRets()
+        .Attr<int64_t>("spin_ns"),
+    {ffi::Traits::kCmdBufferCompatible});
+
+extern "C" XLA_FFI_TypeId* ProbeStateTypeId() { return &ProbeState::id; }
+extern "C" const XLA_FFI_TypeInfo* ProbeStateTypeInfo() {
+  static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<ProbeState>();
+  return &info;
+}
+"""
+
+CONFIGS = {"": None, "_min_graph_1": {"xla_gpu_graph_min_graph_size": 1}}
+N, H = 32, 128  # the decode query: [1, 1, N, H] bf16
+
+
+def _nvcc() -> str:
+    found = shutil.which("nvcc") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvcc"))), None)
+    if not found:
+        raise RuntimeError("nvcc not found")
+    return found
+
+
+def _register() -> None:
+    build = tempfile.mkdtemp(prefix="probe_ffi_")
+    src, lib = os.path.join(build, "probe.cu"), os.path.join(build, "probe.so")
+    with open(src, "w") as f:
+        f.write(SOURCE)
+    cmd = [_nvcc(), "-O2", "-w", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_90",
+           f"-I{jax.ffi.include_dir()}", src, "-o", lib]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    so = ctypes.cdll.LoadLibrary(lib)
+    capsule = lambda name: jax.ffi.pycapsule(getattr(so, name))  # noqa: E731
+    traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+    so.ProbeStateTypeId.restype = ctypes.c_void_p
+    so.ProbeStateTypeInfo.restype = ctypes.c_void_p
+    as_capsule = ctypes.pythonapi.PyCapsule_New
+    as_capsule.restype, as_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    jax.ffi.register_ffi_type(
+        "probe_state", {"type_id": as_capsule(so.ProbeStateTypeId(), None, None),
+                        "type_info": as_capsule(so.ProbeStateTypeInfo(), None, None)}, platform="CUDA")  # fmt: skip
+    jax.ffi.register_ffi_target("probe_plain", capsule("ProbePlain"), platform="CUDA", traits=traits)
+    jax.ffi.register_ffi_target("probe_many", capsule("ProbeMany"), platform="CUDA", traits=traits)
+    jax.ffi.register_ffi_target(
+        "probe_stateful", {"instantiate": capsule("ProbeInstantiate"), "initialize": capsule("ProbeInitialize"),
+                           "execute": capsule("ProbeStateful")}, platform="CUDA", traits=traits)  # fmt: skip
+
+
+def _ffi(x, spin_ns: int, stateful: bool = False, blob_bytes: int = 1):
+    target = "probe_stateful" if stateful else "probe_plain"
+    blob = np.zeros(blob_bytes, np.uint8)
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, spin_ns=np.int64(spin_ns), blob=blob)
+
+
+def _ffi_many(x, spin_ns: int, operands=(), workspace_bytes: int = 0):
+    """The copy (+ spin) with more operands (read by nothing) and a second, workspace-like result (never written)."""
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    if workspace_bytes:
+        results.append(jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
+    return jax.ffi.ffi_call("probe_many", results)(x, *operands, spin_ns=np.int64(spin_ns))[0]
+
+
+def layer_fns(big, heavy_ns: int, cache=None) -> dict:
+    heavy = lambda x: x + jnp.mean(big).astype(x.dtype) * 1e-3  # noqa: E731  (a reduction over `big`)
+    light = lambda x: x * 0.5 + 1.0  # noqa: E731
+    return {
+        "xla_light": light,
+        "ffi_copy_light": lambda x: _ffi(light(x), 0),
+        "xla_heavy": heavy,
+        "ffi_copy_xla_heavy": lambda x: _ffi(heavy(x), 0),
+        "ffi_spin": lambda x: _ffi(light(x), heavy_ns),
+        "ffi_state_spin": lambda x: _ffi(light(x), heavy_ns, stateful=True),
+        "ffi_blob_spin": lambda x: _ffi(light(x), heavy_ns, blob_bytes=128 * 1024),
+        "ffi_blob1m_spin": lambda x: _ffi(light(x), heavy_ns, blob_bytes=1024 * 1024),
+        "ffi_blob_light": lambda x: _ffi(light(x), 0, blob_bytes=128 * 1024),
+        "ffi_blob1m_light": lambda x: _ffi(light(x), 0, blob_bytes=1024 * 1024),
+        "ffi_many_spin": lambda x: _ffi_many(light(x), heavy_ns),
+        "ffi_cache_spin": lambda x: _ffi_many(light(x), heavy_ns, operands=cache),
+        "ffi_workspace_spin": lambda x: _ffi_many(light(x), heavy_ns, workspace_bytes=1 << 20),
+        "ffi_cache_workspace_spin": lambda x: _ffi_many(light(x), heavy_ns, operands=cache, workspace_bytes=1 << 20),
+    }
+
+
+def decode_step(layer, layers: int, options):
+    def step(x):
+        def body(h, _):
+            y = layer(h.astype(jnp.bfloat16)).astype(jnp.float32)
+            return jnp.tanh(y), None
+
+        return jax.lax.scan(body, x.astype(jnp.float32), None, length=layers)[0]
+
+    return jax.jit(step, compiler_options=options)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--heavy-us", type=float, default=30.0)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args()
+    _register()
+    x = jax.random.normal(jax.random.key(0), (1, 1, N, H), jnp.bfloat16)
+    # ~4.8 TB/s: heavy_us of reading.
+    big = jnp.ones((int(args.heavy_us * 4.0e6 / 4),), jnp.float32)
+    # A decode layer's KV cache (b1 · 32k, 8 heads of 128, bf16: 64 MB each), closed over by the loop as attnlib's.
+    cache = tuple(jnp.ones((1, 32768, 8, H), jnp.bfloat16) * i for i in (1, 2))
+    fns = layer_fns(big, int(args.heavy_us * 1e3), cache)
+    names = [name for name in fns if args.only is None or name in args.only]
+    for name, _ in [(name, r) for r in range(args.repeat) for name in names]:
+        layer = fns[name]
+        for suffix, options in CONFIGS.items():
+            step = decode_step(layer, args.layers, options).lower(x).compile()
+            ms = min(best_per_call(step, (x,), loop=10, reps=5) for _ in range(3)) * 1e3
+            p = pipelined_profile(step, (x,), calls=20, host_top=40)
+            launch = [e for e in p["host"] if e["name"].startswith("cuGraphLaunch")]
+            launches = sum(e["count"] for e in launch)
+            launch_us = sum(e["us"] for e in launch)
+            per = f"{launch_us / launches:.1f} µs x{launches:.0f}" if launches else "none"
+            print(f"{name}{suffix or '_default'}: step {ms:.3f} ms; device busy {p['busy_us']:.1f} idle "
+                  f"{p['idle_us']:.1f} µs/step; cuGraphLaunch {per} per step", flush=True)  # fmt: skip
+            for e in p["host"][:14]:
+                print(f"    host {e['us']:8.1f} us x{e['count']:<6.3g} {e['name']}", flush=True)
+            for g in p["gaps"][:4]:
+                print(f"    gap  {g['us']:8.1f} us x{g['count']:<6.3g} {g['after']} -> {g['before']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
