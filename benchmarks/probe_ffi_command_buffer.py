@@ -6,18 +6,18 @@ takes about the layer's device time, against 14 µs for the one holding XLA's ow
 and attnlib out: it compiles a trivial FFI target (`nvcc`, XLA's FFI headers) that copies its operand, optionally
 spinning a fixed time on the device, and times a 32-layer `lax.scan` whose body is a fusion, that call and a fusion,
 against the same loop without the call. Every variant runs with XLA's default flags and with the minimum graph size
-1, and is profiled: device busy / idle per step and the host's `cuGraphLaunch` per layer.
+1, and is profiled: device busy / idle per step, the host's `cuGraphLaunch` per layer and where the device idles.
 
-Variants (L = the layer's heavy part, a ~`--heavy-us` reduction over a large array, or a spin of that length):
-  xla_heavy            fusion(x, mean(big)) -> convert                      no FFI call
-  ffi_copy_xla_heavy   fusion(x, mean(big)) -> ffi copy -> convert          trivial FFI call, heavy XLA fusion
-  ffi_spin             fusion(x) -> ffi copy + spin -> convert              the heavy part inside the FFI call
+Variants (the spin: `--heavy-us` on the device, about a b1 · 32k decode layer's time):
+  xla_light            fusion(x) -> convert                                  no FFI call (host-bound)
+  ffi_copy_light       fusion(x) -> ffi copy -> convert                      a trivial FFI call (host-bound)
+  ffi_spin             fusion(x) -> ffi copy + spin -> convert               the layer's time inside the FFI call
   ffi_state_spin       as ffi_spin, the target with instantiate + initialize stages and a state (as attnlib's)
-  ffi_blob_spin        as ffi_spin, with a 128 KB attribute (as attnlib's serialized graph); ffi_blob1m_spin: 1 MB
+  ffi_blob_spin        as ffi_spin, with a 128 KB attribute (as attnlib's serialized graph); ffi_blob1m_spin: 1 MB;
+                       ffi_blob_light / ffi_blob1m_light: the same without the spin
   ffi_many_spin        as ffi_spin through a target with remaining operands / results; ffi_cache_spin: also given
-                       a decode layer's K and V (64 MB each, unread); ffi_workspace_spin: a second, 1 MB result
-                       (as attnlib's workspace); ffi_cache_workspace_spin: both
-  xla_light / ffi_copy_light / ffi_blob_light / ffi_blob1m_light   the light versions (host-bound)
+                       a decode layer's K and V (64 MB each, jit arguments as attnlib's, unread); ffi_workspace_spin:
+                       a second, 1 MB result (as attnlib's workspace); ffi_cache_workspace_spin: both
 
 Usage: python benchmarks/probe_ffi_command_buffer.py [--heavy-us 30] [--layers 32] [--only VARIANT ...]
        [--repeat N]  (each variant N times, in turn: the spread between runs)
@@ -166,31 +166,30 @@ def _ffi_many(x, spin_ns: int, operands=(), workspace_bytes: int = 0):
     return jax.ffi.ffi_call("probe_many", results)(x, *operands, spin_ns=np.int64(spin_ns))[0]
 
 
-def layer_fns(big, heavy_ns: int, cache=None) -> dict:
-    heavy = lambda x: x + jnp.mean(big).astype(x.dtype) * 1e-3  # noqa: E731  (a reduction over `big`)
+def layer_fns(heavy_ns: int) -> dict:
+    """name -> layer(x, cache); `cache` (a decode layer's K and V) is a jit argument of the step, as attnlib's."""
     light = lambda x: x * 0.5 + 1.0  # noqa: E731
     return {
-        "xla_light": light,
-        "ffi_copy_light": lambda x: _ffi(light(x), 0),
-        "xla_heavy": heavy,
-        "ffi_copy_xla_heavy": lambda x: _ffi(heavy(x), 0),
-        "ffi_spin": lambda x: _ffi(light(x), heavy_ns),
-        "ffi_state_spin": lambda x: _ffi(light(x), heavy_ns, stateful=True),
-        "ffi_blob_spin": lambda x: _ffi(light(x), heavy_ns, blob_bytes=128 * 1024),
-        "ffi_blob1m_spin": lambda x: _ffi(light(x), heavy_ns, blob_bytes=1024 * 1024),
-        "ffi_blob_light": lambda x: _ffi(light(x), 0, blob_bytes=128 * 1024),
-        "ffi_blob1m_light": lambda x: _ffi(light(x), 0, blob_bytes=1024 * 1024),
-        "ffi_many_spin": lambda x: _ffi_many(light(x), heavy_ns),
-        "ffi_cache_spin": lambda x: _ffi_many(light(x), heavy_ns, operands=cache),
-        "ffi_workspace_spin": lambda x: _ffi_many(light(x), heavy_ns, workspace_bytes=1 << 20),
-        "ffi_cache_workspace_spin": lambda x: _ffi_many(light(x), heavy_ns, operands=cache, workspace_bytes=1 << 20),
-    }
+        "xla_light": lambda x, cache: light(x),
+        "ffi_copy_light": lambda x, cache: _ffi(light(x), 0),
+        "ffi_spin": lambda x, cache: _ffi(light(x), heavy_ns),
+        "ffi_state_spin": lambda x, cache: _ffi(light(x), heavy_ns, stateful=True),
+        "ffi_blob_spin": lambda x, cache: _ffi(light(x), heavy_ns, blob_bytes=128 * 1024),
+        "ffi_blob1m_spin": lambda x, cache: _ffi(light(x), heavy_ns, blob_bytes=1024 * 1024),
+        "ffi_blob_light": lambda x, cache: _ffi(light(x), 0, blob_bytes=128 * 1024),
+        "ffi_blob1m_light": lambda x, cache: _ffi(light(x), 0, blob_bytes=1024 * 1024),
+        "ffi_many_spin": lambda x, cache: _ffi_many(light(x), heavy_ns),
+        "ffi_cache_spin": lambda x, cache: _ffi_many(light(x), heavy_ns, operands=cache),
+        "ffi_workspace_spin": lambda x, cache: _ffi_many(light(x), heavy_ns, workspace_bytes=1 << 20),
+        "ffi_cache_workspace_spin": lambda x, cache: _ffi_many(light(x), heavy_ns, operands=cache,
+                                                               workspace_bytes=1 << 20),
+    }  # fmt: skip
 
 
 def decode_step(layer, layers: int, options):
-    def step(x):
+    def step(x, cache):
         def body(h, _):
-            y = layer(h.astype(jnp.bfloat16)).astype(jnp.float32)
+            y = layer(h.astype(jnp.bfloat16), cache).astype(jnp.float32)
             return jnp.tanh(y), None
 
         return jax.lax.scan(body, x.astype(jnp.float32), None, length=layers)[0]
@@ -207,18 +206,16 @@ def main():
     args = parser.parse_args()
     _register()
     x = jax.random.normal(jax.random.key(0), (1, 1, N, H), jnp.bfloat16)
-    # ~4.8 TB/s: heavy_us of reading.
-    big = jnp.ones((int(args.heavy_us * 4.0e6 / 4),), jnp.float32)
-    # A decode layer's KV cache (b1 · 32k, 8 heads of 128, bf16: 64 MB each), closed over by the loop as attnlib's.
-    cache = tuple(jnp.ones((1, 32768, 8, H), jnp.bfloat16) * i for i in (1, 2))
-    fns = layer_fns(big, int(args.heavy_us * 1e3), cache)
+    # A decode layer's KV cache (b1 · 32k, 8 heads of 128, bf16: 64 MB each).
+    cache = tuple(jnp.full((1, 32768, 8, H), i, jnp.bfloat16) for i in (1, 2))
+    fns = layer_fns(int(args.heavy_us * 1e3))
     names = [name for name in fns if args.only is None or name in args.only]
     for name, _ in [(name, r) for r in range(args.repeat) for name in names]:
         layer = fns[name]
         for suffix, options in CONFIGS.items():
-            step = decode_step(layer, args.layers, options).lower(x).compile()
-            ms = min(best_per_call(step, (x,), loop=10, reps=5) for _ in range(3)) * 1e3
-            p = pipelined_profile(step, (x,), calls=20, host_top=40)
+            step = decode_step(layer, args.layers, options).lower(x, cache).compile()
+            ms = min(best_per_call(step, (x, cache), loop=10, reps=5) for _ in range(3)) * 1e3
+            p = pipelined_profile(step, (x, cache), calls=20, host_top=40)
             launch = [e for e in p["host"] if e["name"].startswith("cuGraphLaunch")]
             launches = sum(e["count"] for e in launch)
             launch_us = sum(e["us"] for e in launch)

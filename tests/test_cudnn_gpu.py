@@ -11,6 +11,7 @@ Dropout uses cuDNN's own generator (a different mask than the xla path), so it i
 and checking forward and backward against a reference that applies that same mask, plus keep-rate statistics.
 """
 
+import ast
 import math
 import os
 import subprocess
@@ -457,7 +458,7 @@ def test_command_buffers_capture_the_graph_call(tmp_path):
         captured.append(any("ffi_call" in line or "attnlib" in line for line in created))
         results.append(np.load(path))
         line = next(line for line in run.stdout.splitlines() if line.startswith("COUNTS"))
-        counts.append(eval(line.removeprefix("COUNTS ")))  # a dict literal printed by the child
+        counts.append(ast.literal_eval(line.removeprefix("COUNTS ")))  # the dict the child printed
     assert captured == [True, False], captured
     recorded, not_recorded = counts
     assert recorded["xla_records"] >= 1 and recorded["failures"] == 0, recorded
