@@ -7,7 +7,9 @@ Usage: python benchmarks/bench_peers.py [--json out.json] [--only CASE ... (run 
 Per case: every variant's output is first checked against a float32 XLA reference on the same bf16 inputs (max |err|
 within `4 eps(bf16) max|ref|`, else the variant is reported as wrong and not timed); then the variants are timed
 round-robin, best of `--rounds` rounds of `bench_cudnn.best_per_call` (wall clock under `jax.jit`), forward and
-forward + backward (gradient of `sum(out * dout)` with respect to q, k, v). A variant that cannot run the case
+forward + backward (gradient of `sum(out * dout)` with respect to q, k, v). Where attnlib trails the best peer, the
+device's kernel time per call of both is profiled too (`{kind}_kernel_us`, `{kind}_kernel_vs_best_peer`): whether
+the kernel or the call around it is behind, in the same run. A variant that cannot run the case
 (unsupported feature, import error) is reported with its error. The summary gives attnlib's speed against the
 best peer per case. `--own` adds attnlib's plain-JAX implementations and `--direct` attnlib's cuDNN call with the
 native executor's CUDA-graph replay off (`attnlib_cudnn_direct`, ATTNLIB_CUDNN_GRAPH_REPLAY=0 while it compiles) and
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
+from kernel_profile import kernel_profile
 
 import attnlib
 
@@ -197,11 +200,27 @@ def run_case(name: str, case: Case, rounds: int, own: bool = False, direct: bool
                 row[label][f"{kind}_ms"] = min(row[label].get(f"{kind}_ms", float("inf")), ms)
     mine = row.get("attnlib_cudnn", {})
     for kind in ("fwd", "fwd_bwd"):
-        peers = [r[f"{kind}_ms"] for label, r in row.items()
-                 if not label.startswith("attnlib") and isinstance(r, dict) and f"{kind}_ms" in r]
+        peers = {label: r[f"{kind}_ms"] for label, r in row.items()
+                 if not label.startswith("attnlib") and isinstance(r, dict) and f"{kind}_ms" in r}  # fmt: skip
         if peers and f"{kind}_ms" in mine:
-            row[f"{kind}_speed_vs_best_peer"] = min(peers) / mine[f"{kind}_ms"]
+            best = min(peers, key=peers.get)
+            row[f"{kind}_speed_vs_best_peer"] = peers[best] / mine[f"{kind}_ms"]
+            if row[f"{kind}_speed_vs_best_peer"] < 1:
+                _kernel_times(row, timed, kind, ("attnlib_cudnn", best), (q, k, v))
     return row
+
+
+def _kernel_times(row: dict, timed: dict, kind: str, labels, args) -> None:
+    """Where attnlib trails the best peer: the device's kernel time per call of both (each call waited for,
+    `kernel_profile`), in the same process as the wall clocks, and their ratio (`{kind}_kernel_vs_best_peer`)."""
+    for label in labels:
+        try:
+            row[label][f"{kind}_kernel_us"] = kernel_profile(timed[label][kind], args, calls=10)["kernel_us"]
+        except Exception as e:  # noqa: BLE001  (reported, not fatal)
+            row[label][f"{kind}_kernel_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    mine, best = (row[label].get(f"{kind}_kernel_us") for label in labels)
+    if mine and best:
+        row[f"{kind}_kernel_vs_best_peer"] = best / mine
 
 
 def table(results: dict) -> str:
@@ -219,7 +238,17 @@ def table(results: dict) -> str:
                 cells.append("—" if not r else ("wrong" if "wrong" in r else "error"))
         speed = " / ".join(f"{row.get(f'{kind}_speed_vs_best_peer', float('nan')):.2f}×" for kind in ("fwd", "fwd_bwd"))
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {speed} |")
+    kernels = [_kernel_line(name, row, kind) for name, row in results.items() for kind in ("fwd", "fwd_bwd")
+               if f"{kind}_kernel_vs_best_peer" in row]  # fmt: skip
+    if kernels:
+        lines += ["", "Where attnlib trails, device kernel time per call (same run):", *kernels]
     return "\n".join(lines)
+
+
+def _kernel_line(name: str, row: dict, kind: str) -> str:
+    mine = row["attnlib_cudnn"][f"{kind}_kernel_us"]
+    ratio = row[f"{kind}_kernel_vs_best_peer"]
+    return f"- {name}, {kind}: attnlib's kernels {mine:.1f} µs a call, best peer's {ratio * mine:.1f} ({ratio:.2f}×)"
 
 
 def main():

@@ -18,6 +18,12 @@ Variants (the spin: `--heavy-us` on the device, about a b1 · 32k decode layer's
   ffi_many_spin        as ffi_spin through a target with remaining operands / results; ffi_cache_spin: also given
                        a decode layer's K and V (64 MB each, jit arguments as attnlib's, unread); ffi_workspace_spin:
                        a second, 1 MB result (as attnlib's workspace); ffi_cache_workspace_spin: both
+  ffi_cudnn_shaped_spin as ffi_spin, launched as cuDNN's decode kernels: the spin on grid {8, 8} x 128 threads with
+                       86336 B of dynamic shared memory, then a second kernel on {1, 32} x 256 with 4160 B
+  ffi_cluster_spin     as ffi_cudnn_shaped_spin, the spin launched with clusters of {1, 1, 1}; ffi_pdl_spin: the
+                       second kernel a programmatic dependent launch (griddepcontrol.wait); ffi_cluster_pdl_spin: both
+  ffi_module_spin      as ffi_spin, the kernel from a cubin loaded at run time (cuModuleLoadData, as cuDNN's
+                       generated kernels); ffi_library_spin: through cuLibraryLoadData
 
 Usage: python benchmarks/probe_ffi_command_buffer.py [--heavy-us 30] [--layers 32] [--only VARIANT ...]
        [--repeat N]  (each variant N times, in turn: the spread between runs)
@@ -42,6 +48,7 @@ from kernel_profile import pipelined_profile
 SOURCE = r"""
 #include <cstdint>
 #include <memory>
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include "xla/ffi/api/ffi.h"
 namespace ffi = xla::ffi;
@@ -109,10 +116,127 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbeMany, Many,
         .Attr<int64_t>("spin_ns"),
     {ffi::Traits::kCmdBufferCompatible});
 
+// cuDNN's decode launch: its SDPA kernel on grid {8, 8} x 128 threads with 86336 bytes of dynamic shared memory,
+// then its split reduction on grid {1, 32} x 256 threads with 4160 bytes (the kernels of the decode call's graph).
+__global__ void WideSpin(const uint16_t* x, uint16_t* y, int64_t n, int64_t spin_ns) {
+  extern __shared__ char smem[];
+  uint64_t start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  int64_t block = blockIdx.y * gridDim.x + blockIdx.x, blocks = gridDim.x * gridDim.y;
+  for (int64_t i = block * blockDim.x + threadIdx.x; i < n; i += blocks * blockDim.x) y[i] = x[i];
+  smem[threadIdx.x] = 0;
+  if (spin_ns > 0) {
+    uint64_t now;
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < (uint64_t)spin_ns);
+  }
+}
+__global__ void Tail(uint16_t* y) {
+  extern __shared__ char smem[];
+  smem[threadIdx.x] = 0;
+  if (blockIdx.x + blockIdx.y + threadIdx.x == 0) y[0] = y[0];
+}
+// `cluster`: the spin launched with a cluster dimension of {1, 1, 1} (cuDNN's kernel name says cga1x1x1); `pdl`:
+// the second kernel launched as a programmatic dependent launch, waiting on the first with griddepcontrol.
+__global__ void PdlTail(uint16_t* y) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  extern __shared__ char smem[];
+  smem[threadIdx.x] = 0;
+  if (blockIdx.x + blockIdx.y + threadIdx.x == 0) y[0] = y[0];
+}
+static ffi::Error CudnnShaped(cudaStream_t s, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t spin_ns,
+                              bool cluster, bool pdl) {
+  static const cudaError_t attr = cudaFuncSetAttribute(WideSpin, cudaFuncAttributeMaxDynamicSharedMemorySize, 86336);
+  if (attr != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(attr));
+  const uint16_t* in = static_cast<const uint16_t*>(x.untyped_data());
+  auto* out = static_cast<uint16_t*>(y->untyped_data());
+  int64_t n = (int64_t)x.element_count();
+  cudaLaunchAttribute attrs[1];
+  cudaLaunchConfig_t config = {dim3(8, 8), dim3(128), 86336, s, attrs, 0};
+  if (cluster) {
+    attrs[0].id = cudaLaunchAttributeClusterDimension;
+    attrs[0].val.clusterDim.x = attrs[0].val.clusterDim.y = attrs[0].val.clusterDim.z = 1;
+    config.numAttrs = 1;
+  }
+  cudaError_t e = cudaLaunchKernelEx(&config, WideSpin, in, out, n, spin_ns);
+  if (e != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(e));
+  cudaLaunchConfig_t tail = {dim3(1, 32), dim3(256), 4160, s, attrs, 0};
+  if (pdl) {
+    attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[0].val.programmaticStreamSerializationAllowed = 1;
+    tail.numAttrs = 1;
+  }
+  e = pdl ? cudaLaunchKernelEx(&tail, PdlTail, out) : cudaLaunchKernelEx(&tail, Tail, out);
+  return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbeCudnnShaped, CudnnShaped,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+        .Attr<int64_t>("spin_ns").Attr<bool>("cluster").Attr<bool>("pdl"),
+    {ffi::Traits::kCmdBufferCompatible});
+
+// The copy + spin kernel from a cubin loaded at run time (as cuDNN loads its generated kernels): through
+// cuModuleLoadData (`module`) or cuLibraryLoadData (`library`), launched with cuLaunchKernel.
+static CUfunction loaded[2] = {nullptr, nullptr};
+static decltype(&cuLaunchKernel) launch_kernel = nullptr;
+template <typename F>
+static bool Entry(const char* name, F* fn) {  // the driver's function through the runtime (no -lcuda)
+  cudaDriverEntryPointQueryResult found;
+  void* p = nullptr;
+  if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) != cudaSuccess) return false;
+  *fn = reinterpret_cast<F>(p);
+  return found == cudaDriverEntryPointSuccess;
+}
+extern "C" int ProbeLoadCubin(const void* image) {
+  if (cudaFree(nullptr) != cudaSuccess) return 1;
+  decltype(&cuModuleLoadData) module_load;
+  decltype(&cuModuleGetFunction) module_function;
+  decltype(&cuLibraryLoadData) library_load;
+  decltype(&cuLibraryGetKernel) library_kernel;
+  if (!Entry("cuModuleLoadData", &module_load) || !Entry("cuModuleGetFunction", &module_function) ||
+      !Entry("cuLibraryLoadData", &library_load) || !Entry("cuLibraryGetKernel", &library_kernel) ||
+      !Entry("cuLaunchKernel", &launch_kernel))
+    return 2;
+  CUmodule module;
+  CUlibrary library;
+  CUkernel kernel;
+  if (module_load(&module, image) != CUDA_SUCCESS) return 3;
+  if (module_function(&loaded[0], module, "LoadedSpin") != CUDA_SUCCESS) return 4;
+  if (library_load(&library, image, nullptr, nullptr, 0, nullptr, nullptr, 0) != CUDA_SUCCESS) return 5;
+  if (library_kernel(&kernel, library, "LoadedSpin") != CUDA_SUCCESS) return 6;
+  loaded[1] = reinterpret_cast<CUfunction>(kernel);
+  return 0;
+}
+static ffi::Error Loaded(cudaStream_t s, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t spin_ns,
+                         int64_t which) {
+  if (which < 0 || which > 1 || !loaded[which]) return ffi::Error::InvalidArgument("probe_loaded: cubin not loaded");
+  const void* in = x.untyped_data();
+  void* out = y->untyped_data();
+  int64_t n = (int64_t)x.element_count();
+  void* params[] = {&in, &out, &n, &spin_ns};
+  CUresult r = launch_kernel(loaded[which], 1, 1, 1, 256, 1, 1, 0, s, params, nullptr);
+  return r == CUDA_SUCCESS ? ffi::Error::Success() : ffi::Error::Internal("probe_loaded: cuLaunchKernel failed");
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbeLoaded, Loaded,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+        .Attr<int64_t>("spin_ns").Attr<int64_t>("which"),
+    {ffi::Traits::kCmdBufferCompatible});
+
 extern "C" XLA_FFI_TypeId* ProbeStateTypeId() { return &ProbeState::id; }
 extern "C" const XLA_FFI_TypeInfo* ProbeStateTypeInfo() {
   static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<ProbeState>();
   return &info;
+}
+"""
+
+LOADED_SOURCE = r"""
+#include <cstdint>
+extern "C" __global__ void LoadedSpin(const uint16_t* x, uint16_t* y, int64_t n, int64_t spin_ns) {
+  uint64_t start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = x[i];
+  if (spin_ns > 0) {
+    uint64_t now;
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < (uint64_t)spin_ns);
+  }
 }
 """
 
@@ -135,7 +259,16 @@ def _register() -> None:
     cmd = [_nvcc(), "-O2", "-w", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_90",
            f"-I{jax.ffi.include_dir()}", src, "-o", lib]  # fmt: skip
     subprocess.run(cmd, check=True)
+    loaded_src, cubin = os.path.join(build, "loaded.cu"), os.path.join(build, "loaded.cubin")
+    with open(loaded_src, "w") as f:
+        f.write(LOADED_SOURCE)
+    subprocess.run([_nvcc(), "-O2", "-cubin", "-arch=sm_90", loaded_src, "-o", cubin], check=True)
     so = ctypes.cdll.LoadLibrary(lib)
+    jax.devices()  # the primary context, which the cubin is loaded into
+    with open(cubin, "rb") as f:
+        image = ctypes.create_string_buffer(f.read())
+    if (code := so.ProbeLoadCubin(image)) != 0:
+        raise RuntimeError(f"loading the cubin failed at step {code}")
     capsule = lambda name: jax.ffi.pycapsule(getattr(so, name))  # noqa: E731
     traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
     so.ProbeStateTypeId.restype = ctypes.c_void_p
@@ -147,6 +280,8 @@ def _register() -> None:
                         "type_info": as_capsule(so.ProbeStateTypeInfo(), None, None)}, platform="CUDA")  # fmt: skip
     jax.ffi.register_ffi_target("probe_plain", capsule("ProbePlain"), platform="CUDA", traits=traits)
     jax.ffi.register_ffi_target("probe_many", capsule("ProbeMany"), platform="CUDA", traits=traits)
+    jax.ffi.register_ffi_target("probe_cudnn_shaped", capsule("ProbeCudnnShaped"), platform="CUDA", traits=traits)
+    jax.ffi.register_ffi_target("probe_loaded", capsule("ProbeLoaded"), platform="CUDA", traits=traits)
     jax.ffi.register_ffi_target(
         "probe_stateful", {"instantiate": capsule("ProbeInstantiate"), "initialize": capsule("ProbeInitialize"),
                            "execute": capsule("ProbeStateful")}, platform="CUDA", traits=traits)  # fmt: skip
@@ -166,6 +301,11 @@ def _ffi_many(x, spin_ns: int, operands=(), workspace_bytes: int = 0):
     return jax.ffi.ffi_call("probe_many", results)(x, *operands, spin_ns=np.int64(spin_ns))[0]
 
 
+def _ffi_named(target: str, x, spin_ns: int, **attrs):
+    attrs = {k: v if isinstance(v, bool) else np.int64(v) for k, v in attrs.items()}
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, spin_ns=np.int64(spin_ns), **attrs)
+
+
 def layer_fns(heavy_ns: int) -> dict:
     """name -> layer(x, cache); `cache` (a decode layer's K and V) is a jit argument of the step, as attnlib's."""
     light = lambda x: x * 0.5 + 1.0  # noqa: E731
@@ -183,6 +323,16 @@ def layer_fns(heavy_ns: int) -> dict:
         "ffi_workspace_spin": lambda x, cache: _ffi_many(light(x), heavy_ns, workspace_bytes=1 << 20),
         "ffi_cache_workspace_spin": lambda x, cache: _ffi_many(light(x), heavy_ns, operands=cache,
                                                                workspace_bytes=1 << 20),
+        "ffi_cudnn_shaped_spin": lambda x, cache: _ffi_named("probe_cudnn_shaped", light(x), heavy_ns,
+                                                             cluster=False, pdl=False),
+        "ffi_cluster_spin": lambda x, cache: _ffi_named("probe_cudnn_shaped", light(x), heavy_ns,
+                                                        cluster=True, pdl=False),
+        "ffi_pdl_spin": lambda x, cache: _ffi_named("probe_cudnn_shaped", light(x), heavy_ns,
+                                                    cluster=False, pdl=True),
+        "ffi_cluster_pdl_spin": lambda x, cache: _ffi_named("probe_cudnn_shaped", light(x), heavy_ns,
+                                                            cluster=True, pdl=True),
+        "ffi_module_spin": lambda x, cache: _ffi_named("probe_loaded", light(x), heavy_ns, which=0),
+        "ffi_library_spin": lambda x, cache: _ffi_named("probe_loaded", light(x), heavy_ns, which=1),
     }  # fmt: skip
 
 
