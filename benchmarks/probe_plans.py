@@ -2,17 +2,22 @@
 (issue 17: MLA 192/128, b1 · s16384, GQA window, the small shapes), each timed by the native extension as the
 autotuner times its candidates — not only the first `MAX_AUTOTUNE_CANDIDATES` (`ATTNLIB_CUDNN_AUTOTUNE=all`).
 
-Usage: ATTNLIB_CACHE_DIR=$(mktemp -d) python benchmarks/probe_plans.py  (one line per graph: label | plan record
-with every plan's kernel time)
+Usage: ATTNLIB_CACHE_DIR=$(mktemp -d) python benchmarks/probe_plans.py [--only NAME ...] [--layout heads_major]
+(one line per graph: label | plan record with every plan's kernel time). `--layout heads_major` describes Q, K, V,
+O and their gradients to cuDNN as `[B, N, T, H]` in memory (BHSD) instead of attnlib's `[B, T, N, H]` (BSHD): the
+plans' kernel times for a caller whose arrays were already heads-major (the graphs are only built and timed here,
+never run on JAX arrays; a fresh ATTNLIB_CACHE_DIR keeps the two layouts' plans apart).
 """
 
+import argparse
 import os
 
 import jax
 import jax.numpy as jnp
 
 import attnlib
-from attnlib._src.backends.cudnn import executor
+from attnlib._src.backends.cudnn import executor, graphs
+from attnlib._src.backends.cudnn.graph_spec import Uid
 
 
 CALLS = {  # name: (q shape, k shape, v shape, kwargs)
@@ -25,9 +30,33 @@ CALLS = {  # name: (q shape, k shape, v shape, kwargs)
 }  # fmt: skip
 
 
+DENSE = (Uid.Q, Uid.K, Uid.V, Uid.O, Uid.DQ, Uid.DK, Uid.DV, Uid.DO)
+
+
+def heads_major(layout):
+    """`graphs._layout` with the dense Q, K, V, O (and gradients) strided as `[B, N, T, H]` in memory."""
+
+    def described(uid, spec):
+        dims, strides = layout(uid, spec)
+        if uid in DENSE and not spec.pages and not spec.ragged:
+            _, heads, rows, dim = dims
+            return dims, [heads * rows * dim, rows * dim, dim, 1]
+        return dims, strides
+
+    return described
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--layout", choices=("bshd", "heads_major"), default="bshd")
+    args = parser.parse_args()
+    if args.layout == "heads_major":
+        graphs._layout = heads_major(graphs._layout)
     os.environ["ATTNLIB_CUDNN_AUTOTUNE"] = "all"  # time every backend plan
     for name, (qs, ks, vs, kw) in CALLS.items():
+        if args.only and name not in args.only:
+            continue
         q, k, v = (jnp.zeros(s, jnp.bfloat16) for s in (qs, ks, vs))
         loss = lambda q, k, v, kw=kw: jnp.sum(attnlib.attention(q, k, v, implementation="cudnn", **kw))  # noqa: E731
         jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v)
