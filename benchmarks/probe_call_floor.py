@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 from bench_peers import _kwargs, CASES, compile_variant, variants
+from probe_call_gaps import inputs
 from probe_ffi_command_buffer import _register
 
 
@@ -49,10 +50,7 @@ def tiny_calls() -> dict:
 
 def attention_calls(name: str) -> dict:
     case = CASES[name]
-    keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (case.b, case.t, case.n, case.h), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (case.b, case.s, case.k, case.h), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (case.b, case.s, case.k, case.hv), jnp.bfloat16)
+    q, k, v = inputs(case)
     kw = _kwargs(case)
     calls = {}
     for label, fn in variants(case, direct=True).items():

@@ -19,6 +19,15 @@ GAP_CASES = ("mla_192_128_causal_b4_s4096_h16", "gqa_32_8_window1024_b1_s8192", 
              "small_b8_s512_h16_d128")  # fmt: skip
 
 
+def inputs(case):
+    """Random bf16 q, k, v of `case` (the same for every probe of one case)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (case.b, case.t, case.n, case.h), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (case.b, case.s, case.k, case.h), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (case.b, case.s, case.k, case.hv), jnp.bfloat16)
+    return q, k, v
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=30)
@@ -27,10 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     for name in args.only or GAP_CASES:
         case = CASES[name]
-        keys = jax.random.split(jax.random.key(0), 3)
-        q = jax.random.normal(keys[0], (case.b, case.t, case.n, case.h), jnp.bfloat16)
-        k = jax.random.normal(keys[1], (case.b, case.s, case.k, case.h), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (case.b, case.s, case.k, case.hv), jnp.bfloat16)
+        q, k, v = inputs(case)
         kw = _kwargs(case)
         print(f"\n== {name}", flush=True)
         for label, fn in variants(case, direct=True).items():

@@ -45,6 +45,16 @@ from jaxlib import xla_client
 from kernel_profile import pipelined_profile
 
 
+SPIN_BODY = r"""(const uint16_t* x, uint16_t* y, int64_t n, int64_t spin_ns) {
+  uint64_t start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = x[i];
+  if (spin_ns > 0) {
+    uint64_t now;
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < (uint64_t)spin_ns);
+  }
+}"""  # the copy (+ spin) kernel's parameters and body: compiled into the FFI library and, alone, into a cubin
+
 SOURCE = r"""
 #include <chrono>
 #include <cstdint>
@@ -55,15 +65,7 @@ SOURCE = r"""
 #include "xla/ffi/api/ffi.h"
 namespace ffi = xla::ffi;
 
-__global__ void CopySpin(const uint16_t* x, uint16_t* y, int64_t n, int64_t spin_ns) {
-  uint64_t start;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = x[i];
-  if (spin_ns > 0) {
-    uint64_t now;
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < (uint64_t)spin_ns);
-  }
-}
+__global__ void CopySpin SPIN_BODY
 
 static ffi::Error Launch(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t spin_ns) {
   CopySpin<<<1, 256, 0, stream>>>(static_cast<const uint16_t*>(x.untyped_data()),
@@ -306,16 +308,10 @@ extern "C" const XLA_FFI_TypeInfo* ProbeStateTypeInfo() {
 
 LOADED_SOURCE = r"""
 #include <cstdint>
-extern "C" __global__ void LoadedSpin(const uint16_t* x, uint16_t* y, int64_t n, int64_t spin_ns) {
-  uint64_t start;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = x[i];
-  if (spin_ns > 0) {
-    uint64_t now;
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < (uint64_t)spin_ns);
-  }
-}
+extern "C" __global__ void LoadedSpin SPIN_BODY
 """
+
+SOURCE, LOADED_SOURCE = (text.replace("SPIN_BODY", SPIN_BODY) for text in (SOURCE, LOADED_SOURCE))
 
 CONFIGS = {"": None, "_min_graph_1": {"xla_gpu_graph_min_graph_size": 1}}
 N, H = 32, 128  # the decode query: [1, 1, N, H] bf16
