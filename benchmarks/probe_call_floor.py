@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
-from bench_peers import _kwargs, CASES, compile_variant, variants
+from bench_peers import _kwargs, _peer_kwargs, CASES, compile_variant, variants
 from probe_call_gaps import inputs
 from probe_ffi_command_buffer import _register
 
@@ -56,7 +56,11 @@ def attention_calls(name: str) -> dict:
     for label, fn in variants(case, direct=True).items():
         if label.endswith("_always"):
             continue
-        calls[label] = (compile_variant(label, lambda q, k, v, fn=fn: fn(q, k, v, **kw), (q, k, v)), (q, k, v))
+        call_kw = kw if label.startswith("attnlib") else _peer_kwargs(case, kw)
+        calls[label] = (
+            compile_variant(label, lambda q, k, v, fn=fn, kw=call_kw: fn(q, k, v, **kw), (q, k, v)),
+            (q, k, v),
+        )
     return calls
 
 
