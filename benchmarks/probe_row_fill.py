@@ -25,6 +25,8 @@ Mosaic GPU custom call (jax 0.11.2 lowers Mosaic GPU kernels only through `pl.ke
 - `mosaic_b1`, `mosaic_b2`, `mosaic_b4`, `mosaic_b8`: B with 1, 2, 4 or 8 programs per 32-row word, which split a
   wholly flagged word's copies and a partly flagged word's rows between them (`row_fill._run_kernel(parts=...)`; B
   runs `row_fill.PROGRAMS_PER_WORD`, 4 since 2026-12-03; it ran 1 before).
+- `mosaic_b_fill2k`, `mosaic_b_fill4k`, `mosaic_b_fill8k`: B with fill buffers (and so copies) of at most 2, 4 or 8
+  KiB instead of `row_fill.FILL_BYTES` (16 KiB): less shared memory per program for more copies.
 
 Both need rows of `C * itemsize` bytes, a multiple of 16 (TMA strides, bulk copy sizes and addresses), and
 `T * C < 2**31` (int32 offsets); other shapes (e.g. `[1000, 7, 5]` f16: 70-byte rows) go to `set_rows_scatter`, marked
@@ -256,11 +258,12 @@ def _library_kernel(x, zero, nan, *, interpret: bool):
     return row_fill.set_rows_kernel(x, zero, nan, interpret=interpret)
 
 
-def _library_kernel_parts(x, zero, nan, *, parts: int, interpret: bool):
-    """B with `parts` programs per 32-row word (`row_fill._run_kernel`): more programs share a word's copies."""
+def _library_kernel_parts(x, zero, nan, *, interpret: bool, **options):
+    """B with other `row_fill._run_kernel` options: `parts` programs per 32-row word (more programs share a word's
+    copies), fill buffers of at most `fill_bytes` (less shared memory per program, more copies)."""
     if not row_fill.kernel_takes(x):
         return row_fill.set_rows_scatter(x, zero, nan)
-    return row_fill._run_kernel(x, zero, nan, interpret=interpret, parts=parts)
+    return row_fill._run_kernel(x, zero, nan, interpret=interpret, **options)
 
 
 def mosaic_candidates(interpret=None) -> dict:
@@ -270,6 +273,9 @@ def mosaic_candidates(interpret=None) -> dict:
         "mosaic_b": (functools.partial(_library_kernel, interpret=interpret is not None), row_fill.kernel_takes),
         **{f"mosaic_b{parts}": (functools.partial(_library_kernel_parts, parts=parts, interpret=interpret is not None),
                                 row_fill.kernel_takes) for parts in (1, 2, 4, 8)},
+        **{f"mosaic_b_fill{kb}k": (functools.partial(_library_kernel_parts, fill_bytes=kb * 1024,
+                                                     interpret=interpret is not None),
+                                   row_fill.kernel_takes) for kb in (2, 4, 8)},
     }  # fmt: skip
 
 

@@ -75,13 +75,13 @@ def row_masks(zero: jax.Array, nan: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(packed, jnp.int32)
 
 
-def _copy_size(elements: int, itemsize: int) -> int:
-    """The largest divisor of `elements` of at most `FILL_BYTES` bytes and a multiple of 16 bytes."""
+def _copy_size(elements: int, itemsize: int, limit: int = FILL_BYTES) -> int:
+    """The largest divisor of `elements` of at most `limit` bytes and a multiple of 16 bytes."""
     best = 0
     for d in range(1, math.isqrt(elements) + 1):
         if elements % d == 0:
             for size in (d, elements // d):
-                if size * itemsize <= FILL_BYTES and size * itemsize % 16 == 0:
+                if size * itemsize <= limit and size * itemsize % 16 == 0:
                     best = max(best, size)
     assert best, (elements, itemsize)  # rows of 16-byte multiples always have one
     return best
@@ -155,17 +155,22 @@ def _fill_kernel(masks_ref, x_ref, zeros, nans, *, columns: int, row_copy: int, 
 
 
 def _run_kernel(
-    x: jax.Array, zero: jax.Array, nan: jax.Array, interpret: bool, parts: int = PROGRAMS_PER_WORD
+    x: jax.Array,
+    zero: jax.Array,
+    nan: jax.Array,
+    interpret: bool,
+    parts: int = PROGRAMS_PER_WORD,
+    fill_bytes: int = FILL_BYTES,
 ) -> jax.Array:
-    """The kernel with `parts` programs per mask word (reduced to a divisor of 32; other counts than the library's
-    for `benchmarks/probe_row_fill.py`)."""
+    """The kernel with `parts` programs per mask word (reduced to a divisor of 32) and fill buffers of at most
+    `fill_bytes` (other values than the library's for `benchmarks/probe_row_fill.py`)."""
     from jax.experimental import pallas as pl
 
     mosaic_gpu = _mosaic_gpu()
     rows, columns = x.shape[0], math.prod(x.shape[1:])
-    row_copy = _copy_size(columns, x.dtype.itemsize)
+    row_copy = _copy_size(columns, x.dtype.itemsize, fill_bytes)
     parts = math.gcd(parts, ROWS_PER_WORD)
-    word_copy = _copy_size(ROWS_PER_WORD * columns // parts, x.dtype.itemsize)
+    word_copy = _copy_size(ROWS_PER_WORD * columns // parts, x.dtype.itemsize, fill_bytes)
     buffer = -(-word_copy // 1024) * 1024  # whole vector stores for each of the 128 threads
     masks = row_masks(zero, nan)
     body = functools.partial(_fill_kernel, columns=columns, row_copy=row_copy, word_copy=word_copy, parts=parts)
