@@ -11,7 +11,8 @@ def state_type() -> dict[str, Any]:
 
 def graph_replay_counts() -> dict[str, int]:
     """Process-wide counts of graph executions: captured into a CUDA graph, replayed from one, run directly, failed
-    captures, and run while XLA captured them into its command buffer."""
+    captures, run while XLA captured them into its command buffer, and captures whose launches attnlib issued again
+    itself."""
 
 def frontend_version() -> int:
     """CUDNN_FRONTEND_VERSION of the headers this module was compiled against (13200 for 1.32.0)."""

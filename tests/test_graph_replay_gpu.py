@@ -90,6 +90,7 @@ def test_repeated_addresses_with_new_contents_replay_the_captured_graph():
     delta = _delta(before)
     assert delta["failures"] == 0, delta
     assert delta["captures"] >= 2, delta  # the forward and the backward graph
+    assert delta["reissued"] == delta["captures"], delta  # every capture's launches issued again by attnlib
     assert delta["replays"] >= len(factors), delta
 
 
@@ -264,6 +265,7 @@ def test_zero_filled_results_replayed_and_in_xla_command_buffers(command_buffers
     delta = _delta(before)
     assert delta["failures"] == 0, delta
     if command_buffers:
-        assert delta["xla_records"] >= 1, delta
+        assert delta["xla_records"] >= 1 and delta["reissued"] == delta["xla_records"], delta
     else:
         assert delta["captures"] >= 1 and delta["replays"] >= 1 and delta["xla_records"] == 0, delta
+        assert delta["reissued"] == delta["captures"], delta

@@ -9,8 +9,8 @@
 //   EXECUTE: set the handle's stream to XLA's, optionally zero some results, and run the plan, or replay that work
 //     from a CUDA graph captured for the same buffer addresses when the call's `replay` attribute allows it
 //     (graph_replay.h; ATTNLIB_CUDNN_GRAPH_REPLAY overrides the attribute). No device allocation, no
-//     deserialization, no blocking lock: safe to capture into a command buffer (CUDA graph), where the plan always
-//     runs directly.
+//     deserialization, no blocking lock: safe to capture into a command buffer (CUDA graph), where the plan's
+//     launches are captured on a private stream and issued again into XLA's capture (graph_replay.h, relaunch.h).
 // Operands are the graph's inputs in `in_uids` order; results are its outputs in `out_uids` order plus, when the plan
 // needs one (`ws_bytes` > 0), a trailing uint8 workspace of at least `ws_bytes` bytes.
 
@@ -114,7 +114,7 @@ struct GraphState {
   std::mutex mu;
   std::array<std::atomic<DeviceGraph*>, kMaxDevices> devices{};
   std::array<std::shared_ptr<DeviceGraph>, kMaxDevices> owned;
-  std::array<std::unique_ptr<GraphReplay>, kMaxDevices> replays;  // null: run the plan directly
+  std::array<std::unique_ptr<GraphReplay>, kMaxDevices> replays;  // null: no CUDA graph API, run the plan directly
 };
 
 ffi::TypeId GraphState::id = {};
@@ -352,9 +352,7 @@ ffi::Error Initialize(cudaStream_t stream, int32_t device, GraphState* st) {
     std::shared_ptr<DeviceGraph> dg;
     if (ffi::Error err = BuildDeviceGraph(*st, device, handle, stream, &dg); err.failure()) return err;
     st->owned[device] = dg;
-    if (st->replay && GraphApi() != nullptr) {
-      st->replays[device] = std::make_unique<GraphReplay>(*GraphApi());
-    }
+    if (GraphApi() != nullptr) st->replays[device] = std::make_unique<GraphReplay>(*GraphApi(), st->replay);
     st->devices[device].store(dg.get(), std::memory_order_release);
     return ffi::Error::Success();
   } catch (const std::exception& e) {
@@ -443,8 +441,10 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, GraphState* st, ffi::Rem
       if (status.is_bad()) return FeError(*st, "execute", status);
       return ffi::Error::Success();
     };
-    if (const CudaGraphApi* api = GraphApi(); api != nullptr && CapturedByXla(*api, stream)) return launch(stream);
     GraphReplay* replay = st->replays[device].get();
+    if (const CudaGraphApi* api = GraphApi(); api != nullptr && CapturedByXla(*api, stream)) {
+      return replay != nullptr ? replay->RunIntoCapture(stream, launch) : launch(stream);
+    }
     if (replay == nullptr) {
       CountDirectRun();
       return launch(stream);

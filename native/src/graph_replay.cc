@@ -2,6 +2,8 @@
 
 #include "graph_replay.h"
 
+#include "relaunch.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +19,7 @@ std::atomic<int64_t> g_replays{0};
 std::atomic<int64_t> g_direct{0};
 std::atomic<int64_t> g_failures{0};
 std::atomic<int64_t> g_xla_records{0};
+std::atomic<int64_t> g_reissued{0};
 
 ffi::Error CudaFailure(const char* step, cudaError_t err) {
   return ffi::Error::Internal(std::string("attnlib CUDA graph replay, ") + step + ": CUDA error " +
@@ -26,7 +29,8 @@ ffi::Error CudaFailure(const char* step, cudaError_t err) {
 }  // namespace
 
 GraphReplayCounts ReadGraphReplayCounts() {
-  return {g_captures.load(), g_replays.load(), g_direct.load(), g_failures.load(), g_xla_records.load()};
+  return {g_captures.load(), g_replays.load(), g_direct.load(), g_failures.load(), g_xla_records.load(),
+          g_reissued.load()};
 }
 
 bool CapturedByXla(const CudaGraphApi& api, cudaStream_t stream) {
@@ -58,8 +62,8 @@ bool GraphReplay::SeenRecently(const Key& key) {
   return std::any_of(recent_.begin(), recent_.end(), [&](const Key& k) { return k.size > 0 && k == key; });
 }
 
-ffi::Error GraphReplay::Capture(const Launch& launch, cudaGraphExec_t* exec) {
-  *exec = nullptr;
+ffi::Error GraphReplay::CaptureGraph(const Launch& launch, cudaGraph_t* graph) {
+  *graph = nullptr;
   if (capture_stream_ == nullptr) {
     if (cudaError_t err = api_.stream_create_with_flags(&capture_stream_, cudaStreamNonBlocking); err != cudaSuccess) {
       capture_stream_ = nullptr;
@@ -71,15 +75,41 @@ ffi::Error GraphReplay::Capture(const Launch& launch, cudaGraphExec_t* exec) {
     return CudaFailure("cudaStreamBeginCapture", err);
   }
   ffi::Error launched = launch(capture_stream_);
-  cudaGraph_t graph = nullptr;
-  cudaError_t ended = api_.stream_end_capture(capture_stream_, &graph);
-  if (launched.failure() || ended != cudaSuccess || graph == nullptr) {
-    if (graph != nullptr) api_.graph_destroy(graph);
+  cudaError_t ended = api_.stream_end_capture(capture_stream_, graph);
+  if (launched.failure() || ended != cudaSuccess || *graph == nullptr) {
+    if (*graph != nullptr) api_.graph_destroy(*graph);
+    *graph = nullptr;
     if (launched.failure()) return launched;
     return CudaFailure("cudaStreamEndCapture", ended);
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error GraphReplay::Capture(const Launch& launch, cudaGraphExec_t* exec) {
+  *exec = nullptr;
+  cudaGraph_t captured = nullptr;
+  if (ffi::Error err = CaptureGraph(launch, &captured); err.failure()) return err;
+  // The graph instantiated: cuDNN's launches issued again by us, else (unreadable) the capture itself.
+  cudaGraph_t graph = captured;
+  Relaunch relaunch;
+  if (relaunch.Read(captured)) {
+    auto issue = [&](cudaStream_t on) -> ffi::Error {
+      CUresult r = relaunch.Issue(on);
+      return r == CUDA_SUCCESS ? ffi::Error::Success()
+                               : ffi::Error::Internal("attnlib CUDA graph replay, issuing cuDNN's launches: CUDA "
+                                                      "driver error " + std::to_string(static_cast<int>(r)) + ".");
+    };
+    cudaGraph_t reissued = nullptr;
+    if (CaptureGraph(issue, &reissued).success()) {
+      graph = reissued;
+      g_reissued.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      api_.get_last_error();
+    }
+  }
   cudaError_t made = api_.graph_instantiate_with_flags(exec, graph, 0);
-  api_.graph_destroy(graph);
+  if (graph != captured) api_.graph_destroy(graph);
+  api_.graph_destroy(captured);
   if (made != cudaSuccess) {
     *exec = nullptr;
     return CudaFailure("cudaGraphInstantiateWithFlags", made);
@@ -87,9 +117,33 @@ ffi::Error GraphReplay::Capture(const Launch& launch, cudaGraphExec_t* exec) {
   return ffi::Error::Success();
 }
 
+ffi::Error GraphReplay::RunIntoCapture(cudaStream_t stream, const Launch& launch) {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return launch(stream);
+  cudaGraph_t captured = nullptr;
+  if (CaptureGraph(launch, &captured).failure()) {
+    api_.get_last_error();
+    return launch(stream);
+  }
+  Relaunch relaunch;
+  ffi::Error result = ffi::Error::Success();
+  if (relaunch.Read(captured)) {
+    if (CUresult r = relaunch.Issue(stream); r != CUDA_SUCCESS) {
+      result = ffi::Error::Internal("attnlib cuDNN graph call, issuing cuDNN's launches into XLA's command buffer: "
+                                    "CUDA driver error " + std::to_string(static_cast<int>(r)) + ".");
+    } else {
+      g_reissued.fetch_add(1, std::memory_order_relaxed);
+    }
+  } else {
+    result = launch(stream);
+  }
+  api_.graph_destroy(captured);
+  return result;
+}
+
 ffi::Error GraphReplay::Run(cudaStream_t stream, const Key& key, const Launch& launch) {
   std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
-  if (!lock.owns_lock() || off_ || key.size == 0) {
+  if (!replay_ || !lock.owns_lock() || off_ || key.size == 0) {
     g_direct.fetch_add(1, std::memory_order_relaxed);
     return launch(stream);
   }

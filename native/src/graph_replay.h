@@ -4,8 +4,12 @@
 // replaying the same launches from an instantiated CUDA graph costs one cudaGraphLaunch. A graph bakes in the buffer
 // addresses, so one is captured per address set, on that set's second use (an address set seen once is never
 // captured), and only a bounded number of captures per executable and device is ever made: a caller whose addresses
-// change on every call pays one key comparison per call. Calls made while XLA captures the stream into its own command
-// buffer, and calls that find the cache busy on another thread, run the plan directly.
+// change on every call pays one key comparison per call. Calls that find the cache busy on another thread run the
+// plan directly.
+//
+// Both here and when XLA captures the call into its own command buffer, cuDNN's launches are first captured on a
+// private stream and then issued again by attnlib (relaunch.h): a graph of cuDNN's captured launches is slower to
+// launch and holds the host once a few dozen launches of it are queued.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -27,7 +31,8 @@ struct GraphReplayCounts {
   int64_t replays;   // calls launched from a captured graph
   int64_t direct;    // calls that ran the plan directly
   int64_t failures;  // captures that failed (the cache then stays off for that executable and device)
-  int64_t xla_records;  // calls made while XLA captured the stream into its command buffer (run directly, captured)
+  int64_t xla_records;  // calls made while XLA captured the stream into its command buffer
+  int64_t reissued;     // captures of cuDNN's launches that attnlib issued again itself (replay graphs, XLA's captures)
 };
 GraphReplayCounts ReadGraphReplayCounts();
 // Counts a call that ran the plan directly without consulting a cache (replay off for its executable).
@@ -52,8 +57,8 @@ struct CudaGraphApi {
   cudaError_t (*get_last_error)();
 };
 
-// Whether XLA is capturing `stream` into its command buffer (the call then runs directly, into the capture); each
-// such call is counted.
+// Whether XLA is capturing `stream` into its command buffer (the call's work then goes into that capture); each such
+// call is counted.
 bool CapturedByXla(const CudaGraphApi& api, cudaStream_t stream);
 
 class GraphReplay {
@@ -78,7 +83,8 @@ class GraphReplay {
     xla::ffi::Error (*call_)(const void*, cudaStream_t);
   };
 
-  explicit GraphReplay(const CudaGraphApi& api) : api_(api) {}
+  // `replay`: whether calls may be replayed (else `Run` always runs the plan directly).
+  GraphReplay(const CudaGraphApi& api, bool replay) : api_(api), replay_(replay) {}
   GraphReplay(const GraphReplay&) = delete;
   GraphReplay& operator=(const GraphReplay&) = delete;
   ~GraphReplay();
@@ -86,6 +92,10 @@ class GraphReplay {
   // Runs `launch`'s work on `stream` (not under XLA's capture): from the graph captured for `key` when there is one,
   // else directly (capturing it first, on a private stream, when `key` was seen before and captures are left).
   xla::ffi::Error Run(cudaStream_t stream, const Key& key, const Launch& launch);
+
+  // Puts `launch`'s work into XLA's capture of `stream`: captured on the private stream and issued again on `stream`
+  // (directly on `stream` when that cannot be done).
+  xla::ffi::Error RunIntoCapture(cudaStream_t stream, const Launch& launch);
 
  private:
   static constexpr size_t kMaxGraphs = 4;    // instantiated graphs kept (least recently used one replaced)
@@ -98,10 +108,13 @@ class GraphReplay {
     uint64_t last_use = 0;
   };
 
+  // Captures `launch`'s work on the private stream (mu_ held).
+  xla::ffi::Error CaptureGraph(const Launch& launch, cudaGraph_t* graph);
   xla::ffi::Error Capture(const Launch& launch, cudaGraphExec_t* exec);
   bool SeenRecently(const Key& key);
 
   const CudaGraphApi& api_;
+  const bool replay_;
   std::mutex mu_;
   std::vector<Captured> graphs_;
   std::array<Key, kRecentKeys> recent_{};

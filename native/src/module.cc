@@ -79,10 +79,12 @@ NB_MODULE(_attnlib_ffi, m) {
         out["direct"] = c.direct;
         out["failures"] = c.failures;
         out["xla_records"] = c.xla_records;
+        out["reissued"] = c.reissued;
         return out;
       },
       "Process-wide counts of graph executions: captured into a CUDA graph, replayed from one, run directly, failed "
-      "captures, and run while XLA captured them into its command buffer.");
+      "captures, run while XLA captured them into its command buffer, and captures whose launches attnlib issued "
+      "again itself.");
 
   m.def("frontend_version", &attnlib::FrontendVersion,
         "CUDNN_FRONTEND_VERSION of the headers this module was compiled against (13200 for 1.32.0).");
