@@ -5,7 +5,9 @@
 #include <dlfcn.h>
 
 #include <cstring>
+#include <type_traits>
 #include <unordered_map>
+#include <utility>
 
 namespace attnlib {
 namespace {
