@@ -53,7 +53,6 @@ void ProbeCapturedLaunches(CUgraph graph, CUgraphExec exec, const char* label) {
   S(cuGraphCreate);
   S(cuGraphAddKernelNode);
   S(cuGraphAddMemsetNode);
-  S(cuGraphAddDependencies);
   S(cuGraphInstantiate);
   S(cuGraphLaunch);
   S(cuGraphExecDestroy);
@@ -65,7 +64,6 @@ void ProbeCapturedLaunches(CUgraph graph, CUgraphExec exec, const char* label) {
   S(cuLaunchKernel);
   S(cuMemsetD8Async);
   S(cuMemsetD32Async);
-  S(cuGraphUpload);
 
   p_cuCtxSynchronize();
   CUcontext ctx = nullptr;
