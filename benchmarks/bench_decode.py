@@ -60,6 +60,15 @@ def _inputs(b: int, context: int):
     return x, k, v, lengths, pool(k), pool(v), page_table
 
 
+def reference_and_tolerance(x, k, v, lengths) -> tuple[np.ndarray, float]:
+    """One layer's float32 reference on the bf16 inputs, and the error a variant may have: `4 eps(bf16) max|ref|`."""
+    with jax.default_matmul_precision("highest"):
+        reference = np.asarray(attnlib.attention(
+            x.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), key_value_seq_lengths=lengths,
+            is_causal=True, diagonal_alignment="bottom_right", implementation="xla"), np.float32)  # fmt: skip
+    return reference, 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(reference)))
+
+
 def _gathered(pool: jax.Array, page_table: jax.Array) -> jax.Array:
     """A page pool `[P, PAGE, K, H]` gathered into the dense cache `[B, pages_per_seq * PAGE, K, H]`."""
     b, pages = page_table.shape
@@ -184,11 +193,7 @@ def main():
         if args.only is not None and name not in args.only:
             continue
         x, k, v, lengths, k_pool, v_pool, page_table = _inputs(b, context)
-        with jax.default_matmul_precision("highest"):
-            reference = np.asarray(attnlib.attention(
-                x.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), key_value_seq_lengths=lengths,
-                is_causal=True, diagonal_alignment="bottom_right", implementation="xla"), np.float32)  # fmt: skip
-        tol = 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(reference)))
+        reference, tol = reference_and_tolerance(x, k, v, lengths)
         row, steps = {}, {}
         for label, attend in layer_fns(lengths, page_table).items():
             cache = (k_pool, v_pool) if reads_pages(label) else (k, v)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
-from bench_decode import _inputs, CONFIGS, decode_step, PAGE
+from bench_decode import _inputs, CONFIGS, decode_step, PAGE, reference_and_tolerance
 
 import attnlib
 
@@ -72,11 +72,7 @@ def main():
     for name in args.shapes:
         b, context = SHAPES[name]
         x, k, v, lengths, k_pool, v_pool, page_table = _inputs(b, context)
-        with jax.default_matmul_precision("highest"):
-            reference = np.asarray(attnlib.attention(
-                x.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), key_value_seq_lengths=lengths,
-                is_causal=True, diagonal_alignment="bottom_right", implementation="xla"), np.float32)  # fmt: skip
-        tol = 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(reference)))
+        reference, tol = reference_and_tolerance(x, k, v, lengths)
         variants = {
             "plain_dense": (lambda q, k, v: attnlib.attention(
                 q, k, v, key_value_seq_lengths=lengths, is_causal=True, diagonal_alignment="bottom_right",
