@@ -36,6 +36,7 @@ from bench_peers import graph_replay, replay_mode
 from kernel_profile import event_rows, kernel_profile, pipelined_profile
 
 import attnlib
+from attnlib._src.paged import gather_pages
 
 
 N, K, H, PAGE = 32, 8, 128, 64
@@ -69,12 +70,6 @@ def reference_and_tolerance(x, k, v, lengths) -> tuple[np.ndarray, float]:
     return reference, 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(reference)))
 
 
-def _gathered(pool: jax.Array, page_table: jax.Array) -> jax.Array:
-    """A page pool `[P, PAGE, K, H]` gathered into the dense cache `[B, pages_per_seq * PAGE, K, H]`."""
-    b, pages = page_table.shape
-    return pool[page_table].reshape((b, pages * pool.shape[1]) + pool.shape[2:])
-
-
 def reads_pages(label: str) -> bool:
     """The variant's cache is the page pool (else the dense cache)."""
     return label.startswith("attnlib_paged") or label == "jax_nn_cudnn_paged"
@@ -100,7 +95,7 @@ def layer_fns(lengths, page_table):
             q, k, v, key_value_seq_lengths=lengths, implementation="cudnn"),
         # jax.nn has no paged cache: a jax.nn user gathers the sequence's pages into a dense cache first.
         "jax_nn_cudnn_paged": lambda q, kp, vp: jax.nn.dot_product_attention(
-            q, _gathered(kp, page_table), _gathered(vp, page_table), key_value_seq_lengths=lengths,
+            q, gather_pages(kp, page_table), gather_pages(vp, page_table), key_value_seq_lengths=lengths,
             implementation="cudnn"),
     }  # fmt: skip
     try:
