@@ -25,6 +25,8 @@ Mosaic GPU custom call (jax 0.11.2 lowers Mosaic GPU kernels only through `pl.ke
 - `mosaic_b1`, `mosaic_b2`, `mosaic_b4`, `mosaic_b8`: B with 1, 2, 4 or 8 programs per 32-row word, which split a
   wholly flagged word's copies and a partly flagged word's rows between them (`row_fill._run_kernel(parts=...)`; B
   runs `row_fill.PROGRAMS_PER_WORD`, 4 since 2026-12-03; it ran 1 before).
+- `where` (C, XLA): `where(nan, NaN, where(zero, 0, x))` over the whole result, one elementwise fusion in place on
+  the donated `x`: a pass over `x` (read and write) whatever the number of rows set, but no custom call.
 - `mosaic_b_fill2k`, `mosaic_b_fill4k`, `mosaic_b_fill8k`: B with fill buffers (and so copies) of at most 2, 4 or 8
   KiB instead of `row_fill.FILL_BYTES` (16 KiB): less shared memory per program for more copies.
 
@@ -279,9 +281,17 @@ def mosaic_candidates(interpret=None) -> dict:
     }  # fmt: skip
 
 
+def set_rows_where(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
+    """C: XLA's elementwise select over the whole of `x` (one fusion, in place where `x` is donated)."""
+    rows = (x.shape[0],) + (1,) * (x.ndim - 1)
+    zero, nan = jnp.reshape(zero, rows), jnp.reshape(nan, rows)
+    return jnp.where(nan, jnp.asarray(jnp.nan, x.dtype), jnp.where(zero, jnp.asarray(0, x.dtype), x))
+
+
 def candidates() -> dict:
     everything = lambda x: True  # noqa: E731
-    peers = {"triton": (set_rows_triton, everything), "scatter": (row_fill.set_rows_scatter, everything)}
+    peers = {"triton": (set_rows_triton, everything), "scatter": (row_fill.set_rows_scatter, everything),
+             "where": (set_rows_where, everything)}  # fmt: skip
     return {**peers, **mosaic_candidates()}
 
 
