@@ -26,6 +26,11 @@ ffi::Error CudaFailure(const char* step, cudaError_t err) {
                               std::to_string(static_cast<int>(err)) + ".");
 }
 
+ffi::Error DriverFailure(const char* step, CUresult err) {
+  return ffi::Error::Internal(std::string("attnlib CUDA graph replay, ") + step + ": CUDA driver error " +
+                              std::to_string(static_cast<int>(err)) + ".");
+}
+
 }  // namespace
 
 GraphReplayCounts ReadGraphReplayCounts() {
@@ -95,9 +100,7 @@ ffi::Error GraphReplay::Capture(const Launch& launch, cudaGraphExec_t* exec) {
   if (relaunch.Read(captured)) {
     auto issue = [&](cudaStream_t on) -> ffi::Error {
       CUresult r = relaunch.Issue(on);
-      return r == CUDA_SUCCESS ? ffi::Error::Success()
-                               : ffi::Error::Internal("attnlib CUDA graph replay, issuing cuDNN's launches: CUDA "
-                                                      "driver error " + std::to_string(static_cast<int>(r)) + ".");
+      return r == CUDA_SUCCESS ? ffi::Error::Success() : DriverFailure("issuing cuDNN's launches", r);
     };
     cudaGraph_t reissued = nullptr;
     if (CaptureGraph(issue, &reissued).success()) {
@@ -129,8 +132,7 @@ ffi::Error GraphReplay::RunIntoCapture(cudaStream_t stream, const Launch& launch
   ffi::Error result = ffi::Error::Success();
   if (relaunch.Read(captured)) {
     if (CUresult r = relaunch.Issue(stream); r != CUDA_SUCCESS) {
-      result = ffi::Error::Internal("attnlib cuDNN graph call, issuing cuDNN's launches into XLA's command buffer: "
-                                    "CUDA driver error " + std::to_string(static_cast<int>(r)) + ".");
+      result = DriverFailure("issuing cuDNN's launches into XLA's command buffer", r);
     } else {
       g_reissued.fetch_add(1, std::memory_order_relaxed);
     }

@@ -63,27 +63,15 @@ const Driver* GetDriver() {
 // synchronisation domain and L2 access policy (what a plain cuLaunchKernel gives).
 bool PlainLaunch(const Driver& d, CUgraphNode node) {
   CUkernelNodeAttrValue v;
-  std::memset(&v, 0, sizeof(v));
-  if (d.kernel_node_get_attribute(node, CU_LAUNCH_ATTRIBUTE_COOPERATIVE, &v) != CUDA_SUCCESS || v.cooperative != 0) {
-    return false;
-  }
-  std::memset(&v, 0, sizeof(v));
-  if (d.kernel_node_get_attribute(node, CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, &v) != CUDA_SUCCESS ||
-      v.clusterDim.x > 1 || v.clusterDim.y > 1 || v.clusterDim.z > 1) {
-    return false;
-  }
-  std::memset(&v, 0, sizeof(v));
-  if (d.kernel_node_get_attribute(node, CU_LAUNCH_ATTRIBUTE_PRIORITY, &v) != CUDA_SUCCESS || v.priority != 0) {
-    return false;
-  }
-  std::memset(&v, 0, sizeof(v));
-  if (d.kernel_node_get_attribute(node, CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN, &v) != CUDA_SUCCESS ||
-      v.memSyncDomain != CU_LAUNCH_MEM_SYNC_DOMAIN_DEFAULT) {
-    return false;
-  }
-  std::memset(&v, 0, sizeof(v));
-  return d.kernel_node_get_attribute(node, CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW, &v) == CUDA_SUCCESS &&
-         v.accessPolicyWindow.num_bytes == 0;
+  auto read = [&](CUkernelNodeAttrID id) {  // the attribute into `v`; false where the driver cannot read it
+    std::memset(&v, 0, sizeof(v));
+    return d.kernel_node_get_attribute(node, id, &v) == CUDA_SUCCESS;
+  };
+  return read(CU_LAUNCH_ATTRIBUTE_COOPERATIVE) && v.cooperative == 0 &&
+         read(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) && v.clusterDim.x <= 1 && v.clusterDim.y <= 1 &&
+         v.clusterDim.z <= 1 && read(CU_LAUNCH_ATTRIBUTE_PRIORITY) && v.priority == 0 &&
+         read(CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN) && v.memSyncDomain == CU_LAUNCH_MEM_SYNC_DOMAIN_DEFAULT &&
+         read(CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW) && v.accessPolicyWindow.num_bytes == 0;
 }
 
 }  // namespace
