@@ -8,6 +8,8 @@ Usage: python benchmarks/probe_row_fill.py              H200: check every candid
        --fori: time with a `lax.fori_loop` instead of an unrolled chain; --calls N: fills per timed chain (20);
        --only TEXT ...: the cases whose label (spaces as _) contains one; --candidates NAME ...: those candidates only;
        --profile: after timing a case, each candidate's kernels per fill and the chain's span (JAX's profiler)
+       --backward: the fills of a ragged backward instead (dQ, dK, dV: three results, two flag pairs), per call
+       --thd: attnlib's THD attention (forward, forward + backward) with each way of filling rows, per call
 
 `row_fill.py` ran a kernel on Pallas' Triton backend (here `set_rows_triton`, the "before"), which jax 0.11.2
 deprecates. `set_rows(x, zero, nan)` must keep costing what the rows set cost, not a pass over `x`. Both candidates
@@ -29,6 +31,13 @@ Mosaic GPU custom call (jax 0.11.2 lowers Mosaic GPU kernels only through `pl.ke
   the donated `x`: a pass over `x` (read and write) whatever the number of rows set, but no custom call.
 - `mosaic_b_fill2k`, `mosaic_b_fill4k`, `mosaic_b_fill8k`: B with fill buffers (and so copies) of at most 2, 4 or 8
   KiB instead of `row_fill.FILL_BYTES` (16 KiB): less shared memory per program for more copies.
+
+`--backward` times the three fills of a ragged backward as one step: `triton` and `scatter` (one per result),
+`per_result` (the Mosaic GPU kernel once per result, as the library ran them until 2026-12-04), `many` (one kernel
+call over the three, `row_fill.set_rows_kernel_many`) and `library` (`row_fill.set_rows_many`: the scatter where the
+results of a dtype hold at most `SCATTER_MAX_BYTES` together, else one kernel call). `--thd` times
+`attnlib.attention` on packed sequences (random lengths 64-1024 filling 90 % of the tokens, causal, the rest of the
+rows outside every sequence) with the row fill of `library`, `per_result` and `triton`, traced in turn, round robin.
 
 Both need rows of `C * itemsize` bytes, a multiple of 16 (TMA strides, bulk copy sizes and addresses), and
 `T * C < 2**31` (int32 offsets); other shapes (e.g. `[1000, 7, 5]` f16: 70-byte rows) go to `set_rows_scatter`, marked
@@ -265,7 +274,7 @@ def _library_kernel_parts(x, zero, nan, *, interpret: bool, **options):
     copies), fill buffers of at most `fill_bytes` (less shared memory per program, more copies)."""
     if not row_fill.kernel_takes(x):
         return row_fill.set_rows_scatter(x, zero, nan)
-    return row_fill._run_kernel(x, zero, nan, interpret=interpret, **options)
+    return row_fill._run_kernel([x], [(zero, nan)], [0], interpret=interpret, **options)[0]
 
 
 def mosaic_candidates(interpret=None) -> dict:
@@ -315,7 +324,9 @@ def inputs(shape, dtype, fraction, seed: int = 0):
 
 
 def same(a, b) -> bool:
-    """Equal bit for bit except NaN payloads (NaN in the same places)."""
+    """Equal bit for bit except NaN payloads (NaN in the same places); pytrees leaf by leaf."""
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -359,7 +370,7 @@ def profile_rows(fill, x, zero, nan, calls: int, fori: bool) -> list[str]:
 
 def time_per_fill(fill, x, zero, nan, calls: int, fori: bool, chains: int = 5, reps: int = 10) -> float:
     run = chain(fill, calls, fori)
-    x = jnp.copy(x)  # donated from here on: each chain takes the previous one's result
+    x = jax.tree.map(jnp.copy, x)  # donated from here on: each chain takes the previous one's result
     for _ in range(2):
         x = run(x, zero, nan)
     jax.block_until_ready(x)
@@ -423,6 +434,154 @@ def lower_all() -> None:
         print("error:", problem)
 
 
+# --- a ragged backward's three fills as one step (--backward) --------------------------------------------------------
+
+
+def _per_result(fill):
+    """The three fills of a backward, `fill(x, zero, nan)` on each: `xs` (dQ, dK, dV), flags (query, key)."""
+
+    def run(xs, zeros, nans):
+        (dq, dk, dv), (q_zero, kv_zero), (q_nan, kv_nan) = xs, zeros, nans
+        return fill(dq, q_zero, q_nan), fill(dk, kv_zero, kv_nan), fill(dv, kv_zero, kv_nan)
+
+    return run
+
+
+def _together(fill_many):
+    """The three fills of a backward handed to `fill_many([(x, zero, nan), ...])` at once."""
+
+    def run(xs, zeros, nans):
+        (dq, dk, dv), (q_zero, kv_zero), (q_nan, kv_nan) = xs, zeros, nans
+        return tuple(fill_many([(dq, q_zero, q_nan), (dk, kv_zero, kv_nan), (dv, kv_zero, kv_nan)]))
+
+    return run
+
+
+def backward_candidates() -> dict:
+    return {
+        "triton": _per_result(set_rows_triton),
+        "scatter": _per_result(row_fill.set_rows_scatter),
+        "per_result": _per_result(row_fill.set_rows),
+        "many": _together(row_fill.set_rows_kernel_many),
+        "library": _together(row_fill.set_rows_many),
+    }
+
+
+BACKWARD_CASES = [  # label, dQ shape, dK = dV shape, dtype, fraction of the rows flagged
+    ("MHA [1024,16,64] 2MB each", (1024, 16, 64), (1024, 16, 64), jnp.bfloat16, 0.25),
+    ("MHA [2048,16,64] 4MB each", (2048, 16, 64), (2048, 16, 64), jnp.bfloat16, 0.25),
+    ("GQA [4097,16,64] dK 2MB", (4097, 16, 64), (4097, 4, 64), jnp.bfloat16, 0.25),
+    ("MHA [4097,16,64] 8MB each", (4097, 16, 64), (4097, 16, 64), jnp.bfloat16, 0.25),
+    ("MHA [8192,16,64] 16MB each", (8192, 16, 64), (8192, 16, 64), jnp.bfloat16, 0.25),
+    ("GQA [32768,32,128] 1%", (32768, 32, 128), (32768, 8, 128), jnp.bfloat16, 0.01),
+    ("GQA [32768,32,128] 25%", (32768, 32, 128), (32768, 8, 128), jnp.bfloat16, 0.25),
+]
+
+
+def backward_inputs(q_shape, kv_shape, dtype, fraction):
+    (dq, q_zero, q_nan), (dk, kv_zero, kv_nan) = inputs(q_shape, dtype, fraction), inputs(kv_shape, dtype, fraction, 1)
+    dv = -dk
+    return (dq, dk, dv), (q_zero, kv_zero), (q_nan, kv_nan)
+
+
+def backward(args) -> None:
+    fills = backward_candidates()
+    if args.candidates:
+        fills = {name: fill for name, fill in fills.items() if name in args.candidates}
+    cases = BACKWARD_CASES
+    if args.only:
+        cases = [case for case in cases if any(part in case[0].replace(" ", "_") for part in args.only)]
+    print(row("case", [*fills, "loop"]) + f"   [us per backward's 3 fills, chain of {args.calls}]", flush=True)
+    fastest = []
+    for label, q_shape, kv_shape, dtype, fraction in cases:
+        xs, zeros, nans = backward_inputs(q_shape, kv_shape, dtype, fraction)
+        expected = jax.jit(backward_candidates()["scatter"])(xs, zeros, nans)
+        cells, times = [], {}
+        for name, fill in fills.items():
+            try:
+                if not same(jax.jit(fill)(xs, zeros, nans), expected):
+                    cells.append("wrong")
+                    continue
+                times[name] = time_per_fill(fill, xs, zeros, nans, args.calls, args.fori) * 1e6
+                cells.append(f"{times[name]:.1f}")
+            except Exception as error:  # reported, never fatal
+                cells.append("error")
+                print(f"error: {label} / {name}: {error_lines(error)}", flush=True)
+        cells.append(f"{time_per_fill(lambda x, z, n: x, xs, zeros, nans, args.calls, args.fori) * 1e6:.1f}")
+        print(row(label, cells), flush=True)
+        if args.profile:
+            for name in times:
+                print(f"    {name}:", flush=True)
+                print("\n".join(profile_rows(fills[name], xs, zeros, nans, args.calls, args.fori)), flush=True)
+        if times:
+            best = min(times, key=times.get)
+            fastest.append(f"{label}: {best} {times[best]:.1f} us")
+    print("fastest per case: " + "; ".join(fastest))
+
+
+# --- attnlib's THD attention with each row fill (--thd) ------------------------------------------------------------
+
+
+THD_CASES = [  # label, tokens, query heads, key heads, head dim
+    ("T2048 N16 K16 d64 (O 4MB)", 2048, 16, 16, 64),
+    ("T4096 N16 K16 d64 (O 8MB)", 4096, 16, 16, 64),
+    ("T4096 N16 K4 d64 (O 8MB)", 4096, 16, 4, 64),
+    ("T8192 N16 K16 d64 (O 16MB)", 8192, 16, 16, 64),
+    ("T32768 N32 K8 d128 (O 256MB)", 32768, 32, 8, 128),
+]
+
+
+def thd_fill_switches() -> dict:
+    """Row fills to trace attnlib's THD path with (`bench_cudnn_ragged.traced_with`)."""
+    per_result = lambda fills: [row_fill.set_rows(*fill) for fill in fills]  # noqa: E731
+    triton = lambda fills: [set_rows_triton(*fill) for fill in fills]  # noqa: E731
+    return {
+        "library": {},
+        "per_result": {"row_fill": {"set_rows_many": per_result}},
+        "triton": {"row_fill": {"set_rows": set_rows_triton, "set_rows_many": triton}},
+    }
+
+
+def thd(args) -> None:
+    from bench_cudnn import best_per_call
+    from bench_cudnn_ragged import traced_with
+
+    import attnlib
+
+    switches = thd_fill_switches()
+    if args.candidates:
+        switches = {name: values for name, values in switches.items() if name in args.candidates}
+    cases = THD_CASES
+    if args.only:
+        cases = [case for case in cases if any(part in case[0].replace(" ", "_") for part in args.only)]
+    print(row("case", [f"{name} {part}" for name in switches for part in ("fwd", "f+b")]) + "   [us per call]")
+    rng = np.random.default_rng(0)
+    for label, tokens, n, k, h in cases:
+        lengths, total = [], 0
+        while total < 0.9 * tokens:
+            lengths.append(int(min(rng.integers(64, 1025), 0.9 * tokens - total)))
+            total += lengths[-1]
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+        keys = jax.random.split(jax.random.key(tokens), 3)
+        q = jax.random.normal(keys[0], (tokens, n, h), jnp.float32).astype(jnp.bfloat16)
+        kv = [jax.random.normal(key, (tokens, k, h), jnp.float32).astype(jnp.bfloat16) for key in keys[1:]]
+        call = lambda q, k, v, cu: attnlib.attention(q, k, v, cu_seqlens_q=cu, is_causal=True,  # noqa: E731
+                                                     max_seqlen_q=1024, implementation="cudnn")  # fmt: skip
+        grad = jax.grad(lambda *a: jnp.sum(call(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+        fns = {(name, part): jax.jit(traced_with(fn, values))
+               for name, values in switches.items() for part, fn in (("fwd", call), ("f+b", grad))}  # fmt: skip
+        reference = {part: jax.device_get(fns[("library", part)](q, *kv, cu)) for part in ("fwd", "f+b")}
+        best = {}
+        for _ in range(3):  # round robin: each variant's best round
+            for key, fn in fns.items():
+                if not same(jax.device_get(fn(q, *kv, cu)), reference[key[1]]):
+                    best[key] = float("nan")
+                    continue
+                seconds = best_per_call(fn, (q, *kv, cu), loop=20 if key[1] == "fwd" else 10, reps=5)
+                best[key] = min(best.get(key, float("inf")), seconds)
+        print(row(label, [f"{best[key] * 1e6:.1f}" if best[key] == best[key] else "wrong" for key in fns]), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interpret", action="store_true", help="check in Pallas' GPU interpreter, no timing")
@@ -432,10 +591,19 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="the cases whose label, spaces as _, contains one of these")
     parser.add_argument("--candidates", nargs="*", help="these candidates only")
     parser.add_argument("--profile", action="store_true", help="after timing, each fill's kernels (JAX's profiler)")
+    parser.add_argument("--backward", action="store_true", help="a ragged backward's three fills, per call")
+    parser.add_argument("--thd", action="store_true", help="attnlib's THD attention with each row fill")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}", flush=True)
     if args.lower:
         return lower_all()
+    if (args.backward or args.thd) and jax.default_backend() != "gpu":
+        print("no GPU: --backward and --thd time on the H200")
+        return
+    if args.backward:
+        return backward(args)
+    if args.thd:
+        return thd(args)
     timing = not args.interpret
     if timing and jax.default_backend() != "gpu":
         print("no GPU: timing needs the H200 (--interpret or --lower check the kernels here)")

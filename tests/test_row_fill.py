@@ -63,9 +63,80 @@ def test_kernel_with_several_programs_per_word_in_the_interpreter(shape, parts):
     share of a whole word and its rows of a partly flagged one, together exactly the flagged rows."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     x, zero, nan = _case(shape, jnp.bfloat16, seed=parts)
-    actual = jax.jit(lambda *a: row_fill._run_kernel(*a, interpret=True, parts=parts))(x, zero, nan)
+    kernel = lambda x, zero, nan: row_fill._run_kernel([x], [(zero, nan)], [0], interpret=True, parts=parts)[0]  # noqa: E731
+    actual = jax.jit(kernel)(x, zero, nan)
     _check(actual, x, zero, nan)
     np.testing.assert_array_equal(_bits(actual), _bits(row_fill.set_rows_scatter(x, zero, nan)))
+
+
+def _several(dtype=jnp.bfloat16, seed=5):
+    """Fills as a ragged backward hands them over: dQ `[Tq, N, H]` with its flags, dK `[Tkv, K, H]` and dV
+    `[Tkv, K, Hv]` sharing theirs (the same arrays), plus a fourth result on flags of its own; odd row counts."""
+    dq, q_zero, q_nan = _case((37, 3, 8), dtype, seed)
+    dk, kv_zero, kv_nan = _case((100, 5, 16), dtype, seed + 1)
+    dv = jax.random.normal(jax.random.key(seed + 2), (100, 5, 8)).astype(dtype)
+    other = _case((53, 9, 136), dtype, seed + 3)
+    return [(dq, q_zero, q_nan), (dk, kv_zero, kv_nan), (dv, kv_zero, kv_nan), other]
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_one_kernel_call_fills_several_results_in_the_interpreter(parts):
+    """`set_rows_kernel_many`: one call over the mask words of every result, each word's programs filling only their
+    own result's rows from that result's flags; results sharing flags share one set of masks."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    fills = _several()
+    pairs, owners = row_fill._flag_pairs(fills)
+    assert owners == (0, 1, 1, 2) and len(pairs) == 3
+
+    def kernel(fills):
+        fills[2] = (fills[2][0], *fills[1][1:])  # one traced value for the shared flags, as in a backward
+        pairs, owners = row_fill._flag_pairs(fills)
+        assert owners == (0, 1, 1, 2)
+        return row_fill._run_kernel([x for x, _, _ in fills], pairs, owners, interpret=True, parts=parts)
+
+    actual = jax.jit(kernel)(fills)
+    for result, (x, zero, nan) in zip(actual, fills, strict=True):
+        assert result.shape == x.shape and result.dtype == x.dtype
+        _check(result, x, zero, nan)
+        np.testing.assert_array_equal(_bits(result), _bits(row_fill.set_rows_scatter(x, zero, nan)))
+    library = jax.jit(lambda fills: row_fill.set_rows_kernel_many(fills, interpret=True))(fills)
+    for result, expected in zip(library, actual):
+        np.testing.assert_array_equal(_bits(result), _bits(expected))
+
+
+def test_one_kernel_call_refuses_mixed_dtypes_and_unaligned_rows():
+    (x, zero, nan), (y, *flags) = _several()[:2]
+    with pytest.raises(ValueError, match="one dtype"):
+        row_fill.set_rows_kernel_many([(x, zero, nan), (y.astype(jnp.float32), *flags)])
+    with pytest.raises(ValueError, match="16 bytes"):
+        row_fill.set_rows_kernel_many([(x, zero, nan), (jnp.ones((100, 3), jnp.bfloat16), *flags)])
+
+
+def test_kernel_share_counts_the_bytes_of_a_dtype_together():
+    """Results the kernel takes go to it when those of their dtype hold more than `SCATTER_MAX_BYTES` together: a
+    backward's dQ, dK and dV of 2 MB each take one call where each alone would take the scatter."""
+    half = row_fill.SCATTER_MAX_BYTES // 2
+    bf16 = jax.ShapeDtypeStruct((half // 128, 64), jnp.bfloat16)  # 2 MB each, 128-byte rows
+    f32 = jax.ShapeDtypeStruct((half // 256, 64), jnp.float32)  # 2 MB
+    unaligned = jax.ShapeDtypeStruct((half // 6, 3), jnp.bfloat16)
+    assert row_fill.kernel_share([bf16]) == [False]
+    assert row_fill.kernel_share([bf16, bf16]) == [False, False]  # exactly the limit
+    assert row_fill.kernel_share([bf16, bf16, bf16]) == [True, True, True]
+    assert row_fill.kernel_share([bf16, f32, bf16, unaligned, bf16]) == [True, False, True, False, True]
+
+
+@pytest.mark.parametrize("shape", [(2053, 64, 32), (1025, 32, 32)], ids=str)
+def test_set_rows_many_lowers_to_one_kernel_per_dtype(shape, monkeypatch):
+    """Lowered for CUDA (as JAX on a GPU traces it): one Mosaic GPU call for the results of a dtype over the limit
+    together (8 MB alone, or 2 MB each: three together), XLA's scatter for the unaligned one, each result aliased."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    x, zero, nan = _case(shape, jnp.bfloat16)
+    y = _case(shape[:1] + (3,), jnp.bfloat16, seed=1)[0]
+    fills = lambda x, y, zero, nan: row_fill.set_rows_many([(x, zero, nan), (-x, zero, nan), (y, zero, nan),  # noqa: E731
+                                                            (2 * x, ~zero, nan)])  # fmt: skip
+    lowered = jax.jit(fills).trace(x, y, zero, nan).lower(lowering_platforms=("cuda",)).as_text()
+    assert lowered.count("custom_call @mosaic_gpu") == 1 and lowered.count("\"stablehlo.scatter\"(") == 1
 
 
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
@@ -178,6 +249,26 @@ def test_kernel_under_vmap_lowers_to_one_kernel_in_place():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [4099, 37], ids=lambda r: f"rows{r}")
+def test_several_results_in_one_call_on_the_gpu(rows):
+    """Compiled: one kernel call filling results of different shapes and flags (and, with 4099 rows, over the limit
+    through `set_rows_many`), each bit-identical to the scatter; under `vmap` too."""
+    fills = _several(seed=rows)
+    if rows > 100:
+        fills = [(jnp.tile(x, (rows // x.shape[0] + 1, 1, 1))[:rows], jnp.resize(z, rows), jnp.resize(n, rows))
+                 for x, z, n in fills]  # fmt: skip
+    expected = [_bits(jax.jit(row_fill.set_rows_scatter)(*fill)) for fill in fills]
+    for run in (row_fill.set_rows_kernel_many, row_fill.set_rows_many):
+        actual = jax.jit(run)(fills)
+        for result, fill, bits in zip(actual, fills, expected, strict=True):
+            _check(result, *fill)
+            np.testing.assert_array_equal(_bits(result), bits)
+    stacked = [tuple(jnp.stack([a, a]) for a in fill) for fill in fills]
+    for result, bits in zip(jax.jit(jax.vmap(row_fill.set_rows_kernel_many))(stacked), expected, strict=True):
+        np.testing.assert_array_equal(_bits(result[1]), bits)
+
+
+@pytest.mark.gpu
 def test_kernel_under_vmap_on_the_gpu():
     for kernel, scatter, args in _vmapped_cases():
         np.testing.assert_array_equal(_bits(jax.jit(kernel)(*args)), _bits(jax.jit(scatter)(*args)))
@@ -188,6 +279,10 @@ def test_kernel_on_the_gpu_writes_in_place():
     """The input buffer is donated to the kernel: no copy of the array in the compiled module."""
     x, zero, nan = _case((4099, 32, 128), jnp.bfloat16, seed=3)
     compiled = jax.jit(row_fill.set_rows, donate_argnums=0).lower(x, zero, nan).compile().as_text()
+    assert " copy(" not in compiled and "copy-start" not in compiled, compiled[:2000]
+    fills = lambda xs, zero, nan: row_fill.set_rows_many([(x, zero, nan) for x in xs])  # noqa: E731
+    compiled = jax.jit(fills, donate_argnums=0).lower((x, -x, 2 * x), zero, nan).compile().as_text()
+    assert compiled.count("custom-call(") == 1, compiled[:2000]
     assert " copy(" not in compiled and "copy-start" not in compiled, compiled[:2000]
 
 

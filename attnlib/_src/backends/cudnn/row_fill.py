@@ -15,9 +15,12 @@ scatter the kernel replaced (same values; the NaN payload may differ), which is 
 kernel's own tests run it in Pallas' GPU interpreter on the CPU.
 """
 
+import collections
+import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +34,9 @@ SCATTER_MAX_BYTES = 4 << 20
 """Results up to this size take XLA's scatter, the faster of the two there (4 MB: 2.9 us, the kernel 5.4; 8 MB: 11.6
 against 4.9; docs/performance.md, "H200: packed sequences and paged decoding")."""
 FILL_BYTES = 16 * 1024  # shared memory of each of the two fill buffers (0 and NaN)
+
+Fill = tuple[jax.Array, jax.Array, jax.Array]
+"""`(x, zero, nan)`: a result `[T, ...]` and bool `[T]` flags of its rows to set to 0 and to NaN."""
 
 
 def _mosaic_gpu():
@@ -49,10 +55,20 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
+def kernel_share(xs: Sequence[jax.Array]) -> list[bool]:
+    """Which of `xs` `set_rows_many` hands to the kernel on a GPU: those whose rows it can copy, of a dtype whose
+    results of that kind hold more than `SCATTER_MAX_BYTES` together (one kernel call fills them all)."""
+    takes = [kernel_takes(x) for x in xs]
+    dtype_bytes = collections.Counter()
+    for x, kernel in zip(xs, takes):
+        if kernel:
+            dtype_bytes[jnp.dtype(x.dtype)] += x.size * x.dtype.itemsize
+    return [kernel and dtype_bytes[jnp.dtype(x.dtype)] > SCATTER_MAX_BYTES for x, kernel in zip(xs, takes)]
+
+
 def runs_kernel(x: jax.Array) -> bool:
-    """Whether `set_rows` runs the kernel on `x` on a GPU: rows the kernel can copy, in a result larger than
-    `SCATTER_MAX_BYTES`."""
-    return kernel_takes(x) and x.size * x.dtype.itemsize > SCATTER_MAX_BYTES
+    """Whether `set_rows` runs the kernel on `x` on a GPU (`kernel_share` of `x` alone)."""
+    return kernel_share([x])[0]
 
 
 def kernel_takes(x: jax.Array) -> bool:
@@ -102,15 +118,13 @@ def _part_rows(parts: int) -> int:
     return bits - (1 << 32) if bits >= 1 << 31 else bits
 
 
-def _fill_kernel(masks_ref, x_ref, zeros, nans, *, columns: int, row_copy: int, word_copy: int, parts: int):
-    """`parts` programs per mask word: bulk copies of 0 / NaN from shared memory into the word's flagged rows of the
-    flat `x_ref`. Part `p` copies the `p`-th `1 / parts` of a wholly flagged word and, of a partly flagged one, the
-    rows `i % parts == p`."""
+def _fill_word(masks_ref, x_ref, zeros, nans, word, part, *, columns: int, row_copy: int, word_copy: int, parts: int):
+    """Part `part` of the `parts` programs of mask word `word` of one result: bulk copies of 0 / NaN from shared
+    memory into the word's flagged rows of the flat `x_ref`. Part `p` copies the `p`-th `1 / parts` of a wholly
+    flagged word and, of a partly flagged one, the rows `i % parts == p`."""
     from jax.experimental import pallas as pl
 
     mosaic_gpu = _mosaic_gpu()
-    word = jax.lax.axis_index("words")
-    part = jax.lax.axis_index("parts") if parts > 1 else 0
     zero_mask, nan_mask = masks_ref[word, 0], masks_ref[word, 1]
     first_row = word * ROWS_PER_WORD
     mine = jnp.left_shift(jnp.int32(_part_rows(parts)), part)  # this part's rows of a partly flagged word
@@ -154,79 +168,156 @@ def _fill_kernel(masks_ref, x_ref, zeros, nans, *, columns: int, row_copy: int, 
         mosaic_gpu.wait_smem_to_gmem(0)  # the buffers must outlive the copies that read them
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One result's share of a kernel call: its mask words `first_word` to `first_word + words` of the call's grid,
+    the flags it is set by (`owner`: index into the call's distinct flag pairs), and its static copy sizes."""
+
+    first_word: int
+    words: int
+    owner: int
+    columns: int
+    row_copy: int
+    word_copy: int
+
+
+def _fill_kernel(*refs, plans: tuple[_Plan, ...], owners: int, parts: int):
+    """A program of the grid (mask words of every result one after another, `parts` programs per word) fills its word
+    of the result that owns it. `refs`: the masks of each flag pair, each result, the two fill buffers."""
+    from jax.experimental import pallas as pl
+
+    masks_refs, x_refs, (zeros, nans) = refs[:owners], refs[owners:-2], refs[-2:]
+    word = jax.lax.axis_index("words")
+    part = jax.lax.axis_index("parts") if parts > 1 else 0
+    for plan, x_ref in zip(plans, x_refs):
+        fill = functools.partial(_fill_word, masks_refs[plan.owner], x_ref, zeros, nans, part=part, parts=parts,
+                                 columns=plan.columns, row_copy=plan.row_copy, word_copy=plan.word_copy)  # fmt: skip
+        if len(plans) == 1:
+            fill(word)
+        else:
+            local = word - plan.first_word
+            pl.when((local >= 0) & (local < plan.words))(functools.partial(fill, local))
+
+
 def _run_kernel(
-    x: jax.Array,
-    zero: jax.Array,
-    nan: jax.Array,
+    xs: Sequence[jax.Array],
+    flags: Sequence[tuple[jax.Array, jax.Array]],
+    owners: Sequence[int],
     interpret: bool,
     parts: int = PROGRAMS_PER_WORD,
     fill_bytes: int = FILL_BYTES,
-) -> jax.Array:
-    """The kernel with `parts` programs per mask word (reduced to a divisor of 32) and fill buffers of at most
-    `fill_bytes` (other values than the library's for `benchmarks/probe_row_fill.py`)."""
+) -> list[jax.Array]:
+    """One kernel call setting the rows of every result in `xs` (one dtype, each one `kernel_takes`): result `i` by the
+    flag pair `flags[owners[i]]` (zero, nan). `parts` programs per mask word (reduced to a divisor of 32), fill
+    buffers of at most `fill_bytes` (other values than the library's for `benchmarks/probe_row_fill.py`)."""
     from jax.experimental import pallas as pl
 
     mosaic_gpu = _mosaic_gpu()
-    rows, columns = x.shape[0], math.prod(x.shape[1:])
-    row_copy = _copy_size(columns, x.dtype.itemsize, fill_bytes)
+    dtype = xs[0].dtype
     parts = math.gcd(parts, ROWS_PER_WORD)
-    word_copy = _copy_size(ROWS_PER_WORD * columns // parts, x.dtype.itemsize, fill_bytes)
-    buffer = -(-word_copy // 1024) * 1024  # whole vector stores for each of the 128 threads
-    masks = row_masks(zero, nan)
-    body = functools.partial(_fill_kernel, columns=columns, row_copy=row_copy, word_copy=word_copy, parts=parts)
-    scratch = (mosaic_gpu.SMEM((buffer,), x.dtype), mosaic_gpu.SMEM((buffer,), x.dtype))
+    plans, words = [], 0
+    for x, owner in zip(xs, owners, strict=True):
+        columns = math.prod(x.shape[1:])
+        row_copy = _copy_size(columns, dtype.itemsize, fill_bytes)
+        word_copy = _copy_size(ROWS_PER_WORD * columns // parts, dtype.itemsize, fill_bytes)
+        plans.append(_Plan(first_word=words, words=-(-x.shape[0] // ROWS_PER_WORD), owner=owner, columns=columns,
+                           row_copy=row_copy, word_copy=word_copy))  # fmt: skip
+        words += plans[-1].words
+    buffer = max(-(-plan.word_copy // 1024) * 1024 for plan in plans)  # whole vector stores for each of 128 threads
+    masks = tuple(row_masks(zero, nan) for zero, nan in flags)
+    body = functools.partial(_fill_kernel, plans=tuple(plans), owners=len(masks), parts=parts)
+    scratch = (mosaic_gpu.SMEM((buffer,), dtype), mosaic_gpu.SMEM((buffer,), dtype))
 
-    def kernel(masks_ref, x_ref):
-        pl.run_scoped(lambda zeros, nans: body(masks_ref, x_ref, zeros, nans), *scratch)
+    def kernel(*refs):
+        pl.run_scoped(lambda zeros, nans: body(*refs, zeros, nans), *scratch)
 
-    grid, names = ((masks.shape[0],), ("words",)) if parts == 1 else ((masks.shape[0], parts), ("words", "parts"))
+    grid, names = ((words,), ("words",)) if parts == 1 else ((words, parts), ("words", "parts"))
     mesh = mosaic_gpu.Mesh(grid=grid, grid_names=names, kernel_name="attnlib_set_rows")
     fill = pl.kernel(kernel, out_type=(), mesh=mesh, compiler_params=mosaic_gpu.CompilerParams(),
                      interpret=_interpret_params() if interpret else False)  # fmt: skip
 
-    # `x` handed to the kernel as a reference, which aliases its buffer to the result (no copy when the caller's `x`
-    # is dead). Compiled, `run_state` keeps the reference inside (no effect escapes into `custom_vmap` or the
-    # caller); Pallas' GPU interpreter needs the reference's memory space, which only `new_ref` gives.
-    flat = jnp.reshape(x, (rows * columns,))
+    # Each result handed to the kernel as a reference, which aliases its buffer to the result (no copy when the
+    # caller's `x` is dead). Compiled, `run_state` keeps the references inside (no effect escapes into `custom_vmap`
+    # or the caller); Pallas' GPU interpreter needs the references' memory space, which only `new_ref` gives.
+    flats = tuple(jnp.reshape(x, (-1,)) for x in xs)
     if interpret:
-        x_ref = jax.new_ref(flat, memory_space=mosaic_gpu.GMEM)
-        fill(masks, x_ref)
-        return jnp.reshape(jax.freeze(x_ref), x.shape)
+        x_refs = [jax.new_ref(flat, memory_space=mosaic_gpu.GMEM) for flat in flats]
+        fill(*masks, *x_refs)
+        flats = tuple(jax.freeze(x_ref) for x_ref in x_refs)
+    else:
 
-    def run(refs):
-        masks_ref, x_ref = refs
-        fill(masks_ref[...], x_ref)
+        def run(refs):
+            masks_refs, x_refs = refs
+            fill(*(masks_ref[...] for masks_ref in masks_refs), *x_refs)
 
-    _, flat = pl.run_state(run)((masks, flat))
-    return jnp.reshape(flat, x.shape)
-
-
-@jax.custom_batching.custom_vmap
-def _batchable_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
-    """The compiled kernel, also under `vmap`: Pallas' kernels take no batch axis, so the mapped axis is folded into
-    the rows."""
-    if not kernel_takes(x):  # only a fold under `vmap` can grow past int32 offsets
-        return set_rows_scatter(x, zero, nan)
-    return _run_kernel(x, zero, nan, interpret=False)
+        _, flats = pl.run_state(run)((masks, flats))
+    return [jnp.reshape(flat, x.shape) for flat, x in zip(flats, xs)]
 
 
-@_batchable_kernel.def_vmap
-def _fold(axis_size, in_batched, x, zero, nan):
-    x, zero, nan = (a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-                    for a, batched in zip((x, zero, nan), in_batched))  # fmt: skip
-    rows = (-1, *x.shape[2:])
-    folded = _batchable_kernel(jnp.reshape(x, rows), jnp.reshape(zero, (-1,)), jnp.reshape(nan, (-1,)))
-    return jnp.reshape(folded, x.shape), True
+def _kernel_where_it_takes(xs, flags, owners) -> list[jax.Array]:
+    """The compiled kernel on the results it takes, XLA's scatter on the others (only a fold under `vmap` can grow a
+    result past int32 offsets)."""
+    takes = [i for i, x in enumerate(xs) if kernel_takes(x)]
+    out = [x if i in takes else set_rows_scatter(x, *flags[owner]) for i, (x, owner) in enumerate(zip(xs, owners))]
+    if takes:
+        used = sorted({owners[i] for i in takes})
+        filled = _run_kernel([xs[i] for i in takes], [flags[o] for o in used], [used.index(owners[i]) for i in takes],
+                             interpret=False)  # fmt: skip
+        for i, x in zip(takes, filled):
+            out[i] = x
+    return out
+
+
+@functools.cache
+def _batchable_kernel(owners: tuple[int, ...]):
+    """The compiled kernel for results set by flag pairs `owners`, also under `vmap`: Pallas' kernels take no batch
+    axis, so the mapped axis is folded into each result's rows."""
+
+    @jax.custom_batching.custom_vmap
+    def kernel(xs, flags):
+        return tuple(_kernel_where_it_takes(xs, flags, owners))
+
+    @kernel.def_vmap
+    def _fold(axis_size, in_batched, xs, flags):
+        xs, flags = jax.tree.map(lambda a, batched: a if batched else jnp.broadcast_to(a, (axis_size, *a.shape)),
+                                 (xs, flags), tuple(in_batched))  # fmt: skip
+        folded = kernel(tuple(jnp.reshape(x, (-1, *x.shape[2:])) for x in xs),
+                        jax.tree.map(lambda a: jnp.reshape(a, (-1,)), flags))  # fmt: skip
+        return tuple(jnp.reshape(f, x.shape) for f, x in zip(folded, xs)), (True,) * len(xs)
+
+    return kernel
+
+
+def _flag_pairs(fills) -> tuple[list[tuple[jax.Array, jax.Array]], tuple[int, ...]]:
+    """The distinct (zero, nan) pairs of `fills` (the same arrays: one set of masks) and each fill's pair."""
+    pairs, owners = [], []
+    for _, zero, nan in fills:
+        owner = next((i for i, (z, n) in enumerate(pairs) if z is zero and n is nan), len(pairs))
+        if owner == len(pairs):
+            pairs.append((zero, nan))
+        owners.append(owner)
+    return pairs, tuple(owners)
+
+
+def set_rows_kernel_many(fills: Sequence[Fill], *, interpret: bool = False) -> list[jax.Array]:
+    """The Mosaic GPU kernel alone, one call for every `(x, zero, nan)` of `fills` (one dtype, each `x` one that
+    `kernel_takes`; `interpret=True` runs it in Pallas' GPU interpreter on any platform, for tests; not under
+    `vmap`)."""
+    for x, _, _ in fills:
+        if not kernel_takes(x):
+            raise ValueError(f"row_fill: rows of {x.shape[1:]} {x.dtype} are not a multiple of 16 bytes")
+    if len({jnp.dtype(x.dtype) for x, _, _ in fills}) > 1:
+        raise ValueError(f"row_fill: one kernel call fills results of one dtype, got {[x.dtype for x, _, _ in fills]}")
+    pairs, owners = _flag_pairs(fills)
+    xs = [x for x, _, _ in fills]
+    if interpret:
+        return _run_kernel(xs, pairs, owners, interpret=True)
+    return list(_batchable_kernel(owners)(tuple(xs), tuple(pairs)))
 
 
 def set_rows_kernel(x: jax.Array, zero: jax.Array, nan: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """The Mosaic GPU kernel alone, for `x` that `kernel_takes` (`interpret=True` runs it in Pallas' GPU interpreter
-    on any platform, for tests; not under `vmap`)."""
-    if not kernel_takes(x):
-        raise ValueError(f"row_fill: rows of {x.shape[1:]} {x.dtype} are not a multiple of 16 bytes")
-    if interpret:
-        return _run_kernel(x, zero, nan, interpret=True)
-    return _batchable_kernel(x, zero, nan)
+    """`set_rows_kernel_many` on one result."""
+    return set_rows_kernel_many([(x, zero, nan)], interpret=interpret)[0]
 
 
 def set_rows_scatter(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
@@ -238,6 +329,37 @@ def set_rows_scatter(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array
     return x.at[index].set(updates, mode="drop")
 
 
+def set_rows_many(fills: Sequence[Fill]) -> list[jax.Array]:
+    """`set_rows` on each `(x, zero, nan)` of `fills`; on a GPU the results the kernel fills (`kernel_share`) take one
+    kernel call per dtype, which costs about what one fill does (`docs/performance.md`)."""
+    fills = list(fills)
+    out = [x for x, _, _ in fills]
+    # `jax.lax.platform_dependent` would choose at lowering, but leaves a `case` in the lowered module.
+    if jax.default_backend() != "gpu":  # the CPU emulation of cuDNN in tests
+        return [set_rows_scatter(*fill) for fill in fills]
+    share = kernel_share(out)
+    for i, (x, zero, nan) in enumerate(fills):
+        if x.size and not kernel_takes(x):
+            logs.log_once(("row_fill", "unaligned", x.shape[1:], str(x.dtype)), logging.DEBUG,
+                          "attnlib: rows of %s %s are not a multiple of 16 bytes; XLA's scatter sets the rows outside "
+                          "THD/packed sequences (a pass over the result).", x.shape[1:], x.dtype)  # fmt: skip
+        if x.size and not share[i]:  # unaligned rows, or small results: the scatter is as fast there
+            out[i] = set_rows_scatter(x, zero, nan)
+    if any(share):
+        try:
+            _mosaic_gpu()
+        except ImportError as error:  # a JAX without Pallas' Mosaic GPU backend
+            logs.log_once(("row_fill", "scatter"), logging.WARNING,
+                          "attnlib: Pallas' Mosaic GPU backend is unavailable (%s); the rows outside THD/packed "
+                          "sequences are set by XLA's scatter, a pass over each result.", error)  # fmt: skip
+            return [set_rows_scatter(*fill) if kernel else x for fill, kernel, x in zip(fills, share, out)]
+    for dtype in dict.fromkeys(jnp.dtype(x.dtype) for x, kernel in zip(out, share) if kernel):
+        group = [i for i, (x, kernel) in enumerate(zip(out, share)) if kernel and jnp.dtype(x.dtype) == dtype]
+        for i, filled in zip(group, set_rows_kernel_many([fills[i] for i in group])):
+            out[i] = filled
+    return out
+
+
 def set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
     """`x` `[T, ...]` with rows `zero` set to 0 and rows `nan` to NaN (`nan` wins where both are set).
 
@@ -245,23 +367,4 @@ def set_rows(x: jax.Array, zero: jax.Array, nan: jax.Array) -> jax.Array:
         x: floating `[T, ...]`.
         zero, nan: bool `[T]`.
     """
-    # `jax.lax.platform_dependent` would choose at lowering, but leaves a `case` in the lowered module.
-    if jax.default_backend() != "gpu":  # the CPU emulation of cuDNN in tests
-        return set_rows_scatter(x, zero, nan)
-    if x.size == 0:
-        return x
-    if not kernel_takes(x):
-        logs.log_once(("row_fill", "unaligned", x.shape[1:], str(x.dtype)), logging.DEBUG,
-                      "attnlib: rows of %s %s are not a multiple of 16 bytes; XLA's scatter sets the rows outside "
-                      "THD/packed sequences (a pass over the result).", x.shape[1:], x.dtype)  # fmt: skip
-        return set_rows_scatter(x, zero, nan)
-    if not runs_kernel(x):  # a small result: the scatter is as fast
-        return set_rows_scatter(x, zero, nan)
-    try:
-        _mosaic_gpu()
-    except ImportError as error:  # a JAX without Pallas' Mosaic GPU backend
-        logs.log_once(("row_fill", "scatter"), logging.WARNING,
-                      "attnlib: Pallas' Mosaic GPU backend is unavailable (%s); the rows outside THD/packed sequences "
-                      "are set by XLA's scatter, which costs a pass over each result.", error)  # fmt: skip
-        return set_rows_scatter(x, zero, nan)
-    return set_rows_kernel(x, zero, nan)
+    return set_rows_many([(x, zero, nan)])[0]

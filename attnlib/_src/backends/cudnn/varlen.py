@@ -279,8 +279,9 @@ def _ragged_grads(plan: RaggedPlan, residuals, cotangents):
     }  # fmt: skip
     dq, dk, dv = executor.run(spec, values, plan.tokens)[:3]
     # Overflowing rows become NaN here already (NaN + anything added below stays NaN).
-    dq = row_fill.set_rows(dq, ~tok_valid, batch.q_nan)
-    dk, dv = row_fill.set_rows(dk, ~batch.kv_in, batch.kv_nan), row_fill.set_rows(dv, ~batch.kv_in, batch.kv_nan)
+    kv_zero = ~batch.kv_in
+    dq, dk, dv = row_fill.set_rows_many([(dq, ~tok_valid, batch.q_nan), (dk, kv_zero, batch.kv_nan),
+                                         (dv, kv_zero, batch.kv_nan)])  # fmt: skip
     dsinks = None
     if sinks is not None:
         row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [Tq, N]
@@ -423,8 +424,9 @@ def _ragged_attention(
     tokens = (int(q.shape[0]), int(k.shape[0]))
     if tokens[0] == 0 or tokens[1] == 0:
         return jnp.zeros(out_shape, dtype), _empty_lse(lse_shape, sinks)
-    plan = make_ragged_plan(config, num, bounds, tokens, self_attention=self_attention,
-                            overflow_possible=overflow_possible)
+    plan = make_ragged_plan(
+        config, num, bounds, tokens, self_attention=self_attention, overflow_possible=overflow_possible
+    )
     plan = dataclasses.replace(plan, unbounded=unbounded)
     _warn_large_stats(plan.fwd, config)
     if config.layout == "thd":
