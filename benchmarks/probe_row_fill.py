@@ -557,9 +557,9 @@ def thd(args) -> None:
     print(row("case", [f"{name} {part}" for name in switches for part in ("fwd", "f+b")]) + "   [us per call]")
     rng = np.random.default_rng(0)
     for label, tokens, n, k, h in cases:
-        lengths, total = [], 0
-        while total < 0.9 * tokens:
-            lengths.append(int(min(rng.integers(64, 1025), 0.9 * tokens - total)))
+        lengths, total, real = [], 0, int(0.9 * tokens)
+        while total < real:
+            lengths.append(int(min(rng.integers(64, 1025), real - total)))
             total += lengths[-1]
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
         keys = jax.random.split(jax.random.key(tokens), 3)
