@@ -533,7 +533,9 @@ THD_CASES = [  # label, tokens, query heads, key heads, head dim
 
 def thd_fill_switches() -> dict:
     """Row fills to trace attnlib's THD path with (`bench_cudnn_ragged.traced_with`)."""
-    per_result = lambda fills: [row_fill.set_rows(*fill) for fill in fills]  # noqa: E731
+    one = lambda x, *flags: (row_fill.set_rows_kernel if row_fill.runs_kernel(x) else row_fill.set_rows_scatter)(  # noqa: E731
+        x, *flags)  # fmt: skip
+    per_result = lambda fills: [one(*fill) for fill in fills]  # noqa: E731
     triton = lambda fills: [set_rows_triton(*fill) for fill in fills]  # noqa: E731
     return {
         "library": {},
