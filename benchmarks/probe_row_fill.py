@@ -396,6 +396,10 @@ CASES = [  # label, shape, dtype, fraction of the rows flagged
     ("[8192,32] f32 25%", (8192, 32), jnp.float32, 0.25),
     ("[8192,16,64] bf16 25%", (8192, 16, 64), jnp.bfloat16, 0.25),
     ("[8192,32,64] bf16 25%", (8192, 32, 64), jnp.bfloat16, 0.25),
+    # Outputs of 1 to 4 MB with wide rows (fewer rows, more elements per byte than the f32 statistics above).
+    ("[512,16,64] bf16 25%", (512, 16, 64), jnp.bfloat16, 0.25),
+    ("[1024,16,64] bf16 25%", (1024, 16, 64), jnp.bfloat16, 0.25),
+    ("[2048,16,64] bf16 25%", (2048, 16, 64), jnp.bfloat16, 0.25),
 ]
 
 INTERPRET_CASES = [  # the same kinds (a partial last block, narrow rows, odd rows), small enough to interpret
