@@ -400,6 +400,10 @@ CASES = [  # label, shape, dtype, fraction of the rows flagged
     ("[512,16,64] bf16 25%", (512, 16, 64), jnp.bfloat16, 0.25),
     ("[1024,16,64] bf16 25%", (1024, 16, 64), jnp.bfloat16, 0.25),
     ("[2048,16,64] bf16 25%", (2048, 16, 64), jnp.bfloat16, 0.25),
+    ("[256,16,64] bf16 25%", (256, 16, 64), jnp.bfloat16, 0.25),
+    ("[512,8,64] bf16 25%", (512, 8, 64), jnp.bfloat16, 0.25),
+    ("[2048,8,64] bf16 25%", (2048, 8, 64), jnp.bfloat16, 0.25),
+    ("[128,32,128] bf16 25%", (128, 32, 128), jnp.bfloat16, 0.25),
 ]
 
 INTERPRET_CASES = [  # the same kinds (a partial last block, narrow rows, odd rows), small enough to interpret
@@ -472,6 +476,8 @@ def backward_candidates() -> dict:
 
 
 BACKWARD_CASES = [  # label, dQ shape, dK = dV shape, dtype, fraction of the rows flagged
+    ("MHA [256,16,64] 0.5MB each", (256, 16, 64), (256, 16, 64), jnp.bfloat16, 0.25),
+    ("MHA [512,8,64] 0.5MB each", (512, 8, 64), (512, 8, 64), jnp.bfloat16, 0.25),
     ("MHA [1024,16,64] 2MB each", (1024, 16, 64), (1024, 16, 64), jnp.bfloat16, 0.25),
     ("MHA [2048,16,64] 4MB each", (2048, 16, 64), (2048, 16, 64), jnp.bfloat16, 0.25),
     ("GQA [4097,16,64] dK 2MB", (4097, 16, 64), (4097, 4, 64), jnp.bfloat16, 0.25),
@@ -548,6 +554,18 @@ def thd_fill_switches() -> dict:
     }
 
 
+def _close(a, b) -> bool:
+    """Gradients: cuDNN's backward accumulates dQ with atomics, so two runs of one function differ in the last bits;
+    NaN in the same places, the rest within a bf16 step of the largest value (a wrong row fill leaves whole rows of
+    garbage or of the wrong kind)."""
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    scale = float(np.max(np.abs(b[~nan_b]), initial=1.0))
+    return bool((nan_a == nan_b).all() and np.allclose(a[~nan_a], b[~nan_b], rtol=2**-7, atol=2**-7 * scale))
+
+
 def thd(args) -> None:
     from bench_cudnn import best_per_call
     from bench_cudnn_ragged import traced_with
@@ -580,10 +598,10 @@ def thd(args) -> None:
         best = {}
         for _ in range(3):  # round robin: each variant's best round
             for key, fn in fns.items():
-                if not same(jax.device_get(fn(q, *kv, cu)), reference[key[1]]):
+                if not (same if key[1] == "fwd" else _close)(jax.device_get(fn(q, *kv, cu)), reference[key[1]]):
                     best[key] = float("nan")
                     continue
-                seconds = best_per_call(fn, (q, *kv, cu), loop=20 if key[1] == "fwd" else 10, reps=5)
+                seconds = best_per_call(fn, (q, *kv, cu), loop=50 if key[1] == "fwd" else 20, reps=10)
                 best[key] = min(best.get(key, float("inf")), seconds)
         print(row(label, [f"{best[key] * 1e6:.1f}" if best[key] == best[key] else "wrong" for key in fns]), flush=True)
 
