@@ -113,16 +113,31 @@ def test_one_kernel_call_refuses_mixed_dtypes_and_unaligned_rows():
 
 
 def test_kernel_share_counts_the_bytes_of_a_dtype_together():
-    """Results the kernel takes go to it when those of their dtype hold more than `SCATTER_MAX_BYTES` together: a
-    backward's dQ, dK and dV of 2 MB each take one call where each alone would take the scatter."""
+    """Results the kernel takes go to it when those of their dtype hold more than `SCATTER_MAX_BYTES` together (rows
+    of 128 bytes here): a backward's dQ, dK and dV of 2 MB each take one call where each alone would take the
+    scatter; other dtypes and unaligned rows count apart."""
     half = row_fill.SCATTER_MAX_BYTES // 2
     bf16 = jax.ShapeDtypeStruct((half // 128, 64), jnp.bfloat16)  # 2 MB each, 128-byte rows
-    f32 = jax.ShapeDtypeStruct((half // 256, 64), jnp.float32)  # 2 MB
+    f32 = jax.ShapeDtypeStruct((half // 128, 32), jnp.float32)  # 2 MB
     unaligned = jax.ShapeDtypeStruct((half // 6, 3), jnp.bfloat16)
     assert row_fill.kernel_share([bf16]) == [False]
     assert row_fill.kernel_share([bf16, bf16]) == [False, False]  # exactly the limit
     assert row_fill.kernel_share([bf16, bf16, bf16]) == [True, True, True]
     assert row_fill.kernel_share([bf16, f32, bf16, unaligned, bf16]) == [True, False, True, False, True]
+
+
+def test_kernel_share_of_wide_rows_from_a_smaller_size():
+    """Rows of at least `WIDE_ROW_BYTES` (outputs, gradients): the kernel from `WIDE_SCATTER_MAX_BYTES`; a narrow
+    result in the group brings back the general limit."""
+    wide_row = row_fill.WIDE_ROW_BYTES // 2  # bf16 elements
+    limit = row_fill.WIDE_SCATTER_MAX_BYTES
+    at_limit = jax.ShapeDtypeStruct((limit // row_fill.WIDE_ROW_BYTES, 4, wide_row // 4), jnp.bfloat16)
+    above = jax.ShapeDtypeStruct((limit // row_fill.WIDE_ROW_BYTES + 1, 4, wide_row // 4), jnp.bfloat16)
+    narrower = jax.ShapeDtypeStruct((limit // row_fill.WIDE_ROW_BYTES * 2, 4, wide_row // 8), jnp.bfloat16)  # same size
+    assert row_fill.kernel_share([at_limit]) == [False] and row_fill.kernel_share([above]) == [True]
+    assert row_fill.kernel_share([narrower]) == [False]
+    assert row_fill.kernel_share([at_limit, at_limit]) == [True, True]
+    assert row_fill.kernel_share([at_limit, narrower]) == [False, False]  # 2 MB, one narrow: the 4 MiB limit
 
 
 @pytest.mark.parametrize("shape", [(2053, 64, 32), (1025, 32, 32)], ids=str)
@@ -184,9 +199,9 @@ def test_row_masks_bits():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES + UNALIGNED + [(4099, 32, 128), (4099, 8)], ids=str)
+@pytest.mark.parametrize("shape", SHAPES + UNALIGNED + [(4099, 32, 128), (4099, 8), (1025, 16, 64)], ids=str)
 def test_kernel_on_the_gpu(shape, dtype):
-    """Compiled on the GPU: `set_rows` runs the Mosaic GPU kernel on results over `SCATTER_MAX_BYTES` whose rows it can
+    """Compiled on the GPU: `set_rows` runs the Mosaic GPU kernel on results over its limit whose rows it can
     copy, the scatter elsewhere; the kernel itself runs on every shape it takes. Both bit-identical to the scatter."""
     x, zero, nan = _case(shape, dtype, seed=2)
     lowered = jax.jit(row_fill.set_rows).lower(x, zero, nan).as_text()
@@ -202,7 +217,8 @@ def test_kernel_on_the_gpu(shape, dtype):
         np.testing.assert_array_equal(_bits(forced), expected)
 
 
-@pytest.mark.parametrize("shape", SHAPES + UNALIGNED + [(4099, 32, 128), (4099, 8), (2053, 64, 32)], ids=str)
+@pytest.mark.parametrize("shape", SHAPES + UNALIGNED + [(4099, 32, 128), (4099, 8), (2053, 64, 32), (1025, 16, 64)],
+                         ids=str)
 def test_set_rows_lowers_to_the_kernel_exactly_where_chosen(shape, monkeypatch):
     """Lowered for CUDA on this machine (as JAX on a GPU traces it): the Mosaic GPU kernel where `runs_kernel`, XLA's
     scatter elsewhere, never both."""
@@ -216,14 +232,17 @@ def test_set_rows_lowers_to_the_kernel_exactly_where_chosen(shape, monkeypatch):
 
 
 def test_small_results_take_the_scatter():
-    """The kernel runs only on results larger than `SCATTER_MAX_BYTES` whose rows it can copy."""
+    """The kernel runs only on results larger than `SCATTER_MAX_BYTES` (`WIDE_SCATTER_MAX_BYTES` for rows of at least
+    `WIDE_ROW_BYTES`) whose rows it can copy."""
     limit = row_fill.SCATTER_MAX_BYTES
     at_limit = jax.ShapeDtypeStruct((limit // 256, 64), jnp.float32)  # 256-byte rows
     above = jax.ShapeDtypeStruct((limit // 256 + 1, 64), jnp.float32)
     unaligned = jax.ShapeDtypeStruct((limit // 6 + 1, 3), jnp.float16)  # 6-byte rows, over the limit
+    wide = jax.ShapeDtypeStruct((1025, 16, 64), jnp.bfloat16)  # 2 KiB rows, 2 MB
     assert row_fill.kernel_takes(at_limit) and not row_fill.runs_kernel(at_limit)
     assert row_fill.runs_kernel(above)
     assert not row_fill.kernel_takes(unaligned) and not row_fill.runs_kernel(unaligned)
+    assert row_fill.runs_kernel(wide) and not row_fill.runs_kernel(jax.ShapeDtypeStruct((512, 16, 64), jnp.bfloat16))
 
 
 def _vmapped_cases():

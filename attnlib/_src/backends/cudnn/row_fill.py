@@ -31,8 +31,13 @@ from ... import logs
 ROWS_PER_WORD = 32  # rows per mask word
 PROGRAMS_PER_WORD = 4  # programs sharing a word's copies (docs/performance.md: 4 measured fastest on the H200)
 SCATTER_MAX_BYTES = 4 << 20
-"""Results up to this size take XLA's scatter, the faster of the two there (4 MB: 2.9 us, the kernel 5.4; 8 MB: 11.6
-against 4.9; docs/performance.md, "H200: packed sequences and paged decoding")."""
+"""Results of one dtype holding at most this much together take XLA's scatter, the faster of the two there on narrow
+rows (a 4 MB `[32768, 32]` f32: 2.7 us, the kernel 5.7; docs/performance.md, "H200: packed sequences and paged
+decoding")."""
+WIDE_ROW_BYTES = 1 << 10
+WIDE_SCATTER_MAX_BYTES = 1 << 20
+"""The same limit where every row holds at least `WIDE_ROW_BYTES` (outputs and gradients, `[T, heads, dim]`), where the
+scatter slows with the row's width (a 2 MB `[1024, 16, 64]` bf16: 5.5 us, the kernel 3.9)."""
 FILL_BYTES = 16 * 1024  # shared memory of each of the two fill buffers (0 and NaN)
 
 Fill = tuple[jax.Array, jax.Array, jax.Array]
@@ -57,13 +62,17 @@ def _interpret_params():
 
 def kernel_share(xs: Sequence[jax.Array]) -> list[bool]:
     """Which of `xs` `set_rows_many` hands to the kernel on a GPU: those whose rows it can copy, of a dtype whose
-    results of that kind hold more than `SCATTER_MAX_BYTES` together (one kernel call fills them all)."""
+    results of that kind (one kernel call fills them all) hold more than `SCATTER_MAX_BYTES` together, or more than
+    `WIDE_SCATTER_MAX_BYTES` where each of their rows holds at least `WIDE_ROW_BYTES`."""
     takes = [kernel_takes(x) for x in xs]
-    dtype_bytes = collections.Counter()
+    group_bytes, narrow = collections.Counter(), set()
     for x, kernel in zip(xs, takes):
         if kernel:
-            dtype_bytes[jnp.dtype(x.dtype)] += x.size * x.dtype.itemsize
-    return [kernel and dtype_bytes[jnp.dtype(x.dtype)] > SCATTER_MAX_BYTES for x, kernel in zip(xs, takes)]
+            group_bytes[jnp.dtype(x.dtype)] += x.size * x.dtype.itemsize
+            if x.size // x.shape[0] * x.dtype.itemsize < WIDE_ROW_BYTES:
+                narrow.add(jnp.dtype(x.dtype))
+    limit = lambda dtype: SCATTER_MAX_BYTES if dtype in narrow else WIDE_SCATTER_MAX_BYTES  # noqa: E731
+    return [kernel and group_bytes[jnp.dtype(x.dtype)] > limit(jnp.dtype(x.dtype)) for x, kernel in zip(xs, takes)]
 
 
 def runs_kernel(x: jax.Array) -> bool:
