@@ -604,6 +604,13 @@ def thd(args) -> None:
                 seconds = best_per_call(fn, (q, *kv, cu), loop=50 if key[1] == "fwd" else 20, reps=10)
                 best[key] = min(best.get(key, float("inf")), seconds)
         print(row(label, [f"{best[key] * 1e6:.1f}" if best[key] == best[key] else "wrong" for key in fns]), flush=True)
+        if args.profile:  # the forward's device time per call: kernels, and the span first kernel to last
+            for name in switches:
+                profile = kernel_profile(fns[(name, "fwd")], (q, *kv, cu), calls=5)
+                print(f"    {name} fwd: span {profile['span_us']:.1f} us, kernels {profile['kernel_us']:.1f} us",
+                      flush=True)  # fmt: skip
+                for kernel in profile["kernels"][:8]:
+                    print(f"      {kernel['us']:8.2f} us  x{kernel['launches']:<5.3g} {kernel['name'][:90]}")
 
 
 def main() -> None:
