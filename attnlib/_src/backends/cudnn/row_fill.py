@@ -9,8 +9,12 @@ into their share of the flagged rows only (a run of copies when all 32 rows are 
 is handed to the kernel as a reference, so its buffer is aliased to the result and unflagged rows are never read or
 written.
 
-The copies need rows of a multiple of 16 bytes; other rows, results of at most `SCATTER_MAX_BYTES` (where a pass over
-the result is cheap) and every platform but a GPU (where the tests emulate cuDNN) take `set_rows_scatter`, the XLA
+`set_rows_many` fills several results in one kernel call (a ragged backward's dQ, dK and dV): the grid runs over the
+mask words of each result in turn, each program filling its word of the result it falls in. The call costs about what
+one fill does, so three results take one call instead of three (docs/performance.md).
+
+The copies need rows of a multiple of 16 bytes; other rows, small results (`kernel_share`: where a pass over the
+result is cheap) and every platform but a GPU (where the tests emulate cuDNN) take `set_rows_scatter`, the XLA
 scatter the kernel replaced (same values; the NaN payload may differ), which is also the benchmarks' "before". The
 kernel's own tests run it in Pallas' GPU interpreter on the CPU.
 """
