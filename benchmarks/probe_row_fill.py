@@ -7,7 +7,8 @@ Usage: python benchmarks/probe_row_fill.py              H200: check every candid
                                                         benchmark's shapes (Pallas -> Mosaic GPU MLIR, no PTX)
        --fori: time with a `lax.fori_loop` instead of an unrolled chain; --calls N: fills per timed chain (20);
        --only TEXT ...: the cases whose label (spaces as _) contains one; --candidates NAME ...: those candidates only;
-       --profile: after timing a case, each candidate's kernels per fill and the chain's span (JAX's profiler)
+       --profile: after timing a case, each candidate's kernels per fill and the chain's span (JAX's profiler;
+                 with --thd: each variant's forward, kernels and span per call)
        --backward: the fills of a ragged backward instead (dQ, dK, dV: three results, two flag pairs), per call
        --thd: attnlib's THD attention (forward, forward + backward) with each way of filling rows, per call
 
@@ -442,6 +443,15 @@ def lower_all() -> None:
         print("error:", problem)
 
 
+def chosen(args, candidates: dict, cases: list) -> tuple[dict, list]:
+    """The candidates named by `--candidates` and the cases picked by `--only` (all where not given)."""
+    if args.candidates:
+        candidates = {name: value for name, value in candidates.items() if name in args.candidates}
+    if args.only:
+        cases = [case for case in cases if any(part in case[0].replace(" ", "_") for part in args.only)]
+    return candidates, cases
+
+
 # --- a ragged backward's three fills as one step (--backward) --------------------------------------------------------
 
 
@@ -495,12 +505,7 @@ def backward_inputs(q_shape, kv_shape, dtype, fraction):
 
 
 def backward(args) -> None:
-    fills = backward_candidates()
-    if args.candidates:
-        fills = {name: fill for name, fill in fills.items() if name in args.candidates}
-    cases = BACKWARD_CASES
-    if args.only:
-        cases = [case for case in cases if any(part in case[0].replace(" ", "_") for part in args.only)]
+    fills, cases = chosen(args, backward_candidates(), BACKWARD_CASES)
     print(row("case", [*fills, "loop"]) + f"   [us per backward's 3 fills, chain of {args.calls}]", flush=True)
     fastest = []
     for label, q_shape, kv_shape, dtype, fraction in cases:
@@ -572,12 +577,7 @@ def thd(args) -> None:
 
     import attnlib
 
-    switches = thd_fill_switches()
-    if args.candidates:
-        switches = {name: values for name, values in switches.items() if name in args.candidates}
-    cases = THD_CASES
-    if args.only:
-        cases = [case for case in cases if any(part in case[0].replace(" ", "_") for part in args.only)]
+    switches, cases = chosen(args, thd_fill_switches(), THD_CASES)
     print(row("case", [f"{name} {part}" for name in switches for part in ("fwd", "f+b")]) + "   [us per call]")
     rng = np.random.default_rng(0)
     for label, tokens, n, k, h in cases:
@@ -640,12 +640,8 @@ def main() -> None:
         print("no GPU: timing needs the H200 (--interpret or --lower check the kernels here)")
         return
     interpret = None if timing else interpret_params()
-    fills = candidates() if timing else mosaic_candidates(interpret)
-    cases = CASES if timing else INTERPRET_CASES
-    if args.only:
-        cases = [case for case in cases if any(part in case[0].replace(" ", "_") for part in args.only)]
-    if args.candidates:
-        fills = {name: fill for name, fill in fills.items() if name in args.candidates}
+    fills, cases = chosen(args, candidates() if timing else mosaic_candidates(interpret),
+                          CASES if timing else INTERPRET_CASES)  # fmt: skip
     mode = f"us per fill, {'fori_loop' if args.fori else 'chain'} of {args.calls}" if timing else "interpreter"
     print(row("case", [*fills, *(["loop"] if timing else [])]) + f"   [{mode}]", flush=True)
     fastest, problems, wrong = [], [], []
