@@ -366,8 +366,11 @@ def set_rows_many(fills: Sequence[Fill]) -> list[jax.Array]:
                           "attnlib: Pallas' Mosaic GPU backend is unavailable (%s); the rows outside THD/packed "
                           "sequences are set by XLA's scatter, a pass over each result.", error)  # fmt: skip
             return [set_rows_scatter(*fill) if kernel else x for fill, kernel, x in zip(fills, share, out)]
-    for dtype in dict.fromkeys(jnp.dtype(x.dtype) for x, kernel in zip(out, share) if kernel):
-        group = [i for i, (x, kernel) in enumerate(zip(out, share)) if kernel and jnp.dtype(x.dtype) == dtype]
+    groups = collections.defaultdict(list)  # dtype -> the results of one kernel call
+    for i, (x, kernel) in enumerate(zip(out, share)):
+        if kernel:
+            groups[jnp.dtype(x.dtype)].append(i)
+    for group in groups.values():
         for i, filled in zip(group, set_rows_kernel_many([fills[i] for i in group])):
             out[i] = filled
     return out
