@@ -8,6 +8,7 @@ The extension is optional: a CPU-only install has none, and then the cuDNN imple
 import functools
 import importlib.metadata
 import os
+import pathlib
 import types
 
 import jax
@@ -29,11 +30,37 @@ def _traits(command_buffer: bool) -> int:
     return flags.COMMAND_BUFFER_COMPATIBLE if command_buffer else flags.DEFAULT
 
 
+def shadowed_extension() -> pathlib.Path | None:
+    """The installed attnlib's extension where the `attnlib` imported is another copy without one: a source tree in
+    the working directory comes first on `sys.path` (`python -m` adds it) and hides the installed package."""
+    import attnlib
+
+    try:
+        distribution = importlib.metadata.distribution("attnlib")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    imported = pathlib.Path(attnlib.__file__).resolve().parent
+    for file in distribution.files or ():
+        if file.name.startswith("_attnlib_ffi.") and file.suffix in (".so", ".pyd"):
+            path = pathlib.Path(distribution.locate_file(file)).resolve()
+            if path.exists() and path.parent != imported:
+                return path
+    return None
+
+
 @functools.cache
 def _load() -> tuple[types.ModuleType | None, str | None]:
     try:
         from attnlib import _attnlib_ffi  # pyright: ignore[reportAttributeAccessIssue]
     except ImportError as e:
+        if (installed := shadowed_extension()) is not None:
+            import attnlib
+
+            return None, (
+                f"attnlib was imported from {pathlib.Path(attnlib.__file__).parent}, which hides the installed copy "
+                f"whose extension is {installed}: run from another directory, `python -P -m ...` (no working "
+                "directory on sys.path), or install with `pip install -e .`"
+            )
         return None, (
             "attnlib's native cuDNN extension is not built (it compiles only where the CUDA headers are found at "
             f"install time; reinstall there to get it). Python said: {e}"
