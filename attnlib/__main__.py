@@ -1,7 +1,9 @@
 """`python -m attnlib`: a self-check on this machine.
 
-Prints the platform, which implementations can run, and for each one that can: one causal attention call (forward
-and gradient) with its maximum error against a float64 NumPy reference and its time.
+Prints the platform, the native extension's build versions, which implementations can run, and for each one that
+can: one causal attention call (forward and gradient) with its maximum error against a float64 NumPy reference and
+its time. Fails (exit status 1) when a result is wrong, and when this machine has an NVIDIA GPU but the cuDNN path
+cannot run, with the reason and the command that fixes it.
 """
 
 import argparse
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attnlib
+from attnlib._src.backends.cudnn import ffi, support
 from attnlib._src.config import IMPLEMENTATIONS
 
 
@@ -28,6 +31,37 @@ def _reference(q, k, v, scale):
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.einsum("bnts,bsnh->btnh", p, v)
+
+
+def _version(code: int, parts: int = 3) -> str:
+    return ".".join(str(code // 100 ** (2 - i) % 100) if i else str(code // 10000) for i in range(parts))
+
+
+def _extension_line() -> str:
+    info = ffi.build_info()
+    if info is None:
+        return "native cuDNN extension: not built"
+    major, minor = info["xla_ffi_api"]
+    jaxlib = f" of jaxlib {info['jaxlib']}" if info["jaxlib"] else ""
+    return (
+        f"native cuDNN extension: built against cudnn-frontend {_version(info['cudnn_frontend'])}, cuDNN headers "
+        f"{_version(info['cudnn'])}, CUDA {info['cuda'] // 1000}.{info['cuda'] % 1000 // 10}, XLA FFI API "
+        f"{major}.{minor}{jaxlib}"
+    )
+
+
+def _gpu_problem() -> str | None:
+    """Why the cuDNN path cannot run although this machine has an NVIDIA GPU, or None."""
+    on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    if not (on_gpu or support.nvidia_driver_present()):
+        return None
+    try:
+        device = support.device()
+    except NotImplementedError as e:
+        return str(e).removeprefix("cudnn: ")
+    print(f"GPU: {device.name} (sm_{device.compute_capability[0]}{device.compute_capability[1]}), cuDNN "
+          f"{support.version_string(device.cudnn_version)} loaded")
+    return None
 
 
 def _time(fn, *args, repeats=5):
@@ -59,6 +93,10 @@ def main(argv=None) -> int:
     q = jax.random.normal(keys[0], (B, T, N, H), dtype)
     k = jax.random.normal(keys[1], (B, T, K, H), dtype)
     v = jax.random.normal(keys[2], (B, T, K, H), dtype)
+    print(_extension_line())
+    if (problem := _gpu_problem()) is not None:
+        print(f"self-check FAILED: this machine has an NVIDIA GPU but attnlib's cuDNN path cannot run: {problem}")
+        return 1
     print(f"problem: B={B} T=S={T} N={N} K={K} H={H} {jnp.dtype(dtype).name}, causal")
 
     explanation = attnlib.explain(q, k, v, is_causal=True)

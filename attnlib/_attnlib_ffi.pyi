@@ -17,6 +17,10 @@ def graph_replay_counts() -> dict[str, int]:
 def frontend_version() -> int:
     """CUDNN_FRONTEND_VERSION of the headers this module was compiled against (13200 for 1.32.0)."""
 
+def build_info() -> dict[str, Any]:
+    """Versions of the headers this module was compiled against: cudnn_frontend, cudnn and cuda as integers (13200,
+    91900, 13000), xla_ffi_api as (major, minor), jaxlib as a string."""
+
 def graph_json_version() -> str:
     """The serialized-graph JSON version this module reads."""
 

@@ -15,6 +15,8 @@
 // needs one (`ws_bytes` > 0), a trailing uint8 workspace of at least `ws_bytes` bytes.
 
 #include "cudnn_graph.h"
+
+#include <cuda.h>
 #include "graph_replay.h"
 
 #include <dlfcn.h>
@@ -461,6 +463,15 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, GraphState* st, ffi::Rem
 // Utilities for the Python module.
 
 int FrontendVersion() { return CUDNN_FRONTEND_VERSION; }
+
+#ifndef ATTNLIB_JAXLIB_VERSION
+#define ATTNLIB_JAXLIB_VERSION ""
+#endif
+
+BuildInfo GetBuildInfo() {
+  return BuildInfo{CUDNN_FRONTEND_VERSION, CUDNN_VERSION, CUDA_VERSION, XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR,
+                   ATTNLIB_JAXLIB_VERSION};
+}
 
 std::string GraphJsonVersion() { return kGraphJsonVersion; }
 

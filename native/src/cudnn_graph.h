@@ -27,6 +27,17 @@ namespace attnlib {
 // CUDNN_FRONTEND_VERSION of the headers this module was compiled against (e.g. 13200 for 1.32.0). Cannot fail.
 int FrontendVersion();
 
+// The versions of the headers this module was compiled against. Cannot fail.
+struct BuildInfo {
+  int frontend;         // CUDNN_FRONTEND_VERSION, e.g. 13200 for 1.32.0
+  int cudnn;            // CUDNN_VERSION of cudnn.h, e.g. 91900 for 9.19.0
+  int cuda;             // CUDA_VERSION of cuda.h, e.g. 13000 for 13.0
+  int xla_ffi_major;    // XLA_FFI_API_MAJOR
+  int xla_ffi_minor;    // XLA_FFI_API_MINOR
+  std::string jaxlib;   // the jaxlib whose XLA FFI headers were used ("" when unknown)
+};
+BuildInfo GetBuildInfo();
+
 // The graph JSON version these headers read ("2.0"). Cannot fail.
 std::string GraphJsonVersion();
 

@@ -89,6 +89,21 @@ NB_MODULE(_attnlib_ffi, m) {
   m.def("frontend_version", &attnlib::FrontendVersion,
         "CUDNN_FRONTEND_VERSION of the headers this module was compiled against (13200 for 1.32.0).");
 
+  m.def(
+      "build_info",
+      [] {
+        attnlib::BuildInfo info = attnlib::GetBuildInfo();
+        nb::dict d;
+        d["cudnn_frontend"] = info.frontend;
+        d["cudnn"] = info.cudnn;
+        d["cuda"] = info.cuda;
+        d["xla_ffi_api"] = nb::make_tuple(info.xla_ffi_major, info.xla_ffi_minor);
+        d["jaxlib"] = info.jaxlib;
+        return d;
+      },
+      "Versions of the headers this module was compiled against: cudnn_frontend, cudnn and cuda as integers "
+      "(13200, 91900, 13000), xla_ffi_api as (major, minor), jaxlib as a string.");
+
   m.def("graph_json_version", &attnlib::GraphJsonVersion, "The serialized-graph JSON version this module reads.");
 
   m.def(

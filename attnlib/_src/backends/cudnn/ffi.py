@@ -15,6 +15,9 @@ import jax
 from jaxlib import xla_client
 
 
+REBUILD = "ATTNLIB_ENABLE_CUDA=ON python3 -m pip install ."
+"""The command, run in attnlib's source directory, that rebuilds and reinstalls attnlib with its extension."""
+
 TARGET = "attnlib_cudnn_graph"
 STATE_TYPE = "attnlib_cudnn_graph_state"
 
@@ -48,6 +51,30 @@ def shadowed_extension() -> pathlib.Path | None:
     return None
 
 
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
+
+
+def older_jaxlib_reason(compiled: str, running: str) -> str | None:
+    """Why an extension compiled against the XLA FFI headers of jaxlib `compiled` cannot run in jaxlib `running`
+    (an older one may lack the FFI API version those headers declare), or None."""
+    if compiled and _release(running) < _release(compiled):
+        return (
+            f"attnlib's extension was compiled against the XLA FFI headers of jaxlib {compiled}, newer than the "
+            f"running jaxlib {running}. Fix: `{REBUILD}` (rebuilds it against this jaxlib)"
+        )
+    return None
+
+
+def build_info() -> dict | None:
+    """The versions the extension was compiled against (`_attnlib_ffi.build_info()`), or None without one."""
+    try:
+        from attnlib import _attnlib_ffi  # pyright: ignore[reportAttributeAccessIssue]
+    except ImportError:
+        return None
+    return _attnlib_ffi.build_info()
+
+
 @functools.cache
 def _load() -> tuple[types.ModuleType | None, str | None]:
     try:
@@ -62,23 +89,26 @@ def _load() -> tuple[types.ModuleType | None, str | None]:
                 "directory on sys.path), or install with `pip install -e .`"
             )
         return None, (
-            "attnlib's native cuDNN extension is not built (it compiles only where the CUDA headers are found at "
-            f"install time; reinstall there to get it). Python said: {e}"
+            "attnlib's native cuDNN extension is not built (pip builds it on Linux when an NVIDIA GPU is visible or "
+            f"ATTNLIB_ENABLE_CUDA=ON; `pip install -v` prints why it did not). Fix: `{REBUILD}`. Python said: {e}"
         )
-    compiled = _frontend_version_string(_attnlib_ffi.frontend_version())
+    info = _attnlib_ffi.build_info()
+    compiled = _frontend_version_string(info["cudnn_frontend"])
     try:
         installed = importlib.metadata.version("nvidia-cudnn-frontend")
     except importlib.metadata.PackageNotFoundError:
         return None, (
             f"the cuDNN frontend Python package is not installed; attnlib's extension was compiled against "
-            f"nvidia-cudnn-frontend {compiled} (pip install --no-deps nvidia-cudnn-frontend=={compiled})"
+            f"nvidia-cudnn-frontend {compiled}. Fix: `python3 -m pip install nvidia-cudnn-frontend=={compiled}`"
         )
     if installed != compiled:
         return None, (
             f"nvidia-cudnn-frontend {installed} is installed but attnlib's extension was compiled against "
-            f"{compiled}; serialized graphs are only compatible between equal versions (reinstall attnlib or "
-            f"nvidia-cudnn-frontend=={compiled})"
+            f"{compiled}; serialized graphs are only compatible between equal versions. Fix: "
+            f"`python3 -m pip install nvidia-cudnn-frontend=={compiled}`"
         )
+    if (reason := older_jaxlib_reason(info["jaxlib"], importlib.metadata.version("jaxlib"))) is not None:
+        return None, reason
     # Command buffers (CUDA graphs) can be turned off for debugging: XLA then never captures the execute handler.
     command_buffer = os.environ.get("ATTNLIB_CUDNN_COMMAND_BUFFER", "1") != "0"
     # The state type first: XLA refuses handlers whose types are not registered yet.

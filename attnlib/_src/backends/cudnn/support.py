@@ -46,6 +46,15 @@ def cudnn_library_hint() -> str:
     return ""
 
 
+JAX_CUDA = 'python3 -m pip install -U "jax[cuda13]"'
+"""The command that installs JAX's CUDA plugin with the newest CUDA and cuDNN wheels."""
+
+
+def nvidia_driver_present() -> bool:
+    """Whether this machine has an NVIDIA driver and device, whatever JAX sees."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")
+
+
 @functools.cache
 def _device() -> tuple[Device | None, str | None]:
     try:
@@ -53,6 +62,11 @@ def _device() -> tuple[Device | None, str | None]:
     except RuntimeError as e:
         return None, f"JAX has no GPU backend ({e})"
     if not gpus:
+        if nvidia_driver_present():
+            return None, (
+                "no CUDA GPU visible to JAX, though this machine has an NVIDIA GPU: JAX's CUDA plugin is not "
+                f"installed. Fix: `{JAX_CUDA}`"
+            )
         return None, "no CUDA GPU visible to JAX"
     gpu = gpus[0]
     capability = getattr(gpu, "compute_capability", None)
@@ -67,7 +81,7 @@ def _device() -> tuple[Device | None, str | None]:
     except NotImplementedError as e:
         return None, str(e).removeprefix("cudnn: ")
     except RuntimeError as e:
-        return None, f"cannot load cuDNN: {e}"
+        return None, f"cannot load cuDNN: {e}. Fix: `{JAX_CUDA}`"
     return Device((major, minor), gpu.device_kind, int(version)), None
 
 
@@ -356,10 +370,8 @@ def _modifier_reason(config: AttentionConfig) -> str | None:
 
 
 def decline_reason(config: AttentionConfig) -> str | None:
-    """Why the cuDNN implementation cannot serve `config` in this process, or None if it can."""
-    reason = ffi.unavailable_reason()
-    if reason is not None:
-        return f"cudnn: {reason}"
+    """Why the cuDNN implementation cannot serve `config` in this process, or None if it can. Without a GPU that is
+    the reason, before anything about the native extension."""
     dev, reason = _device()
     if dev is None:
         return f"cudnn: {reason}"
