@@ -1,7 +1,7 @@
 """CPU: attnlib's automatic choice (`implementation=None`) against jax.nn's `xla` and tokamax's `xla_chunked`.
 
 Forward and forward+backward wall-clock time under `jax.jit` (best and median of `--repeats` calls after two warm-up
-calls, all variants of a shape timed round-robin in one process), float32, for the shapes of issue 16 (causal and
+calls, all variants of a shape timed round-robin in one process), float32, on eight shapes (causal and
 full, MHA and GQA, sequence lengths 256–8192). tokamax is optional (it needs Python 3.12; its row is reported as
 missing otherwise).
 

@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_cudnn.py [--json out.json] [--quick]
 
-Timing (as in shared/reference/benchmarking.md §5): wall clock under `jax.jit`, 2 warm-up calls, then 10 repetitions
+Timing: wall clock under `jax.jit`, 2 warm-up calls, then 10 repetitions
 of a loop of 20 (forward) or 10 (forward+backward) calls ending in one `block_until_ready`; the best per-call mean is
 reported. The raw graph is the very blob attnlib embeds (for a forward-only call, the graph without softmax stats),
 deserialized by the cuDNN frontend's Python API and executed on the same device buffers (loop of 20 executes, then a

@@ -1,4 +1,4 @@
-"""H200 benchmark of attnlib's cuDNN THD and paged paths (issue 4).
+"""H200 benchmark of attnlib's cuDNN THD and paged paths.
 
 Usage: python benchmarks/bench_cudnn_ragged.py [--json out.json] [--table out.txt] [--dump-hlo DIR] [--profile]
 
@@ -11,7 +11,7 @@ Usage: python benchmarks/bench_cudnn_ragged.py [--json out.json] [--table out.tx
    convention), whatever padding each variant computes.
 2. Paged decode: B = 64, context 8192, page 64, GQA 64/8, d128, bf16, a random page table. Bandwidth = the K and V
    bytes of the cached tokens (`B * ctx * K * (H + Hv) * 2`) per second, against the 4.3 TB/s device-to-device copy
-   measured on the card (KINDS.md).
+   measured on the card.
 3. Graph builds: 200 training steps with fresh random lengths (the sequence count changes every step); each new
    input shape is traced and lowered forward+backward (what `jax.jit` does), counting cuDNN graphs built.
 

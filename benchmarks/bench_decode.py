@@ -1,4 +1,4 @@
-"""GPU benchmark: a realistic decode step (issue 17) — one jitted `lax.scan` over 32 layers of single-token
+"""GPU benchmark: a realistic decode step — one jitted `lax.scan` over 32 layers of single-token
 attention against a KV cache of `context` tokens per sequence — attnlib (paged cache and dense cache with lengths)
 against jax.nn `cudnn` and tokamax (`mosaic`, `triton`), one process. jax.nn has no paged cache: its peer on the
 page pool (`jax_nn_cudnn_paged`) gathers each sequence's pages into a dense cache first, as a jax.nn user must; the
@@ -8,7 +8,6 @@ peers on the page pool (`speed_vs_paged_peer`). Where attnlib trails the best pe
 kernel costs against its dense one.
 
 Usage: python benchmarks/bench_decode.py [--json out.json] [--only NAME ...] [--rounds 3] [--layers 32]
-       [--profile VARIANT ...]
 
 Each layer reads the same cache (one cache per variant: 32 real caches of the larger shapes would not fit; the cache
 is far larger than L2, so every layer still streams it from HBM) and feeds its output to the next layer's query.
@@ -17,12 +16,9 @@ reference before timing. Timing: `bench_cudnn.best_per_call` (wall clock, best o
 of `--rounds`. Every variant runs twice: jitted with XLA's default flags (`step_ms`) and with
 `compiler_options={"xla_gpu_graph_min_graph_size": 1}` (`step_ms_min_graph_1`), which lets XLA capture the loop
 body (the attention call and the layer's two fusions, fewer commands than XLA's default minimum) into a command
-buffer (CUDA graph); `benchmarks/probe_command_buffers.py` shows what XLA captures. The `_direct` variants are
-attnlib's calls with the native executor's CUDA-graph replay off, the `_always` ones with replay for every call
-whatever its size (not peers). `--profile` then prints, for the named variants in both configurations, where a
-step's time goes when steps run back to back (`kernel_profile.pipelined_profile`: device busy / idle per step, the
-host events that take longest) and the step's kernels (`kernel_profile.kernel_profile`): e.g. how XLA's capture of
-attnlib's call differs from its own cuDNN command (`--profile attnlib_dense jax_nn_cudnn`).
+buffer (CUDA graph). The `_direct` variants are attnlib's calls with the native executor's CUDA-graph replay off,
+the `_always` ones with replay for every call whatever its size (not peers); `executor_per_step` counts what the
+native executor did per step.
 """
 
 import argparse
@@ -33,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 from bench_peers import graph_replay, replay_mode
-from kernel_profile import event_rows, kernel_profile, pipelined_profile
+from kernel_profile import kernel_profile
 
 import attnlib
 from attnlib._src.paged import gather_pages
@@ -162,26 +158,12 @@ def executor_counts_per_step(step, call_args, steps: int = 4) -> dict[str, float
     return {name: (after[name] - before[name]) / steps for name in after}
 
 
-def print_profile(title: str, step, call_args) -> None:
-    """Where one step's time goes, steps back to back: device busy / idle, the longest host events, the kernels."""
-    try:
-        p = pipelined_profile(step, call_args, calls=20, host_top=24)
-        kernels = kernel_profile(step, call_args, calls=5)
-    except Exception as e:  # noqa: BLE001  (reported, not fatal)
-        print(f"{title}: profile failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return
-    print(f"{title}: device busy {p['busy_us']:.1f} idle {p['idle_us']:.1f} span {p['span_us']:.1f} us per step; "
-          f"kernels {kernels['kernel_us']:.1f} us in {kernels['launches']:.0f} launches", flush=True)  # fmt: skip
-    print("\n".join(event_rows(p, kernels, top_kernels=8)), flush=True)
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--profile", nargs="*", default=(), help="variants to profile after timing")
     args = parser.parse_args()
     results = {}
     for name, (b, context) in SHAPES.items():
@@ -217,9 +199,6 @@ def main():
             compare(row, steps, suffix)
         results[name] = row
         print(name, json.dumps(row), flush=True)
-        for (label, suffix), (step, call_args) in steps.items():
-            if label in args.profile:
-                print_profile(f"{name} {label}{suffix or '_default'}", step, call_args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": args.layers,

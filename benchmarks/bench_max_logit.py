@@ -1,4 +1,4 @@
-"""H200 benchmark: the cost of `return_max_logit=True` on cuDNN (issue target: <= 3 % forward overhead), one process.
+"""H200 benchmark: the cost of `return_max_logit=True` on cuDNN (target: <= 3 % forward overhead), one process.
 
 Usage: python benchmarks/bench_max_logit.py [--json out.json]
 

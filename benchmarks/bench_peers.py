@@ -1,8 +1,7 @@
-"""GPU benchmark: attnlib against every JAX peer, one process (issue 17): attnlib `cudnn`, jax.nn `cudnn`, tokamax
-`mosaic` (its Hopper Pallas kernel) and `triton`.
+"""GPU benchmark: attnlib against every JAX peer, one process: attnlib `cudnn`, jax.nn `cudnn`, tokamax `mosaic` (its
+Hopper Pallas kernel) and `triton`.
 
-Usage: python benchmarks/bench_peers.py [--json out.json] [--only CASE ... (run in that order)] [--rounds 3] [--own]
-       [--direct]
+Usage: python benchmarks/bench_peers.py [--json out.json] [--only CASE ... (run in that order)] [--rounds 3] [--direct]
 
 Per case: every variant's output is first checked against a float32 XLA reference on the same bf16 inputs (max |err|
 within `4 eps(bf16) max|ref|`, else the variant is reported as wrong and not timed); then the variants are timed
@@ -11,10 +10,9 @@ forward + backward (gradient of `sum(out * dout)` with respect to q, k, v). Wher
 device's kernel time per call of both is profiled too (`{kind}_kernel_us`, `{kind}_kernel_vs_best_peer`): whether
 the kernel or the call around it is behind, in the same run. A variant that cannot run the case
 (unsupported feature, import error) is reported with its error. The summary gives attnlib's speed against the
-best peer per case. `--own` adds attnlib's plain-JAX implementations and `--direct` attnlib's cuDNN call with the
-native executor's CUDA-graph replay off (`attnlib_cudnn_direct`, ATTNLIB_CUDNN_GRAPH_REPLAY=0 while it compiles) and
-on for every call (`attnlib_cudnn_always`, "always"); neither is a peer. tokamax is a benchmark-only
-dependency (`../shared/tools/device-wheels.sh --peers`; it needs the xprof stand-in on `PYTHONPATH`).
+best peer per case. `--direct` adds attnlib's cuDNN call with the native executor's CUDA-graph replay off
+(`attnlib_cudnn_direct`, ATTNLIB_CUDNN_GRAPH_REPLAY=0 while it compiles) and on for every call (`attnlib_cudnn_always`,
+"always"); neither is a peer. tokamax is a benchmark-only dependency (`pip install tokamax`).
 """
 
 import argparse
@@ -74,17 +72,6 @@ def _kwargs(case: Case) -> dict:
     return kw
 
 
-def _own(case: Case) -> dict:
-    """attnlib's plain-JAX implementations on the GPU (`--own`): measured beside the peers, never counted as one."""
-    one_block = attnlib.XlaChunked(block_k=case.s)
-    return {
-        f"attnlib_{label}": lambda q, k, v, impl=impl, **kw: attnlib.attention(
-            q, k, v, implementation=impl, **_decode(case, kw)
-        )
-        for label, impl in (("xla", "xla"), ("xla_chunked", "xla_chunked"), ("xla_one_block", one_block))
-    }
-
-
 def replay_mode(label: str) -> str:
     """ATTNLIB_CUDNN_GRAPH_REPLAY for a variant: "0" for `*_direct`, "always" for `*_always`, else "" (each call's
     own choice, `executor.replays`)."""
@@ -111,9 +98,9 @@ def compile_variant(label: str, fn, args):
         return jax.jit(fn).lower(*args).compile()
 
 
-def variants(case: Case, own: bool = False, direct: bool = False) -> dict:
-    """name -> fn(q, k, v, **kw) for the peers that exist here (and attnlib's plain-JAX implementations if `own`,
-    attnlib's cuDNN call without graph replay if `direct`)."""
+def variants(case: Case, direct: bool = False) -> dict:
+    """name -> fn(q, k, v, **kw) for the peers that exist here (and attnlib's cuDNN call without graph replay and with
+    replay on every call if `direct`)."""
     cudnn = lambda q, k, v, **kw: attnlib.attention(q, k, v, implementation="cudnn", **_decode(case, kw))  # noqa: E731
     table = {
         "attnlib_cudnn": cudnn,
@@ -121,8 +108,6 @@ def variants(case: Case, own: bool = False, direct: bool = False) -> dict:
     }
     if direct:
         table["attnlib_cudnn_direct"] = table["attnlib_cudnn_always"] = cudnn
-    if own:
-        table.update(_own(case))
     try:
         import tokamax
 
@@ -153,7 +138,7 @@ def _reference(q, k, v, kw) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def run_case(name: str, case: Case, rounds: int, own: bool = False, direct: bool = False) -> dict:
+def run_case(name: str, case: Case, rounds: int, direct: bool = False) -> dict:
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (case.b, case.t, case.n, case.h), jnp.bfloat16)
     k = jax.random.normal(keys[1], (case.b, case.s, case.k, case.h), jnp.bfloat16)
@@ -167,7 +152,7 @@ def run_case(name: str, case: Case, rounds: int, own: bool = False, direct: bool
     if "query_seq_lengths" in kw:
         rows = np.arange(case.t)[None, :] < np.asarray(kw["query_seq_lengths"])[:, None]
     row, timed = {}, {}
-    for label, fn in variants(case, own, direct).items():
+    for label, fn in variants(case, direct).items():
         call_kw = kw if label.startswith("attnlib") else _peer_kwargs(case, kw)
 
         def loss(q, k, v, fn=fn, call_kw=call_kw):
@@ -256,7 +241,6 @@ def main():
     parser.add_argument("--json")
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--own", action="store_true", help="also attnlib's plain-JAX implementations (not peers)")
     parser.add_argument("--direct", action="store_true", help="also attnlib's cuDNN call without graph replay")
     args = parser.parse_args()
     results = {}
@@ -264,7 +248,7 @@ def main():
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; known: {list(CASES)}")
     for name in args.only or CASES:  # in the order given
-        results[name] = run_case(name, CASES[name], args.rounds, args.own, args.direct)
+        results[name] = run_case(name, CASES[name], args.rounds, args.direct)
         print(name, json.dumps(results[name]), flush=True)
         if args.json:
             with open(args.json, "w") as f:

@@ -75,7 +75,7 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-limit-gb", type=float, default=16.0)
-    parser.add_argument("--out", default="benchmarks/results/plain_cpu.json")
+    parser.add_argument("--out", default="benchmarks/results/bench_plain_cpu.json")
     args = parser.parse_args()
 
     rows = []

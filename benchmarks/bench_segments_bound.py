@@ -1,4 +1,4 @@
-"""H200 benchmark: packed rows (segment ids) on cuDNN without `max_segments_per_row` (issue: serve them fused by
+"""H200 benchmark: packed rows (segment ids) on cuDNN without `max_segments_per_row` (served fused by
 default) against the same call with a tight bound, in one process.
 
 Usage: python benchmarks/bench_segments_bound.py [--json out.json] [--variants NAME ...]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one runner for the lent H200 (tool `device`): build the native extension once, then run the steps asked for,
-# in order, each under its own time limit, everything logged to OUT_DIR (which comes back).
+# The benchmarks' runner on a GPU machine (the results in benchmarks/results/ came from an H200): build the native
+# extension once, then run the steps asked for, in order, each under its own time limit, every JSON and log in OUT_DIR.
 #
 # Usage: bash benchmarks/run_h200.sh OUT_DIR STEP [STEP ...]
 #   build                       the extension only (every other step builds it first when needed)
@@ -9,13 +9,12 @@
 #                               per line in the file $ATTNLIB_TESTS_FILE), in parallel (ATTNLIB_WORKERS, default 12)
 #   bench:SCRIPT[:SECONDS]      benchmarks/SCRIPT.py --json OUT_DIR/SCRIPT.json (extra args in $ATTNLIB_ARGS_SCRIPT,
 #                               else $ATTNLIB_BENCH_ARGS)
-#   probe:SCRIPT[:SECONDS]      benchmarks/SCRIPT.py (a probe: console output only)
 # Example: bash benchmarks/run_h200.sh $OUT tests:300 bench:bench_peers:240 bench:bench_decode:120
 #
-# Needs the wheels of ../shared/tools/device-wheels.sh in .whl (`--peers` for tokamax; it also needs
-# .whl/xprof_standin, a copy of ../shared/reference/probes/xprof_standin) installed as that script prints.
+# Needs jax with CUDA, the build requirements of the README's GPU install, and tokamax for the peers' columns (a
+# directory .whl/xprof_standin, if present, goes on PYTHONPATH: tokamax imports xprof at import time).
 # Plan autotuning is off for the tests (ATTNLIB_CUDNN_AUTOTUNE=0: each graph builds one plan; its own test turns it
-# on) and on for benchmarks and probes.
+# on) and on for the benchmarks.
 set -uo pipefail
 out=${1:?output directory}; shift
 mkdir -p "$out"
@@ -74,10 +73,9 @@ for step in "$@"; do
         python3 -m pytest "${targets[@]}" -p no:benchmark -p no:cacheprovider -n "${ATTNLIB_WORKERS:-12}" \
         --dist load -v -rfE --tb=short 2>&1 | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -60
       echo "PASSED: $(grep -c ' PASSED ' "$out/gpu_tests.log") (a run cut by its time limit lists no summary line)" ;;
-    bench|probe)
+    bench)
       seconds=${seconds:-300}
-      args=()
-      [ "$kind" = bench ] && args=(--json "$out/$name.json")
+      args=(--json "$out/$name.json")
       # shellcheck disable=SC2086
       extra_args="ATTNLIB_ARGS_$name"
       extra_args=${!extra_args:-${ATTNLIB_BENCH_ARGS:-}}

@@ -3,7 +3,7 @@
 // A CUDA graph that holds the nodes cuDNN's launches leave in a stream capture makes `cuGraphLaunch` wait for the
 // device once a few dozen launches of it are in flight, and each launch costs about 2 us more than the launch of a
 // graph holding the same kernels with the same parameters launched by us, captured the same way (measured on an
-// H200, docs/performance.md "Graphs of cuDNN's captured launches"). attnlib therefore captures cuDNN's work on a
+// H200, docs/performance.md "How attnlib's choices were measured"). attnlib therefore captures cuDNN's work on a
 // private stream, reads the kernels and memsets out of that graph, and issues them itself: into the capture that
 // becomes a replay graph, or into XLA's command-buffer capture.
 #pragma once

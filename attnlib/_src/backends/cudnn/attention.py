@@ -8,7 +8,7 @@ Padding rows. cuDNN writes zeros in the rows past a sequence's length (O and dQ 
 no key are a suffix: every row when the sequence has no key, else the rows `i >= seq_len_kv + left` of a window
 reaching `left` keys back. The graph gets query lengths trimmed to the rows that see a key, and a sequence without
 keys gets one key and no query row, so the padding costs no pass over the output or the gradients and no memset
-(`Plan.rows_by_length`, `support.writes_padding_zeros`; `benchmarks/probe_unwritten_rows.py` checks cuDNN's side).
+(`Plan.rows_by_length`, `support.writes_padding_zeros`; docs/performance.md, "How attnlib's choices were measured").
 With a bottom-right diagonal the rows that see no key come first; those calls mask the output and the gradients in JAX.
 - `attention(config, inputs)`: the dense entry point (flattening `*B`, slicing bottom-right `T > S`); THD and
   packed rows are `varlen.py`'s, paged caches `paged.py`'s.

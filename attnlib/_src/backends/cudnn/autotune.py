@@ -26,7 +26,7 @@ MAX_AUTOTUNE_CANDIDATES = 4
 MAX_AUTOTUNE_CANDIDATES_MODIFIER = 1
 """The same for graphs with a score modifier, whose plans are compiled at build time (about 0.5 s each): the
 heuristics' first plan was the fastest or within 2 % of it for the modifier forms timed on the H200
-(`benchmarks/results/probe_score_mod_forms_h200_round{3,4}.log`), so they are not autotuned. The exception, an `or`
+(docs/performance.md, "How attnlib's choices were measured"), so they are not autotuned. The exception, an `or`
 of two masks that cannot merge into one compare (second plan 11 % faster), is 4.5x slower either way."""
 
 

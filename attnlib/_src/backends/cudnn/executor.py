@@ -29,7 +29,7 @@ REPLAY_BELOW_US = 30.0
 """Calls whose work `expected_device_us` puts below this many microseconds are marked for replay (docs/performance.md,
 "Replaying short graph calls")."""
 
-_FLOPS_PER_US = 500e6  # bf16 attention on an H200, large shapes (benchmarks/results)
+_FLOPS_PER_US = 500e6  # bf16 attention on an H200, large shapes (docs/performance.md, "NVIDIA H200, cuDNN path")
 _BYTES_PER_US = 4e6  # H200 HBM3e
 
 

@@ -133,7 +133,7 @@ def _compose(config: AttentionConfig, offset: int) -> Callable[..., jax.Array]:
     masked = mask_mod is not None or left is not None or right is not None
 
     # Index arithmetic is emitted only where it is not zero: a causal mask is then exactly cuDNN's own pattern
-    # `row >= col` (the form whose masked tiles cuDNN 9.19 skipped in ../shared/reference/cudnn-score-mod.md's probe).
+    # `row >= col` (the one form whose masked tiles cuDNN 9.19 skips; docs/performance.md, "Limits, and why").
     def modifier(score, batch, head, row, col, *args):
         q_idx = row + offset if offset else row
         kv_idx = col

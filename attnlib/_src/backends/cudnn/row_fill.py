@@ -33,11 +33,11 @@ from ... import logs
 
 
 ROWS_PER_WORD = 32  # rows per mask word
-PROGRAMS_PER_WORD = 4  # programs sharing a word's copies (docs/performance.md: 4 measured fastest on the H200)
+PROGRAMS_PER_WORD = 4  # programs sharing a word's copies (4 measured fastest on the H200; docs/performance.md)
 SCATTER_MAX_BYTES = 4 << 20
 """Results of one dtype holding at most this much together take XLA's scatter, the faster of the two there on narrow
-rows (a 4 MB `[32768, 32]` f32: 2.7 us, the kernel 5.7; docs/performance.md, "H200: packed sequences and paged
-decoding")."""
+rows (a 4 MB `[32768, 32]` f32: 2.7 us, the kernel 5.7; docs/performance.md, "How attnlib's choices were
+measured")."""
 WIDE_ROW_BYTES = 1 << 10
 WIDE_SCATTER_MAX_BYTES = 1 << 20
 """The same limit where every row holds at least `WIDE_ROW_BYTES` (outputs and gradients, `[T, heads, dim]`), where the
@@ -104,13 +104,13 @@ def row_masks(zero: jax.Array, nan: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(packed, jnp.int32)
 
 
-def _copy_size(elements: int, itemsize: int, limit: int = FILL_BYTES) -> int:
-    """The largest divisor of `elements` of at most `limit` bytes and a multiple of 16 bytes."""
+def _copy_size(elements: int, itemsize: int) -> int:
+    """The largest divisor of `elements` of at most `FILL_BYTES` bytes and a multiple of 16 bytes."""
     best = 0
     for d in range(1, math.isqrt(elements) + 1):
         if elements % d == 0:
             for size in (d, elements // d):
-                if size * itemsize <= limit and size * itemsize % 16 == 0:
+                if size * itemsize <= FILL_BYTES and size * itemsize % 16 == 0:
                     best = max(best, size)
     assert best, (elements, itemsize)  # rows of 16-byte multiples always have one
     return best
@@ -218,11 +218,10 @@ def _run_kernel(
     owners: Sequence[int],
     interpret: bool,
     parts: int = PROGRAMS_PER_WORD,
-    fill_bytes: int = FILL_BYTES,
 ) -> list[jax.Array]:
     """One kernel call setting the rows of every result in `xs` (one dtype, each one `kernel_takes`): result `i` by the
-    flag pair `flags[owners[i]]` (zero, nan). `parts` programs per mask word (reduced to a divisor of 32), fill
-    buffers of at most `fill_bytes` (other values than the library's for `benchmarks/probe_row_fill.py`)."""
+    flag pair `flags[owners[i]]` (zero, nan). `parts` programs per mask word (reduced to a divisor of 32; the tests
+    vary it), fill buffers of at most `FILL_BYTES`."""
     from jax.experimental import pallas as pl
 
     mosaic_gpu = _mosaic_gpu()
@@ -231,8 +230,8 @@ def _run_kernel(
     plans, words = [], 0
     for x, owner in zip(xs, owners, strict=True):
         columns = math.prod(x.shape[1:])
-        row_copy = _copy_size(columns, dtype.itemsize, fill_bytes)
-        word_copy = _copy_size(ROWS_PER_WORD * columns // parts, dtype.itemsize, fill_bytes)
+        row_copy = _copy_size(columns, dtype.itemsize)
+        word_copy = _copy_size(ROWS_PER_WORD * columns // parts, dtype.itemsize)
         plans.append(_Plan(first_word=words, words=-(-x.shape[0] // ROWS_PER_WORD), owner=owner, columns=columns,
                            row_copy=row_copy, word_copy=word_copy))  # fmt: skip
         words += plans[-1].words

@@ -99,9 +99,9 @@ def device() -> Device:
 
 def writes_padding_zeros(cudnn_version: int) -> bool:
     """Whether this cuDNN is known to write zeros in the rows past each query and key length of a padded dense graph
-    (O, dQ, dK, dV), which its documentation does not promise: checked on 9.19 by
-    `benchmarks/probe_unwritten_rows.py` and the GPU tests' exact-zero checks. Elsewhere attnlib zero-fills those
-    results itself (a memset before the graph, 5-8 % of a padded call; docs/performance.md)."""
+    (O, dQ, dK, dV), which its documentation does not promise: checked on 9.19 on the H200 and by the GPU tests'
+    exact-zero checks. Elsewhere attnlib zero-fills those results itself (a memset before the graph, 5-8 % of a padded
+    call; docs/performance.md, "How attnlib's choices were measured")."""
     return 91900 <= cudnn_version < 92000
 
 
@@ -353,7 +353,7 @@ def _modifier_reason(config: AttentionConfig) -> str | None:
         return (
             "cudnn: a `bias` together with `score_mod`, `mask_mod` or `logits_soft_cap` is not supported (cuDNN adds "
             "its bias after the score modifier, while attnlib's order is bias first, and with a mask_mod alone the "
-            "H200 gave wrong results with cuDNN 9.19: benchmarks/results/gpu_tests_h200_score_mod_run2.log)."
+            "H200 gave wrong results with cuDNN 9.19)."
         )
     mods = config.modifiers
     if mods is not None:
