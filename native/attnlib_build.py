@@ -54,7 +54,8 @@ def _header_requirements(config_settings: dict | None) -> list[str]:
         return []
     envs = cuda_headers.environments()
     found = cuda_headers.locate(envs)
-    wanted = cuda_headers.requirements_for_missing(found, cuda_headers.cuda_major(envs))
+    runtime = cuda_headers.version_from(envs, found["ATTNLIB_CUDA_INCLUDE_DIR"], "nvidia-cuda-runtime")
+    wanted = cuda_headers.requirements_for_missing(found, cuda_headers.cuda_major(envs), runtime)
     if wanted:
         _say(f"fetching the extension's headers as build requirements: {', '.join(wanted)}")
     return wanted
@@ -85,7 +86,7 @@ def _with_native_settings(config_settings: dict | None) -> dict:
         if where.include_dir and not settings.get(_DEFINE + name):
             settings[_DEFINE + name] = where.include_dir
             _say(f"{name} = {where.include_dir} ({where.origin})")
-    jaxlib = cuda_headers.jaxlib_version(envs, found["ATTNLIB_XLA_INCLUDE_DIR"])
+    jaxlib = cuda_headers.version_from(envs, found["ATTNLIB_XLA_INCLUDE_DIR"], "jaxlib")
     settings.setdefault(_DEFINE + "ATTNLIB_JAXLIB_VERSION", jaxlib)
     compiler, why = cxx_compiler.choose(settings.get(_DEFINE + "CMAKE_CXX_COMPILER"))
     if compiler:

@@ -37,7 +37,7 @@ FRONTEND_INCLUDE = pathlib.Path(__file__).resolve().parent / "third_party" / "cu
 _SITE_SCAN = (
     "import json, sys, importlib.metadata as m\n"
     "versions = {}\n"
-    "for name in ('jax', 'jaxlib', 'jax-cuda12-plugin', 'jax-cuda13-plugin'):\n"
+    "for name in ('jax', 'jaxlib', 'jax-cuda12-plugin', 'jax-cuda13-plugin', 'nvidia-cuda-runtime'):\n"
     "    try:\n"
     "        versions[name] = m.version(name)\n"
     "    except m.PackageNotFoundError:\n"
@@ -151,22 +151,24 @@ DESCRIPTIONS = {
 """What each header set is, for messages."""
 
 
-def requirements_for_missing(found: dict[str, Found], major: int) -> list[str]:
-    """The wheels that supply the missing header sets."""
+def requirements_for_missing(found: dict[str, Found], major: int, runtime: str = "") -> list[str]:
+    """The wheels that supply the missing header sets; `crt` of the same CUDA release as the environment's
+    `nvidia-cuda-runtime` (version `runtime`), whose `cuda_runtime_api.h` reads it."""
+    release = f"=={'.'.join(runtime.split('.')[:2])}.*" if runtime else ">=13"
     wheels = {
         "ATTNLIB_XLA_INCLUDE_DIR": "jaxlib",
         "ATTNLIB_CUDNN_INCLUDE_DIR": "nvidia-cudnn-jit-cu13" if major == 13 else "nvidia-cudnn-cu12",
         "ATTNLIB_CUDA_INCLUDE_DIR": "nvidia-cuda-runtime>=13" if major == 13 else "nvidia-cuda-runtime-cu12",
-        "ATTNLIB_CUDA_CRT_INCLUDE_DIR": "nvidia-cuda-crt>=13" if major == 13 else "nvidia-cuda-nvcc-cu12",
+        "ATTNLIB_CUDA_CRT_INCLUDE_DIR": f"nvidia-cuda-crt{release}" if major == 13 else "nvidia-cuda-nvcc-cu12",
         "ATTNLIB_CUDA_CCCL_INCLUDE_DIR": "nvidia-cuda-cccl>=13" if major == 13 else "nvidia-cuda-cccl-cu12",
         "ATTNLIB_NVRTC_INCLUDE_DIR": "nvidia-cuda-nvrtc>=13" if major == 13 else "nvidia-cuda-nvrtc-cu12",
     }
     return [wheels[name] for name, f in found.items() if not f.include_dir]
 
 
-def jaxlib_version(envs: list[tuple[str, Environment]], xla: Found) -> str:
-    """The version of the jaxlib whose XLA FFI headers were found."""
+def version_from(envs: list[tuple[str, Environment]], found: Found, package: str) -> str:
+    """The version of `package` in the environment `found` came from ("" if none)."""
     for origin, env in envs:
-        if origin == xla.origin:
-            return env.versions.get("jaxlib", "")
+        if origin == found.origin:
+            return env.versions.get(package, "")
     return ""

@@ -101,7 +101,15 @@ def test_a_jax_cuda13_environment_supplies_every_header(tmp_path, monkeypatch):
     assert (pathlib.Path(found["ATTNLIB_CUDNN_FRONTEND_INCLUDE_DIR"].include_dir) / "cudnn_frontend.h").is_file()
     assert found["ATTNLIB_CUDA_INCLUDE_DIR"].origin == "target environment"
     assert cuda_headers.requirements_for_missing(found, 13) == []
-    assert cuda_headers.jaxlib_version([("target environment", env)], found["ATTNLIB_XLA_INCLUDE_DIR"]) == "0.10.2"
+    assert cuda_headers.version_from([("target environment", env)], found["ATTNLIB_XLA_INCLUDE_DIR"], "jaxlib") == "0.10.2"
+
+
+def test_crt_matches_the_environments_cuda_runtime(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-toolkit"))
+    env = _site_with(tmp_path, [f for f in CU13_WHEELS if "crt" not in f and "nv/target" not in f])
+    found = cuda_headers.locate([("target environment", env)])
+    assert cuda_headers.requirements_for_missing(found, 13, "13.0.96") == [
+        "nvidia-cuda-crt==13.0.*", "nvidia-cuda-cccl>=13"]
 
 
 @pytest.mark.parametrize(
