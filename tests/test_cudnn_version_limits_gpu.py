@@ -41,14 +41,15 @@ Limits probed (id: where, what):
   pre-filled with NaN (aliased into the FFI call), then a padded call end to end with the memset off.
 
 Version gates of cuDNN frontend 1.32.0 (the C++ headers under `native/third_party/cudnn_frontend/include` and the
-`cudnn` Python package) that matter for attention on Hopper, and where attnlib stands:
+`cudnn` Python package) that matter for attention on Hopper, and where attnlib stands (`h:N` is line N of
+`cudnn_frontend/node/scaled_dot_product_flash_attention.h`, other files relative to `include/`):
 
-- 9.21: MXFP8 SDPA (`sdpa_mxfp8`; node/scaled_dot_product_flash_attention.h, sdpa_fp8_bwd.h); the unified softmax
-  node (`score_max` and `Stats` together, h:2595); override shapes on an operation graph (OperationGraph.h:296).
-  attnlib: per-tensor FP8 only; `return_max_logit` already derives lse from `score_max + log(sum_exp)`
-  (graph_spec.py `row_max`); graphs are bucketed instead of re-shaped. Not probed.
-- 9.22: LOGICAL reshape mode (Operation.h:1808) and `COMPILE_TIME_CONST` tensors (score_mod_lowering/ops.py notes
-  that it needs 9.22; attnlib binds constants as graph inputs, which serves every version). Not probed.
+- 9.21: MXFP8 SDPA (`sdpa_mxfp8`; node/scaled_dot_product_flash_attention.h:343, sdpa_fp8_bwd.h:358); the forward's
+  softmax lowered to cuDNN's unified softmax operation (h:2595; whether that lifts 9.19's "Stats or
+  score_max/sum_exp, not both" of graph_spec.py `row_max` is not checked here); override shapes on an operation
+  graph (OperationGraph.h:296). attnlib: per-tensor FP8 only; graphs are bucketed instead of re-shaped. Not probed.
+- 9.22: LOGICAL reshape mode (Operation.h:1808) and `COMPILE_TIME_CONST` scalars (score_mod_lowering/ops.py: attnlib
+  binds its constants as RUNTIME_PARAM scalars, which every version takes). Not probed.
 - 9.23: Blackwell backward with H = Hv = 256 (h:1409): support.py already gates it on 92300 (sm_100 only).
 - 9.24: fused RoPE forward/backward nodes (node/rope.h:71, rope_backward.h:71) - attnlib takes rotated q and k and
   has no RoPE op, so there is nothing to fuse it with; cumulative sequence lengths (`cu_seq_len_q/kv`, `[B+1]` prefix
@@ -175,6 +176,8 @@ def _bind_batch_args(monkeypatch) -> None:
     from attnlib._src.backends.cudnn import attention as dense, modifier
 
     def arg_dims(config, t, s):
+        if config.modifiers is None:
+            return ()
         dims = []
         for shape in config.modifiers.arg_shapes:
             full = (1,) * (4 - min(len(shape), 3)) + tuple(shape[-3:])
@@ -383,7 +386,10 @@ def test_fp8_bottom_right_hopper(monkeypatch):
 def _nan_prefilled_run(spec, values: dict, prefilled) -> tuple[jax.Array, ...]:
     """The outputs of `spec`'s graph (attnlib's built graph, run by its FFI target) with the results `prefilled`
     (uids) starting as NaN: each is an extra operand aliased to its result, bound to the graph through the operand
-    (the executor looks a graph uid up among the operands first), so a row cuDNN does not write stays NaN."""
+    (the executor looks a graph uid up among the operands first), so a row cuDNN does not write stays NaN.
+
+    `spec` must be a graph no other call of the process runs: the extension shares one deserialized plan, with its
+    map from graph uids to operands, among the calls of a blob."""
     from attnlib._src.backends.cudnn import executor, ffi
 
     entry = executor.get_entry(spec)
