@@ -1,9 +1,10 @@
 """Choosing a C++ compiler that links libstdc++ as a shared library.
 
 The extension shares the process with JAX's own C++ libraries; built by a compiler that links libstdc++ statically
-(the default `g++` of some CUDA images, e.g. `/opt/gcc/bin/g++`) its iostreams crash there (measured: a segfault
-while the cuDNN frontend deserializes a plan). When the user names no compiler (`CXX`, `CMAKE_CXX_COMPILER`), the
-default `c++` is probed and, if it links libstdc++ statically, the first system compiler that does not is used.
+(the default `g++` of some CUDA images, e.g. `/opt/gcc/bin/g++`, which the H200 image also exports as `CXX`) its
+iostreams crash there (measured: a segfault while the cuDNN frontend deserializes a plan). Unless the build names a
+compiler (`-C cmake.define.CMAKE_CXX_COMPILER=...`), the one CMake would take (`$CXX`, else `c++`) is probed and, if
+it links libstdc++ statically, the first system compiler that links it shared is used instead.
 """
 
 import os
@@ -37,13 +38,13 @@ def links_shared_libstdcxx(compiler: str) -> bool | None:
 
 def choose(user_choice: str | None) -> tuple[str | None, str]:
     """The compiler to pass to CMake (None: CMake's default) and a line saying why."""
-    if user_choice or os.environ.get("CXX"):
-        return None, f"C++ compiler chosen by the user: {user_choice or os.environ['CXX']}"
-    default = links_shared_libstdcxx("c++")
-    if default is not False:
-        return None, "C++ compiler: CMake's default"
-    for candidate in _CANDIDATES[1:]:
+    if user_choice:
+        return None, f"C++ compiler named by the build: {user_choice}"
+    default = os.environ.get("CXX") or "c++"
+    if links_shared_libstdcxx(default) is not False:
+        return None, f"C++ compiler: {default}"
+    for candidate in _CANDIDATES:
         if links_shared_libstdcxx(candidate):
             path = shutil.which(candidate)
-            return path, f"C++ compiler: {path} (the default c++ links libstdc++ statically, which crashes inside JAX)"
-    return None, "C++ compiler: only ones that link libstdc++ statically were found; CMake will refuse to build"
+            return path, f"C++ compiler: {path} ({default} links libstdc++ statically, which crashes inside JAX)"
+    return None, f"C++ compiler: {default} and every other one found link libstdc++ statically; CMake will refuse it"

@@ -180,13 +180,24 @@ def test_on_passes_every_header_directory_to_cmake(monkeypatch, tmp_path):
         assert settings[f"cmake.define.{name}"], name
 
 
-def test_a_compiler_named_by_the_user_is_kept(monkeypatch):
+def test_a_compiler_named_by_the_build_is_kept(monkeypatch):
+    monkeypatch.setattr(cxx_compiler, "links_shared_libstdcxx", lambda c: False)
+    assert cxx_compiler.choose("/opt/my/g++") == (None, "C++ compiler named by the build: /opt/my/g++")
+
+
+def test_a_shared_libstdcxx_cxx_is_kept(monkeypatch):
     monkeypatch.setenv("CXX", "/opt/my/g++")
-    assert cxx_compiler.choose(None) == (None, "C++ compiler chosen by the user: /opt/my/g++")
+    monkeypatch.setattr(cxx_compiler, "links_shared_libstdcxx", lambda c: True)
+    assert cxx_compiler.choose(None) == (None, "C++ compiler: /opt/my/g++")
 
 
-def test_a_static_libstdcxx_compiler_is_replaced(monkeypatch):
-    monkeypatch.delenv("CXX", raising=False)
+@pytest.mark.parametrize("cxx", [None, "/opt/gcc/bin/g++"])
+def test_a_static_libstdcxx_compiler_is_replaced_even_when_cxx_names_it(monkeypatch, cxx):
+    """The H200 image exports CXX=/opt/gcc/bin/g++, which links libstdc++ statically."""
+    if cxx is None:
+        monkeypatch.delenv("CXX", raising=False)
+    else:
+        monkeypatch.setenv("CXX", cxx)
     monkeypatch.setattr(cxx_compiler, "links_shared_libstdcxx", lambda c: c == "/usr/bin/g++")
     monkeypatch.setattr(cxx_compiler.shutil, "which", lambda c: c if c.startswith("/") else f"/opt/gcc/bin/{c}")
     compiler, why = cxx_compiler.choose(None)
