@@ -75,6 +75,17 @@ def _time(fn, *args, repeats=5):
 
 
 def main(argv=None) -> int:
+    """Runs the self-check; returns the exit status. A failure of JAX itself (e.g. no `ptxas` to compile with) is
+    reported in one line, not a traceback."""
+    try:
+        return _check(argv)
+    except jax.errors.JaxRuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        print(f"self-check FAILED: JAX cannot run on this machine: {first}")
+        return 1
+
+
+def _check(argv) -> int:
     parser = argparse.ArgumentParser(prog="python -m attnlib", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--length", type=int, default=512)

@@ -63,3 +63,16 @@ def test_the_extension_line_names_the_build_versions(monkeypatch):
     )
     monkeypatch.setattr(ffi, "build_info", lambda: None)
     assert self_check._extension_line() == "native cuDNN extension: not built"
+
+
+def test_a_failure_of_jax_itself_is_one_line(monkeypatch, capsys):
+    import jax
+
+    def broken(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("UNAVAILABLE: No PTX compilation provider is available.\nDetails: ...")
+
+    monkeypatch.setattr(self_check, "_check", broken)
+    assert self_check.main(ARGS) == 1
+    assert capsys.readouterr().out == (
+        "self-check FAILED: JAX cannot run on this machine: UNAVAILABLE: No PTX compilation provider is available.\n"
+    )
