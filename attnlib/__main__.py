@@ -85,14 +85,34 @@ def main(argv=None) -> int:
         return 1
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m attnlib", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--version", action="version", version=f"attnlib {attnlib.__version__}")
+    parser.add_argument("--batch", type=int, default=2, help="batch size B (default: %(default)s)")
+    parser.add_argument("--length", type=int, default=512, help="query and key length T = S (default: %(default)s)")
+    parser.add_argument("--heads", type=int, default=8, help="query heads N (default: %(default)s)")
+    parser.add_argument(
+        "--kv-heads", type=int, default=2, help="key/value heads K, a divisor of N (GQA; default: %(default)s)"
+    )
+    parser.add_argument("--head-dim", type=int, default=64, help="head dim H (default: %(default)s)")
+    return parser
+
+
+def problem_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the requested problem's sizes, in one line, or None."""
+    for name in ("batch", "length", "heads", "kv_heads", "head_dim"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1. Got {getattr(args, name)}."
+    if args.heads % args.kv_heads:
+        return f"--heads must be a multiple of --kv-heads. Got --heads {args.heads}, --kv-heads {args.kv_heads}."
+    return None
+
+
 def _check(argv) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnlib", description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--length", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=64)
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
+    if (error := problem_error(args)) is not None:
+        print(f"python -m attnlib: error: {error}", file=sys.stderr)
+        return 2
 
     location = pathlib.Path(attnlib.__file__).resolve().parent
     installed = "" if attnlib.__version__ != "0+unknown" else " — a source tree that is not installed"

@@ -76,3 +76,29 @@ def test_a_failure_of_jax_itself_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().out == (
         "self-check FAILED: JAX cannot run on this machine: UNAVAILABLE: No PTX compilation provider is available.\n"
     )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--length", "0"], "python -m attnlib: error: --length must be at least 1. Got 0.\n"),
+        (["--heads", "8", "--kv-heads", "3"],
+         "python -m attnlib: error: --heads must be a multiple of --kv-heads. Got --heads 8, --kv-heads 3.\n"),
+    ],
+)  # fmt: skip
+def test_bad_sizes_are_one_line(capsys, args, message):
+    assert self_check.main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.err == message and captured.out == ""
+
+
+def test_help_names_every_option_and_version_prints(capsys):
+    with pytest.raises(SystemExit):
+        self_check.main(["--help"])
+    out = capsys.readouterr().out
+    for option in ("--batch", "--length", "--heads", "--kv-heads", "--head-dim", "--version"):
+        assert option in out
+    assert out.count("default:") == 5
+    with pytest.raises(SystemExit):
+        self_check.main(["--version"])
+    assert capsys.readouterr().out.startswith("attnlib ")
