@@ -219,3 +219,62 @@ def test_modifier_graph_keys_are_stable_across_processes_and_distinct():
     assert first == second and len(first) == 2 and first[0] != first[1]
     other = run(_MODIFIER_KEY_SNIPPET.replace("i + 3", "i + 4")).stdout.split()
     assert not set(other) & set(first)
+
+
+def _plant(directory, tag=b"planted"):
+    """Another user's entry for `_key()`: a valid file whose graph differs from what this process would build."""
+    path = os.path.join(directory, cache_lib.key_digest(_key()) + ".graph")
+    with open(path, "wb") as f:
+        f.write(cache_lib.encode_entry(_key(), _entry(tag)))
+    return path
+
+
+def test_a_new_cache_directory_is_private(tmp_path):
+    c = cache_lib.GraphCache(str(tmp_path / "cache"))
+    c.get(_key(), Builder())
+    assert os.stat(tmp_path / "cache").st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o777, 0o1777])
+def test_a_planted_entry_in_a_shared_directory_is_never_used(tmp_path, caplog, mode):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    _plant(str(shared))
+    c = cache_lib.GraphCache(str(shared))
+    build = Builder()
+    with caplog.at_level("WARNING", logger="attnlib"):
+        assert c.get(_key(), build) == _entry() and build.calls == 1
+        c.clear_memory()
+        assert c.get(_key(), build) == _entry() and build.calls == 2  # still not from disk
+    warnings = [r.getMessage() for r in caplog.records if "not using the cuDNN graph cache" in r.getMessage()]
+    assert len(warnings) == 1 and "writable by others" in warnings[0]
+    with open(os.path.join(shared, cache_lib.key_digest(_key()) + ".graph"), "rb") as f:
+        assert f.read().endswith(b"planted}")  # nothing written there either
+
+
+def test_an_entry_or_directory_of_another_user_is_never_used(tmp_path, caplog):
+    """As another user: this process' uid differs from the owner of the directory and of the planted file."""
+    _plant(str(tmp_path))
+    other = cache_lib.GraphCache(str(tmp_path), uid=os.getuid() + 1)
+    build = Builder()
+    with caplog.at_level("WARNING", logger="attnlib"):
+        assert other.get(_key(), build) == _entry() and build.calls == 1
+    assert any("belongs to uid" in r.getMessage() for r in caplog.records)
+
+
+def test_an_entry_file_of_another_user_in_a_private_directory_is_never_used(tmp_path, caplog, monkeypatch):
+    path = _plant(str(tmp_path))
+    real_fstat = os.fstat
+
+    def foreign_owner(fd):  # the planted file as another user's (chown needs root)
+        st = real_fstat(fd)
+        return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid + 1, *tuple(st)[5:]))
+
+    monkeypatch.setattr(cache_lib.os, "fstat", foreign_owner)
+    c = cache_lib.GraphCache(str(tmp_path))
+    build = Builder()
+    with caplog.at_level("WARNING", logger="attnlib"):
+        assert c.get(_key(), build) == _entry() and build.calls == 1
+    assert c.stats["untrusted"] == 1
+    assert any(path in r.getMessage() and "belongs to uid" in r.getMessage() for r in caplog.records)

@@ -6,6 +6,11 @@ everything that changes the graph (the `GraphSpec`, cuDNN and frontend versions,
 written to a temporary name and renamed, so readers never see a partial file and concurrent writers of one entry
 just replace each other's identical bytes. An entry that fails any check (truncated, corrupt, another key) is
 deleted and rebuilt.
+
+A cached entry is a serialized graph that cuDNN executes in this process, and its name is computable from public
+facts, so the disk is trusted only as ssh and pip trust theirs: the directory is created with mode 0700, and entries
+are read and written only while the directory belongs to this user and no one else may write to it, and an entry
+only when its file belongs to this user too. Otherwise the cache logs once and keeps graphs in memory.
 """
 
 import collections
@@ -14,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 import tempfile
 import threading
@@ -82,6 +88,15 @@ def default_directory() -> str | None:
     return os.path.join(base, "attnlib", "cudnn")
 
 
+def untrusted_reason(st: os.stat_result, uid: int, what: str) -> str | None:
+    """Why a cache directory or file with status `st` must not be trusted by user `uid`, or None."""
+    if st.st_uid != uid:
+        return f"{what} belongs to uid {st.st_uid}, not to this user (uid {uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{what} is writable by others (mode {stat.S_IMODE(st.st_mode):#o})"
+    return None
+
+
 class CorruptEntry(Exception):
     """A cache file failed a check."""
 
@@ -138,10 +153,17 @@ class GraphCache:
         max_entries: bound of the in-memory LRU.
     """
 
-    def __init__(self, directory: str | None | Callable[[], str | None] = default_directory, max_entries: int = 256):
+    def __init__(
+        self,
+        directory: str | None | Callable[[], str | None] = default_directory,
+        max_entries: int = 256,
+        uid: int | None = None,
+    ):
         if max_entries < 1:
             raise ValueError(f"`max_entries` must be at least 1. Got {max_entries}.")
         self._directory = directory
+        self._uid = os.getuid() if uid is None else uid
+        self._warned: set[str] = set()
         self.max_entries = max_entries
         self._memory: collections.OrderedDict[str, GraphEntry] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -155,9 +177,34 @@ class GraphCache:
         return self._directory() if callable(self._directory) else self._directory
 
     def path(self, key: Mapping[str, Any]) -> str | None:
-        """The file of `key`'s entry, or None when the disk cache is off."""
+        """The file of `key`'s entry, or None when the disk cache is off or its directory is not trusted."""
         directory = self.directory()
-        return None if directory is None else os.path.join(directory, key_digest(key) + ".graph")
+        if directory is None or not self._trusted_directory(directory):
+            return None
+        return os.path.join(directory, key_digest(key) + ".graph")
+
+    def _distrust(self, where: str, reason: str) -> None:
+        if where not in self._warned:
+            self._warned.add(where)
+            logger.warning(
+                "attnlib: not using the cuDNN graph cache at %s: %s; graphs stay in memory (give the directory mode "
+                "0700 and your ownership, or set ATTNLIB_CACHE_DIR to a directory of your own).",
+                where,
+                reason,
+            )
+
+    def _trusted_directory(self, directory: str) -> bool:
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            st = os.stat(directory)
+        except OSError as e:
+            self._distrust(directory, f"cannot create it ({e})")
+            return False
+        reason = untrusted_reason(st, self._uid, "the directory")
+        if reason is not None:
+            self._distrust(directory, reason)
+            return False
+        return True
 
     def clear_memory(self) -> None:
         with self._lock:
@@ -204,6 +251,11 @@ class GraphCache:
     def _read(self, key: Mapping[str, Any], path: str) -> GraphEntry | None:
         try:
             with open(path, "rb") as f:
+                reason = untrusted_reason(os.fstat(f.fileno()), self._uid, "the file")
+                if reason is not None:
+                    self.stats["untrusted"] += 1
+                    self._distrust(path, reason)
+                    return None
                 data = f.read()
         except FileNotFoundError:
             return None
@@ -225,7 +277,6 @@ class GraphCache:
         directory = os.path.dirname(path)
         tmp = None
         try:
-            os.makedirs(directory, exist_ok=True)
             with tempfile.NamedTemporaryFile(
                 dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp", delete=False
             ) as f:
