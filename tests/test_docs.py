@@ -98,6 +98,17 @@ def _snippet_pages() -> list[pathlib.Path]:
     return sorted(p for p in (ROOT / "docs").glob("*.md") if "```python" in p.read_text())
 
 
+def test_the_haiku_snippet_of_the_layers_page_runs_on_its_own(tmp_path, monkeypatch):
+    """A reader who only uses Haiku pastes only its block."""
+    import jax
+
+    monkeypatch.chdir(tmp_path)
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "layers.md").read_text(), re.S)
+    (block,) = [b for b in blocks if b.startswith("import haiku")]
+    with jax.numpy_dtype_promotion("standard"):
+        exec(compile(block, "layers.md, the Haiku block", "exec"), {})
+
+
 @pytest.mark.parametrize("page", _snippet_pages(), ids=lambda p: p.name)
 def test_every_python_snippet_in_the_docs_runs(page, tmp_path, monkeypatch):
     """The `python` blocks of a page run top to bottom in one namespace, as a reader pasting them in order would

@@ -267,3 +267,14 @@ def test_e4m3_rounding_survives_xla_excess_precision():
     assert "optimization_barrier" in lowered and "f8E4M3FN" in lowered
     expected = np.clip(np.asarray(x), -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(jax.jit(attnlib._src.fp8.round_e4m3)(x)), expected)
+
+
+def test_an_fp8_call_without_a_gpu_names_the_missing_gpu_first(monkeypatch):
+    """The first reason is the machine's (no GPU), not the native extension's."""
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setattr(support, "nvidia_driver_present", lambda: False)
+    monkeypatch.setattr(support, "_device", support._device.__wrapped__)
+    q = jnp.ones((1, 16, 2, 16), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"cudnn: no CUDA GPU visible to JAX$"):
+        attnlib.attention(q, q, q, fp8="current", implementation="cudnn")
