@@ -488,3 +488,19 @@ def test_new_arguments_of_the_wrong_kind_get_one_readable_sentence(kwargs, messa
     q = jnp.zeros((1, 8, 2, 16))
     with pytest.raises(TypeError, match=re.escape(message)):
         attnlib.attention(q, q, q, **kwargs)
+
+
+def test_numpy_scalars_are_accepted_where_python_ones_are():
+    """As `jax.nn.dot_product_attention` accepts them."""
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 7, 2, 8)), jnp.float32)
+    expected, expected_lse = attnlib.attention(
+        q, q, q, is_causal=True, return_residual=True, scale=0.3, local_window_size=(3, 0), logits_soft_cap=5.0
+    )
+    out, lse = attnlib.attention(
+        q, q, q, is_causal=np.bool_(True), return_residual=np.bool_(True), scale=np.float32(0.3),
+        local_window_size=(np.int64(3), np.int32(0)), logits_soft_cap=np.float64(5.0),
+    )  # fmt: skip
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(lse, expected_lse)
+    explanation = attnlib.explain(q, q, q, is_causal=np.bool_(True), deterministic_backward=np.bool_(False))
+    assert explanation.implementation is not None

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype, BeartypeConf
 from jaxtyping import Array, ArrayLike, Float, jaxtyped, PRNGKeyArray, Shaped, TypeCheckError
 
@@ -84,12 +85,12 @@ def attention(
     mask: Shaped[ArrayLike, "..."] | None = None,
     *,
     scale: numbers.Real | None = None,
-    is_causal: bool = False,
+    is_causal: bool | np.bool_ = False,
     query_seq_lengths: Shaped[ArrayLike, "..."] | Sequence[int] | None = None,
     key_value_seq_lengths: Shaped[ArrayLike, "..."] | Sequence[int] | None = None,
     local_window_size: numbers.Integral | Sequence[Any] | None = None,
     implementation: dispatch.ImplementationRequest = None,
-    return_residual: bool = False,
+    return_residual: bool | np.bool_ = False,
     diagonal_alignment: Literal["top_left", "bottom_right"] | str = "top_left",
     q_segment_ids: Shaped[ArrayLike, "..."] | None = None,
     kv_segment_ids: Shaped[ArrayLike, "..."] | None = None,
@@ -103,12 +104,12 @@ def attention(
     sinks: Shaped[ArrayLike, "..."] | None = None,
     dropout_rate: numbers.Real = 0.0,
     dropout_key: PRNGKeyArray | None = None,
-    deterministic_backward: bool = False,
+    deterministic_backward: bool | np.bool_ = False,
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
     score_mod_args: Sequence[Any] = (),
     fp8: str | fp8_lib.Fp8Scales | None = None,
-    return_max_logit: bool = False,
+    return_max_logit: bool | np.bool_ = False,
 ) -> Float[Array, "..."] | tuple[Float[Array, "..."], ...]:
     r"""Scaled dot-product attention: a drop-in for `jax.nn.dot_product_attention` that goes further.
 
@@ -281,6 +282,9 @@ def _validate(arguments: dict[str, Any], as_array: Callable[[Any], Any]) -> tupl
     left to dispatch), with `as_array` applied to every array argument given."""
     arguments = dict(arguments)
     del arguments["implementation"]
+    for name in ("is_causal", "return_residual", "deterministic_backward", "return_max_logit"):
+        if isinstance(arguments[name], np.bool_):
+            arguments[name] = bool(arguments[name])  # NumPy bools are accepted, as jax.nn does
     arguments["key"], arguments["value"], arguments["page_table"], arguments["key_value_seq_lengths"] = (
         _unpack_cache(arguments["key"], arguments["value"], arguments["page_table"], arguments["key_value_seq_lengths"])
     )
