@@ -23,6 +23,8 @@ import pytest
 from helpers import assert_grad_close, assert_lse_close, assert_out_close
 
 import attnlib
+import attnlib.equinox
+import attnlib.haiku
 from attnlib._src.backends.cudnn import executor, partitioning
 
 
@@ -163,7 +165,7 @@ def sharding_of(case: Case, name: str, x: jax.Array, m: jax.sharding.Mesh) -> ja
     spec = [None] * x.ndim
     if name in ("key", "value") and case.layout == "paged":
         spec[2] = model  # the page pool: heads only
-    elif name in heads_dim:
+    elif name in heads_dim and x.shape[heads_dim[name]] % MESH_SHAPE[1] == 0:  # MQA: the one kv head stays whole
         spec[heads_dim[name] % x.ndim] = model
     batched = ("query", "key", "value", "d_out", "d_lse", "query_seq_lengths", "key_value_seq_lengths",
                "page_table", "q_segment_ids")  # fmt: skip

@@ -33,7 +33,7 @@ def _rule_of(spec: GraphSpec):
 
 def test_dense_rule_names_batch_and_grouped_heads():
     rule, replicated, sizes = _rule_of(dataclasses.replace(SPEC, padding=True, sinks=True, bias_b=1, bias_n=6))
-    assert rule == "b t (k g) h, b s k h, b s k hv, u0 u1 t s, b, b, (k g) -> b t (k g) hv, b (k g) t"
+    assert rule == "b t (k g) h, b s k h, b s k hv, u0 (k g) t s, b, b, (k g) -> b t (k g) hv, b (k g) t"
     assert replicated == ("t", "h", "s", "hv") and sizes == {"g": 3}
 
 

@@ -13,9 +13,10 @@ by the graph's axes (`_dims`):
   `attnlib.context_parallel` for sequence sharding).
 
 Each shard runs the graph of its local `GraphSpec` (`local_spec`: the local batch and heads), built at compile time.
-A result that sums over the batch or the heads inside the graph (dBias of a bias without a batch or head dim) is
-summed over the mesh axes that split them (`psum`, as `jax.nn`'s cuDNN attention does); the FP8 amaxes take the
-maximum. A modifier that reads the batch or head index keeps that axis whole (a shard would see local indices).
+A result that sums over the batch or the heads inside the graph (dBias of a bias without a batch or head dim; dK
+and dV when the GQA group itself is split, e.g. MQA over a model axis) is summed over the mesh axes that split them
+(`psum`, as `jax.nn`'s cuDNN attention does for dBias); the FP8 amaxes take the maximum. These reductions are the
+only collectives; none gathers an operand. A modifier that reads the batch or head index keeps that axis whole (a shard would see local indices).
 
 Dropout: each shard's Philox `offset` is advanced by the global linear index of its first (batch, head) pair times
 `T * S`, so shards draw different masks. With a generator whose counter is an element's linear position in
@@ -68,10 +69,19 @@ def splittable(spec: GraphSpec) -> frozenset[str]:
     return frozenset(factors)
 
 
+def _query_heads(spec: GraphSpec) -> Dim:
+    """The query heads' name in `spec`'s rule: `(k g)`, or one factor where the other has size 1 (Shardy rejects a
+    compound with a factor of size 1)."""
+    if spec.n == spec.k:
+        return KV_HEADS
+    return GROUP if spec.k == 1 else HEADS
+
+
 def _dims(spec: GraphSpec, uid: int, shape: tuple[int, ...]) -> tuple[Dim, ...]:
     """The rule's name of each dim of the array `shape` bound to `uid`."""
     batch = "rb" if spec.ragged else BATCH  # a ragged graph's sequence count is not a splittable batch
-    heads = lambda size: HEADS if size == spec.n else None  # noqa: E731
+    query_heads = _query_heads(spec)
+    heads = lambda size: query_heads if size == spec.n else None  # noqa: E731
     if spec.modifier is not None and uid >= MODIFIER_ARG_UID:
         _, n, t, s = shape
         return None, heads(n), "t" if t == spec.t else None, "s" if s == spec.s else None
@@ -83,19 +93,19 @@ def _dims(spec: GraphSpec, uid: int, shape: tuple[int, ...]) -> tuple[Dim, ...]:
     kv_like = uid in (Uid.K, Uid.DK, Uid.V, Uid.DV)
     dim = "h" if uid in (Uid.Q, Uid.DQ, Uid.K, Uid.DK) else "hv"
     if spec.ragged and q_like:
-        return "tq", HEADS, dim
+        return "tq", query_heads, dim
     if spec.ragged and kv_like:
         return "tkv", KV_HEADS, dim
     if spec.pages and uid in (Uid.K, Uid.V):
         return "p", "ps", KV_HEADS, dim
     if q_like:
-        return batch, "t", HEADS, dim
+        return batch, "t", query_heads, dim
     if kv_like:
         return batch, "s", KV_HEADS, dim
     if uid == Uid.STATS and spec.ragged_stats:
-        return "tq", HEADS
+        return "tq", query_heads
     if uid in (Uid.STATS, Uid.SCORE_MAX, Uid.SUM_EXP):
-        return batch, HEADS, "t"
+        return batch, query_heads, "t"
     if uid in (Uid.BIAS, Uid.DBIAS):
         return batch if shape[0] == spec.b else None, heads(shape[1]), "t", "s"
     if uid in (Uid.SEQ_Q, Uid.SEQ_KV):
@@ -103,7 +113,7 @@ def _dims(spec: GraphSpec, uid: int, shape: tuple[int, ...]) -> tuple[Dim, ...]:
     if uid in (Uid.PT_K, Uid.PT_V):
         return batch, "pp"
     if uid == Uid.SINK:
-        return (HEADS,)
+        return (query_heads,)
     raise ValueError(f"no partitioning dims for uid {uid!r}")
 
 
@@ -127,7 +137,7 @@ def _rule(spec: GraphSpec, in_dims: Sequence[tuple[Dim, ...]], out_dims: Sequenc
 
     rule = ", ".join(map(array, in_dims)) + " -> " + ", ".join(map(array, out_dims))
     replicated = tuple(f for f in named if f not in splittable(spec))
-    return rule, replicated, {GROUP: spec.n // spec.k}
+    return rule, replicated, {GROUP: spec.n // spec.k} if "(" in rule else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +151,7 @@ class Split:
     def axes(self, dim: Dim) -> tuple[str, ...]:
         if dim == BATCH:
             return self.batch
-        if dim == HEADS:
+        if dim in (HEADS, GROUP):  # a lone group factor is the query heads of a graph with one kv head
             return self.heads
         if dim == KV_HEADS:
             return self.kv_heads
@@ -177,7 +187,7 @@ def choose_split(spec: GraphSpec, mesh: Any, q_axes: tuple[tuple[str, ...], ...]
     for d, axes in zip(dims, q_axes):
         if d == BATCH and BATCH in allowed:
             batch = axes
-        elif d == HEADS and {KV_HEADS, GROUP} <= allowed:
+        elif d == _query_heads(spec) and {KV_HEADS, GROUP} <= allowed:
             heads = axes
     if batch and spec.b % _size(mesh, batch):
         batch = ()
@@ -218,6 +228,14 @@ def _log_resharded(spec: GraphSpec, uids: Sequence[int], dims: Sequence[tuple[Di
                     "sequence, use attnlib.context_parallel.", name, spec.label, h, position, d or "unsplittable",
                     w or "unsplit",
                 )  # fmt: skip
+
+
+def _local_offsets(offsets: jax.Array, parts: int) -> jax.Array:
+    """A ragged graph's element offsets (int32 `[b + 1, 2]` (low, high) pairs, `token * heads * dim`) for a shard
+    holding `1 / parts` of the heads (`ragged.element_offsets`: the high word is 0)."""
+    if parts == 1:
+        return offsets
+    return offsets.at[:, 0].set(offsets[:, 0] // parts)
 
 
 def _shift_offset(spec: GraphSpec, split: Split, b_local: int, n_local: int, offset: jax.Array) -> jax.Array:
@@ -277,15 +295,23 @@ def call(
 
         def lower(*xs: jax.Array) -> tuple[jax.Array, ...]:
             xs = list(xs)
+            for at, uid in enumerate(in_uids):
+                if uid in _RAGGED_OFFSETS:
+                    xs[at] = _local_offsets(xs[at], spec.k // local.k if uid in (Uid.OFF_K, Uid.OFF_V) else spec.n // local.n)
             if local.dropout > 0 and (split.batch or split.heads):
                 at = in_uids.index(Uid.OFFSET)
                 xs[at] = _shift_offset(spec, split, local.b, local.n, xs[at])
             outs = list(raw(local, entry_of(local), *xs, tokens=tokens))
             for i, (uid, dims) in enumerate(zip(out_uids, out_dims)):
                 if uid == Uid.DBIAS:
-                    summed = (split.batch if BATCH not in dims else ()) + (split.heads if HEADS not in dims else ())
+                    summed = (split.batch if BATCH not in dims else ()) + (split.heads if _query_heads(spec) not in dims else ())
                     if summed:
                         outs[i] = jax.lax.psum(outs[i].astype(jnp.float32), summed).astype(outs[i].dtype)
+                elif uid in (Uid.DK, Uid.DV) and len(split.heads) > len(split.kv_heads):
+                    # The GQA group was split (one kv head, or fewer kv heads than shards): each shard holds the
+                    # gradient of its query heads only.
+                    group_axes = split.heads[len(split.kv_heads) :]
+                    outs[i] = jax.lax.psum(outs[i].astype(jnp.float32), group_axes).astype(outs[i].dtype)
                 elif uid in FP8_AMAXES and (split.batch or split.heads):
                     outs[i] = jax.lax.pmax(outs[i], split.batch + split.heads)
             return tuple(outs)
