@@ -44,11 +44,11 @@ def all_gathers(text: str) -> int:
 
 
 def cudnn_call_shapes(text: str) -> list[str]:
-    """The first operand shape of every `attnlib_cudnn_graph` custom call in compiled HLO text."""
+    """The first result shape of every `attnlib_cudnn_graph` custom call in compiled HLO text."""
     shapes = []
     for line in text.splitlines():
         if 'custom_call_target="attnlib_cudnn_graph"' in line:
-            m = re.search(r"custom-call\(([a-z0-9]+\[[0-9,]*\])", line)
+            m = re.search(r"= \(?([a-z0-9]+\[[0-9,]*\])", line)
             shapes.append(m.group(1) if m else line[:160])
     return shapes
 

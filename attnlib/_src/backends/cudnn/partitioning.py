@@ -217,17 +217,23 @@ def local_spec(spec: GraphSpec, mesh: Any, split: Split) -> GraphSpec:
 
 
 def _log_resharded(spec: GraphSpec, uids: Sequence[int], dims: Sequence[tuple[Dim, ...]], incoming, chosen) -> None:
+    """One warning (once per set of resharded dims and axes) naming what XLA gathers to run the call by the rule."""
+    found = []
     for uid, uid_dims, have, want in zip(uids, dims, incoming, chosen):
+        name = Uid(uid).name if uid < MODIFIER_ARG_UID else f"score_mod_args[{uid - MODIFIER_ARG_UID}]"
         for position, (d, h, w) in enumerate(zip(uid_dims, have, want)):
             if h and h != w:
-                name = getattr(Uid(uid), "name", None) if uid < MODIFIER_ARG_UID else f"score_mod_args[{uid - 100}]"
-                logs.log_once(
-                    ("resharded", spec.label, uid, position, h), logging.WARNING,
-                    "attnlib cudnn: %s of the graph %s arrives split over mesh axes %s along its dim %d (%s); a cuDNN "
-                    "call splits only batch and head dims (GQA groups whole), so XLA reshards it to %s. To split the "
-                    "sequence, use attnlib.context_parallel.", name, spec.label, h, position, d or "unsplittable",
-                    w or "unsplit",
-                )  # fmt: skip
+                found.append((name, position, d or "unsplittable", h))
+    if not found:
+        return
+    key = ("resharded", tuple(sorted({(d, h) for _, _, d, h in found})))
+    described = ", ".join(f"{name} dim {position} ({d}) over {list(h)}" for name, position, d, h in found)
+    logs.log_once(
+        key, logging.WARNING,
+        "attnlib cudnn: the graph call %s gets operands split along dims it cannot split (%s); XLA gathers them "
+        "(a cuDNN call splits only batch and head dims, GQA groups whole). To split the sequence, use "
+        "attnlib.context_parallel.", spec.label, described,
+    )  # fmt: skip
 
 
 def _local_offsets(offsets: jax.Array, parts: int) -> jax.Array:
