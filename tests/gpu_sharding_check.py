@@ -325,8 +325,8 @@ def main() -> int:
             failures += spawn(["mock", f"1x{part.split('-')[1]}x1"], args.timeout)
         elif part == "chunked":
             for implementation, autotune, direction in [("cudnn", "default", "fwd"), ("xla_chunked", "off", "fwd"),
-                                                        ("xla_chunked", "default", "fwd"), ("both", "default", "bwd")]:
-                spawn(["chunked", implementation, autotune, direction], min(args.timeout, 60.0))  # reported only
+                                                        ("both", "default", "fwd")]:
+                spawn(["chunked", implementation, autotune, direction], min(args.timeout, 40.0))  # reported only
         else:
             failures += spawn([part], args.timeout)
     print("FAILURES:" if failures else "ALL CHECKS PASSED", *failures, sep="\n  ")
