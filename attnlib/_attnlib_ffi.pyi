@@ -6,6 +6,10 @@ from typing import Any
 def registrations(command_buffer: bool = True) -> dict[str, dict[str, Any]]:
     """FFI handler bundles by target name; `command_buffer` marks execute capturable into CUDA graphs."""
 
+def cpu_test_handler(callback: Any) -> dict[str, Any]:
+    """TESTS ONLY: the CPU handler bundle of `attnlib_cudnn_graph`, which runs each call through
+    `callback(label, args, rets)` (a CPU model of the graph); attnlib never registers it itself."""
+
 def state_type() -> dict[str, Any]:
     """The FFI state type of `attnlib_cudnn_graph`, for `jax.ffi.register_ffi_type`."""
 

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_test_handler.h"
 #include "cudnn_graph.h"
 #include "graph_replay.h"
 
@@ -58,6 +59,10 @@ NB_MODULE(_attnlib_ffi, m) {
       },
       nb::arg("command_buffer") = true,
       "FFI handler bundles by target name; `command_buffer` marks execute capturable into CUDA graphs.");
+
+  m.def("cpu_test_handler", &attnlib::CpuTestHandler, nb::arg("callback"),
+        "TESTS ONLY: the CPU handler bundle of `attnlib_cudnn_graph`, which runs each call through "
+        "`callback(label, args, rets)` (a CPU model of the graph); attnlib never registers it itself.");
 
   m.def(
       "state_type",

@@ -3,7 +3,8 @@
 - `get_entry(spec)`: the built graph of a `GraphSpec` (memory / disk cache, else built and autotuned now).
 - `run(spec, values)`: fetch (or build) and run a graph on tensors by UID.
 - `ffi_graph_call`: one `jax.ffi.ffi_call` of the target `attnlib_cudnn_graph` for a built graph, marked for the
-  native executor's CUDA-graph replay when its work is short (`replays`).
+  native executor's CUDA-graph replay when its work is short (`replays`), partitioned over batch and heads when
+  XLA partitions the program (`partitioning.py`).
 - `graph_call(spec)`: the same under `jax.custom_batching.custom_vmap`, whose rule folds a vmapped axis into the
   graph's batch dim and runs one bigger graph (a fused call, not a loop).
 """
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import varying
-from . import ffi, graphs, support
+from . import ffi, graphs, partitioning, support
 from .cache import GraphCache, GraphEntry
 from .graphs import GraphSpec, Uid
 
@@ -75,14 +76,38 @@ def ffi_graph_call(
 ) -> tuple[jax.Array, ...]:
     """Run a built graph on `operands` (in `spec.in_uids()` order); returns the outputs in `spec.out_uids()` order.
 
-    `tokens` is the packed `(Tq, Tkv)` of a ragged graph's call (its results' leading dims).
+    Under `jit` on sharded arrays XLA partitions the call over batch and heads (`partitioning.py`); each shard runs
+    its own graph. `tokens` is the packed `(Tq, Tkv)` of a ragged graph's call (its results' leading dims).
     """
+
+    @jax.custom_batching.custom_vmap
+    def one_call(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        return partitioning.call(spec, entry, xs, tokens, _ffi_call, lambda local: get_entry(local))
+
+    @one_call.def_vmap
+    def sequential(axis_size: int, in_batched: list[bool], *xs: jax.Array) -> tuple[Any, Any]:
+        del axis_size
+        mapped = tuple(x for x, b in zip(xs, in_batched) if b)
+
+        def step(ys: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            it = iter(ys)
+            return one_call(*(next(it) if b else x for x, b in zip(xs, in_batched)))
+
+        return jax.lax.map(step, mapped), tuple(True for _ in spec.out_uids())
+
+    # Inside shard_map the results vary like the operands (ffi_call types them from `results`, which says nothing).
+    axes = varying.union_axes(operands)
+    return tuple(varying.vary_over(x, axes) for x in one_call(*operands))
+
+
+def _ffi_call(
+    spec: GraphSpec, entry: GraphEntry, *operands: jax.Array, tokens: tuple[int, int] | None = None
+) -> tuple[jax.Array, ...]:
+    """One `jax.ffi.ffi_call` of the target `attnlib_cudnn_graph` for a built graph, unpartitioned."""
     results = [jax.ShapeDtypeStruct(*spec.shape(uid, tokens)) for uid in spec.out_uids()]
     if entry.workspace_bytes > 0:  # a temporary buffer XLA allocates for each execution
         results.append(jax.ShapeDtypeStruct((entry.workspace_bytes,), jnp.uint8))
     call = jax.ffi.ffi_call(ffi.TARGET, results, vmap_method="sequential")
-    # Inside shard_map the results vary like the operands (ffi_call types them from `results`, which says nothing).
-    axes = varying.union_axes(operands)
     outs = call(
         *operands,
         graph=np.frombuffer(entry.blob, np.uint8),
@@ -93,7 +118,7 @@ def ffi_graph_call(
         zero_fill=np.asarray(entry.zero_fill, np.int64),
         replay=replays(spec),
     )
-    return tuple(varying.vary_over(x, axes) for x in outs[: len(spec.out_uids())])
+    return tuple(outs[: len(spec.out_uids())])
 
 
 _BATCH_MAJOR = {Uid.Q, Uid.K, Uid.V, Uid.O, Uid.DO, Uid.STATS, Uid.DQ, Uid.DK, Uid.DV, Uid.SEQ_Q, Uid.SEQ_KV}

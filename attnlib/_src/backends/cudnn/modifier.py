@@ -75,11 +75,11 @@ def reads_positions(config: AttentionConfig) -> bool:
     for jaxpr, first in ((mods.score_jaxpr, 3), (mods.mask_jaxpr, 2)):
         if jaxpr is None:
             continue
-        reads += [_reads_input(jaxpr, i) for i in (first, first + 1)]
+        reads += [reads_input(jaxpr, i) for i in (first, first + 1)]
     return any(reads)
 
 
-def _reads_input(jaxpr: Any, index: int) -> bool:
+def reads_input(jaxpr: Any, index: int) -> bool:
     """Whether the closed jaxpr uses its input `index` (an equation or the output reads it)."""
     var = jaxpr.jaxpr.invars[index]
     used = [v for eqn in jaxpr.jaxpr.eqns for v in eqn.invars] + list(jaxpr.jaxpr.outvars)
@@ -185,7 +185,7 @@ def _build(config: AttentionConfig, offset: int, t: int, s: int) -> ScoreModifie
         "modifier/1", None if mods is None else mods.key, config.logits_soft_cap, config.is_causal, window, offset,
         dims, str(jaxpr),
     ))  # fmt: skip
-    return ScoreModifier(jaxpr, fn, dims, key, _reads_input(jaxpr, 1))
+    return ScoreModifier(jaxpr, fn, dims, key, reads_input(jaxpr, 1))
 
 
 def build(config: AttentionConfig, offset: int, t: int, s: int) -> ScoreModifier:

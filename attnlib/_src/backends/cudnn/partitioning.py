@@ -1,0 +1,332 @@
+"""How XLA partitions a cuDNN graph call under `jit` on sharded arrays: a Shardy rule and a per-shard graph.
+
+Every cuDNN graph call (`executor.ffi_graph_call`) is a `custom_partitioning` whose rule names each operand's dims
+by the graph's axes (`_dims`):
+
+- `b`, the batch: partitions with no communication (dense and paged graphs; a ragged (THD) graph's sequences share
+  packed token arrays, so its batch is not an axis that can be split).
+- the heads: query heads are the compound `(k g)` of key/value heads `k` (major) and the GQA group `g` (minor), so a
+  split of the query heads keeps each group with its key/value head; key/value heads are `k`. Both partition with no
+  communication. Bias, lengths, page tables, sinks and `score_mod_args` follow with the dims they have.
+- everything else (query and key lengths, head dims, packed tokens, page pools, ragged offsets) is never split: an
+  operand that arrives sharded along one of those is resharded by XLA (logged once, pointing to
+  `attnlib.context_parallel` for sequence sharding).
+
+Each shard runs the graph of its local `GraphSpec` (`local_spec`: the local batch and heads), built at compile time.
+A result that sums over the batch or the heads inside the graph (dBias of a bias without a batch or head dim; dK
+and dV when the GQA group itself is split, e.g. MQA over a model axis) is summed over the mesh axes that split them
+(`psum`, as `jax.nn`'s cuDNN attention does for dBias); the FP8 amaxes take the maximum. These reductions are the
+only collectives; none gathers an operand. A modifier that reads the batch or head index keeps that axis whole (a shard would see local indices).
+
+Dropout: each shard's Philox `offset` is advanced by the global linear index of its first (batch, head) pair times
+`T * S`, so shards draw different masks. With a generator whose counter is an element's linear position in
+`[B, N, T, S]` that is exactly the unsharded call's mask for a batch split (and a head split with one local batch
+element); cuDNN does not document its indexing, and `tests/gpu_sharding_check.py` measures it on a GPU.
+"""
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ... import logs
+from . import modifier as modifier_lib
+from .graph_spec import FP8_AMAXES, FP8_SCALES, GraphSpec, MODIFIER_ARG_UID, Uid
+
+
+BATCH = "b"
+KV_HEADS = "k"
+GROUP = "g"
+HEADS = (KV_HEADS, GROUP)
+"""Query heads: key/value head major, GQA group minor."""
+
+_RAGGED_OFFSETS = (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O, Uid.OFF_STATS)
+
+Dim = str | tuple[str, str] | None
+"""One operand dim in the rule: a factor name, the compound query heads `HEADS`, or None (a dim of its own, size 1
+or never split)."""
+
+RawCall = Callable[..., tuple[jax.Array, ...]]
+"""`raw(spec, entry, *operands, tokens=...)`: one FFI call of a built graph, its outputs in `spec.out_uids()` order."""
+
+
+def splittable(spec: GraphSpec) -> frozenset[str]:
+    """The factors of `spec`'s rule that may be split over mesh axes."""
+    factors = {BATCH, KV_HEADS, GROUP}
+    if spec.ragged:
+        factors.discard(BATCH)
+    if spec.modifier is not None:
+        if spec.modifier.reads_batch:
+            factors.discard(BATCH)
+        if modifier_lib.reads_input(spec.modifier.jaxpr, 2):  # the head index
+            factors -= {KV_HEADS, GROUP}
+    return frozenset(factors)
+
+
+def _query_heads(spec: GraphSpec) -> Dim:
+    """The query heads' name in `spec`'s rule: `(k g)`, or one factor where the other has size 1 (Shardy rejects a
+    compound with a factor of size 1)."""
+    if spec.n == spec.k:
+        return KV_HEADS
+    return GROUP if spec.k == 1 else HEADS
+
+
+def _dims(spec: GraphSpec, uid: int, shape: tuple[int, ...]) -> tuple[Dim, ...]:
+    """The rule's name of each dim of the array `shape` bound to `uid`."""
+    batch = "rb" if spec.ragged else BATCH  # a ragged graph's sequence count is not a splittable batch
+    query_heads = _query_heads(spec)
+    heads = lambda size: query_heads if size == spec.n else None  # noqa: E731
+    if spec.modifier is not None and uid >= MODIFIER_ARG_UID:
+        _, n, t, s = shape
+        return None, heads(n), "t" if t == spec.t else None, "s" if s == spec.s else None
+    if uid in FP8_SCALES or uid in FP8_AMAXES or uid in (Uid.SEED, Uid.OFFSET):
+        return (None,)
+    if uid in _RAGGED_OFFSETS:
+        return None, None
+    q_like = uid in (Uid.Q, Uid.DQ, Uid.O, Uid.DO)
+    kv_like = uid in (Uid.K, Uid.DK, Uid.V, Uid.DV)
+    dim = "h" if uid in (Uid.Q, Uid.DQ, Uid.K, Uid.DK) else "hv"
+    if spec.ragged and q_like:
+        return "tq", query_heads, dim
+    if spec.ragged and kv_like:
+        return "tkv", KV_HEADS, dim
+    if spec.pages and uid in (Uid.K, Uid.V):
+        return "p", "ps", KV_HEADS, dim
+    if q_like:
+        return batch, "t", query_heads, dim
+    if kv_like:
+        return batch, "s", KV_HEADS, dim
+    if uid == Uid.STATS and spec.ragged_stats:
+        return "tq", query_heads
+    if uid in (Uid.STATS, Uid.SCORE_MAX, Uid.SUM_EXP):
+        return batch, query_heads, "t"
+    if uid in (Uid.BIAS, Uid.DBIAS):
+        return batch if shape[0] == spec.b else None, heads(shape[1]), "t", "s"
+    if uid in (Uid.SEQ_Q, Uid.SEQ_KV):
+        return (batch,)
+    if uid in (Uid.PT_K, Uid.PT_V):
+        return batch, "pp"
+    if uid == Uid.SINK:
+        return (query_heads,)
+    raise ValueError(f"no partitioning dims for uid {uid!r}")
+
+
+def _rule(spec: GraphSpec, in_dims: Sequence[tuple[Dim, ...]], out_dims: Sequence[tuple[Dim, ...]]) -> tuple:
+    """`(rule string, need_replication factors, factor sizes)` for `custom_partitioning.def_partition`."""
+    unique = iter(range(1 << 20))
+    named: list[str] = []  # in order of first appearance: Shardy wants special factors sorted by their index
+
+    def array(dims: tuple[Dim, ...]) -> str:
+        words = []
+        for d in dims:
+            if d is None:
+                words.append(f"u{next(unique)}")
+            elif isinstance(d, tuple):
+                words.append(f"({' '.join(d)})")
+                named.extend(f for f in d if f not in named)
+            else:
+                words.append(d)
+                named.extend([d] if d not in named else [])
+        return " ".join(words)
+
+    rule = ", ".join(map(array, in_dims)) + " -> " + ", ".join(map(array, out_dims))
+    replicated = tuple(f for f in named if f not in splittable(spec))
+    return rule, replicated, {GROUP: spec.n // spec.k} if "(" in rule else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The mesh axes that split one call's batch, query heads and key/value heads (empty: not split)."""
+
+    batch: tuple[str, ...] = ()
+    heads: tuple[str, ...] = ()
+    kv_heads: tuple[str, ...] = ()
+
+    def axes(self, dim: Dim) -> tuple[str, ...]:
+        if dim == BATCH:
+            return self.batch
+        if dim in (HEADS, GROUP):  # a lone group factor is the query heads of a graph with one kv head
+            return self.heads
+        if dim == KV_HEADS:
+            return self.kv_heads
+        return ()
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _spec_of(sharding: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """Per-dim mesh axes of an operand's sharding (None or not a `NamedSharding`: unsplit)."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return ((),) * ndim
+    padded = tuple(spec) + (None,) * (ndim - len(spec))
+    return tuple(_axes(e) for e in padded)
+
+
+def _size(mesh: Any, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def choose_split(spec: GraphSpec, mesh: Any, q_axes: tuple[tuple[str, ...], ...]) -> Split:
+    """The split of a call whose query arrives with per-dim mesh axes `q_axes`: its batch and head axes where they
+    divide the batch and keep GQA groups whole (the key/value heads take the major axes, the group the rest)."""
+    allowed = splittable(spec)
+    dims = _dims(spec, Uid.Q, (0,) * len(q_axes))
+    batch: tuple[str, ...] = ()
+    heads: tuple[str, ...] = ()
+    for d, axes in zip(dims, q_axes):
+        if d == BATCH and BATCH in allowed:
+            batch = axes
+        elif d == _query_heads(spec) and {KV_HEADS, GROUP} <= allowed:
+            heads = axes
+    if batch and spec.b % _size(mesh, batch):
+        batch = ()
+    kv: tuple[str, ...] = ()
+    for i in range(len(heads) + 1):
+        if spec.k % _size(mesh, heads[:i]) == 0:
+            kv = heads[:i]
+    group = heads[len(kv) :]
+    group_ok = not group or (_size(mesh, kv) == spec.k and (spec.n // spec.k) % _size(mesh, group) == 0)
+    if not group_ok:
+        heads, kv = (), ()
+    return Split(batch, heads, kv)
+
+
+def local_spec(spec: GraphSpec, mesh: Any, split: Split) -> GraphSpec:
+    """The graph one shard runs: `spec` with its batch and heads divided by the mesh axes of `split`."""
+    nb, nh, nk = (_size(mesh, a) for a in (split.batch, split.heads, split.kv_heads))
+    b, n, k = spec.b // nb, spec.n // nh, spec.k // nk
+    changes: dict[str, Any] = dict(b=b, n=n, k=k)
+    if spec.bias_b:
+        changes["bias_b"] = b if spec.bias_b == spec.b else spec.bias_b
+        changes["bias_n"] = n if spec.bias_n == spec.n else spec.bias_n
+    if spec.modifier is not None and nh > 1:
+        dims = tuple((d0, n if dn == spec.n else dn, dt, ds) for d0, dn, dt, ds in spec.modifier.arg_dims)
+        changes["modifier"] = dataclasses.replace(spec.modifier, arg_dims=dims)
+    return dataclasses.replace(spec, **changes)
+
+
+def _log_resharded(spec: GraphSpec, uids: Sequence[int], dims: Sequence[tuple[Dim, ...]], incoming, chosen) -> None:
+    """One warning (once per set of resharded dims and axes) naming what XLA gathers to run the call by the rule."""
+    found = []
+    for uid, uid_dims, have, want in zip(uids, dims, incoming, chosen):
+        name = Uid(uid).name if uid < MODIFIER_ARG_UID else f"score_mod_args[{uid - MODIFIER_ARG_UID}]"
+        for position, (d, h, w) in enumerate(zip(uid_dims, have, want)):
+            if h and h != w:
+                found.append((name, position, d or "unsplittable", h))
+    if not found:
+        return
+    key = ("resharded", tuple(sorted({(d, h) for _, _, d, h in found})))
+    described = ", ".join(f"{name} dim {position} ({d}) over {list(h)}" for name, position, d, h in found)
+    logs.log_once(
+        key, logging.WARNING,
+        "attnlib cudnn: the graph call %s gets operands split along dims it cannot split (%s); XLA gathers them "
+        "(a cuDNN call splits only batch and head dims, GQA groups whole). To split the sequence, use "
+        "attnlib.context_parallel.", spec.label, described,
+    )  # fmt: skip
+
+
+def _local_offsets(offsets: jax.Array, parts: int) -> jax.Array:
+    """A ragged graph's element offsets (int32 `[b + 1, 2]` (low, high) pairs, `token * heads * dim`) for a shard
+    holding `1 / parts` of the heads (`ragged.element_offsets`: the high word is 0)."""
+    if parts == 1:
+        return offsets
+    return offsets.at[:, 0].set(offsets[:, 0] // parts)
+
+
+def _shift_offset(spec: GraphSpec, split: Split, b_local: int, n_local: int, offset: jax.Array) -> jax.Array:
+    """The Philox offset of one shard: advanced by its first (batch, head) pair's global linear index times `T*S`."""
+    b0 = jax.lax.axis_index(split.batch) * b_local if split.batch else 0
+    h0 = jax.lax.axis_index(split.heads) * n_local if split.heads else 0
+    first = jnp.asarray(b0 * spec.n + h0, jnp.uint32)
+    shift = first * jnp.uint32((spec.t * spec.s) % (1 << 32))
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(offset, jnp.uint32) + shift, jnp.int32)
+
+
+def call(
+    spec: GraphSpec, entry: Any, operands: Sequence[jax.Array], tokens: tuple[int, int] | None, raw: RawCall,
+    entry_of: Callable[[GraphSpec], Any],
+) -> tuple[jax.Array, ...]:
+    """Run the graph of `spec` on `operands` (in `spec.in_uids()` order) as a partitionable call.
+
+    Args:
+        spec: the (global) graph.
+        entry: its built graph, run when XLA does not partition the call (one device, or inside `shard_map`).
+        operands: the graph's inputs.
+        tokens: ragged graphs: the packed `(Tq, Tkv)` token counts.
+        raw: the unpartitioned FFI call.
+        entry_of: the built graph of a shard's local spec (built when XLA partitions, at compile time).
+
+    Returns:
+        The outputs in `spec.out_uids()` order.
+    """
+    in_uids, out_uids = spec.in_uids(), spec.out_uids()
+    in_shapes = [tuple(x.shape) for x in operands]
+    in_dims = [_dims(spec, u, s) for u, s in zip(in_uids, in_shapes)]
+    out_dims = [_dims(spec, u, spec.shape(u, tokens)[0]) for u in out_uids]
+
+    def run(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(raw(spec, entry, *xs, tokens=tokens))
+
+    partitioned = custom_partitioning(run)
+
+    def shardings(mesh: Any, split: Split, dims: Sequence[tuple[Dim, ...]]) -> tuple[NamedSharding, ...]:
+        return tuple(NamedSharding(mesh, PartitionSpec(*(split.axes(d) or None for d in ds))) for ds in dims)
+
+    def split_of(mesh: Any, arg_shapes: Any) -> Split:
+        return choose_split(spec, mesh, _spec_of(arg_shapes[0].sharding, len(in_shapes[0])))
+
+    def infer(mesh: Any, arg_shapes: Any, result_shape: Any) -> tuple[NamedSharding, ...]:
+        del result_shape
+        return shardings(mesh, split_of(mesh, arg_shapes), out_dims)
+
+    def partition(mesh: Any, arg_shapes: Any, result_shape: Any):
+        del result_shape
+        split = split_of(mesh, arg_shapes)
+        arg_shardings = shardings(mesh, split, in_dims)
+        incoming = [_spec_of(a.sharding, len(s)) for a, s in zip(arg_shapes, in_shapes)]
+        chosen = [_spec_of(s, len(d)) for s, d in zip(arg_shardings, in_dims)]
+        _log_resharded(spec, in_uids, in_dims, incoming, chosen)
+        local = local_spec(spec, mesh, split)
+
+        def lower(*xs: jax.Array) -> tuple[jax.Array, ...]:
+            xs = list(xs)
+            for at, uid in enumerate(in_uids):
+                if uid in _RAGGED_OFFSETS:
+                    xs[at] = _local_offsets(xs[at], spec.k // local.k if uid in (Uid.OFF_K, Uid.OFF_V) else spec.n // local.n)
+            if local.dropout > 0 and (split.batch or split.heads):
+                at = in_uids.index(Uid.OFFSET)
+                xs[at] = _shift_offset(spec, split, local.b, local.n, xs[at])
+            outs = list(raw(local, entry_of(local), *xs, tokens=tokens))
+            for i, (uid, dims) in enumerate(zip(out_uids, out_dims)):
+                if uid == Uid.DBIAS:
+                    summed = (split.batch if BATCH not in dims else ()) + (split.heads if _query_heads(spec) not in dims else ())
+                    if summed:
+                        outs[i] = jax.lax.psum(outs[i].astype(jnp.float32), summed).astype(outs[i].dtype)
+                elif uid in (Uid.DK, Uid.DV) and len(split.heads) > len(split.kv_heads):
+                    # The GQA group was split (one kv head, or fewer kv heads than shards): each shard holds the
+                    # gradient of its query heads only.
+                    group_axes = split.heads[len(split.kv_heads) :]
+                    outs[i] = jax.lax.psum(outs[i].astype(jnp.float32), group_axes).astype(outs[i].dtype)
+                elif uid in FP8_AMAXES and (split.batch or split.heads):
+                    outs[i] = jax.lax.pmax(outs[i], split.batch + split.heads)
+            return tuple(outs)
+
+        return mesh, lower, shardings(mesh, split, out_dims), arg_shardings
+
+    rule, replicated, sizes = _rule(spec, in_dims, out_dims)
+    partitioned.def_partition(
+        partition, infer_sharding_from_operands=infer, sharding_rule=rule, need_replication_factors=replicated,
+        **sizes,
+    )
+    return tuple(partitioned(*operands))
