@@ -1,22 +1,24 @@
 """The real cuDNN graph call on CPU, for tests: attnlib's FFI target with a test-only CPU handler.
 
-`install(monkeypatch)` makes `implementation="cudnn"` trace as on an H200 (`helpers.fake_cudnn`), replaces only the
-graph *build* (`executor.get_entry` returns a stand-in whose `label` names its `GraphSpec`), and registers the native
+`install(monkeypatch)` makes `implementation="cudnn"` trace as on an H200 with an executor that replaces only the
+graph *build* (`CpuGraphExecutor.get_entry` returns a stand-in whose `label` names its `GraphSpec`), and registers the native
 extension's test-only CPU handler of `attnlib_cudnn_graph` (`_attnlib_ffi.cpu_test_handler`). Every call is then
 the real `jax.ffi.ffi_call` inside attnlib's `custom_partitioning`, so XLA partitions it (or, without the rule,
 replicates it) as on a GPU, and each call's buffers go to the CPU model of the graph (`cudnn_emulation.emulate_graph`)
 with the spec of its label.
 """
 
+import dataclasses
 import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from cudnn_emulation import emulate_graph
-from helpers import fake_cudnn
+from cudnn_emulation import emulate_graph, h200
 
+import attnlib
+from attnlib._src import dispatch
 from attnlib._src.backends.cudnn import cache, executor, ffi
 from attnlib._src.backends.cudnn.graphs import GraphSpec
 
@@ -59,8 +61,17 @@ def _register() -> None:
     jax.ffi.register_ffi_target(ffi.TARGET, handlers, platform="cpu")
 
 
-def install(monkeypatch, version: int = 91900) -> None:
+@dataclasses.dataclass(frozen=True)
+class CpuGraphExecutor(executor.FfiExecutor):
+    """The real executor's call (the FFI call inside attnlib's partitioning) with stand-in built graphs."""
+
+    def get_entry(self, spec: GraphSpec) -> cache.GraphEntry:
+        return entry_for(spec)
+
+
+def install(monkeypatch, version: int = 91900) -> attnlib.Cudnn:
     """Route `implementation="cudnn"` through the real FFI call and attnlib's partitioning, run by the CPU model."""
     _register()
-    fake_cudnn(monkeypatch, version=version)
-    monkeypatch.setattr(executor, "get_entry", entry_for)
+    cudnn = attnlib.Cudnn(executor=CpuGraphExecutor(), device=h200(version))
+    monkeypatch.setitem(dispatch.REGISTRY, "cudnn", lambda: cudnn)
+    return cudnn

@@ -1,9 +1,9 @@
 """A CPU emulation of attnlib's cuDNN graphs: `implementation="cudnn"` runs end to end without a GPU.
 
 attnlib's cuDNN wrapper (support policy, graph specs, operand layout, trimmed lengths, zero-filling, masking of rows,
-custom VJP) runs for real; only the built graph is replaced, at `executor.ffi_graph_call` (with `executor.get_entry`
-returning a stand-in built graph, `entry_for`), and the device it reads is faked (`helpers.fake_cudnn`: an H200 with a
-given cuDNN version).
+custom VJP) runs for real; only the built graph is replaced, through the injection points of `attnlib.Cudnn`: an
+`EmulatedExecutor` (a stand-in built graph, `entry_for`, and a plain-JAX graph call) as its `executor`, and an H200
+with a given cuDNN version as its `device`.
 
 - `emulate`: a plain-JAX dense cuDNN SDPA graph with padding lengths. It never writes rows past `seq_len_q` (O, dQ)
   or `seq_len_kv` (dK, dV), so those rows hold zeros when the wrapper asked for them to be zero-filled and NaN
@@ -11,17 +11,22 @@ given cuDNN version).
 - `emulate_graph`: any graph attnlib builds for the 16-bit paths: ragged (THD / packed rows) and paged graphs through
   `test_cudnn_ragged.emulate`, score-modifier graphs through `test_score_mod_emulated.emulate`, dense ones through
   `emulate`. It does not model cuDNN's dropout (its generator is cuDNN's own).
-- `install(monkeypatch, ...)`: switch the emulation on for one test.
+- `emulated_cudnn(graph, ...)`: an `attnlib.Cudnn` running `graph` (pass it as `implementation=`).
+- `install(monkeypatch, ...)`: the same, and the name `"cudnn"` (and automatic dispatch) standing for it in one test.
 
 What this cannot show is that cuDNN behaves like the model: the GPU suites check that.
 """
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
-from helpers import fake_cudnn
 from test_cudnn_ragged import _mask, emulate as emulate_ragged, softmax_rows
 
-from attnlib._src.backends.cudnn import cache, executor
+import attnlib
+from attnlib._src import dispatch
+from attnlib._src.backends.cudnn import cache, support
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
 
@@ -106,10 +111,38 @@ def emulate_graph(spec: GraphSpec, entry, *operands, tokens=None):
     return emulate(spec, entry, *operands, tokens=tokens)[: len(spec.out_uids())]  # no dBias without `bias_grad`
 
 
-def install(monkeypatch, graph=emulate, *, version: int = 91900) -> None:
-    """Route `implementation="cudnn"` through `graph` (an `executor.ffi_graph_call` stand-in) as on an H200 with cuDNN
-    `version` (9.19 writes zeros in padded rows itself; with a cuDNN not known to, attnlib zero-fills them first:
-    `support.writes_padding_zeros`)."""
-    fake_cudnn(monkeypatch, version=version)
-    monkeypatch.setattr(executor, "get_entry", entry_for)
-    monkeypatch.setattr(executor, "ffi_graph_call", graph)
+@dataclasses.dataclass(frozen=True)
+class EmulatedExecutor:
+    """A graph executor (`attnlib.Cudnn(executor=...)`) that builds nothing: `get_entry` is `entry` (default
+    `entry_for`) and `call` runs `graph` (an `ffi_graph_call` stand-in: `(spec, entry, *operands, tokens=None)`)."""
+
+    graph: Callable = emulate
+    entry: Callable = entry_for
+
+    def get_entry(self, spec: GraphSpec) -> cache.GraphEntry:
+        return self.entry(spec)
+
+    def call(self, spec: GraphSpec, entry, *operands, tokens=None):
+        return self.graph(spec, entry, *operands, tokens=tokens)
+
+
+def h200(version: int = 91900, capability: tuple[int, int] = (9, 0)) -> support.Device:
+    """An H200 (or a GPU of `capability`) with cuDNN `version` as `attnlib.Cudnn(device=...)` takes it."""
+    return support.Device(compute_capability=capability, name="NVIDIA H200", cudnn_version=version)
+
+
+def emulated_cudnn(
+    graph: Callable = emulate, *, version: int = 91900, capability: tuple[int, int] = (9, 0), entry=entry_for, **fields
+) -> attnlib.Cudnn:
+    """`attnlib.Cudnn` running `graph` as on an H200 with cuDNN `version` (9.19 writes zeros in padded rows itself;
+    with a cuDNN not known to, attnlib zero-fills them first: `support.writes_padding_zeros`); `fields` are its other
+    options (`ragged_stats=...`)."""
+    return attnlib.Cudnn(executor=EmulatedExecutor(graph, entry), device=h200(version, capability), **fields)
+
+
+def install(monkeypatch, graph: Callable = emulate, **options) -> attnlib.Cudnn:
+    """`emulated_cudnn(graph, **options)`, which the name `"cudnn"` (and automatic dispatch) stands for until the
+    test ends; returned for tests that pass it as `implementation=` themselves."""
+    cudnn = emulated_cudnn(graph, **options)
+    monkeypatch.setitem(dispatch.REGISTRY, "cudnn", lambda: cudnn)
+    return cudnn

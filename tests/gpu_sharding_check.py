@@ -110,15 +110,15 @@ def child_mock(topology: str) -> dict:
     combos, (q, k, v) = _combos(jnp, np, B, T, S, N, K, H)
 
     built = []
-    get_entry = executor.get_entry
+    get_entry = executor.FfiExecutor.get_entry
 
-    def timed_entry(spec):
+    def timed_entry(self, spec):
         t0 = time.perf_counter()
-        entry = get_entry(spec)
+        entry = get_entry(self, spec)
         built.append((spec.label, time.perf_counter() - t0))
         return entry
 
-    executor.get_entry = timed_entry
+    executor.FfiExecutor.get_entry = timed_entry
     sharded = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
     qkv = (sharded(q, P("data", None, "model", None)), sharded(k, P("data", None, "model", None)),
            sharded(v, P("data", None, "model", None)))  # fmt: skip

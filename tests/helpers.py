@@ -214,14 +214,3 @@ def assert_matches_finite_differences(grads: dict, loss, args: dict, step: float
             fd[idx] = (loss(plus) - loss(minus)) / (2 * step)
         # central differences in float64: truncation ~ step**2, rounding ~ 1e-16 / step -> ~1e-9 absolute
         np.testing.assert_allclose(grads[name], fd, atol=1e-7, rtol=1e-6, err_msg=f"d{name}")
-
-
-def fake_cudnn(monkeypatch, capability: tuple[int, int] = (9, 0), version: int = 91900) -> None:
-    """Make attnlib's cuDNN path trace on this machine as on a GPU of `capability` with cuDNN `version` (an H200 with
-    9.19 by default): its support policy and the device it reads. The graph calls themselves are the caller's to
-    replace (an emulator, or fake built graphs for lowering)."""
-    from attnlib._src.backends.cudnn import support
-
-    device = support.Device(compute_capability=capability, name="NVIDIA H200", cudnn_version=version)
-    monkeypatch.setattr(support, "decline_reason", lambda config: support.policy_reason(config, capability, version))
-    monkeypatch.setattr(support, "device", lambda: device)

@@ -1,4 +1,4 @@
-"""An independent float64 NumPy reference for `attnlib.attention`, written from the maths of `API.md` §1.
+"""An independent float64 NumPy reference for `attnlib.attention`, written from the maths of docs/semantics.md.
 
 Deliberately loop-level: one Python loop over (batch row, query head, query token), NumPy over the key axis only.
 It shares no code with attnlib (it must not import it): the visibility rules (padding, causal / window with both
@@ -27,14 +27,13 @@ Backward (analytic softmax backward, derived in `reference_attention_vjp`):
     with score_mod f: the ds above is w.r.t. f's output; ds_raw_j = ds_j * df/dscore, and the float
     score_mod_args get ds_j * df/darg at [b, n, i, j] (summed back to their broadcast shapes)
 
-`score_mod` / `mask_mod` (API.md §1b) are the caller's functions written for one element; the reference calls them
-once per (visible) element on NumPy scalars: the float64 score, int32 `batch` (flattened row; THD: the query's
-0-based sequence), `head`, `q_idx` (the query's position in its sequence plus the bottom-right offset) and `kv_idx`
-(the key's position in its sequence), and one element of each `score_mod_args` (float ones as float64), with
-`jax_enable_x64` and standard dtype promotion so that the function computes in float64. `df/dscore` and
-`df/darg` come from `jax.grad` of the same scalar function.
-The analytic backward is itself checked against central finite differences of the forward in
-`tests/test_conformance.py::test_reference_vjp_matches_finite_differences`.
+`score_mod` / `mask_mod` (docs/flex_attention.md) are the caller's functions written for one element; the reference
+calls them once per (visible) element on NumPy scalars: the float64 score, int32 `batch` (flattened row; THD: the
+query's 0-based sequence), `head`, `q_idx` (the query's position in its sequence plus the bottom-right offset) and
+`kv_idx` (the key's position in its sequence), and one element of each `score_mod_args` (float ones as float64), with
+`jax_enable_x64` and standard dtype promotion so that the function computes in float64. `df/dscore` and `df/darg` come
+from `jax.grad` of the same scalar function. The analytic backward is itself checked against central finite differences
+of the forward in `tests/test_conformance.py::test_reference_vjp_matches_finite_differences`.
 """
 
 import math
@@ -384,7 +383,7 @@ def _problem(query, key, value, bias, mask, kwargs) -> _Problem:
 def reference_attention(query, key, value, bias=None, mask=None, **kwargs):
     """float64 `(out, lse)`: out `[*B, T, N, Hv]` (THD `[T, N, Hv]`), lse `[*B, T, N]` (THD `[T, N]`).
 
-    Takes the keyword arguments of `attnlib.attention` (API.md §1) except `implementation` and `dropout_key`;
+    Takes the keyword arguments of `attnlib.attention` (docs/semantics.md) except `implementation` and `dropout_key`;
     dropout takes `dropout_rate` and an explicit boolean keep mask `dropout_keep` `[B, N, T, S]` (flattened `*B`).
     `return_residual` is accepted and ignored: both are always returned.
     """
@@ -402,8 +401,9 @@ def reference_attention(query, key, value, bias=None, mask=None, **kwargs):
 
 
 def reference_max_logit(query, key, value, bias=None, mask=None, **kwargs):
-    """float64 `max_logit` (API.md §1d): per batch row and query head `[*B, N]` (THD: per sequence `[B, N]`), the
-    largest logit (after bias, score_mod and soft cap) of any visible query-key pair; -inf where none is."""
+    """float64 `max_logit` (docs/semantics.md, `return_max_logit`): per batch row and query head `[*B, N]` (THD: per
+    sequence `[B, N]`), the largest logit (after bias, score_mod and soft cap) of any visible query-key pair; -inf
+    where none is."""
     pr = _problem(query, key, value, bias, mask, kwargs)
     rows = pr.B if pr.layout != "thd" else int(pr.qseg.max(initial=0))
     out = np.full((rows, pr.N), -np.inf)
@@ -424,7 +424,7 @@ def e4m3(x):
 
 
 def reference_fp8_attention(query8, key8, value8, bias=None, mask=None, *, scales, **kwargs):
-    """float64 `(out, lse)` of FP8 attention (API.md §1c, docs/fp8.md) on E4M3 values `query8`, `key8`, `value8`
+    """float64 `(out, lse)` of FP8 attention (docs/fp8.md) on E4M3 values `query8`, `key8`, `value8`
     (any float arrays holding E4M3 values) with dequantization scales `scales = (d_q, d_k, d_v)`.
 
     For one row, on the dequantized inputs `x̂ = x8 · d_x`: `p` and `lse` as `reference_attention`; with `m` the

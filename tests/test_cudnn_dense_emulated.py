@@ -15,13 +15,12 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cudnn_emulation import _unwritten, emulate, entry_for, install  # noqa: F401  (_unwritten: test_fp8_cudnn_emulated)
+from cudnn_emulation import _unwritten, emulate, emulated_cudnn, entry_for, install  # noqa: F401  (_unwritten, entry_for: test_fp8_cudnn_emulated)
 from helpers import run_pytest_on_simulated_devices
 from test_cudnn_ragged import _close, _compare, _eps
 
 import attnlib
 from attnlib._src import logs
-from attnlib._src.backends.cudnn import executor
 
 
 @pytest.fixture(params=[92100, 91900], ids=["memset", "kernel_zeros"])
@@ -29,7 +28,7 @@ def emulated(monkeypatch, request):
     """Route dense `implementation="cudnn"` calls through `emulate`, as on an H200: with cuDNN 9.19, which writes
     zeros in padded rows itself, and with a cuDNN not known to (9.21 here), where attnlib zero-fills them first
     (`support.writes_padding_zeros`)."""
-    install(monkeypatch, emulate, version=request.param)
+    return install(monkeypatch, emulate, version=request.param)
 
 
 def _qkv(seed, B, T, S, N, K, H=64, Hv=48, dtype=jnp.bfloat16):
@@ -120,17 +119,17 @@ def _full_size_selects(fn, *args) -> list[str]:
 
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
-def test_padded_top_left_calls_make_no_pass_over_output_or_gradients(emulated, monkeypatch, alignment):
+def test_padded_top_left_calls_make_no_pass_over_output_or_gradients(emulated, alignment):
     """Padded top-left calls rely on trimmed lengths and zero-filled results: no `where` over O, dO, dQ, dK, dV.
     Bottom-right calls (rows that see no key come first) still mask them."""
     shaped_zeros = lambda spec, entry, *ops, tokens=None: tuple(
         jnp.zeros(*spec.shape(uid)) for uid in spec.out_uids()
     )
-    monkeypatch.setattr(executor, "ffi_graph_call", shaped_zeros)  # the graph itself, opaque: no selects inside
+    cudnn = emulated_cudnn(shaped_zeros, version=emulated.device.cudnn_version)  # opaque graph: no selects inside
     q, k, v = _qkv(7, 3, 29, 33, 4, 2)
     kw = _lengths({"query_seq_lengths": [29, 12, 20], "key_value_seq_lengths": [9, 33, 0], "is_causal": True,
                    "diagonal_alignment": alignment})  # fmt: skip
-    loss = lambda q, k, v: jnp.sum(attnlib.attention(q, k, v, implementation="cudnn", **kw).astype(jnp.float32))
+    loss = lambda q, k, v: jnp.sum(attnlib.attention(q, k, v, implementation=cudnn, **kw).astype(jnp.float32))
     selects = _full_size_selects(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
     if alignment == "top_left":
         assert selects == []
@@ -161,7 +160,7 @@ def test_backward_of_few_query_rows_over_many_keys_runs_without_a_graph(emulated
         directions.append(spec.direction)
         return emulate(spec, entry, *operands, tokens=tokens)
 
-    monkeypatch.setattr(executor, "ffi_graph_call", recording)
+    cudnn = emulated_cudnn(recording, version=emulated.device.cudnn_version)
     monkeypatch.setattr(logs, "_logged", set())  # logged once per process: forget earlier tests' messages
     q, k, v = _qkv(8, 2, t, s, 4, 2, Hv=64)
     kw = dict(kw)
@@ -169,7 +168,7 @@ def test_backward_of_few_query_rows_over_many_keys_runs_without_a_graph(emulated
         kw["bias"] = jax.random.normal(jax.random.key(9), (4, t, s), jnp.bfloat16)
     if kw.pop("mask", False):
         kw["mask"] = jax.random.uniform(jax.random.key(9), (t, s)) < 0.5
-    loss = lambda q, k, v: jnp.sum(attnlib.attention(q, k, v, implementation="cudnn", **kw).astype(jnp.float32))
+    loss = lambda q, k, v: jnp.sum(attnlib.attention(q, k, v, implementation=cudnn, **kw).astype(jnp.float32))
     with caplog.at_level(logging.INFO, logger="attnlib"):
         jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     assert directions == (["fwd", "bwd"] if graph else ["fwd"])

@@ -19,11 +19,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import fake_cudnn
 
 import attnlib
 from attnlib._src import logs, positions
-from attnlib._src.backends.cudnn import autotune, executor, graph_spec, ragged, row_fill, support, varlen
+from attnlib._src.backends.cudnn import autotune, cache, executor, graph_spec, ragged, row_fill, support, varlen
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 from attnlib._src.config import AttentionConfig
 
@@ -140,12 +139,11 @@ def test_version_gates():
     assert "deterministic" in _reason(dataclasses.replace(BASE, deterministic_backward=True), (8, 9), 91900)
 
 
-def test_ragged_graph_specs(monkeypatch):
+def test_ragged_graph_specs():
     """THD graphs: offsets per packed tensor, packed results fixed after the graph (or zero-filled before it), no
     sink in the backward."""
-    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: False)
     config = dataclasses.replace(BASE, has_sinks=True, max_seqlen_q=300, max_seqlen_kv=700)
-    plan = varlen.make_ragged_plan(config, 5, (300, 700), (1000, 1500))
+    plan = varlen.make_ragged_plan(config, 5, (300, 700), (1000, 1500), ragged_stats="padded")
     fwd, bwd = plan.fwd, plan.bwd
     assert (fwd.b, fwd.t, fwd.s) == (8, 512, 1024) and fwd.ragged and fwd.sinks and not bwd.sinks
     assert (bwd.t_total, bwd.s_total) == (1024, 2048)
@@ -162,11 +160,10 @@ def test_ragged_graph_specs(monkeypatch):
     assert dims == [8, 8, 512, 128] and strides == [512 * 8 * 128, 128, 8 * 128, 1]
 
 
-def test_ragged_stats_graph_specs(monkeypatch):
-    """With per-token statistics forced (`varlen._ragged_stats`), Stats are `[Tq, N]` per token, bound through their
-    own element offsets."""
-    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: True)
-    plan = varlen.make_ragged_plan(BASE, 5, (300, 700), (1000, 1500))
+def test_ragged_stats_graph_specs():
+    """With per-token statistics forced (`attnlib.Cudnn(ragged_stats="per_token")`), Stats are `[Tq, N]` per token,
+    bound through their own element offsets."""
+    plan = varlen.make_ragged_plan(BASE, 5, (300, 700), (1000, 1500), ragged_stats="per_token")
     fwd, bwd = plan.fwd, plan.bwd
     assert fwd.ragged_stats and bwd.ragged_stats
     assert Uid.OFF_STATS in fwd.in_uids() and Uid.OFF_STATS in bwd.in_uids()
@@ -448,11 +445,22 @@ def _ragged_out(spec, vals, o, seq_q):
 
 
 @pytest.fixture
-def emulated(monkeypatch):
-    """Route `implementation="cudnn"` through `emulate` as on an H200 with cuDNN 9.19."""
-    fake_cudnn(monkeypatch)
-    monkeypatch.setattr(executor, "run", lambda spec, values, tokens=None: emulate(
-        spec, [values[uid] for uid in spec.in_uids()], tokens))  # fmt: skip
+def ragged_stats():
+    """`attnlib.Cudnn(ragged_stats=...)` of the emulated cuDNN; a test parametrized over `ragged_stats` overrides it."""
+    return "auto"
+
+
+@pytest.fixture
+def emulated(monkeypatch, ragged_stats):
+    """Route `implementation="cudnn"` through `emulate` (`cudnn_emulation.emulate_graph`) as on an H200 with cuDNN
+    9.19, keeping ragged statistics as `ragged_stats` says."""
+    from cudnn_emulation import emulate_graph, install  # imports this module: not at the top
+
+    return install(monkeypatch, emulate_graph, ragged_stats=ragged_stats)
+
+
+PER_TOKEN_TOO = pytest.mark.parametrize("ragged_stats", ["auto", "per_token"])
+"""Run a wrapper test with the statistics' layout chosen by the rule and forced per token."""
 
 
 def _eps(dtype):
@@ -532,6 +540,7 @@ THD_CASES = [
 ]  # fmt: skip
 
 
+@PER_TOKEN_TOO
 @pytest.mark.parametrize("case", THD_CASES, ids=[c[0] for c in THD_CASES])
 def test_thd_wrapper_matches_reference(emulated, case):
     _, cu_q, cu_kv, n, kh, h, hv, kw = case
@@ -545,6 +554,7 @@ def test_thd_wrapper_matches_reference(emulated, case):
     assert np.all(np.asarray(grads[0])[cu_q[-1]:] == 0)
 
 
+@PER_TOKEN_TOO
 def test_thd_sinks_and_lse_gradient(emulated):
     q, k, v = _packed(2, 30, 30, 4, 2, 64, 64)
     sinks = jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float32)
@@ -552,6 +562,7 @@ def test_thd_sinks_and_lse_gradient(emulated):
     _compare(q, k, v, kw, diff_sinks=True, lse_grad=True)
 
 
+@PER_TOKEN_TOO
 def test_segments_wrapper_matches_reference(emulated):
     rng = np.random.default_rng(7)
     ids = jnp.asarray(_random_segments(rng, 3, 24, 3))
@@ -571,6 +582,7 @@ def test_segments_cross_top_left_with_key_lengths(emulated):
     _compare(q, k, v, kw)
 
 
+@PER_TOKEN_TOO
 def test_segments_cross_bottom_right(emulated):
     rng = np.random.default_rng(8)
     q_ids = _random_segments(rng, 2, 16, 3)
@@ -636,7 +648,7 @@ def test_segments_without_a_bound_take_it_from_concrete_ids(emulated):
     _close(out, reference, 2 * _eps(jnp.bfloat16), _eps(jnp.bfloat16), "out")
 
 
-def test_segment_overflow_gives_nan_rows_only(emulated, monkeypatch):
+def test_segment_overflow_gives_nan_rows_only(emulated):
     ids = jnp.asarray([[1, 1, 2, 2, 3, 3, 0, 0], [1, 1, 1, 1, 2, 2, 2, 0]], jnp.int32)
     q, k, v = (x.reshape((2, 8) + x.shape[1:]) for x in _packed(6, 16, 16, 2, 2, 64, 64))
     kw = {"q_segment_ids": ids, "max_segments_per_row": 2, "is_causal": True}
@@ -650,7 +662,8 @@ def test_segment_overflow_gives_nan_rows_only(emulated, monkeypatch):
     _close(np.asarray(grads[1], np.float32)[1], r_grads[1][1], 8 * e * 4, e, "row 1 dk")
 
 
-def test_thd_sequence_over_the_bound_is_nan_and_spares_the_rest(emulated, monkeypatch):
+@PER_TOKEN_TOO
+def test_thd_sequence_over_the_bound_is_nan_and_spares_the_rest(emulated):
     """A sequence longer than `max_seqlen_q` gets NaN rows and gradients; the others, the sink gradient and `lse`
     elsewhere stay exact. With no overflow in the batch the results carry no NaN at all."""
     q, k, v = _packed(9, 160, 160, 4, 2, 64, 64)
@@ -677,20 +690,6 @@ def test_thd_sequence_over_the_bound_is_nan_and_spares_the_rest(emulated, monkey
                 scale = max(float(np.max(np.abs(np.asarray(rg, np.float32)))), 1e-30)
                 _close(g, rg, 8 * e * scale, e, name)
         assert np.isfinite(np.asarray(grads[3])).all(), "the sink gradient must not see the NaN rows"
-
-
-@pytest.mark.parametrize("case", THD_CASES, ids=[c[0] for c in THD_CASES])
-def test_thd_wrapper_with_ragged_stats(emulated, monkeypatch, case):
-    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: True)
-    test_thd_wrapper_matches_reference(emulated, case)
-
-
-def test_ragged_stats_sinks_lse_gradient_and_segments(emulated, monkeypatch):
-    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: True)
-    test_thd_sinks_and_lse_gradient(emulated)
-    test_segments_wrapper_matches_reference(emulated)
-    test_segments_cross_bottom_right(emulated)
-    test_thd_sequence_over_the_bound_is_nan_and_spares_the_rest(emulated, monkeypatch)
 
 
 def test_thd_all_sequences_empty(emulated):
@@ -774,22 +773,26 @@ def test_paged_cache_decoding_matches_dense_causal(emulated):
 # CUDA lowering (no GPU: a stand-in graph entry)
 
 
-@pytest.fixture
-def fake_entries(monkeypatch):
-    from attnlib._src.backends.cudnn import cache, executor
+@dataclasses.dataclass(frozen=True)
+class StandInEntries(executor.FfiExecutor):
+    """The real FFI call of stand-in built graphs (no cuDNN here): what the CUDA lowering shows."""
 
-    def get_entry(spec):
+    def get_entry(self, spec: GraphSpec) -> cache.GraphEntry:
         return cache.GraphEntry(
             blob=b"{blob-" + spec.label.encode(), workspace_bytes=4096,
             in_uids=tuple(int(u) for u in spec.in_uids()), out_uids=tuple(int(u) for u in spec.out_uids()),
             zero_fill=spec.zero_fill(), label=spec.label,
         )  # fmt: skip
 
-    fake_cudnn(monkeypatch)
-    monkeypatch.setattr(executor, "get_entry", get_entry)
+
+@pytest.fixture
+def fake_entries(monkeypatch):
+    """`attnlib.Cudnn` lowering stand-in built graphs as on an H200 with cuDNN 9.19."""
+    device = support.Device(compute_capability=(9, 0), name="NVIDIA H200", cudnn_version=91900)
     # Lowered for a GPU on this CPU host: the row-fill kernel, as JAX picks it there.
     monkeypatch.setattr(row_fill, "set_rows", row_fill.set_rows_kernel)
     monkeypatch.setattr(row_fill, "set_rows_many", row_fill.set_rows_kernel_many)
+    return attnlib.Cudnn(executor=StandInEntries(), device=device)
 
 
 def _custom_calls(fn, *args):
@@ -797,13 +800,13 @@ def _custom_calls(fn, *args):
     return [line for line in text.splitlines() if "stablehlo.custom_call @attnlib_cudnn_graph" in line]
 
 
-def test_thd_lowers_to_forward_and_backward_graph_calls(fake_entries, monkeypatch):
-    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: False)
+def test_thd_lowers_to_forward_and_backward_graph_calls(fake_entries):
+    cudnn = dataclasses.replace(fake_entries, ragged_stats="padded")
     q = jax.ShapeDtypeStruct((1000, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1500, 2, 128), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((6,), jnp.int32)
     loss = lambda q, k, v, cu_q, cu_kv: jnp.sum(attnlib.attention(
-        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, is_causal=True, implementation="cudnn",
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, is_causal=True, implementation=cudnn,
         max_seqlen_q=300, max_seqlen_kv=600).astype(jnp.float32))  # fmt: skip
     fwd = _custom_calls(loss, q, kv, kv, cu, cu)
     assert len(fwd) == 1
@@ -830,7 +833,7 @@ def test_paged_decode_lowers_to_one_graph_call(fake_entries):
     table = jax.ShapeDtypeStruct((64, 128), jnp.int32)
     lengths = jax.ShapeDtypeStruct((64,), jnp.int32)
     f = lambda q, k, v, t, n: attnlib.attention(q, k, v, page_table=t, key_value_seq_lengths=n, is_causal=True,
-                                                diagonal_alignment="bottom_right", implementation="cudnn")
+                                                diagonal_alignment="bottom_right", implementation=fake_entries)
     calls = _custom_calls(f, q, pool, pool, table, lengths)
     assert len(calls) == 1 and "sdpa_paged_fwd_nostats_b64_t1_s8192" in calls[0]
     assert "in_uids = dense<[1, 2, 3, 19, 20, 12, 13]>" in calls[0]
@@ -841,13 +844,13 @@ def test_large_padded_stats_are_logged_once(fake_entries, monkeypatch, caplog):
     """A THD call without `max_seqlen_q` sizes its statistics by the token count: large ones (over 1 GiB; traced
     here, nothing is allocated) get a WARNING (once per shape) that names the size and the remedy; a bound, or small
     statistics, log nothing."""
-    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: False)  # padded stats forced (by default these go per token)
+    cudnn = dataclasses.replace(fake_entries, ragged_stats="padded")  # by default these go per token
     monkeypatch.setattr(logs, "_logged", set())
     q = jax.ShapeDtypeStruct((300_000, 64, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((300_000, 8, 64), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((10,), jnp.int32)
     call = lambda **kw: jax.make_jaxpr(lambda q, k, v, cu: attnlib.attention(
-        q, k, v, cu_seqlens_q=cu, is_causal=True, implementation="cudnn", **kw))(q, kv, kv, cu)  # fmt: skip
+        q, k, v, cu_seqlens_q=cu, is_causal=True, implementation=cudnn, **kw))(q, kv, kv, cu)  # fmt: skip
     with caplog.at_level("WARNING", logger="attnlib"):
         call()
         call()
@@ -881,7 +884,7 @@ def test_ragged_calls_lower_without_control_flow(fake_entries, layout):
         q, kv, meta = (jax.ShapeDtypeStruct((2, 500, 8, 64), jnp.bfloat16),
                        jax.ShapeDtypeStruct((2, 500, 2, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 500), jnp.int32))  # fmt: skip
         kw = lambda m: dict(q_segment_ids=m, max_segments_per_row=4)
-    loss = lambda q, k, v, m: jnp.sum(attnlib.attention(q, k, v, is_causal=True, implementation="cudnn",
+    loss = lambda q, k, v, m: jnp.sum(attnlib.attention(q, k, v, is_causal=True, implementation=fake_entries,
                                                         **kw(m)).astype(jnp.float32))  # fmt: skip
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, meta).lower(lowering_platforms=("cuda",))
     text = text.as_text()

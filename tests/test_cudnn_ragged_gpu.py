@@ -29,6 +29,14 @@ def _packed(seed, tq, tkv, n, kh, h, hv, dtype):
             dense._normal(kv, (tkv, kh, hv), dtype))  # fmt: skip
 
 
+def _with_ragged_stats(monkeypatch, layout: str) -> None:
+    """The name `"cudnn"` (which the helpers pass) stands for `attnlib.Cudnn(ragged_stats=layout)` in this test."""
+    import attnlib
+    from attnlib._src import dispatch
+
+    monkeypatch.setitem(dispatch.REGISTRY, "cudnn", lambda: attnlib.Cudnn(ragged_stats=layout))
+
+
 def _check_padding_rows(out, lse, grads, end):
     assert np.all(np.asarray(out[end:], np.float32) == 0), "output rows past cu_seqlens_q[-1] are not 0"
     assert np.all(np.isneginf(np.asarray(lse[end:]))), "lse rows past cu_seqlens_q[-1] are not -inf"
@@ -57,9 +65,7 @@ THD_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("case", THD_CASES, ids=[c[0] for c in THD_CASES])
-def test_thd_matches_reference(case, dtype):
+def _check_thd(case, dtype):
     _, q_lens, kv_lens, pad, n, kh, h, hv, kw = case
     cu_q = _cu(q_lens)
     cu_kv = cu_q if kv_lens is None else _cu(kv_lens)
@@ -73,12 +79,22 @@ def test_thd_matches_reference(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_thd_sinks_and_lse_gradient(dtype):
+@pytest.mark.parametrize("case", THD_CASES, ids=[c[0] for c in THD_CASES])
+def test_thd_matches_reference(case, dtype):
+    _check_thd(case, dtype)
+
+
+def _check_thd_sinks_and_lse_gradient(dtype):
     """Ragged + sinks backward (cuDNN has it only from 9.26): routed through a sink-free backward graph."""
     q, k, v = _packed(2, 300, 300, 4, 2, 64, 64, dtype)
     sinks = jax.random.normal(jax.random.key(3), (4,), jnp.float32) + 1.0
     kw = {"cu_seqlens_q": _cu([100, 0, 57, 120]), "is_causal": True, "sinks": sinks}
     dense._compare(q, k, v, kw, dtype=dtype, lse_grad=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_thd_sinks_and_lse_gradient(dtype):
+    _check_thd_sinks_and_lse_gradient(dtype)
 
 
 RAGGED_STATS_CASES = ["single_sequence_causal", "many_short_gqa_causal", "cross_top_left_window_rows_past_keys",
@@ -87,21 +103,17 @@ RAGGED_STATS_CASES = ["single_sequence_causal", "many_short_gqa_causal", "cross_
 
 @pytest.mark.parametrize("name", RAGGED_STATS_CASES)
 def test_thd_with_ragged_stats(monkeypatch, name):
-    """Stats per query token forced (`varlen._ragged_stats` patched; the default chooses per call)."""
-    from attnlib._src.backends.cudnn import varlen
-
-    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: True)
-    test_thd_matches_reference(next(c for c in THD_CASES if c[0] == name), jnp.bfloat16)
+    """Stats per query token forced (`attnlib.Cudnn(ragged_stats="per_token")`; the default chooses per call)."""
+    _with_ragged_stats(monkeypatch, "per_token")
+    _check_thd(next(c for c in THD_CASES if c[0] == name), jnp.bfloat16)
 
 
 def test_thd_sinks_and_lse_gradient_with_ragged_stats(monkeypatch):
-    from attnlib._src.backends.cudnn import varlen
-
-    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: True)
-    test_thd_sinks_and_lse_gradient(jnp.bfloat16)
+    _with_ragged_stats(monkeypatch, "per_token")
+    _check_thd_sinks_and_lse_gradient(jnp.bfloat16)
 
 
-def test_thd_deterministic_backward_is_bitwise_reproducible():
+def _check_thd_deterministic():
     import attnlib
 
     q, k, v = _packed(4, 500, 500, 8, 2, 64, 64, jnp.bfloat16)
@@ -114,7 +126,11 @@ def test_thd_deterministic_backward_is_bitwise_reproducible():
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
-def test_thd_dropout_same_mask_forward_and_backward():
+def test_thd_deterministic_backward_is_bitwise_reproducible():
+    _check_thd_deterministic()
+
+
+def _check_thd_dropout():
     """cuDNN's own dropout mask, read off a one-hot value matrix, explains its forward and backward exactly."""
     import attnlib
 
@@ -158,6 +174,10 @@ def test_thd_dropout_same_mask_forward_and_backward():
     r_grads = jax.grad(lambda *a: jnp.sum(ref(*a) * cot), argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
     for name, g, rg in zip(("dq", "dk", "dv"), grads, r_grads):
         dense._assert_close(g, rg, 8 * e / (1 - rate), e, f"dropout {name}", scale_by_max=True)
+
+
+def test_thd_dropout_same_mask_forward_and_backward():
+    _check_thd_dropout()
 
 
 def test_thd_empty_batch_and_all_padding():
@@ -216,9 +236,7 @@ def _segments(rng, B, L, max_runs):
     return jnp.asarray(np.stack(rows))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_segments_match_reference(causal, dtype):
+def _check_segments(causal, dtype):
     rng = np.random.default_rng(10)
     B, T = 3, 160
     ids = _segments(rng, B, T, 6)
@@ -230,7 +248,13 @@ def test_segments_match_reference(causal, dtype):
     assert np.all(np.asarray(out, np.float32)[padding] == 0) and np.all(np.asarray(grads[0], np.float32)[padding] == 0)
 
 
-def test_segments_cross_attention_bottom_right():
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_segments_match_reference(causal, dtype):
+    _check_segments(causal, dtype)
+
+
+def _check_segments_cross_bottom_right():
     rng = np.random.default_rng(11)
     B, T, S = 2, 96, 150
     q_ids, kv_ids = _segments(rng, B, T, 4), _segments(rng, B, S, 4)
@@ -241,7 +265,11 @@ def test_segments_cross_attention_bottom_right():
     dense._compare(q, k, v, kw, dtype=jnp.bfloat16)
 
 
-def test_segment_count_overflow_gives_nan_rows():
+def test_segments_cross_attention_bottom_right():
+    _check_segments_cross_bottom_right()
+
+
+def _check_segment_overflow():
     import attnlib
 
     ids = jnp.asarray([[1] * 20 + [2] * 20 + [3] * 24, [1] * 30 + [2] * 30 + [0] * 4], jnp.int32)
@@ -252,6 +280,10 @@ def test_segment_count_overflow_gives_nan_rows():
     assert np.isnan(out[0]).all(), "the row with 3 segments (bound 2) must be NaN"
     e = dense._eps(jnp.bfloat16)
     dense._assert_close(out[1], ref[1], 2 * e, e, "row within the bound")
+
+
+def test_segment_count_overflow_gives_nan_rows():
+    _check_segment_overflow()
 
 
 def _traced_ids_run(impl, q, k, v, ids, **extra):
@@ -382,29 +414,25 @@ def test_paged_cache_decoding_matches_dense_causal():
 
 
 RAGGED_STATS_MORE = {
-    "segments_causal": lambda: test_segments_match_reference(True, jnp.bfloat16),
-    "segments_cross_bottom_right": lambda: test_segments_cross_attention_bottom_right(),
-    "segment_overflow": lambda: test_segment_count_overflow_gives_nan_rows(),
-    "thd_dropout": lambda: test_thd_dropout_same_mask_forward_and_backward(),
-    "thd_deterministic": lambda: test_thd_deterministic_backward_is_bitwise_reproducible(),
+    "segments_causal": lambda: _check_segments(True, jnp.bfloat16),
+    "segments_cross_bottom_right": lambda: _check_segments_cross_bottom_right(),
+    "segment_overflow": lambda: _check_segment_overflow(),
+    "thd_dropout": lambda: _check_thd_dropout(),
+    "thd_deterministic": lambda: _check_thd_deterministic(),
 }
 
 
 @pytest.mark.parametrize("name", list(RAGGED_STATS_MORE))
-@pytest.mark.parametrize("mode", [True, False], ids=["per_token", "padded"])
+@pytest.mark.parametrize("mode", ["per_token", "padded"])
 def test_ragged_stats_on_segments_dropout_and_determinism(monkeypatch, name, mode):
     """The rest of the ragged suite with each stats layout forced (the default chooses per
     call): segments, overflow, dropout, deterministic backward."""
-    from attnlib._src.backends.cudnn import varlen
-
-    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_, mode=mode: mode)
+    _with_ragged_stats(monkeypatch, mode)
     RAGGED_STATS_MORE[name]()
 
 
 @pytest.mark.parametrize("case", THD_CASES, ids=[c[0] for c in THD_CASES])
 def test_thd_with_padded_stats_layout(monkeypatch, case):
     """Every THD case with padded `[b, N, t]` statistics forced (the default chooses per call)."""
-    from attnlib._src.backends.cudnn import varlen
-
-    monkeypatch.setattr(varlen, "_ragged_stats", lambda *_: False)
-    test_thd_matches_reference(case, jnp.bfloat16)
+    _with_ragged_stats(monkeypatch, "padded")
+    _check_thd(case, jnp.bfloat16)

@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from attnlib._src.backends.cudnn import autotune, graph_spec, graphs, support
+import attnlib
+from attnlib._src.backends.cudnn import autotune, executor, graph_spec, graphs, support
 from attnlib._src.config import AttentionConfig
 
 
@@ -158,6 +159,24 @@ def test_autotune_switch_and_cache_key(monkeypatch, value, selection, wanted):
     key = graphs.cache_key(spec, device)
     assert key["plan_selection"] == selection
     assert autotune._candidates_wanted(spec) == wanted
+    mode = {"autotuned_all": "all"}.get(selection, selection)
+    assert attnlib.Cudnn().autotune == mode  # the field's default reads the variable
+    assert attnlib.Cudnn(autotune="heuristics").graph_executor() == executor.FfiExecutor(
+        autotune="heuristics", cache_dir=attnlib.Cudnn().cache_dir
+    )
+    assert graphs.cache_key(spec, device, "heuristics")["plan_selection"] == "heuristics"
+
+
+def test_cudnn_options_default_to_the_environment_and_are_checked(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNLIB_CACHE_DIR", str(tmp_path))
+    assert attnlib.Cudnn().cache_dir == str(tmp_path)
+    monkeypatch.setenv("ATTNLIB_CACHE_DIR", "")
+    assert attnlib.Cudnn().cache_dir is None  # memory only
+    assert attnlib.Cudnn(cache_dir="/x") == attnlib.Cudnn(cache_dir="/x") != attnlib.Cudnn()
+    with pytest.raises(ValueError, match="`autotune` must be"):
+        attnlib.Cudnn(autotune="fast")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="`ragged_stats` must be"):
+        attnlib.Cudnn(ragged_stats="sometimes")  # pyright: ignore[reportArgumentType]
 
 
 def test_timing_tensors_describe_every_graph_tensor():
@@ -276,17 +295,18 @@ def test_graph_rejected_at_build_falls_back_unless_named_alone(monkeypatch, capl
     import attnlib
     from attnlib._src import dispatch
 
-    class Refusing:
-        name = "cudnn"
-
-        def decline_reason(self, config, *, explicit):
-            return None
-
-        def attention(self, config, inputs, *, explicit=True, fallback=None, unbounded=None):
+    @dataclasses.dataclass(frozen=True)
+    class Refusing:  # a graph executor (`attnlib.Cudnn(executor=...)`) whose cuDNN refuses every graph
+        def get_entry(self, spec):
             raise graphs.GraphRejected("cudnn: cuDNN rejected the fwd graph (test): no engine")
 
-    monkeypatch.setitem(dispatch.REGISTRY, "cudnn", Refusing())
-    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+        def call(self, spec, entry, *operands, tokens=None):
+            raise AssertionError("no graph was built")
+
+    device = support.Device(compute_capability=(9, 0), name="NVIDIA H200", cudnn_version=91900)
+    refusing = attnlib.Cudnn(executor=Refusing(), device=device)
+    monkeypatch.setitem(dispatch.REGISTRY, "cudnn", lambda: refusing)
+    q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
     expected = attnlib.attention(q, q, q, implementation="xla")
     with caplog.at_level(logging.WARNING, logger="attnlib"):
         out = attnlib.attention(q, q, q)  # the next candidate in the automatic order: xla_chunked

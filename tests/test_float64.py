@@ -1,5 +1,5 @@
-"""float64 inputs (API.md §1: as `jax.nn` allows under `jax_enable_x64`): the plain-JAX implementations compute in
-float64 end to end (scores, softmax statistics, accumulators, `lse`, gradients) and match the float64 reference of
+"""float64 inputs (docs/semantics.md: as `jax.nn` allows under `jax_enable_x64`): the plain-JAX implementations compute
+in float64 end to end (scores, softmax statistics, accumulators, `lse`, gradients) and match the float64 reference of
 `tests/reference.py` to ~1e-12; fused implementations and context parallelism decline with a clear reason.
 """
 

@@ -1,4 +1,4 @@
-"""FP8 attention (`fp8=`, API.md §1c) on the plain-JAX emulations (`xla`, and `xla_chunked` with 5-key blocks),
+"""FP8 attention (`fp8=`, docs/fp8.md) on the plain-JAX emulations (`xla`, and `xla_chunked` with 5-key blocks),
 against the float64 reference of `tests/reference.py::reference_fp8_attention` (written from docs/fp8.md, sharing no
 code with attnlib).
 

@@ -13,15 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, fake_cudnn, normal, rng, Tol
+from cudnn_emulation import install
+from helpers import assert_close, normal, rng, Tol
 from reference import reference_attention_vjp, reference_fp8_attention
-from test_cudnn_dense_emulated import _unwritten, emulate, entry_for
+from test_cudnn_dense_emulated import _unwritten, emulate
 from test_cudnn_ragged import _mask
 from test_fp8 import _inputs as fp8_inputs, _quantized, _ref_kwargs, assert_fp8_close
 
 import attnlib
-from attnlib._src import dispatch, validation
-from attnlib._src.backends.cudnn import executor, support
+from attnlib._src import validation
+from attnlib._src.backends.cudnn import support
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
 
@@ -64,10 +65,8 @@ def emulate_fp8(spec: GraphSpec, entry, *operands, tokens=None):
 @pytest.fixture
 def emulated(monkeypatch):
     """Route dense `implementation="cudnn"` calls through `emulate_fp8`, as on an H200 with cuDNN 9.19."""
-    fake_cudnn(monkeypatch)
-    monkeypatch.setattr(executor, "get_entry", entry_for)
-    monkeypatch.setattr(executor, "ffi_graph_call", emulate_fp8)
     SPECS.clear()
+    return install(monkeypatch, emulate_fp8)
 
 
 CASES = {
@@ -189,10 +188,7 @@ def test_policy_serves_fp8_on_hopper_and_names_each_limit():
 def test_automatic_dispatch_on_a_gpu_without_fp8_runs_cudnn_in_16_bits_and_warns(monkeypatch, caplog, mode):
     """On a GPU whose cuDNN cannot run the call in FP8 (here: no FP8 tensor cores, sm_80), `implementation=None`
     runs the same call on cuDNN without quantization and says so; an explicit `implementation="cudnn"` refuses."""
-    fake_cudnn(monkeypatch, capability=(8, 0))
-    monkeypatch.setattr(executor, "get_entry", entry_for)
-    monkeypatch.setattr(executor, "ffi_graph_call", emulate_fp8)
-    monkeypatch.setattr(dispatch, "_has_gpu", lambda: True)
+    install(monkeypatch, emulate_fp8, capability=(8, 0))  # automatic dispatch's cuDNN: this emulated sm_80
     SPECS.clear()
     q, k, v, kw = _inputs("causal", jnp.bfloat16)
     if mode == "current":

@@ -4,37 +4,49 @@ Needs attnlib's native extension (compiled in CI from the header packages) but n
 replaces the graph build, which needs a GPU.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attnlib._src.backends.cudnn import ffi
+import attnlib
+from attnlib._src import dispatch
+from attnlib._src.backends.cudnn import cache, executor, ffi, support
 
 
 pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None, reason=f"{ffi.unavailable_reason()}")
 
 
-def _fake_entries(monkeypatch, workspace_bytes=4 << 20):
-    from attnlib._src.backends.cudnn import cache, executor as attention
+@dataclasses.dataclass(frozen=True)
+class StandInEntries(executor.FfiExecutor):
+    """The real FFI call of stand-in built graphs (no cuDNN here): what the CUDA lowering shows."""
 
-    def get_entry(spec):
+    workspace_bytes: int = 4 << 20
+
+    def get_entry(self, spec):
         return cache.GraphEntry(
-            blob=b"\x7bblob-" + spec.label.encode(), workspace_bytes=workspace_bytes,
+            blob=b"\x7bblob-" + spec.label.encode(), workspace_bytes=self.workspace_bytes,
             in_uids=tuple(int(u) for u in spec.in_uids()), out_uids=tuple(int(u) for u in spec.out_uids()),
             zero_fill=spec.zero_fill(), label=spec.label,
         )
 
-    monkeypatch.setattr(attention, "get_entry", get_entry)
-    return attention
+
+def _lowering_cudnn(monkeypatch) -> attnlib.Cudnn:
+    """`attnlib.Cudnn` with stand-in built graphs as on an H200 with cuDNN 9.19, which the name `"cudnn"` stands for
+    in this test (context parallelism passes the name on)."""
+    device = support.Device(compute_capability=(9, 0), name="NVIDIA H200", cudnn_version=91900)
+    cudnn = attnlib.Cudnn(executor=StandInEntries(), device=device)
+    monkeypatch.setitem(dispatch.REGISTRY, "cudnn", lambda: cudnn)
+    return cudnn
 
 
 def _lower(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_forward_lowers_to_one_custom_call_with_attributes(monkeypatch):
-    attention = _fake_entries(monkeypatch)
+def test_forward_lowers_to_one_custom_call_with_attributes():
     from attnlib._src.backends.cudnn.graphs import GraphSpec
 
     spec = GraphSpec("fwd", "bfloat16", 2, 16, 24, 4, 2, 64, 32, 0.125, padding=True)
@@ -42,7 +54,7 @@ def test_forward_lowers_to_one_custom_call_with_attributes(monkeypatch):
     k = jax.ShapeDtypeStruct((2, 24, 2, 64), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((2, 24, 2, 32), jnp.bfloat16)
     lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-    text = _lower(lambda *a: attention.graph_call(spec)(*a), q, k, v, lengths, lengths)
+    text = _lower(lambda *a: executor.graph_call(spec, StandInEntries())(*a), q, k, v, lengths, lengths)
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @attnlib_cudnn_graph" in line]
     assert len(calls) == 1, text
     call = calls[0]
@@ -57,15 +69,14 @@ def test_forward_lowers_to_one_custom_call_with_attributes(monkeypatch):
 
 
 @pytest.mark.parametrize("workspace_bytes", [0, 1, 4 << 20])
-def test_workspace_result_only_when_the_plan_needs_one(monkeypatch, workspace_bytes):
+def test_workspace_result_only_when_the_plan_needs_one(workspace_bytes):
     """A plan that needs no workspace gets no workspace result (XLA allocates no temporary buffer for it)."""
-    attention = _fake_entries(monkeypatch, workspace_bytes)
     from attnlib._src.backends.cudnn.graphs import GraphSpec
 
     spec = GraphSpec("fwd", "bfloat16", 2, 16, 24, 4, 2, 64, 64, 0.125)
     q = jax.ShapeDtypeStruct((2, 16, 4, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 24, 2, 64), jnp.bfloat16)
-    text = _lower(lambda *a: attention.graph_call(spec)(*a), q, kv, kv)
+    text = _lower(lambda *a: executor.graph_call(spec, StandInEntries(workspace_bytes=workspace_bytes))(*a), q, kv, kv)
     call = next(line for line in text.splitlines() if "custom_call @attnlib_cudnn_graph" in line)
     assert f"ws_bytes = {workspace_bytes} : i64" in call, call
     results = "(tensor<2x16x4x64xbf16>, tensor<2x4x16xf32>"
@@ -75,15 +86,14 @@ def test_workspace_result_only_when_the_plan_needs_one(monkeypatch, workspace_by
         assert f"-> {results})" in call and "xui8>)" not in call, call
 
 
-def test_vmap_folds_into_one_bigger_call(monkeypatch):
-    attention = _fake_entries(monkeypatch)
+def test_vmap_folds_into_one_bigger_call():
     from attnlib._src.backends.cudnn.graphs import GraphSpec
 
     spec = GraphSpec("bwd", "float16", 2, 16, 16, 4, 4, 64, 64, 0.125, bias_b=1, bias_n=4)
     x = jax.ShapeDtypeStruct((3, 2, 16, 4, 64), jnp.float16)
     stats = jax.ShapeDtypeStruct((3, 2, 4, 16), jnp.float32)
     bias = jax.ShapeDtypeStruct((1, 4, 16, 16), jnp.float16)
-    fn = jax.vmap(lambda q, k, v, o, do, st, b: attention.graph_call(spec)(q, k, v, o, do, st, b),
+    fn = jax.vmap(lambda q, k, v, o, do, st, b: executor.graph_call(spec, StandInEntries())(q, k, v, o, do, st, b),
                   in_axes=(0, 0, 0, 0, 0, 0, None))
     text = _lower(fn, x, x, x, x, x, stats, bias)
     assert text.count("stablehlo.custom_call @attnlib_cudnn_graph") == 1, text
@@ -129,15 +139,6 @@ def test_extension_matches_the_frontend_package():
     assert np.int64(code) == 13200
 
 
-def _fake_gpu(monkeypatch):
-    """Pretend an H200 with cuDNN 9.19 is present, so the cuDNN path traces and lowers on this CPU machine."""
-    from attnlib._src.backends.cudnn import support
-
-    device = support.Device(compute_capability=(9, 0), name="NVIDIA H200", cudnn_version=91900)
-    monkeypatch.setattr(support, "_device", lambda: (device, None))
-    monkeypatch.setattr(support, "device", lambda: device)
-
-
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 def test_context_parallel_gradient_traces_on_cudnn_inside_shard_map(monkeypatch, strategy):
     """Inside `shard_map`, cuDNN's FFI results must vary like its operands, or the VJPs of the per-step calls reject
@@ -146,8 +147,7 @@ def test_context_parallel_gradient_traces_on_cudnn_inside_shard_map(monkeypatch,
 
     import attnlib.context_parallel as cp
 
-    _fake_entries(monkeypatch)
-    _fake_gpu(monkeypatch)
+    _lowering_cudnn(monkeypatch)
     mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
     seq = P(None, "sp")
 
@@ -170,8 +170,7 @@ def test_context_parallel_gradient_traces_on_cudnn_inside_shard_map(monkeypatch,
 def test_forward_only_call_runs_the_graph_without_stats(monkeypatch):
     import attnlib
 
-    _fake_entries(monkeypatch)
-    _fake_gpu(monkeypatch)
+    _lowering_cudnn(monkeypatch)
     q = jax.ShapeDtypeStruct((2, 48, 4, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 40, 2, 64), jnp.bfloat16)
 

@@ -1,4 +1,4 @@
-"""`return_max_logit=True` (API.md §1d) on every plain-JAX implementation against the float64 reference
+"""`return_max_logit=True` (docs/semantics.md) on every plain-JAX implementation against the float64 reference
 (`tests/reference.py::reference_max_logit`): dense, GQA, masks, segments, THD, paged, modifiers, soft cap."""
 
 import jax

@@ -20,6 +20,9 @@ def test_import_attnlib_imports_no_framework():
 def test_public_names():
     assert callable(attnlib.attention)
     assert callable(attnlib.explain)
+    for cls in (attnlib.Cudnn, attnlib.Xla, attnlib.XlaChunked):
+        assert hash(cls()) == hash(cls()) and cls() == cls()  # frozen, hashable: static under jit
+    assert attnlib.Cudnn().name == "cudnn" and attnlib.Xla().name == "xla" and attnlib.XlaChunked().name == "xla_chunked"
     assert isinstance(attnlib.__version__, str)
 
 
@@ -91,9 +94,11 @@ def test_self_check_runs():
 def test_automatic_choice_between_the_plain_implementations_is_per_platform(monkeypatch):
     """A CPU runs xla_chunked at every size (measured faster, benchmarks/bench_cpu_dispatch.py); elsewhere small
     scores are left to xla."""
-    from attnlib._src.backends import xla_chunked
+    from attnlib._src.backends.base import Context
 
     q, k, v = _shapes()
+    automatic, requested = Context(automatic=True), Context(automatic=False)
+    chunked = attnlib.XlaChunked()
     config = attnlib._src.validation.validate(
         q, k, v, None, None, scale=None, is_causal=True, query_seq_lengths=None, key_value_seq_lengths=None,
         local_window_size=None, return_residual=False, diagonal_alignment="top_left", q_segment_ids=None,
@@ -102,11 +107,11 @@ def test_automatic_choice_between_the_plain_implementations_is_per_platform(monk
         deterministic_backward=False,
     )[0]  # fmt: skip
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert xla_chunked.IMPLEMENTATION.decline_reason(config, explicit=False) is None
+    assert chunked.decline_reason(config, automatic) is None
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    reason = xla_chunked.IMPLEMENTATION.decline_reason(config, explicit=False)
+    reason = chunked.decline_reason(config, automatic)
     assert reason is not None and "materialised scores" in reason and "GPU" in reason
-    assert xla_chunked.IMPLEMENTATION.decline_reason(config, explicit=True) is None
+    assert chunked.decline_reason(config, requested) is None
 
 
 def test_configured_xla_chunked_runs_its_block_size(monkeypatch):
@@ -158,7 +163,7 @@ def test_configured_implementation_in_explain_sequences_and_layers():
 @pytest.mark.parametrize(
     "bad, error, match",
     [
-        (5, TypeError, r"`implementation` must be str \| attnlib.XlaChunked \| a sequence"),
+        (5, TypeError, r"`implementation` must be str \| attnlib.Cudnn \| attnlib.XlaChunked \| attnlib.Xla \| a sequence"),
         ("flash", ValueError, r"`implementation` must be None, one of .* a configured implementation"),
         ([], ValueError, r"non-empty sequence"),
         (["xla", 3], ValueError, r"Got \['xla', 3\]"),

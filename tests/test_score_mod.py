@@ -1,4 +1,4 @@
-"""`score_mod` / `mask_mod` / `score_mod_args` (flex attention, API.md §1b) on the plain-JAX implementations.
+"""`score_mod` / `mask_mod` / `score_mod_args` (docs/flex_attention.md) on the plain-JAX implementations.
 
 Against the independent float64 reference (`tests/reference.py`, which calls the same user functions per element in
 float64), for `xla` and multi-block `xla_chunked` (5-key blocks: S = 19 spans four blocks, the last one ragged):

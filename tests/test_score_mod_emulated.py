@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import fake_cudnn
-from test_cudnn_dense_emulated import entry_for
+from cudnn_emulation import install
 from test_cudnn_gpu import _compare, _qkv
 from test_score_mod_gpu import _materialize, CASES, MASK_CASES, N
 
-from attnlib._src.backends.cudnn import executor, graphs
+from attnlib._src.backends.cudnn import graphs
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
 
@@ -80,9 +79,7 @@ def emulate(spec: GraphSpec, entry, *operands, tokens=None):
 
 @pytest.fixture
 def emulated(monkeypatch):
-    fake_cudnn(monkeypatch)
-    monkeypatch.setattr(executor, "get_entry", entry_for)
-    monkeypatch.setattr(executor, "ffi_graph_call", emulate)
+    return install(monkeypatch, emulate)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -484,7 +484,8 @@ def test_lengths_as_lists_and_traced_lengths_are_clamped():
     ],
 )  # fmt: skip
 def test_new_arguments_of_the_wrong_kind_get_one_readable_sentence(kwargs, message):
-    """API.md §1b–§1d arguments: the type error names the argument and the expected kind as a user writes it."""
+    """`score_mod`, `fp8` and `return_max_logit` arguments (docs/semantics.md): the type error names the argument
+    and the expected kind as a user writes it."""
     q = jnp.zeros((1, 8, 2, 16))
     with pytest.raises(TypeError, match=re.escape(message)):
         attnlib.attention(q, q, q, **kwargs)

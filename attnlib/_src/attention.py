@@ -146,8 +146,9 @@ def attention(
         local_window_size: `int w` = `(w, w)`, or `(left, right)`: a query at aligned position `i` sees keys
             `i - left … i + right`.
         implementation: `None` (the first of `"cudnn"`, `"xla_chunked"`, `"xla"` that can serve the call),
-            one name (raises `NotImplementedError` when it cannot serve), a configured implementation
-            (`attnlib.XlaChunked(block_k=...)`, wherever a name is accepted), or a sequence tried in order.
+            one name (raises `NotImplementedError` when it cannot serve), an implementation object
+            (`attnlib.Cudnn(...)`, `attnlib.XlaChunked(block_k=...)`, `attnlib.Xla()`, wherever a name is accepted;
+            a name means its default instance), or a sequence tried in order.
         return_residual: also return `lse`. Defaults to False.
         diagonal_alignment: `"top_left"` (query 0 on key 0) or `"bottom_right"` (last query on last key, per
             sequence). Defaults to `"top_left"`.

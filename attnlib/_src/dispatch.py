@@ -1,31 +1,28 @@
-"""Which implementation serves a call, why the others declined, and logging of every fallback."""
+"""Which implementation serves a call, why the others declined, and logging of every fallback.
+
+Dispatch knows implementations only through `backends.base.Implementation`: it asks each requested one why it
+declines and runs the first that serves, with a `Context` saying how the call was requested and what the
+implementation may hand work to (`fallback`, `unbounded`, `remaining`).
+"""
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 
-from . import fp8 as fp8_lib, logs
-from .backends import xla, xla_chunked
-from .backends.base import Implementation
-from .backends.cudnn import IMPLEMENTATION as _CUDNN
+from . import logs
+from .backends import registry
+from .backends.base import Context, Fallback, Implementation
 from .config import AttentionConfig, AttentionInputs, IMPLEMENTATIONS
 
 
-CONFIGURED = (xla_chunked.XlaChunked,)
-"""The implementation classes a caller may configure and pass as `implementation`."""
+ImplementationRequest = registry.Request
+"""What `implementation=` takes: None (automatic), a name, an implementation object (`attnlib.Cudnn(...)`,
+`attnlib.Xla()`, `attnlib.XlaChunked(...)`), or a sequence of those."""
 
-ImplementationRequest = str | xla_chunked.XlaChunked | Sequence[Any] | None
-"""What `implementation=` takes: None (automatic), a name, a configured implementation, or a sequence of those (its
-items are checked by `requested_implementations`, with one message for every kind of mistake)."""
-
-REGISTRY: dict[str, Implementation] = {
-    "cudnn": _CUDNN,
-    "xla_chunked": xla_chunked.IMPLEMENTATION,
-    "xla": xla.IMPLEMENTATION,
-}
+REGISTRY = registry.DEFAULTS
+"""Each name's default instance (made per call)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +35,7 @@ class Explanation:
         requested: the implementations considered, in order.
         without_fp8: automatic dispatch of an `fp8=` call on a GPU whose cuDNN cannot run it in FP8 but can run it
             in 16 bits: the reason FP8 was dropped (the call then runs on cuDNN without quantization, with a
-            warning); None otherwise.
+            warning; `Implementation.caveat`); None otherwise.
     """
 
     implementation: str | None
@@ -62,61 +59,32 @@ def requested_implementations(
     implementation: ImplementationRequest,
 ) -> tuple[tuple[Implementation, ...], bool]:
     """Normalise `implementation` to the implementations to try, in order, and whether the choice is automatic
-    (`None`). A name stands for its default configuration; a configured object (`attnlib.XlaChunked(...)`) for
-    itself."""
+    (`None`). A name stands for its default instance; an implementation object for itself."""
     if implementation is None:
-        return tuple(REGISTRY[name] for name in IMPLEMENTATIONS), True
-    single = isinstance(implementation, str) or isinstance(implementation, CONFIGURED)
+        return tuple(REGISTRY[name]() for name in IMPLEMENTATIONS), True
+    single = isinstance(implementation, (str, Implementation))
     try:
-        entries = (implementation,) if single else tuple(implementation)
+        entries = (implementation,) if single else tuple(implementation)  # pyright: ignore[reportArgumentType]
     except TypeError:
         entries = ()
     impls = tuple(_resolve(entry) for entry in entries)
     if not impls or any(impl is None for impl in impls):
-        configured = ", ".join(f"attnlib.{cls.__name__}(...)" for cls in CONFIGURED)
+        configured = ", ".join(f"attnlib.{cls.__name__}(...)" for cls in registry.CLASSES)
         raise ValueError(
             f"`implementation` must be None, one of {list(IMPLEMENTATIONS)}, a configured implementation "
             f"({configured}) or a non-empty sequence of them. Got {implementation!r}."
         )
-    return impls, False
+    return impls, False  # pyright: ignore[reportReturnType]
 
 
 def _resolve(entry: object) -> Implementation | None:
     if isinstance(entry, str):
-        return REGISTRY.get(entry)
-    return entry if isinstance(entry, CONFIGURED) else None
+        default = REGISTRY.get(entry)
+        return None if default is None else default()
+    return entry if isinstance(entry, Implementation) else None
 
 
-def without_fp8(config: AttentionConfig) -> AttentionConfig:
-    """`config` as a 16-bit call: no quantization, inputs in the output dtype (`fp8_fallback_inputs`)."""
-    return dataclasses.replace(config, fp8=None, fp8_output_dtype=None, dtype=config.output_dtype)
-
-
-def fp8_fallback_inputs(config: AttentionConfig, inputs: AttentionInputs) -> AttentionInputs:
-    """The inputs of `without_fp8(config)`: pre-quantized E4M3 inputs dequantized to the output dtype."""
-    if config.fp8 != "scaled":
-        return inputs
-    dequantize, _ = fp8_lib.plan(config.fp8, inputs.query, inputs.key, inputs.value, inputs.fp8_scales)
-    query, key, value = (
-        dequantize(x, i).astype(config.output_dtype) for i, x in enumerate((inputs.query, inputs.key, inputs.value))
-    )
-    return dataclasses.replace(inputs, query=query, key=key, value=value, fp8_scales=None)
-
-
-def _fp8_fallback_reason(config: AttentionConfig, automatic: bool) -> str | None:
-    """Why automatic dispatch runs an `fp8=` call on cuDNN in 16 bits: cuDNN declines the FP8 call on this GPU but
-    serves the same call without FP8. None when that is not the case (the plain-JAX emulation then serves FP8)."""
-    if not automatic or config.fp8 is None or not _has_gpu():
-        return None
-    reason = _CUDNN.decline_reason(config, explicit=False)
-    if reason is None or _CUDNN.decline_reason(without_fp8(config), explicit=False) is not None:
-        return None
-    return f"cudnn cannot run this call in FP8 ({reason})"
-
-
-def explain_config(
-    config: AttentionConfig, implementation: ImplementationRequest
-) -> Explanation:
+def explain_config(config: AttentionConfig, implementation: ImplementationRequest) -> Explanation:
     """Dispatch without running: the first implementation that serves `config` and the reasons of the others."""
     impls, automatic = requested_implementations(implementation)
     return _explain(config, impls, automatic)[0]
@@ -126,23 +94,14 @@ def _explain(
     config: AttentionConfig, impls: tuple[Implementation, ...], automatic: bool
 ) -> tuple[Explanation, Implementation | None]:
     names = tuple(impl.name for impl in impls)
-    fallback = _fp8_fallback_reason(config, automatic)
-    if fallback is not None:
-        return Explanation("cudnn", {}, names, without_fp8=fallback), _CUDNN
+    context = Context(automatic=automatic)
     declined: dict[str, str] = {}
     for impl in impls:
-        reason = impl.decline_reason(config, explicit=not automatic)
+        reason = impl.decline_reason(config, context)
         if reason is None:
-            return Explanation(impl.name, declined, names), impl
+            return Explanation(impl.name, declined, names, without_fp8=impl.caveat(config, context)), impl
         declined[impl.name] = reason
     return Explanation(None, declined, names), None
-
-
-def _has_gpu() -> bool:
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False
 
 
 def choose(config: AttentionConfig, impls: tuple[Implementation, ...], automatic: bool) -> Implementation:
@@ -154,46 +113,46 @@ def choose(config: AttentionConfig, impls: tuple[Implementation, ...], automatic
     if chosen is None:
         reasons = "; ".join(f"{n}: {r}" for n, r in explanation.declined.items())
         raise NotImplementedError(f"No requested attention implementation can serve this call. {reasons}")
+    loud = {impl.name for impl in impls if impl.name in explanation.declined and impl.declines_loudly()}
     for name, reason in explanation.declined.items():
         message = f"attnlib.attention: {name} declined ({reason}); using {explanation.implementation}."
-        # A GPU machine falling back from cuDNN loses most of its speed: say so loudly. Elsewhere it is expected.
-        level = logging.WARNING if name == "cudnn" and _has_gpu() else logging.INFO
-        logs.log_once((config, message), level, message)
+        logs.log_once((config, message), logging.WARNING if name in loud else logging.INFO, message)
     return chosen
+
+
+def _by_name(name: str) -> Fallback:
+    """The default instance of `name` as a `Fallback`."""
+    impl = REGISTRY[name]()
+    return lambda config, inputs: impl.attention(config, inputs, Context())
 
 
 def run(
     config: AttentionConfig,
     inputs: AttentionInputs,
     implementation: ImplementationRequest,
-) -> tuple[jax.Array, jax.Array]:
-    """Choose and run. When the chosen implementation was one of several candidates and fails to build its kernel
-    (`GraphRejected`: cuDNN refused a graph the policy expected it to take), the next candidate runs, logged."""
-    from .backends.cudnn.graphs import GraphRejected
-
+) -> tuple[jax.Array, ...]:
+    """Choose and run."""
     impls, automatic = requested_implementations(implementation)
-    alone = not automatic and len(impls) == 1  # nothing to fall back to
-    fp8_reason = _fp8_fallback_reason(config, automatic)
-    if fp8_reason is not None:
-        message = f"attnlib.attention: {fp8_reason}; running it on cuDNN in 16 bits without FP8 quantization."
-        logs.log_once((config, message), logging.WARNING, message)
-        return _CUDNN.attention(
-            without_fp8(config), fp8_fallback_inputs(config, inputs), explicit=False,
-            fallback=xla.IMPLEMENTATION.attention, unbounded=xla_chunked.IMPLEMENTATION.attention,
-        )  # fmt: skip
-    while True:
-        impl = choose(config, impls, automatic)
-        try:
-            # What an implementation cannot compute itself (`base.Implementation`): cuDNN's paged gradient, packed
-            # rows beyond its bound.
-            fallback = None if alone else xla.IMPLEMENTATION.attention
-            return impl.attention(
-                config, inputs, explicit=alone, fallback=fallback, unbounded=xla_chunked.IMPLEMENTATION.attention
-            )
-        except GraphRejected as e:
-            remaining = tuple(i for i in impls if i is not impl)
-            if not remaining or alone:
-                raise
-            message = f"attnlib.attention: {impl.name} failed to build its kernel ({e}); using the next candidate."
-            logs.log_once((config, message), logging.WARNING, message)
-            impls, automatic = remaining, False
+    return _run(config, inputs, impls, automatic, alone=not automatic and len(impls) == 1)
+
+
+def _run(
+    config: AttentionConfig,
+    inputs: AttentionInputs,
+    impls: tuple[Implementation, ...],
+    automatic: bool,
+    alone: bool,
+) -> tuple[jax.Array, ...]:
+    """Run the first of `impls` that serves. `alone`: the caller named one implementation (nothing to fall back to).
+    Its context's `remaining` runs the other candidates as a request (each serves whenever it can), logged by the
+    implementation that hands the call on."""
+    impl = choose(config, impls, automatic)
+    rest = tuple(i for i in impls if i is not impl)
+    context = Context(
+        automatic=automatic,
+        # What an implementation cannot compute itself: cuDNN's paged gradient, packed rows beyond its bound.
+        fallback=None if alone else _by_name("xla"),
+        unbounded=_by_name("xla_chunked"),
+        remaining=None if alone or not rest else functools.partial(_run, impls=rest, automatic=False, alone=False),
+    )
+    return impl.attention(config, inputs, context)

@@ -177,3 +177,19 @@ def emulate(
     out, lse = attend(problem)
     out, lse = canonical.restore(config, rounding.output(out), lse)
     return out.astype(rounding.output_dtype), lse
+
+
+def without_fp8(config: AttentionConfig) -> AttentionConfig:
+    """`config` as a 16-bit call: no quantization, inputs in the output dtype (`fp8_fallback_inputs`)."""
+    return dataclasses.replace(config, fp8=None, fp8_output_dtype=None, dtype=config.output_dtype)
+
+
+def fp8_fallback_inputs(config: AttentionConfig, inputs: AttentionInputs) -> AttentionInputs:
+    """The inputs of `without_fp8(config)`: pre-quantized E4M3 inputs dequantized to the output dtype."""
+    if config.fp8 != "scaled":
+        return inputs
+    dequantize, _ = plan(config.fp8, inputs.query, inputs.key, inputs.value, inputs.fp8_scales)
+    query, key, value = (
+        dequantize(x, i).astype(config.output_dtype) for i, x in enumerate((inputs.query, inputs.key, inputs.value))
+    )
+    return dataclasses.replace(inputs, query=query, key=key, value=value, fp8_scales=None)

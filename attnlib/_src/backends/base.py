@@ -1,7 +1,9 @@
-"""What every implementation provides to dispatch."""
+"""What every implementation provides to dispatch: the `Implementation` base class and the `Context` of one call."""
 
+import abc
+import dataclasses
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import ClassVar
 
 import jax
 
@@ -9,45 +11,73 @@ from ..config import AttentionConfig, AttentionInputs
 
 
 Fallback = Callable[[AttentionConfig, AttentionInputs], tuple[jax.Array, ...]]
-"""Another implementation's `attention`, `(config, inputs) -> results`, as dispatch hands it to one that cannot
-compute all of a call itself."""
+"""Another implementation's `attention` with its context bound, `(config, inputs) -> results`, as dispatch hands it
+to one that cannot compute all of a call itself."""
 
 
-@runtime_checkable
-class Implementation(Protocol):
-    """One attention implementation.
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What dispatch tells an implementation about the request it serves, beyond the call itself.
 
-    `decline_reason` is pure Python over the static configuration (no arrays, no device work): it returns None when
-    the implementation serves the call, or a sentence naming the feature and the limit when it does not.
-    `explicit` is True when the caller named this implementation alone; an implementation may decline an automatic
-    choice on performance grounds but must serve an explicit one whenever it can.
+    An implementation that cannot compute all of a call itself never calls a sibling: it uses the `Fallback`s here
+    (only cuDNN needs them today).
 
-    `attention` returns `(out, lse)`: `out` in the query's layout with the value head dim (`[*B, T, N, Hv]`, THD
-    `[T, N, Hv]`) and dtype, `lse` float32 `[*B, T, N]` (THD `[T, N]`). With `config.max_logit` it may add a third
-    result, `max_logit` itself (float32 `[*B, N]`, semantics.md): computed with the output, it saves
-    `max_logit.py`'s separate pass. Both are differentiable with respect to
-    query, key, value, bias and sinks (paged layouts may decline gradients). Its `explicit` is True when the caller
-    named this implementation alone (no other to fall back to). Neither method keeps state between calls.
-
-    An implementation that cannot compute all of a call itself never calls a sibling: it uses the `fallback` and
-    `unbounded` (`Fallback`s) that dispatch passes every implementation (only cuDNN needs them today):
-    - `fallback` runs the part it lacks: `xla`, or None when the caller named this implementation alone (cuDNN's
-      paged forward then refuses a gradient instead of differentiating `fallback`);
-    - `unbounded` runs a call whose data turn out on device to exceed the bounds its kernels were built for, whatever
-      was requested, so that such a call never gives wrong numbers: `xla_chunked` (cuDNN's packed rows with more
-      segments than the bound used under `jit`).
+    Attributes:
+        automatic: the caller left the choice to attnlib (`implementation=None`). An implementation may decline an
+            automatic choice on performance grounds but must serve a requested one whenever it can.
+        fallback: runs the part of a call an implementation lacks: `xla`, or None when the caller named this
+            implementation alone (cuDNN's paged forward then refuses a gradient instead of differentiating it).
+        unbounded: runs a call whose data turn out on device to exceed the bounds its kernels were built for, whatever
+            was requested, so that such a call never gives wrong numbers: `xla_chunked` (cuDNN's packed rows with
+            more segments than the bound used under `jit`).
+        remaining: runs the call on the requested implementations after this one, as dispatch would (logged), for an
+            implementation that finds only while building its kernel that it cannot serve the call (cuDNN refusing a
+            graph its policy expected it to take); None when there is none left.
     """
 
-    name: str
+    automatic: bool = False
+    fallback: Fallback | None = None
+    unbounded: Fallback | None = None
+    remaining: Fallback | None = None
 
-    def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None: ...
 
-    def attention(
-        self,
-        config: AttentionConfig,
-        inputs: AttentionInputs,
-        *,
-        explicit: bool = True,
-        fallback: Fallback | None = None,
-        unbounded: Fallback | None = None,
-    ) -> tuple[jax.Array, jax.Array]: ...
+class Implementation(abc.ABC):
+    """One attention implementation: `attnlib.Cudnn`, `attnlib.Xla`, `attnlib.XlaChunked`.
+
+    Subclasses are frozen dataclasses (hashable: they are static arguments under `jit`) whose fields configure them;
+    a name (`"cudnn"`, `"xla"`, `"xla_chunked"`) stands for the default instance. Neither method keeps state between
+    calls.
+    """
+
+    name: ClassVar[str]
+    """The name `implementation=` accepts for the default instance, and the key of `Explanation.declined`."""
+
+    @abc.abstractmethod
+    def decline_reason(self, config: AttentionConfig, context: Context) -> str | None:
+        """None when this implementation serves the call, else a sentence naming the feature and the limit.
+
+        Pure Python over the static configuration (no arrays, no device work).
+        """
+
+    @abc.abstractmethod
+    def attention(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
+        """`(out, lse)` of a call `decline_reason` accepted.
+
+        `out` is in the query's layout with the value head dim (`[*B, T, N, Hv]`, THD `[T, N, Hv]`) and dtype, `lse`
+        float32 `[*B, T, N]` (THD `[T, N]`). With `config.max_logit` it may add a third result, `max_logit` itself
+        (float32 `[*B, N]`, semantics.md): computed with the output, it saves `max_logit.py`'s separate pass. Both are
+        differentiable with respect to query, key, value, bias and sinks (paged layouts may decline gradients).
+        """
+
+    def caveat(self, config: AttentionConfig, context: Context) -> str | None:
+        """How this implementation serves an accepted call differently from what was asked, or None (the default).
+
+        cuDNN: an `fp8=` call under automatic dispatch on a GPU whose cuDNN runs it only in 16 bits
+        (`Explanation.without_fp8`).
+        """
+        return None
+
+    def declines_loudly(self) -> bool:
+        """Whether dispatch logs this implementation declining at WARNING rather than INFO: a fallback from it loses
+        most of the speed on this machine (cuDNN on a GPU machine). False by default."""
+        return False

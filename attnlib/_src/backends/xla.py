@@ -1,12 +1,15 @@
 """`implementation="xla"`: materialise all scores; the readable reference. Gradients by JAX autodiff."""
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
 from .. import canonical, fp8 as fp8_lib
 from ..config import AttentionConfig, AttentionInputs
 from . import scores
-from .base import Fallback
+from .base import Context, Implementation
 
 
 def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Array, jax.Array]:
@@ -82,27 +85,20 @@ def _rounded_probabilities(s: jax.Array, allowed: jax.Array, sinks: jax.Array | 
     return fp8_lib.Rounding.probabilities(unnormalised), denominator, lse
 
 
-class _Xla:
-    name = "xla"
+@dataclasses.dataclass(frozen=True)
+class Xla(Implementation):
+    """`implementation="xla"`: plain JAX that materialises every score; the readable reference. Pass an instance
+    wherever `implementation` takes a name (alone or in a sequence); the name stands for `Xla()`. It has no options."""
 
-    def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None:
+    name: ClassVar[str] = "xla"
+
+    def decline_reason(self, config: AttentionConfig, context: Context) -> str | None:
         if config.fp8 is not None and config.dropout_rate > 0:
             return "dropout together with FP8 attention (`fp8=`) is not supported"
         return None
 
-    def attention(
-        self,
-        config: AttentionConfig,
-        inputs: AttentionInputs,
-        *,
-        explicit: bool = True,
-        fallback: Fallback | None = None,
-        unbounded: Fallback | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
-        del explicit, fallback, unbounded  # serves every call it accepts by itself
+    def attention(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
+        # Serves every call it accepts by itself: nothing in `context` changes how.
         if config.fp8 is not None:
             return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem))
         return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs)))
-
-
-IMPLEMENTATION = _Xla()

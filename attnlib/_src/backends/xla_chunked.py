@@ -24,7 +24,7 @@ from .. import canonical, fp8 as fp8_lib, varying
 from ..config import AttentionConfig, AttentionInputs
 from ..positions import TokenPositions
 from . import one_block, scores
-from .base import Fallback
+from .base import Context, Implementation
 
 
 BLOCK_K = 512
@@ -511,7 +511,7 @@ def row_max(config: AttentionConfig, problem: canonical.Problem, block_k: int = 
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaChunked:
+class XlaChunked(Implementation):
     """`implementation="xla_chunked"` with its options. Pass an instance wherever `implementation` takes a name
     (alone or in a sequence); the name stands for `XlaChunked()`.
 
@@ -528,7 +528,7 @@ class XlaChunked:
         if isinstance(self.block_k, bool) or not isinstance(self.block_k, int) or self.block_k < 1:
             raise ValueError(f"`block_k` must be a positive int. Got block_k={self.block_k!r}.")
 
-    def decline_reason(self, config: AttentionConfig, *, explicit: bool) -> str | None:
+    def decline_reason(self, config: AttentionConfig, context: Context) -> str | None:
         if config.fp8 is not None and config.dropout_rate > 0:
             return "dropout together with FP8 attention (`fp8=`) is not supported"
         if config.modifiers is not None and config.modifiers.score_mod is not None and config.dtype == jnp.float64:
@@ -536,7 +536,7 @@ class XlaChunked:
                 "a `score_mod` with float64 inputs is not supported (it runs traced at float32); `xla` "
                 "serves it"
             )
-        if explicit:
+        if not context.automatic:
             return None
         score_bytes = 4 * config.batch_size * config.num_q_heads * config.q_len * config.kv_len
         threshold = auto_min_score_bytes()
@@ -548,19 +548,9 @@ class XlaChunked:
             )
         return None
 
-    def attention(
-        self,
-        config: AttentionConfig,
-        inputs: AttentionInputs,
-        *,
-        explicit: bool = True,
-        fallback: Fallback | None = None,
-        unbounded: Fallback | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
-        del explicit, fallback, unbounded  # serves every call it accepts by itself
+    def attention(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
+        # Serves every call it accepts by itself: nothing in `context` changes how.
         if config.fp8 is not None:
             return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem, self.block_k))
         return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs), self.block_k))
 
-
-IMPLEMENTATION = XlaChunked()

@@ -6,8 +6,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import dispatch, validation
+from .. import validation
 from ..attention import ARGUMENT_DEFAULTS
+from ..backends.base import Implementation
 from ..band import Band
 from .all_gather import _all_gather
 from .planner import _Layout, _make_plan, _Rule
@@ -215,7 +216,7 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
     )
     forwarded = tuple((name, kwargs[name]) for name in _FORWARDED if kwargs.get(name) is not None)
     if "implementation" in dict(forwarded) and not isinstance(
-        dict(forwarded)["implementation"], (str, *dispatch.CONFIGURED)
+        dict(forwarded)["implementation"], (str, Implementation)
     ):
         forwarded = tuple((n, tuple(x) if n == "implementation" else x) for n, x in forwarded)
     opts = _Options(axis_name, D, rule, forwarded, plan)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from .. import dispatch, validation
 from ..attention import attention
+from ..backends.base import Implementation
 
 
 SoftmaxType = Literal["vanilla", "off_by_one", "learnable"]
@@ -122,7 +123,7 @@ def modifier(name: str, value: Any) -> Callable | None:
 
 def implementation(value: Any) -> dispatch.ImplementationRequest:
     dispatch.requested_implementations(value)  # raises ValueError naming `implementation`
-    if value is None or isinstance(value, (str, *dispatch.CONFIGURED)):
+    if value is None or isinstance(value, (str, Implementation)):
         return value
     return tuple(value)
 

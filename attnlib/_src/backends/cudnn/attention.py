@@ -28,6 +28,7 @@ from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import lse as lse_lib, lse_backward
 from . import executor, graphs, modifier as modifier_lib, ragged, support
+from .executor import FfiExecutor, GraphExecutor
 from .graphs import GraphSpec, Uid
 
 
@@ -49,6 +50,7 @@ class Plan:
         masked_below: that threshold (`modifier.masked_below`).
         lse_backward: the backward runs in plain JAX from the forward's statistics (`lse_backward.gradients`)
             instead of `bwd`'s graph (`_short_query_backward`).
+        executor: what builds and runs the graphs (`GraphExecutor`).
     """
 
     fwd: GraphSpec
@@ -59,6 +61,7 @@ class Plan:
     detect_masked: bool = False
     masked_below: float = -1e29
     lse_backward: bool = False
+    executor: GraphExecutor = FfiExecutor()
 
     @property
     def rows_by_length(self) -> bool:
@@ -163,7 +166,7 @@ def _forward(
     if spec.fp8:
         assert fp8 is not None
         values.update({Uid.Q: fp8.q, Uid.K: fp8.k, Uid.V: fp8.v, **dict(zip(graphs.FP8_SCALES, fp8.scales))})
-    results = executor.graph_call(spec)(*_operands(spec, values))
+    results = executor.graph_call(spec, plan.executor)(*_operands(spec, values))
     out, stats = (results[0], results[1]) if spec.stats else (results[0], None)
     row_max = None
     if spec.row_max:
@@ -240,7 +243,7 @@ def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
         )
     if plan.bwd.modifier is not None:
         # Build the backward now: a modifier cuDNN rejects fails here, where dispatch can fall back.
-        executor.get_entry(plan.bwd)
+        plan.executor.get_entry(plan.bwd)
     unwrap = lambda x: x.value if is_primal(x) else x
     primals = jax.tree.map(unwrap, (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8), is_leaf=is_primal)
     q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8 = primals
@@ -305,7 +308,7 @@ def _graph_gradients(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, arg
         Uid.SINK: sinks,
         **_arg_values(args),
     }
-    grads = executor.graph_call(plan.bwd)(*_operands(plan.bwd, values))
+    grads = executor.graph_call(plan.bwd, plan.executor)(*_operands(plan.bwd, values))
     dq, dk, dv = grads[:3]
     dbias = None
     if bias is not None:
@@ -323,13 +326,14 @@ def _graph_gradients(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, arg
 _sdpa.defvjp(_sdpa_fwd, _sdpa_bwd, symbolic_zeros=True)
 
 
-def _memset_rows(padded: bool) -> bool:
+def _memset_rows(padded: bool, device: support.Device | None) -> bool:
     """Whether padded top-left graphs (`Plan.rows_by_length`) zero O, dQ, dK and dV with a memset before cuDNN runs:
-    only on a cuDNN not known to write those zeros itself (`support.writes_padding_zeros`), logged once."""
+    only on a cuDNN (of `device`, default this process's) not known to write those zeros itself
+    (`support.writes_padding_zeros`), logged once."""
     if not padded:
         return False
     try:
-        version = support.device().cudnn_version
+        version = (support.device() if device is None else device).cudnn_version
     except NotImplementedError:  # no GPU: no graph runs here (plans built on a CPU, in tests)
         return False
     if support.writes_padding_zeros(version):
@@ -351,6 +355,8 @@ def make_plan(
     bias_grad: bool = True,
     mask_bias: bool = False,
     row_max: bool = False,
+    graph_executor: GraphExecutor = FfiExecutor(),
+    device: support.Device | None = None,
 ) -> Plan:
     """The graphs for a `[b, t, N, H]` problem (`t` after any bottom-right slicing) of `config`.
 
@@ -358,6 +364,7 @@ def make_plan(
     and key padding in the bias (`bias_shape` must then include it), so the graphs have no built-in mask.
     `mask_bias`: the bias carries masks (`_mask_bias`), so rows may see no key.
     `row_max`: the forward writes each row's score maximum (`GraphSpec.row_max`, for `return_max_logit`).
+    `graph_executor` builds and runs the graphs; `device` is the GPU they are for (default: this process's).
     """
     s = config.kv_len
     padded = config.has_q_lengths or config.has_kv_lengths
@@ -383,7 +390,7 @@ def make_plan(
         bias_n=0 if bias_shape is None else bias_shape[1],
         dropout=float(config.dropout_rate),
         sinks=config.has_sinks,
-        memset_rows=_memset_rows(padded),  # read with `rows_by_length` only
+        memset_rows=_memset_rows(padded, device),  # read with `rows_by_length` only
         modifier=score_modifier,
         bias_grad=bias_grad,
     )
@@ -402,6 +409,7 @@ def make_plan(
         fwd, bwd, band, all_valid, inference, detect_masked=detect,
         masked_below=modifier_lib.masked_below(config.dtype),
         lse_backward=_short_query_backward(fwd) and score_modifier is None and not detect and not config.dropout_rate,
+        executor=graph_executor,
     )
 
 
@@ -475,9 +483,15 @@ def _modifier_args(config, inputs, t, S, skip) -> tuple[jax.Array, ...]:
     return tuple(args)
 
 
-def attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Array, ...]:
+def attention(
+    config: AttentionConfig,
+    inputs: AttentionInputs,
+    graph_executor: GraphExecutor,
+    device: support.Device | None = None,
+) -> tuple[jax.Array, ...]:
     """`(out [*B, T, N, Hv], lse float32 [*B, T, N])` of a dense call (with `config.max_logit`, also `max_logit`
-    `[*B, N]` when the forward graph can give it) computed by cuDNN graphs."""
+    `[*B, N]` when the forward graph can give it) computed by cuDNN graphs that `graph_executor` builds and runs for
+    `device` (default: this process's GPU)."""
     visibility = None
     if modifier_lib.visibility_as_bias(config):
         visibility = _visibility(config, inputs)
@@ -528,17 +542,18 @@ def attention(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.Arr
 
     bias_shape = None if bias is None else (bias.shape[0], bias.shape[1])
     plan = make_plan(config, B, t, bias_shape, bias_grad=bias_grad, mask_bias=masks is not None,
-                     row_max=_fused_max_logit(config))
+                     row_max=_fused_max_logit(config), graph_executor=graph_executor, device=device)
     if plan.fwd.row_max:
         try:
-            executor.get_entry(plan.fwd)
+            graph_executor.get_entry(plan.fwd)
         except graphs.GraphRejected as e:
             logs.log_once(
                 ("row max graph", plan.fwd.label), logging.WARNING,
                 "attnlib cudnn: the forward graph with score_max refused to build (%s); return_max_logit takes its "
                 "own pass over the keys.", e,
             )  # fmt: skip
-            plan = make_plan(config, B, t, bias_shape, bias_grad=bias_grad, mask_bias=masks is not None)
+            plan = make_plan(config, B, t, bias_shape, bias_grad=bias_grad, mask_bias=masks is not None,
+                             graph_executor=graph_executor, device=device)
     # Inside shard_map: differentiable inputs vary like the rest, so custom_vjp cotangent types match.
     q, k, v, bias, sinks = varying.like_inputs((q, k, v, bias, sinks), (q, k, v, bias, sinks, seq_q, seq_kv, seeds))
     if fp8 is not None and skip:

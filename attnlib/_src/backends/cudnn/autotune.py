@@ -45,8 +45,9 @@ def autotune_enabled() -> bool:
     return autotune_mode() != "heuristics"
 
 
-def _candidates_wanted(spec: "GraphSpec") -> int:
-    mode = autotune_mode()
+def _candidates_wanted(spec: "GraphSpec", mode: str | None = None) -> int:
+    """How many backend plans the build of `spec` times, by `mode` (default `autotune_mode()`)."""
+    mode = autotune_mode() if mode is None else mode
     if mode == "heuristics":
         return 1
     if mode == "all":

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from types import EllipsisType
 from typing import Any
 
 
@@ -176,9 +177,10 @@ class GraphCache:
     def directory(self) -> str | None:
         return self._directory() if callable(self._directory) else self._directory
 
-    def path(self, key: Mapping[str, Any]) -> str | None:
-        """The file of `key`'s entry, or None when the disk cache is off or its directory is not trusted."""
-        directory = self.directory()
+    def path(self, key: Mapping[str, Any], directory: str | None | EllipsisType = ...) -> str | None:
+        """The file of `key`'s entry in `directory` (default: the cache's own), or None when the disk cache is off
+        or the directory is not trusted."""
+        directory = self.directory() if directory is ... else directory
         if directory is None or not self._trusted_directory(directory):
             return None
         return os.path.join(directory, key_digest(key) + ".graph")
@@ -213,15 +215,20 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._memory)
 
-    def get(self, key: Mapping[str, Any], build: Callable[[], GraphEntry]) -> GraphEntry:
-        """The entry of `key`: from memory, else from disk, else `build()` (then stored in both)."""
+    def get(
+        self, key: Mapping[str, Any], build: Callable[[], GraphEntry], directory: str | None | EllipsisType = ...
+    ) -> GraphEntry:
+        """The entry of `key`: from memory, else from disk (`directory`, default the cache's own; None: no disk),
+        else `build()` (then stored in both)."""
         start = time.perf_counter()
         try:
-            return self._get(key, build)
+            return self._get(key, build, directory)
         finally:
             self.lookup_seconds.append(time.perf_counter() - start)
 
-    def _get(self, key: Mapping[str, Any], build: Callable[[], GraphEntry]) -> GraphEntry:
+    def _get(
+        self, key: Mapping[str, Any], build: Callable[[], GraphEntry], directory: str | None | EllipsisType
+    ) -> GraphEntry:
         digest = key_digest(key)
         with self._lock:
             entry = self._memory.get(digest)
@@ -229,7 +236,7 @@ class GraphCache:
                 self._memory.move_to_end(digest)
                 self.stats["memory_hits"] += 1
                 return entry
-        path = self.path(key)
+        path = self.path(key, directory)
         entry = self._read(key, path) if path is not None else None
         if entry is not None:
             self.stats["disk_hits"] += 1

@@ -1,17 +1,20 @@
 """Running built cuDNN graphs from JAX: the graph cache, one FFI call per graph, and batching under `vmap`.
 
+- `GraphExecutor`: what the cuDNN implementation builds and runs graphs with (`attnlib.Cudnn(executor=...)`):
+  `FfiExecutor`, the real one, by default; tests hand in an emulation.
 - `get_entry(spec)`: the built graph of a `GraphSpec` (memory / disk cache, else built and autotuned now).
-- `run(spec, values)`: fetch (or build) and run a graph on tensors by UID.
+- `run(spec, values, executor)`: fetch (or build) and run a graph on tensors by UID.
 - `ffi_graph_call`: one `jax.ffi.ffi_call` of the target `attnlib_cudnn_graph` for a built graph, marked for the
   native executor's CUDA-graph replay when its work is short (`replays`), partitioned over batch and heads when
   XLA partitions the program (`partitioning.py`).
-- `graph_call(spec)`: the same under `jax.custom_batching.custom_vmap`, whose rule folds a vmapped axis into the
-  graph's batch dim and runs one bigger graph (a fused call, not a loop).
+- `graph_call(spec, executor)`: an executor's call under `jax.custom_batching.custom_vmap`, whose rule folds a
+  vmapped axis into the graph's batch dim and runs one bigger graph (a fused call, not a loop).
 """
 
 import dataclasses
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -56,13 +59,62 @@ def replays(spec: GraphSpec) -> bool:
 
 def get_entry(spec: GraphSpec) -> GraphEntry:
     """The built graph of `spec`: cached in memory / on disk, else built now (about a second)."""
-    return CACHE.get(graphs.cache_key(spec, support.device()), lambda: graphs.build(spec))
+    return FfiExecutor().get_entry(spec)
 
 
-def run(spec: GraphSpec, values: dict[Uid, Any], tokens: tuple[int, int] | None = None) -> tuple[jax.Array, ...]:
-    """Run the graph of `spec` (built, or fetched from the cache) on `values` by tensor UID; `tokens` as
-    `ffi_graph_call`'s."""
-    return ffi_graph_call(spec, get_entry(spec), *[values[uid] for uid in spec.in_uids()], tokens=tokens)
+class GraphExecutor(Protocol):
+    """Builds and runs cuDNN graphs for the cuDNN implementation. Implementations are hashable (frozen dataclasses):
+    they ride in the static plans of a call."""
+
+    def get_entry(self, spec: GraphSpec) -> GraphEntry:
+        """The built graph of `spec`.
+
+        Raises:
+            graphs.GraphRejected: cuDNN refused to build it.
+        """
+        ...
+
+    def call(
+        self, spec: GraphSpec, entry: GraphEntry, *operands: jax.Array, tokens: tuple[int, int] | None = None
+    ) -> tuple[jax.Array, ...]:
+        """Run the built graph `entry` of `spec` on `operands` (in `spec.in_uids()` order); the outputs in
+        `spec.out_uids()` order. `tokens` is the packed `(Tq, Tkv)` of a ragged graph's call."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FfiExecutor:
+    """The real executor: graphs built by the cuDNN frontend on this process's GPU, cached in `CACHE`, run by
+    attnlib's native extension through one `jax.ffi.ffi_call` each (`ffi_graph_call`).
+
+    Attributes:
+        autotune: how a graph's plan is chosen (`autotune.py`): `"autotuned"`, `"heuristics"` or `"all"`; None
+            reads `ATTNLIB_CUDNN_AUTOTUNE` when a graph is looked up.
+        cache_dir: where built graphs persist (None: memory only); `...` reads `ATTNLIB_CACHE_DIR` at each lookup.
+    """
+
+    autotune: str | None = None
+    cache_dir: Any = ...
+
+    def get_entry(self, spec: GraphSpec) -> GraphEntry:
+        key = graphs.cache_key(spec, support.device(), self.autotune)
+        return CACHE.get(key, lambda: graphs.build(spec, self.autotune), self.cache_dir)
+
+    def call(
+        self, spec: GraphSpec, entry: GraphEntry, *operands: jax.Array, tokens: tuple[int, int] | None = None
+    ) -> tuple[jax.Array, ...]:
+        return ffi_graph_call(spec, entry, *operands, tokens=tokens, entry_of=self.get_entry)
+
+
+def run(
+    spec: GraphSpec,
+    values: dict[Uid, Any],
+    tokens: tuple[int, int] | None = None,
+    executor: GraphExecutor = FfiExecutor(),
+) -> tuple[jax.Array, ...]:
+    """Run the graph of `spec` (built, or fetched from the cache) with `executor` on `values` by tensor UID;
+    `tokens` as `ffi_graph_call`'s."""
+    return executor.call(spec, executor.get_entry(spec), *[values[uid] for uid in spec.in_uids()], tokens=tokens)
 
 
 def primal_values(tree):
@@ -72,17 +124,22 @@ def primal_values(tree):
 
 
 def ffi_graph_call(
-    spec: GraphSpec, entry: GraphEntry, *operands: jax.Array, tokens: tuple[int, int] | None = None
+    spec: GraphSpec,
+    entry: GraphEntry,
+    *operands: jax.Array,
+    tokens: tuple[int, int] | None = None,
+    entry_of: Callable[[GraphSpec], GraphEntry] = get_entry,
 ) -> tuple[jax.Array, ...]:
     """Run a built graph on `operands` (in `spec.in_uids()` order); returns the outputs in `spec.out_uids()` order.
 
     Under `jit` on sharded arrays XLA partitions the call over batch and heads (`partitioning.py`); each shard runs
-    its own graph. `tokens` is the packed `(Tq, Tkv)` of a ragged graph's call (its results' leading dims).
+    its own graph, built by `entry_of` (the executor's, so its autotuning and cache directory apply). `tokens` is the
+    packed `(Tq, Tkv)` of a ragged graph's call (its results' leading dims).
     """
 
     @jax.custom_batching.custom_vmap
     def one_call(*xs: jax.Array) -> tuple[jax.Array, ...]:
-        return partitioning.call(spec, entry, xs, tokens, _ffi_call, lambda local: get_entry(local))
+        return partitioning.call(spec, entry, xs, tokens, _ffi_call, entry_of)
 
     @one_call.def_vmap
     def sequential(axis_size: int, in_batched: list[bool], *xs: jax.Array) -> tuple[Any, Any]:
@@ -126,12 +183,13 @@ _BIAS = {Uid.BIAS, Uid.DBIAS}
 
 
 @functools.cache
-def graph_call(spec: GraphSpec) -> Any:
-    """`fn(*operands) -> outputs` running the graph of `spec`; `vmap` folds the mapped axis into the batch."""
+def graph_call(spec: GraphSpec, executor: GraphExecutor = FfiExecutor()) -> Any:
+    """`fn(*operands) -> outputs` running the graph of `spec` with `executor`; `vmap` folds the mapped axis into the
+    batch."""
 
     @jax.custom_batching.custom_vmap
     def call(*operands: jax.Array) -> tuple[jax.Array, ...]:
-        return ffi_graph_call(spec, get_entry(spec), *operands)
+        return executor.call(spec, executor.get_entry(spec), *operands)
 
     @call.def_vmap
     def fold(axis_size: int, in_batched: list[bool], *operands: jax.Array) -> tuple[Any, Any]:
@@ -163,7 +221,7 @@ def graph_call(spec: GraphSpec) -> Any:
             else:
                 folded.append(x)
         big = dataclasses.replace(spec, b=V * B, bias_b=V * B if spec.bias_b else 0)
-        outs = graph_call(big)(*folded)
+        outs = graph_call(big, executor)(*folded)
         unfolded = []
         for uid, y in zip(out_uids, outs):
             if uid in graphs.FP8_AMAXES:  # one amax of the whole folded call

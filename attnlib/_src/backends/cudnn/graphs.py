@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import ffi, support
-from .autotune import _BuiltPlan, _candidates_wanted, _choose, autotune_enabled, autotune_mode
+from .autotune import _BuiltPlan, _candidates_wanted, _choose, autotune_mode
 from .cache import GraphEntry
 from .graph_spec import (
     _layout,
@@ -287,12 +287,14 @@ def _build_candidates(spec: GraphSpec, graph: Any, candidates: list[int], wanted
     return built
 
 
-def build(spec: GraphSpec) -> GraphEntry:
-    """Build, finalize and serialize the graph of `spec` on this process's GPU (autotuning its plan: `autotune.py`).
+def build(spec: GraphSpec, autotune: str | None = None) -> GraphEntry:
+    """Build, finalize and serialize the graph of `spec` on this process's GPU, choosing its plan as `autotune` says
+    (`"autotuned"`, `"heuristics"` or `"all"`: `autotune.py`; default `ATTNLIB_CUDNN_AUTOTUNE`).
 
     Raises:
         NotImplementedError: when cuDNN rejects the graph (with its message).
     """
+    mode = autotune_mode() if autotune is None else autotune
     support.device()  # initializes JAX's CUDA backend first, so the frontend binds the libcudnn JAX loaded
     import cudnn
     import cudnn.engines
@@ -300,8 +302,8 @@ def build(spec: GraphSpec) -> GraphEntry:
     try:
         graph = _define(spec)
         candidates = backend_plan_indices([p.engine_id for p in graph.plans], cudnn.engines.is_backend_engine)
-        built = _build_candidates(spec, graph, candidates, _candidates_wanted(spec))
-        if not autotune_enabled():
+        built = _build_candidates(spec, graph, candidates, _candidates_wanted(spec, mode))
+        if mode == "heuristics":
             chosen, record = built[0], f"{built[0].name} (heuristics' first)"
         elif len(built) == 1:
             chosen, record = built[0], f"{built[0].name} (the only backend plan that builds)"
@@ -331,15 +333,16 @@ def _frontend_package_version() -> str:
         return "absent"
 
 
-def cache_key(spec: GraphSpec, device: "support.Device") -> dict[str, Any]:
-    """Everything the serialized graph depends on."""
+def cache_key(spec: GraphSpec, device: "support.Device", autotune: str | None = None) -> dict[str, Any]:
+    """Everything the serialized graph depends on (`autotune` as `build`'s)."""
+    mode = autotune_mode() if autotune is None else autotune
 
     described = dataclasses.asdict(dataclasses.replace(spec, modifier=None))
     described["modifier"] = None if spec.modifier is None else spec.modifier.key
     return {
         "format": 4,
         "spec": described,
-        "plan_selection": {"all": "autotuned_all"}.get(autotune_mode(), autotune_mode()),
+        "plan_selection": {"all": "autotuned_all"}.get(mode, mode),
         "cudnn": device.cudnn_version,
         "cudnn_frontend": _frontend_package_version(),
         "compute_capability": list(device.compute_capability),

@@ -18,6 +18,7 @@ from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from ..base import Fallback
 from . import executor
+from .executor import GraphExecutor
 from .graphs import GraphSpec, Uid
 
 
@@ -31,12 +32,14 @@ class PagedPlan:
         fallback: what a gradient differentiates (`base.Implementation`); None when cuDNN was named alone: a
             gradient then raises.
         config: the call's configuration (for the fallback backward).
+        executor: what builds and runs the graph (`GraphExecutor`).
     """
 
     fwd: GraphSpec
     band: Band
     fallback: Fallback | None
     config: AttentionConfig
+    executor: GraphExecutor
 
 
 def _paged_forward(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv):
@@ -45,7 +48,7 @@ def _paged_forward(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_
         Uid.Q: q, Uid.K: k_pages, Uid.V: v_pages, Uid.SEQ_Q: seq_q, Uid.SEQ_KV: seq_kv,
         Uid.PT_K: page_table, Uid.PT_V: page_table,
     }  # fmt: skip
-    outputs = executor.run(spec, values)
+    outputs = executor.run(spec, values, executor=plan.executor)
     valid = plan.band.rows_valid(seq_q, seq_kv, spec.t)
     out = jnp.where(valid[:, :, None, None], outputs[0], jnp.zeros((), outputs[0].dtype))
     if spec.stats:
@@ -94,8 +97,11 @@ _paged_sdpa.defvjp(_paged_sdpa_fwd, _paged_sdpa_bwd, symbolic_zeros=True)
 
 
 def attention(
-    config: AttentionConfig, inputs: AttentionInputs, *, fallback: Fallback | None
+    config: AttentionConfig, inputs: AttentionInputs, graph_executor: GraphExecutor, *,
+    fallback: Fallback | None,
 ) -> tuple[jax.Array, jax.Array]:
+    """`(out, lse)` of a paged call on cuDNN's paged forward graph, built and run by `graph_executor`; a gradient
+    differentiates `fallback` (see the module docstring)."""
     B, T, N = config.batch_size, config.q_len, config.num_q_heads
     q = jnp.reshape(inputs.query, (B, T, N, config.head_dim))
     seq_kv = jnp.clip(jnp.reshape(inputs.key_value_seq_lengths, (B,)).astype(jnp.int32), 0, config.kv_len)
@@ -111,7 +117,7 @@ def attention(
         left_bound=None if band.left is None else band.left + 1, right_bound=band.right, padding=True,
         pages=(config.num_pages, config.page_size, config.pages_per_seq), stats=config.return_residual,
     )  # fmt: skip
-    plan = PagedPlan(spec, band, fallback, config)
+    plan = PagedPlan(spec, band, fallback, config, graph_executor)
     reference = {"key_value_seq_lengths": inputs.key_value_seq_lengths, "query_seq_lengths": inputs.query_seq_lengths}
     page_table = inputs.page_table.astype(jnp.int32)
     out, lse = _paged_sdpa(plan, q, inputs.key, inputs.value, page_table, seq_q, seq_kv, reference)

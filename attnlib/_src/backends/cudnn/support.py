@@ -369,10 +369,10 @@ def _modifier_reason(config: AttentionConfig) -> str | None:
     return modifier_lib.lowering_reason(config, offset, t, config.kv_len)
 
 
-def decline_reason(config: AttentionConfig) -> str | None:
-    """Why the cuDNN implementation cannot serve `config` in this process, or None if it can. Without a GPU that is
-    the reason, before anything about the native extension."""
-    dev, reason = _device()
+def decline_reason(config: AttentionConfig, device: Device | None = None) -> str | None:
+    """Why the cuDNN implementation cannot serve `config` on `device` (default: this process's GPU), or None if it
+    can. Without a GPU that is the reason, before anything about the native extension."""
+    dev, reason = (device, None) if device is not None else _device()
     if dev is None:
         return f"cudnn: {reason}"
     return policy_reason(config, dev.compute_capability, dev.cudnn_version)

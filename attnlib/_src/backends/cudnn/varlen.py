@@ -22,7 +22,7 @@ fed those Stats, recomputes exactly the probabilities of the forward (`p = exp(s
 import dataclasses
 import functools
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,7 @@ from ...config import AttentionConfig, AttentionInputs
 from .. import lse as lse_lib, scores
 from ..base import Fallback
 from . import executor, ragged, row_fill, support
+from .executor import FfiExecutor, GraphExecutor
 from .graphs import GraphSpec, Uid
 
 
@@ -54,7 +55,8 @@ class RaggedPlan:
             lengths, or self-attention whose mask keeps the diagonal): dO needs no masking before the backward.
         overflow_possible: a sequence may exceed the graph's bounds (NaN rows in `lse` need a pass).
         unbounded: what computes the call, forward and backward, when the batch does not fit the graphs (`fits`
-            of `_ragged_sdpa`): the implementation dispatch passes as `unbounded` (`base.Implementation`).
+            of `_ragged_sdpa`): the implementation dispatch passes as `unbounded` (`base.Context`).
+        executor: what builds and runs the graphs (`GraphExecutor`).
     """
 
     fwd: GraphSpec
@@ -65,6 +67,21 @@ class RaggedPlan:
     rows_exact: bool = False
     overflow_possible: bool = True
     unbounded: Fallback | None = None
+    executor: GraphExecutor = FfiExecutor()
+
+
+RaggedStats = Literal["auto", "per_token", "padded"]
+"""Where ragged graphs keep their softmax statistics (`attnlib.Cudnn(ragged_stats=...)`): per query token
+(`[Tq, N]`), padded per sequence (`[b, N, t]`), or `"auto"`: by `_ragged_stats`'s rule."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How ragged calls run (`attnlib.Cudnn`'s fields): `ragged_stats` (`RaggedStats`) and the `executor` that builds
+    and runs the graphs."""
+
+    executor: GraphExecutor = FfiExecutor()
+    ragged_stats: RaggedStats = "auto"
 
 
 def _offsets(spec: GraphSpec, batch: ragged.RaggedBatch) -> dict[Uid, jax.Array]:
@@ -114,7 +131,7 @@ def _ragged_forward(plan: RaggedPlan, q, k, v, sinks, seeds, batch):
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.SEQ_Q: _graph_seq_q(plan, batch), Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed,
         Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
     }  # fmt: skip
-    out, stats = executor.run(spec, values, plan.tokens)
+    out, stats = executor.run(spec, values, plan.tokens, plan.executor)
     valid_rows, tok_valid, index = _token_rows(plan, batch)
     out = row_fill.set_rows(out, ~tok_valid, batch.q_nan)
     empty = _empty_lse((plan.tokens[0], spec.n), sinks)
@@ -277,7 +294,7 @@ def _ragged_grads(plan: RaggedPlan, residuals, cotangents):
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.SEQ_Q: _graph_seq_q(plan, batch),
         Uid.SEQ_KV: batch.seq_kv, Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks, **_offsets(spec, batch),
     }  # fmt: skip
-    dq, dk, dv = executor.run(spec, values, plan.tokens)[:3]
+    dq, dk, dv = executor.run(spec, values, plan.tokens, plan.executor)[:3]
     # Overflowing rows become NaN here already (NaN + anything added below stays NaN).
     kv_zero = ~batch.kv_in
     dq, dk, dv = row_fill.set_rows_many([(dq, ~tok_valid, batch.q_nan), (dk, kv_zero, batch.kv_nan),
@@ -310,6 +327,8 @@ def make_ragged_plan(
     *,
     self_attention: bool = False,
     overflow_possible: bool = True,
+    ragged_stats: RaggedStats = "auto",
+    graph_executor: GraphExecutor = FfiExecutor(),
 ) -> RaggedPlan:
     """The bucketed graphs of a ragged problem with `num_sequences` sequences of at most `bounds` rows.
 
@@ -317,6 +336,8 @@ def make_ragged_plan(
         self_attention: every sequence has as many key rows as query rows (one `cu_seqlens`, or one set of segment
             ids without padding lengths).
         overflow_possible: a sequence may be longer than `bounds` (or a row have too many segments).
+        ragged_stats: where the graphs keep their softmax statistics (`RaggedStats`).
+        graph_executor: what builds and runs the graphs.
     """
     band = Band.of(config)
     left, right, bottom_right = band.left, band.right, band.bottom_right
@@ -335,7 +356,7 @@ def make_ragged_plan(
         padding=True,
         dropout=float(config.dropout_rate),
         ragged=True,
-        ragged_stats=_ragged_stats(b, t, tokens[0]),
+        ragged_stats=_ragged_stats(b, t, tokens[0]) if ragged_stats == "auto" else ragged_stats == "per_token",
     )  # fmt: skip
     fwd = GraphSpec(direction="fwd", sinks=config.has_sinks, **common)
     # No sink in the backward graph: the forward's stats carry it (see the module docstring).
@@ -344,7 +365,10 @@ def make_ragged_plan(
         s_total=ragged.bucket_tokens(tokens[1]), **common,
     )  # fmt: skip
     rows_exact = keeps_diagonal and (self_attention or not bottom_right)
-    return RaggedPlan(fwd, bwd, tokens, band, config, rows_exact=rows_exact, overflow_possible=overflow_possible)
+    return RaggedPlan(
+        fwd, bwd, tokens, band, config, rows_exact=rows_exact, overflow_possible=overflow_possible,
+        executor=graph_executor,
+    )  # fmt: skip
 
 
 _LARGE_STATS_BYTES = 1 << 30
@@ -381,6 +405,7 @@ def _slice_right(config: AttentionConfig) -> int | None:
 def _ragged_attention(
     config: AttentionConfig,
     inputs: AttentionInputs,
+    options: Options,
     fits: jax.Array | None = None,
     unbounded: Fallback | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -425,8 +450,9 @@ def _ragged_attention(
     if tokens[0] == 0 or tokens[1] == 0:
         return jnp.zeros(out_shape, dtype), _empty_lse(lse_shape, sinks)
     plan = make_ragged_plan(
-        config, num, bounds, tokens, self_attention=self_attention, overflow_possible=overflow_possible
-    )
+        config, num, bounds, tokens, self_attention=self_attention, overflow_possible=overflow_possible,
+        ragged_stats=options.ragged_stats, graph_executor=options.executor,
+    )  # fmt: skip
     plan = dataclasses.replace(plan, unbounded=unbounded)
     _warn_large_stats(plan.fwd, config)
     if config.layout == "thd":
@@ -468,7 +494,7 @@ def _concrete(*arrays: jax.Array | None) -> bool:
 
 
 def _packed_rows(
-    config: AttentionConfig, inputs: AttentionInputs, unbounded: Fallback | None
+    config: AttentionConfig, inputs: AttentionInputs, options: Options, unbounded: Fallback | None
 ) -> tuple[jax.Array, jax.Array]:
     """Packed rows (segment ids) without `max_segments_per_row`: the bound is the rows' own count, rounded up to a
     power of two, when the ids are concrete; under `jit` it is `DEFAULT_SEGMENTS_PER_ROW`, checked on device, and
@@ -481,10 +507,10 @@ def _packed_rows(
         with jax.ensure_compile_time_eval():  # concrete ids closed over by a jitted function count too
             most = max(int(jnp.max(ragged.runs_per_row(x), initial=1)) for x in _segment_ids(config, inputs))
         bound = min(1 << (most - 1).bit_length(), max(T, config.kv_len, 1))
-        return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs)
+        return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs, options)
     bound = min(DEFAULT_SEGMENTS_PER_ROW, max(T, config.kv_len, 1))
     if unbounded is None:
-        return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs)
+        return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs, options)
     logs.log_once(
         ("packed rows default bound", config.batch_shape, T, config.kv_len), logging.INFO,
         "attnlib cudnn: packed rows without max_segments_per_row under jit: cuDNN runs with a bound of %d segments "
@@ -492,13 +518,16 @@ def _packed_rows(
     )  # fmt: skip
     q_ids, kv_ids = _segment_ids(config, inputs)
     fits = jnp.maximum(ragged.runs_per_row(q_ids).max(), ragged.runs_per_row(kv_ids).max()) <= bound
-    return _ragged_attention(dataclasses.replace(config, max_segments_per_row=bound), inputs, fits, unbounded)
+    return _ragged_attention(
+        dataclasses.replace(config, max_segments_per_row=bound), inputs, options, fits, unbounded
+    )
 
 
 def attention(
-    config: AttentionConfig, inputs: AttentionInputs, *, unbounded: Fallback | None = None
+    config: AttentionConfig, inputs: AttentionInputs, options: Options, *, unbounded: Fallback | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """`(out, lse)` for a THD or packed-row call (see the module docstring); `unbounded` as `_packed_rows`'s."""
+    """`(out, lse)` for a THD or packed-row call (see the module docstring) as `options` say; `unbounded` as
+    `_packed_rows`'s."""
     if config.layout == "dense" and config.max_segments_per_row is None:
-        return _packed_rows(config, inputs, unbounded)
-    return _ragged_attention(config, inputs)
+        return _packed_rows(config, inputs, options, unbounded)
+    return _ragged_attention(config, inputs, options)
