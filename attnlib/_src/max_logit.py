@@ -28,9 +28,11 @@ def max_logit(config: AttentionConfig, inputs: AttentionInputs) -> jax.Array:
     if config.layout == "thd":
         sequence = positions_lib.batch_index(problem.positions, B, thd=True)[0]  # [T]
         per_token = jnp.transpose(rows[0])  # [T, N]
-        out = jax.ops.segment_max(per_token, sequence, num_segments=config.num_sequences)  # empty: -inf
-        return jax.lax.stop_gradient(out.astype(scores.accumulator(config.dtype)))
-    return _per_head(config, jnp.max(rows, axis=-1))
+        hidden = scores.hidden_score(per_token.dtype)
+        empty = jnp.full((config.num_sequences, per_token.shape[1]), hidden, per_token.dtype)
+        out = empty.at[sequence].max(per_token)
+        return jax.lax.stop_gradient(scores.neg_inf_where_empty(out).astype(scores.accumulator(config.dtype)))
+    return _per_head(config, scores.neg_inf_where_empty(jnp.max(rows, axis=-1)))
 
 
 def from_implementation(config: AttentionConfig, maxima: jax.Array) -> jax.Array:

@@ -55,4 +55,4 @@ def logsumexp(
         allowed = allowed & (s > masked_below)
     grouped_sinks = None if sinks is None else jnp.reshape(sinks.astype(jnp.float32), (1, K, G, 1))
     _, _, lse = scores.statistics(s, allowed, grouped_sinks)  # [B, K, G, T]
-    return jnp.transpose(jnp.reshape(lse, (B, N, T)), (0, 2, 1))
+    return jnp.transpose(jnp.reshape(scores.neg_inf_where_empty(lse), (B, N, T)), (0, 2, 1))

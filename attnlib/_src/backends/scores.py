@@ -76,9 +76,46 @@ def keys_dot(p: jax.Array, query_rows: jax.Array, **kwargs) -> jax.Array:
     return jnp.einsum("bkrs,bkrx->bskx", rows(p), rows(query_rows), **kwargs)
 
 
+def hidden_score(dtype) -> float:
+    """The score of a hidden entry, `-0.7 * finfo(dtype).max` as jax.nn's: finite, so that no intermediate of a call
+    whose rows all see a key is inf or NaN (`jax_debug_infs`, `jax_debug_nans`), and far enough from the largest
+    negative float that a row max can be subtracted from it. It is also the internal `lse` of a row with nothing
+    visible (`returned_lse` makes that -inf). A visible score at or below it counts as hidden."""
+    return -0.7 * float(jnp.finfo(dtype).max)
+
+
+def row_shift(row_max: jax.Array) -> jax.Array:
+    """The shift of a row's exponentials: its max (or `lse`), or 0 where nothing is visible (`hidden_score`), so that
+    the hidden entries' `exp(hidden_score - shift)` is 0."""
+    return jnp.where(row_max > hidden_score(row_max.dtype), row_max, 0.0)
+
+
+def neg_inf_where_empty(lse: jax.Array) -> jax.Array:
+    """`lse` with `-inf` in the rows that see nothing (internally at `hidden_score`), as the public contract has it.
+
+    The -inf is `log(0)` of those rows alone: an inf constant would trip `jax_debug_infs` under `jax.disable_jit`,
+    where constants are checked too.
+    """
+    seen = lse > hidden_score(lse.dtype)
+    return jnp.where(seen, lse, jnp.log(seen.astype(lse.dtype)))
+
+
+def is_neg_inf(s: jax.Array) -> jax.Array:
+    """`s == -inf`, without an inf constant (see `neg_inf_where_empty`)."""
+    return s < jnp.finfo(s.dtype).min
+
+
+def returned_lse(config: AttentionConfig, lse: jax.Array) -> jax.Array:
+    """The `lse` an implementation returns: `neg_inf_where_empty` when the caller asked for it (`return_residual`);
+    otherwise it is discarded, and its empty rows keep the finite `hidden_score`, so that a call with padded query
+    rows materialises no inf."""
+    return neg_inf_where_empty(lse) if config.return_residual else lse
+
+
 def statistics(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None, *, every_key_visible: bool = False):
     """`(exp(s - shift) on allowed entries (0 elsewhere), the row sums (sink included; 1 where nothing is
-    visible), lse)` of scores `[..., S]`. The shift is the row max (and sink), 0 for a row with nothing visible.
+    visible), lse)` of scores `[..., S]`. The shift is the row max (and sink), 0 for a row with nothing visible;
+    such a row's `lse` is `hidden_score` (`neg_inf_where_empty` makes it -inf).
 
     `every_key_visible` (static: all of `allowed` is true, no sinks, every score finite) drops the guards for rows
     that see nothing; XLA's CPU backend then fuses the max, exp and sum into the matmul (docs/performance.md).
@@ -88,19 +125,20 @@ def statistics(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None, *, eve
         unnormalised = jnp.exp(s - jax.lax.stop_gradient(row_max)[..., None])
         denominator = jnp.sum(unnormalised, axis=-1)
         return unnormalised, denominator, row_max + jnp.log(denominator)
-    masked = jnp.where(allowed, s, -jnp.inf)
-    row_max = jnp.max(masked, axis=-1, initial=-jnp.inf)
+    hidden = hidden_score(s.dtype)
+    masked = jnp.where(allowed, s, hidden)
+    row_max = jnp.max(masked, axis=-1, initial=hidden)
     if sinks is not None:
         row_max = jnp.maximum(row_max, sinks)
-    # The softmax is invariant to the shift, so it carries no gradient; rows with nothing visible shift by 0.
-    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    # The softmax is invariant to the shift, so it carries no gradient.
+    shift = jax.lax.stop_gradient(row_shift(row_max))
     unnormalised = jnp.exp(masked - shift[..., None])
     denominator = jnp.sum(unnormalised, axis=-1)
     if sinks is not None:
         denominator = denominator + jnp.exp(sinks - shift)
     has_mass = denominator > 0
     safe_denominator = jnp.where(has_mass, denominator, 1.0)
-    lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), -jnp.inf)
+    lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), hidden)
     return unnormalised, safe_denominator, lse
 
 
@@ -243,5 +281,5 @@ def modify(fns: ModifierFns, s: jax.Array, allowed: jax.Array, indices, args) ->
         allowed = allowed & apply_mask_mod(fns.mask, indices, args)
     if fns.score is not None:
         s = apply_score_mod(fns.score, s, indices, args)
-        allowed = allowed & (s != -jnp.inf)
+        allowed = allowed & ~is_neg_inf(s)
     return s, allowed

@@ -13,7 +13,8 @@ from .base import Context, Implementation
 
 
 def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Array, jax.Array]:
-    """Canonical attention: `out [B, T, N, Hv]` in the query dtype and float32 `lse [B, T, N]`.
+    """Canonical attention: `out [B, T, N, Hv]` in the query dtype and float32 `lse [B, T, N]` (its rows with
+    nothing visible as `scores.returned_lse` says).
 
     With `config.fp8` the probabilities are rounded as an FP8 kernel rounds them (`fp8.py`; the problem then holds
     the dequantized float32 inputs and `fp8.emulate` rounds the output).
@@ -50,14 +51,14 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
     out = jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (B, T, N, config.value_head_dim))
     out = out.astype(problem.query.dtype)
     lse = jnp.transpose(jnp.reshape(lse, (B, N, T)), (0, 2, 1))
-    return out, lse
+    return out, scores.returned_lse(config, lse)
 
 
 @jax.custom_jvp
 def softmax_with_lse(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """`(p, lse)`: the softmax of scores `s [..., S]` over the `allowed` entries (0 elsewhere and on rows with
-    nothing visible), with the sink logits `[...]` in every denominator, and its log-sum-exp (-inf where nothing is
-    visible and there is no sink).
+    nothing visible), with the sink logits `[...]` in every denominator, and its log-sum-exp (`scores.hidden_score`
+    where nothing is visible and there is no sink).
 
     Its derivative is written out (`dp = p (ds - Σ p ds)`, `dlse = Σ p ds + p_sink dsink`) as jax.nn's softmax does:
     the backward is one pass over the probabilities instead of autodiff through the max, exp, sum and divide.
@@ -74,7 +75,7 @@ def _softmax_with_lse_jvp(primals, tangents):
     d_s = jnp.where(allowed, d_s, 0.0)  # hidden entries may hold anything (a modifier's -inf)
     d_lse = jnp.sum(p * d_s, axis=-1)
     if sinks is not None:
-        d_lse = d_lse + jnp.where(jnp.isfinite(lse), jnp.exp(sinks - lse), 0.0) * d_sinks
+        d_lse = d_lse + jnp.exp(sinks - lse) * d_sinks  # the sink's probability; lse >= sinks
     return (p, lse), (p * (d_s - d_lse[..., None]), d_lse)
 
 

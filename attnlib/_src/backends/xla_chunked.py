@@ -134,7 +134,7 @@ class _Modifiers:
             tuple(args[i] for i in self.float_args),
             tuple(self.score_consts[i] for i in self.float_consts),
         )
-        return s, allowed & (s != -jnp.inf), vjp
+        return s, allowed & ~scores.is_neg_inf(s), vjp
 
 
 def _replace_at(values: tuple, where: tuple[int, ...], new: tuple) -> tuple:
@@ -155,21 +155,26 @@ def _block_scores(config: AttentionConfig, problem: canonical.Problem, q5, mods:
 
 
 def _max_visible(config: AttentionConfig, block: int, problem: canonical.Problem, q5, mods: _Modifiers | None):
-    """`[B, K, G, T]`: each query row's largest visible score over the key blocks (-inf where none is visible)."""
+    """`[B, K, G, T]`: each query row's largest visible score over the key blocks (`scores.hidden_score` where none
+    is visible)."""
     B, K, G, T, _ = q5.shape
+    acc_dtype = scores.accumulator(q5.dtype)
+    hidden = scores.hidden_score(acc_dtype)
 
     def body(c, best):
         s, allowed = _block_scores(config, problem, q5, mods, c * block, block)
-        return jnp.maximum(best, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
+        return jnp.maximum(best, jnp.max(jnp.where(allowed, s, hidden), axis=-1))
 
-    empty = jnp.full((B, K, G, T), -jnp.inf, scores.accumulator(q5.dtype))
+    empty = jnp.full((B, K, G, T), hidden, acc_dtype)
     return jax.lax.fori_loop(0, problem.key.shape[1] // block, body, varying.like_inputs(empty, problem))
 
 
 def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mods: _Modifiers | None):
-    """Returns `out [B, T, N, Hv]` (query dtype) and `lse [B, K, G, T]` in the accumulator dtype."""
+    """Returns `out [B, T, N, Hv]` (query dtype) and `lse [B, K, G, T]` in the accumulator dtype (`hidden_score`
+    where nothing is visible, as `scores.statistics`)."""
     B, T, N, _ = problem.query.shape
     acc_dtype = scores.accumulator(problem.query.dtype)
+    hidden = scores.hidden_score(acc_dtype)
     K, G, Hv = config.num_kv_heads, config.group_size, problem.value.shape[-1]
     q5 = scores.grouped_query(config, problem.query)
     num_blocks = problem.key.shape[1] // block
@@ -179,10 +184,11 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mo
         k_start = c * block
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
         s, allowed = _block_scores(config, problem, q5, mods, k_start, block)
-        new_max = jnp.maximum(row_max, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
-        shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-        rescale = jnp.exp(row_max - shift)  # 0 while nothing was visible (row_max = -inf)
-        p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
+        masked = jnp.where(allowed, s, hidden)
+        new_max = jnp.maximum(row_max, jnp.max(masked, axis=-1))
+        shift = scores.row_shift(new_max)
+        rescale = jnp.exp(row_max - shift)  # 0 while nothing was visible (row_max = hidden)
+        p = jnp.exp(masked - shift[..., None])
         denominator = denominator * rescale + jnp.sum(p, axis=-1)
         if problem.dropout_seeds is not None:
             keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, k_start, block)
@@ -195,7 +201,7 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mo
         return new_max, denominator, acc
 
     init = (
-        jnp.full((B, K, G, T), -jnp.inf, acc_dtype),
+        jnp.full((B, K, G, T), hidden, acc_dtype),
         jnp.zeros((B, K, G, T), acc_dtype),
         jnp.zeros((B, K, G, T, Hv), acc_dtype),
     )
@@ -210,7 +216,7 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mo
         row_max = final_max
     has_mass = denominator > 0
     safe_denominator = jnp.where(has_mass, denominator, 1.0)
-    lse = jnp.where(has_mass, jnp.where(jnp.isfinite(row_max), row_max, 0.0) + jnp.log(safe_denominator), -jnp.inf)
+    lse = jnp.where(has_mass, scores.row_shift(row_max) + jnp.log(safe_denominator), hidden)
     out = acc / safe_denominator[..., None]
     if problem.dropout_seeds is not None:
         out = out / (1.0 - config.dropout_rate)
@@ -241,16 +247,17 @@ def _forward_fp8(config: AttentionConfig, block: int, problem: canonical.Problem
     K, G, Hv = config.num_kv_heads, config.group_size, problem.value.shape[-1]
     q5 = scores.grouped_query(config, problem.query)
     num_blocks = problem.key.shape[1] // block
+    hidden = scores.hidden_score(jnp.float32)
     row_max = _max_visible(config, block, problem, q5, mods)
     if problem.sinks is not None:
         sinks = scores.grouped_sinks(config, problem.sinks)
         row_max = jnp.maximum(row_max, sinks)
-    shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    shift = scores.row_shift(row_max)
 
     def body(c, carry):
         denominator, acc = carry
         s, allowed = _block_scores(config, problem, q5, mods, c * block, block)
-        p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
+        p = jnp.exp(jnp.where(allowed, s, hidden) - shift[..., None])
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, c * block, block, axis=1)
         pv = scores.rows_dot(
             fp8_lib.Rounding.probabilities(p), v_blk, preferred_element_type=jnp.float32,
@@ -264,7 +271,7 @@ def _forward_fp8(config: AttentionConfig, block: int, problem: canonical.Problem
         denominator = denominator + jnp.exp(sinks - shift)
     has_mass = denominator > 0
     safe_denominator = jnp.where(has_mass, denominator, 1.0)
-    lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), -jnp.inf)
+    lse = jnp.where(has_mass, shift + jnp.log(safe_denominator), hidden)
     out = acc / safe_denominator[..., None]
     return jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (B, T, N, Hv)), lse, shift
 
@@ -298,10 +305,11 @@ def _backward(
     acc_dtype = scores.accumulator(problem.query.dtype)
     correction = to_kgt(jnp.sum(d_out.astype(acc_dtype) * out.astype(acc_dtype), axis=-1))
     correction = correction - d_lse.astype(acc_dtype)
-    shift = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    hidden = scores.hidden_score(acc_dtype)
+    shift = scores.row_shift(lse)
     if fp8_shift is not None:
         # the row sum l of the forward's exp(s - max): P8 / l is what multiplied V
-        row_sum = jnp.where(jnp.isfinite(lse), jnp.exp(lse - fp8_shift), 1.0)
+        row_sum = jnp.where(lse > hidden, jnp.exp(lse - fp8_shift), 1.0)
     keep_scale = 1.0 / (1.0 - config.dropout_rate)
     bias = problem.bias
     f32 = lambda x: x.astype(acc_dtype)  # float32, or float64 for float64 inputs
@@ -322,13 +330,14 @@ def _backward(
         if mods is not None:
             s, allowed, mod_vjp = mods.apply_with_vjp(s, allowed, k_start, block)
         s = scores.soft_cap(config, s)
-        p = jnp.exp(jnp.where(allowed, s - shift[..., None], -jnp.inf))
+        masked = jnp.where(allowed, s, hidden)
+        p = jnp.exp(masked - shift[..., None])
         dp = scores.score_dot(
             do5, v_blk, preferred_element_type=acc_dtype, precision=scores.precision(v_blk.dtype)
         )
         p_kept = p
         if fp8_shift is not None:
-            p_tilde = jnp.exp(jnp.where(allowed, s - fp8_shift[..., None], -jnp.inf))
+            p_tilde = jnp.exp(masked - fp8_shift[..., None])
             p_kept = fp8_lib.Rounding.probabilities(p_tilde) / row_sum[..., None]
         if problem.dropout_seeds is not None:
             keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, k_start, block)
@@ -470,11 +479,12 @@ def _for_varying_inputs(config: AttentionConfig, problem: canonical.Problem) -> 
 
 
 def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int = BLOCK_K):
-    """Canonical attention: `out [B, T, N, Hv]` in the query dtype and float32 `lse [B, T, N]`."""
+    """Canonical attention: `out [B, T, N, Hv]` in the query dtype and float32 `lse [B, T, N]` (its rows with
+    nothing visible as `scores.returned_lse` says)."""
     B, T, N, _ = problem.query.shape
     S = problem.key.shape[1]
     block = max(1, min(block_k, S))
-    # At least one block: with S = 0 a single invisible padding key gives every row out 0 and lse -inf.
+    # At least one block: with S = 0 a single invisible padding key gives every row out 0 and nothing visible.
     padded = _pad_keys(problem, max(1, -(-S // block)) * block)
     # Inside shard_map, differentiable inputs must vary like the rest so their cotangents (reduced by JAX where an
     # input was replicated) match the custom_vjp's types.
@@ -493,12 +503,12 @@ def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int = B
     )  # fmt: skip
     # [B, K, G, T] -> [B, T, N]
     lse = jnp.reshape(jnp.transpose(lse, (0, 3, 1, 2)), (B, T, N))
-    return out, lse
+    return out, scores.returned_lse(config, lse)
 
 
 def row_max(config: AttentionConfig, problem: canonical.Problem, block_k: int = BLOCK_K) -> jax.Array:
-    """`[B, K, G, T]`: each query row's largest visible logit (after bias, `score_mod` and soft cap; -inf where
-    nothing is visible), one key block at a time. Not differentiable (a statistic)."""
+    """`[B, K, G, T]`: each query row's largest visible logit (after bias, `score_mod` and soft cap;
+    `scores.hidden_score` where nothing is visible), one key block at a time. Not differentiable (a statistic)."""
     problem = jax.lax.stop_gradient(problem)
     S = problem.key.shape[1]
     block = max(1, min(block_k, S))
