@@ -64,8 +64,12 @@ def _inputs(options):
     return q, k, v, sinks, weights, kw
 
 
-@pytest.mark.parametrize("load_balanced", [True, False], ids=["balanced", "contiguous"])
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+@pytest.mark.parametrize(
+    "strategy,load_balanced",
+    [pytest.param("ring", True, id="ring-balanced"), pytest.param("all_gather", False, id="all_gather-contiguous"),
+     pytest.param("ring", False, id="ring-contiguous", marks=pytest.mark.full),
+     pytest.param("all_gather", True, id="all_gather-balanced", marks=pytest.mark.full)],
+)  # fmt: skip
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_context_parallel_on_the_cudnn_wrapper(name, strategy, load_balanced):
     q, k, v, sinks, weights, kw = _inputs(OPTIONS[name])

@@ -182,9 +182,10 @@ def num_rows(x) -> int:
     return int(math.prod(np.shape(x)[:-1]))
 
 
-def run_pytest_on_simulated_devices(test_file: str, num_devices: int) -> None:
+def run_pytest_on_simulated_devices(test_file: str, num_devices: int, tier: str = "fast") -> None:
     """Run `tests/<test_file>` in a subprocess whose CPU backend has `num_devices` devices (the count is fixed when
-    JAX starts, and the main pytest process has started it); fail with its report unless every test passed."""
+    JAX starts, and the main pytest process has started it); fail with its report unless every test passed. `tier`
+    picks the file's tests: `"fast"` those not marked `full`, `"full"` the others."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={num_devices}"
@@ -193,7 +194,8 @@ def run_pytest_on_simulated_devices(test_file: str, num_devices: int) -> None:
     ).strip()
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{test_file}"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{test_file}",
+         "-m", "full" if tier == "full" else "not full"],
         cwd=root, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     report = (proc.stdout + proc.stderr)[-20000:]

@@ -437,6 +437,11 @@ def library_fwd_bwd(impl, case: Case):
     return lambda d_out: fwd_bwd(diff, rest, d_out)
 
 
+# The fast tier runs every feature once per implementation: `xla` in float32, multi-block `xla_chunked` in bfloat16
+# and the emulated cuDNN graphs; the other combinations run in the full matrix (`-m full`).
+FAST_COMBINATIONS = {("xla", "f32"), (f"xla_chunked-bk{SMALL_BLOCK_K}", "bf16")}
+
+
 def _conformance_params():
     # every feature on xla and on multi-block xla_chunked in both dtypes; xla_chunked with its default (single, for
     # these sizes) key block in float32 only: its block logic is dtype-independent and CPU CI time is bounded.
@@ -446,7 +451,8 @@ def _conformance_params():
             for spec, impl_id in zip(IMPLS, IMPL_IDS, strict=True):
                 if spec == "xla_chunked" and dtype != jnp.float32:
                     continue
-                params.append(pytest.param(spec, feature, dtype, id=f"{impl_id}-{feature}-{dtype_id}"))
+                marks = () if (impl_id, dtype_id) in FAST_COMBINATIONS else (pytest.mark.full,)
+                params.append(pytest.param(spec, feature, dtype, marks=marks, id=f"{impl_id}-{feature}-{dtype_id}"))
             if dtype in CUDNN_DTYPES:
                 for spec, marks in CUDNN_PARAMS:
                     params.append(pytest.param(spec, feature, dtype, marks=marks, id=f"{spec}-{feature}-{dtype_id}"))

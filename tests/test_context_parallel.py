@@ -32,6 +32,11 @@ def test_eight_device_cases():
     run_pytest_on_simulated_devices("cp_cases.py", 8)
 
 
+@pytest.mark.full
+def test_eight_device_cases_full_matrix():
+    run_pytest_on_simulated_devices("cp_cases.py", 8, tier="full")
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # reorder / restore
 

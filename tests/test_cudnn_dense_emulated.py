@@ -23,7 +23,7 @@ import attnlib
 from attnlib._src import logs
 
 
-@pytest.fixture(params=[92100, 91900], ids=["memset", "kernel_zeros"])
+@pytest.fixture(params=[92100, pytest.param(91900, marks=pytest.mark.full)], ids=["memset", "kernel_zeros"])
 def emulated(monkeypatch, request):
     """Route dense `implementation="cudnn"` calls through `emulate`, as on an H200: with cuDNN 9.19, which writes
     zeros in padded rows itself, and with a cuDNN not known to (9.21 here), where attnlib zero-fills them first
@@ -178,6 +178,11 @@ def test_backward_of_few_query_rows_over_many_keys_runs_without_a_graph(emulated
 def test_context_parallel_on_the_emulated_cudnn_wrapper():
     """`tests/cp_cudnn_emulated.py` on 4 simulated CPU devices."""
     run_pytest_on_simulated_devices("cp_cudnn_emulated.py", 4)
+
+
+@pytest.mark.full
+def test_context_parallel_on_the_emulated_cudnn_wrapper_full_matrix():
+    run_pytest_on_simulated_devices("cp_cudnn_emulated.py", 4, tier="full")
 
 
 MAX_LOGIT_CASES = [

@@ -29,6 +29,8 @@ from reference import reference_attention, reference_attention_vjp
 import attnlib
 
 
+pytestmark = pytest.mark.full  # hypothesis sweeps: the full matrix (`-m full`), not the fast tier
+
 # no `explain` phase: it re-runs a failing example many times, slow on CPU
 PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink]
 settings.register_profile(
