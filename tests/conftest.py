@@ -1,4 +1,4 @@
-"""Test configuration: strict promotion, the `gpu` marker and its skip / require logic.
+"""Test configuration: strict promotion, the `gpu` marker and its skip / require logic, the `full` tier of sweeps.
 
 Never import attnlib at the top of this file (the jaxtyping pytest hook must see it first).
 """
@@ -8,6 +8,10 @@ import os
 import jax
 import pytest
 
+
+# Tiny CPU programs: LLVM's optimisation dominates their compile time and changes nothing a test checks (as in the
+# simulated-device subprocesses, `helpers.run_pytest_on_simulated_devices`). Set before JAX starts a backend.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -42,7 +46,28 @@ def _gpu_unavailable_reason() -> str | None:
     return None
 
 
+SWEEP_FILES = frozenset({
+    "test_cudnn_ragged.py", "test_cudnn_dense_emulated.py", "test_score_mod_emulated.py", "test_fp8_cudnn_emulated.py",
+    "test_dropout.py", "test_score_mod.py", "test_equinox.py", "test_haiku.py", "test_transforms.py",
+})  # fmt: skip
+"""Files of parametrized sweeps: the first case of each sweep runs in the fast tier, the others in the full matrix
+(`-m full`). `test_conformance.py` runs every feature on every implementation in the fast tier."""
+
+
+def _mark_sweeps_full(items) -> None:
+    seen = set()
+    for item in items:
+        if item.path.name not in SWEEP_FILES or getattr(item, "callspec", None) is None:
+            continue
+        sweep = (item.path.name, item.originalname)
+        if sweep in seen:
+            item.add_marker(pytest.mark.full)
+        seen.add(sweep)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    _mark_sweeps_full(items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

@@ -437,24 +437,42 @@ def library_fwd_bwd(impl, case: Case):
     return lambda d_out: fwd_bwd(diff, rest, d_out)
 
 
-# The fast tier runs every feature once per implementation: `xla` in float32, multi-block `xla_chunked` in bfloat16
-# and the emulated cuDNN graphs; the other combinations run in the full matrix (`-m full`).
-FAST_COMBINATIONS = {("xla", "f32"), (f"xla_chunked-bk{SMALL_BLOCK_K}", "bf16")}
+# The fast tier: `xla` in float32, multi-block `xla_chunked` in bfloat16 and the emulated cuDNN graphs in bfloat16,
+# each on every feature group (the ids' first word: `bias`, `mask`, `window`, `segments`, `paged`, ...), and every
+# variant of a group on at least one of them (a group's variants take the three in turn; a group of fewer than three
+# runs each variant on all three). Everything else is the full matrix (`-m full`).
+FAST_IMPLS = ("xla-f32", f"xla_chunked-bk{SMALL_BLOCK_K}-bf16", f"{CUDNN_EMULATED}-bf16")
+
+
+def _fast_pairs() -> set[tuple[str, str]]:
+    groups: dict[str, list[str]] = {}
+    for feature in FEATURE_IDS:
+        groups.setdefault(feature.split("_")[0], []).append(feature)
+    pairs = set()
+    for variants in groups.values():
+        for i, feature in enumerate(variants):
+            impls = FAST_IMPLS if len(variants) < len(FAST_IMPLS) else (FAST_IMPLS[i % len(FAST_IMPLS)],)
+            pairs |= {(impl, feature) for impl in impls}
+    return pairs
 
 
 def _conformance_params():
     # every feature on xla and on multi-block xla_chunked in both dtypes; xla_chunked with its default (single, for
     # these sizes) key block in float32 only: its block logic is dtype-independent and CPU CI time is bounded.
+    fast = _fast_pairs()
+    full = lambda impl: () if (impl, feature) in fast else (pytest.mark.full,)  # noqa: E731
     params = []
     for feature in FEATURE_IDS:
         for dtype, dtype_id in zip(DTYPES, DTYPE_IDS, strict=True):
             for spec, impl_id in zip(IMPLS, IMPL_IDS, strict=True):
                 if spec == "xla_chunked" and dtype != jnp.float32:
                     continue
-                marks = () if (impl_id, dtype_id) in FAST_COMBINATIONS else (pytest.mark.full,)
+                marks = full(f"{impl_id}-{dtype_id}")
                 params.append(pytest.param(spec, feature, dtype, marks=marks, id=f"{impl_id}-{feature}-{dtype_id}"))
             if dtype in CUDNN_DTYPES:
                 for spec, marks in CUDNN_PARAMS:
+                    if spec == CUDNN_EMULATED:
+                        marks = full(f"{spec}-{dtype_id}")
                     params.append(pytest.param(spec, feature, dtype, marks=marks, id=f"{spec}-{feature}-{dtype_id}"))
     return params
 
