@@ -27,6 +27,7 @@ def _readable_type(annotation: str) -> str:
     """An annotation as beartype prints it, the way a user writes it: `<class 'bool'>` -> `bool`,
     `attnlib._src.fp8.Fp8Scales` -> `attnlib.Fp8Scales`, `collections.abc.Sequence[Any]` -> `a sequence`."""
     text = re.sub(r"<class '([\w.]+)'>", r"\1", annotation)
+    text = re.sub(r"\bbool \| numpy\.bool_?\b", "bool", text)  # NumPy bools are accepted quietly
     text = re.sub(r"attnlib\._src(?:\.\w+)*\.(\w+)", r"attnlib.\1", text)
     text = re.sub(r"collections\.abc\.Sequence\[[^\]]*\]", "a sequence (tuple or list)", text)
     text = re.sub(r"collections\.abc\.Callable(\[[^\]]*\])?", "a callable", text)
