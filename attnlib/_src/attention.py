@@ -84,7 +84,7 @@ def attention(
     bias: Shaped[ArrayLike, "..."] | None = None,
     mask: Shaped[ArrayLike, "..."] | None = None,
     *,
-    scale: numbers.Real | None = None,
+    scale: numbers.Real | Shaped[ArrayLike, "..."] | None = None,
     is_causal: bool | np.bool_ = False,
     query_seq_lengths: Shaped[ArrayLike, "..."] | Sequence[int] | None = None,
     key_value_seq_lengths: Shaped[ArrayLike, "..."] | Sequence[int] | None = None,
