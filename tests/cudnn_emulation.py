@@ -54,7 +54,9 @@ def emulate(spec: GraphSpec, entry, *operands, tokens=None):
     q = heads_first(vals[Uid.Q])
     k = jnp.repeat(heads_first(vals[Uid.K]), g, axis=1)
     v = jnp.repeat(heads_first(vals[Uid.V]), g, axis=1)
-    logits = jnp.einsum("bnih,bnjh->bnij", q, k, precision="highest") * spec.scale
+    # a runtime scale (`spec.scale` None) is the float32 [1] operand `Uid.ATTN_SCALE`
+    scale = spec.scale if spec.scale is not None else vals[Uid.ATTN_SCALE][0]
+    logits = jnp.einsum("bnih,bnjh->bnij", q, k, precision="highest") * scale
     if spec.bias_b:
         logits = logits + vals[Uid.BIAS].astype(jnp.float32)
     mask = _mask(spec, seq_q, seq_kv)
@@ -77,8 +79,8 @@ def emulate(spec: GraphSpec, entry, *operands, tokens=None):
     p = jnp.where(mask, jnp.exp(logits - vals[Uid.STATS][..., None]), 0.0)
     dp = jnp.einsum("bnih,bnjh->bnij", do, v, precision="highest")
     d_logits = p * (dp - jnp.sum(do * o, axis=-1, keepdims=True))
-    dq = jnp.einsum("bnij,bnjh->bnih", d_logits, k, precision="highest") * spec.scale
-    dk = jnp.einsum("bnij,bnih->bnjh", d_logits, q, precision="highest") * spec.scale
+    dq = jnp.einsum("bnij,bnjh->bnih", d_logits, k, precision="highest") * scale
+    dk = jnp.einsum("bnij,bnih->bnjh", d_logits, q, precision="highest") * scale
     dv = jnp.einsum("bnij,bnih->bnjh", p, do, precision="highest")
     fold = lambda x: rows_first(jnp.sum(jnp.reshape(x, (b, spec.k, g) + x.shape[2:]), axis=2))
     grads = [

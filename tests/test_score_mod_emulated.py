@@ -30,7 +30,8 @@ def _emulate_numpy(spec: GraphSpec, *operands):
     q = heads_first(vals[Uid.Q])
     k = np.repeat(heads_first(vals[Uid.K]), g, axis=1)
     v = np.repeat(heads_first(vals[Uid.V]), g, axis=1)
-    logits = np.einsum("bnih,bnjh->bnij", q, k).astype(np.float32) * np.float32(spec.scale)
+    scale = spec.scale if spec.scale is not None else vals[Uid.ATTN_SCALE][0]  # a runtime scale: an operand
+    logits = np.einsum("bnih,bnjh->bnij", q, k).astype(np.float32) * np.float32(scale)
     grids = [np.broadcast_to(x, logits.shape).astype(np.float32) for x in np.indices(logits.shape, sparse=True)]
     args = [np.asarray(vals[u], np.float32) for u in spec.in_uids() if u >= graphs.MODIFIER_ARG_UID]
     ops = lowering.NumpyOps()
@@ -55,8 +56,8 @@ def _emulate_numpy(spec: GraphSpec, *operands):
     dp = np.einsum("bnih,bnjh->bnij", do, v)
     d_scores = (p * (dp - np.sum(do * o, axis=-1, keepdims=True))).astype(np.float32)
     d_logits = np.asarray(lowering.emit_backward(ops, spec.modifier.jaxpr, d_scores, lambda: grids, args, store))
-    dq = np.einsum("bnij,bnjh->bnih", d_logits, k) * spec.scale
-    dk = np.einsum("bnij,bnih->bnjh", d_logits, q) * spec.scale
+    dq = np.einsum("bnij,bnjh->bnih", d_logits, k) * scale
+    dk = np.einsum("bnij,bnih->bnjh", d_logits, q) * scale
     dv = np.einsum("bnij,bnih->bnjh", p, do)
     fold = lambda x: rows_first(np.sum(np.reshape(x, (b, spec.k, g) + x.shape[2:]), axis=2))
     grads = [rows_first(dq), fold(dk), fold(dv)]

@@ -85,7 +85,7 @@ def attention(
     bias: Shaped[ArrayLike, "..."] | None = None,
     mask: Shaped[ArrayLike, "..."] | None = None,
     *,
-    scale: numbers.Real | None = None,
+    scale: numbers.Real | Shaped[ArrayLike, "..."] | None = None,
     is_causal: bool | np.bool_ = False,
     query_seq_lengths: Shaped[ArrayLike, "..."] | Sequence[int] | None = None,
     key_value_seq_lengths: Shaped[ArrayLike, "..."] | Sequence[int] | None = None,
@@ -137,7 +137,9 @@ def attention(
             float8_e4m3fn with `fp8=Fp8Scales(...)`).
         bias: broadcastable to `[*B, N, T, S]`; added to the scaled logits; differentiable.
         mask: bool, broadcastable to `[*B, N, T, S]`; `True` = may attend.
-        scale: logit scale. Defaults to `1/sqrt(H)`.
+        scale: logit scale: a Python float (static; on cuDNN baked into the graph) or a 0-d float array, traced
+            under `jit` or not (a learned temperature: one graph for every value, no retrace, differentiable;
+            not with `fp8=`, and on cuDNN only for dense calls). Defaults to `1/sqrt(H)`.
         is_causal: causal mask, aligned by `diagonal_alignment`. Defaults to False.
         query_seq_lengths: int `[*B]` (an array or a list of ints): valid query prefix lengths in `[0, T]`
             (padding rows output 0). Concrete values outside that range raise `ValueError`; traced ones (under

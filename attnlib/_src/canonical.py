@@ -29,6 +29,7 @@ class Problem(NamedTuple):
         positions: sequence ids and aligned positions of query and key tokens.
         score_mod_args: the arrays `score_mod` / `mask_mod` see one element of, each `[B|1, N|1, T|1, S|1]` in
             its own dtype; empty without them.
+        scale: the 0-d float array of a runtime scale (`config.scale` is None), else None.
     """
 
     query: jax.Array
@@ -40,6 +41,7 @@ class Problem(NamedTuple):
     dropout_seeds: jax.Array | None
     positions: positions_lib.TokenPositions
     score_mod_args: tuple[jax.Array, ...] = ()
+    scale: jax.Array | None = None
 
 
 def _to_rank4(x: jax.Array, batch_shape: tuple[int, ...]) -> jax.Array:
@@ -101,7 +103,7 @@ def canonicalize(config: AttentionConfig, inputs: AttentionInputs) -> Problem:
     if config.dropout_rate > 0:
         seeds = dropout_lib.dropout_seeds(inputs.dropout_key)
     score_mod_args = tuple(_to_rank4(a, bs) for a in inputs.score_mod_args)
-    return Problem(query, key, value, bias, mask, inputs.sinks, seeds, positions, score_mod_args)
+    return Problem(query, key, value, bias, mask, inputs.sinks, seeds, positions, score_mod_args, inputs.scale)
 
 
 def restore(config: AttentionConfig, out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -32,7 +32,8 @@ class AttentionConfig:
         num_q_heads, num_kv_heads: `N` and `K`.
         head_dim, value_head_dim: `H` and `Hv`.
         dtype: the shared dtype of query, key and value.
-        scale: the logit scale (already defaulted to `1/sqrt(H)`).
+        scale: the logit scale (already defaulted to `1/sqrt(H)`); None when it is an array (a traced or learned
+            temperature): then `AttentionInputs.scale` holds it and one graph serves every value.
         is_causal, diagonal_alignment: causal mask and where its diagonal sits.
         window: `(left, right)` or None.
         bias_shape, mask_shape: the caller's shapes, or None.
@@ -65,7 +66,7 @@ class AttentionConfig:
     head_dim: int
     value_head_dim: int
     dtype: np.dtype
-    scale: float
+    scale: float | None
     is_causal: bool
     diagonal_alignment: Alignment
     window: tuple[int, int] | None
@@ -131,7 +132,8 @@ class AttentionInputs:
 
     `dropout_key` is kept as given (a typed or raw PRNG key). `score_mod_args` are the arrays `score_mod` /
     `mask_mod` see one element of (each broadcastable to `[*B, N, T, S]`; empty without them). `fp8_scales`: the
-    `Fp8Scales` of pre-quantized inputs (`config.fp8 == "scaled"`), else None.
+    `Fp8Scales` of pre-quantized inputs (`config.fp8 == "scaled"`), else None. `scale`: the 0-d float array of a
+    scale given as an array (`config.scale` is then None), else None.
     """
 
     query: jax.Array = _array()
@@ -150,6 +152,7 @@ class AttentionInputs:
     dropout_key: jax.Array | None = None
     score_mod_args: tuple = ()
     fp8_scales: Any = None
+    scale: Any = None
 
 
 ARRAY_ARGUMENTS = tuple(f.name for f in dataclasses.fields(AttentionInputs) if f.metadata.get("array_argument"))

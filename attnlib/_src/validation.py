@@ -229,6 +229,11 @@ def validate(
         g, scale, is_causal, return_residual, deterministic_backward, diagonal_alignment, local_window_size,
         logits_soft_cap, sinks, dropout_rate, dropout_key,
     )  # fmt: skip
+    if fp8_mode is not None and not isinstance(scale, float):
+        raise NotImplementedError(
+            "`scale` as an array (traced or learned) together with FP8 attention (`fp8=`) is not supported; pass a "
+            "Python float."
+        )
 
     if _causal_mask_is_a_no_op(is_causal, diagonal_alignment, g.T, g.layout, q_segment_ids):
         is_causal = False
@@ -243,7 +248,7 @@ def validate(
         head_dim=g.H,
         value_head_dim=g.Hv,
         dtype=np.dtype(query.dtype),
-        scale=float(scale),
+        scale=scale if isinstance(scale, float) else None,
         is_causal=bool(is_causal),
         diagonal_alignment=diagonal_alignment,
         window=window,
@@ -286,6 +291,7 @@ def validate(
         dropout_key=dropout_key,
         score_mod_args=score_mod_args,
         fp8_scales=fp8_scales,
+        scale=None if isinstance(scale, float) else scale,
     )
     return config, inputs
 
@@ -528,13 +534,11 @@ def _scalars(
     g: _Geometry, scale: Any, is_causal: Any, return_residual: Any, deterministic_backward: Any,
     diagonal_alignment: Any, local_window_size: Any, logits_soft_cap: Any, sinks: Any, dropout_rate: Any,
     dropout_key: Any,
-) -> tuple[float, tuple[int, int] | None]:  # fmt: skip
-    """Scalars and flags, the window and `sinks` `[N]`. Returns the scale (default `1/sqrt(H)`) and the window."""
+) -> tuple[Any, tuple[int, int] | None]:  # fmt: skip
+    """Scalars and flags, the window and `sinks` `[N]`. Returns the scale (default `1/sqrt(H)`; a 0-d array as given)
+    and the window."""
     H, N = g.H, g.N
-    if scale is None:
-        scale = 1.0 / math.sqrt(H)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ValueError(f"`scale` must be a finite Python float. Got {scale!r}.")
+    scale = _scale(scale, H)
     require_bool("is_causal", is_causal)
     require_bool("return_residual", return_residual)
     require_bool("deterministic_backward", deterministic_backward)
@@ -558,6 +562,32 @@ def _scalars(
     if dropout_rate > 0 and dropout_key is None:
         raise ValueError(f"`dropout_rate`={dropout_rate} > 0 needs a `dropout_key`. Got dropout_key=None.")
     return scale, window
+
+
+def _scale(scale: Any, H: int) -> Any:
+    """`scale`: None (`1/sqrt(H)`), a finite real number (static: baked into graphs) or a 0-d float array, traced or
+    not (a runtime scale: one graph for every value, differentiable). Returns the float or the array."""
+    if scale is None:
+        return 1.0 / math.sqrt(H)
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"`scale` must be a float or a 0-d float array, not a bool. Got {scale!r}.")
+    if isinstance(scale, numbers.Real):
+        if not math.isfinite(scale):
+            raise ValueError(f"`scale` must be finite. Got {scale!r}.")
+        return float(scale)
+    shape, dtype = getattr(scale, "shape", None), getattr(scale, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"`scale` must be a float or a 0-d float array. Got {type(scale).__name__} {scale!r}.")
+    if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype) == fp8_lib.E4M3:
+        raise TypeError(f"`scale` must be a float or a 0-d float array (float16/bfloat16/float32/float64). Got dtype={dtype}.")
+    if tuple(shape) != ():
+        raise ValueError(f"`scale` must be a scalar: a 0-d array, shape (). Got shape={tuple(shape)}.")
+    if isinstance(scale, np.ndarray | np.generic) or (
+        isinstance(scale, jax.Array) and not isinstance(scale, jax.core.Tracer)
+    ):
+        if not math.isfinite(float(scale)):
+            raise ValueError(f"`scale` must be finite. Got {scale!r}.")
+    return scale
 
 
 def _causal_mask_is_a_no_op(is_causal, diagonal_alignment, q_len, layout, q_segment_ids) -> bool:

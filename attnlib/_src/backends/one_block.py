@@ -69,20 +69,23 @@ def forward(config: AttentionConfig, problem: canonical.Problem):
 
 
 def backward(config: AttentionConfig, problem: canonical.Problem, out, lse, ps, row_sums, d_out, d_lse):
-    """The gradients of `forward` from its saved probabilities, chunk by chunk: `(dq, dk, dv, dbias, dsinks)`."""
+    """The gradients of `forward` from its saved probabilities, chunk by chunk: `(dq, dk, dv, dbias, dsinks, dscale)`
+    (`dscale`: of a runtime scale, else None)."""
     S = problem.key.shape[1]
-    dq, dk, dv, d_sinks = [], 0, 0, 0
+    dq, dk, dv, d_sinks, d_scale = [], 0, 0, 0, None
     pad = lambda x, seen: jnp.pad(x, ((0, 0), (0, S - seen), (0, 0), (0, 0)))  # noqa: E731
     for (t0, t1, seen), p, row_sum in zip(row_chunks(config, problem), ps, row_sums, strict=True):
-        dq_c, dk_c, dv_c, dbias, d_sinks_c = _backward_chunk(
+        dq_c, dk_c, dv_c, dbias, d_sinks_c, d_scale_c = _backward_chunk(
             config, _part(problem, t0, t1, seen), out[:, t0:t1], lse[..., t0:t1], p, row_sum,
             d_out[:, t0:t1], d_lse[..., t0:t1],
         )  # fmt: skip
         dq.append(dq_c)
         dk, dv = dk + pad(dk_c, seen), dv + pad(dv_c, seen)
         d_sinks = None if d_sinks_c is None else d_sinks + d_sinks_c
+        d_scale = d_scale_c if d_scale is None else d_scale + d_scale_c
     dq = jnp.concatenate(dq, axis=1)
-    return dq.astype(problem.query.dtype), dk.astype(problem.key.dtype), dv.astype(problem.value.dtype), dbias, d_sinks
+    dq, dk, dv = dq.astype(problem.query.dtype), dk.astype(problem.key.dtype), dv.astype(problem.value.dtype)
+    return dq, dk, dv, dbias, d_sinks, d_scale
 
 
 def _forward_chunk(config: AttentionConfig, problem: canonical.Problem):
@@ -95,7 +98,9 @@ def _forward_chunk(config: AttentionConfig, problem: canonical.Problem):
     as_rows = lambda x: scores.rows(jnp.broadcast_to(x, x.shape[:2] + (G, T) + x.shape[4:]))
     q5 = scores.grouped_query(config, problem.query)
     scale_query = acc_dtype == problem.query.dtype  # float32 / float64 (see `scores.raw_scores`)
-    s = scores.rows(scores.raw_scores(config, q5, problem.key, problem.bias, scale_query=scale_query))
+    s = scores.rows(scores.raw_scores(
+        config, q5, problem.key, problem.bias, scale_query=scale_query, scale=problem.scale
+    ))
     allowed = as_rows(scores.visible(config, problem, 0, S, problem.mask))
     sinks = None if problem.sinks is None else as_rows(scores.grouped_sinks(config, problem.sinks)[..., None])[..., 0]
     p, row_sum, lse = scores.statistics(s, allowed, sinks, every_key_visible=every_key_visible(config, problem))
@@ -110,7 +115,7 @@ def _forward_chunk(config: AttentionConfig, problem: canonical.Problem):
 def _backward_chunk(config: AttentionConfig, problem: canonical.Problem, out, lse, p, row_sum, d_out, d_lse):
     """`xla_chunked`'s backward from the forward's probabilities (`_forward_chunk`, `[B, K, G·T, S]`): `P = p / l`, and
     `1 / l` is applied to the `[T, Hv]`-sized `dO` instead of the `[T, S]` probabilities. Returns
-    `(dq, dk, dv, dbias, dsinks)`, the first three in the accumulator dtype."""
+    `(dq, dk, dv, dbias, dsinks, dscale)`, the first three in the accumulator dtype (`dscale`: of a runtime scale)."""
     B, T, N, H = problem.query.shape
     K, G = config.num_kv_heads, config.group_size
     acc_dtype = scores.accumulator(problem.query.dtype)
@@ -133,11 +138,19 @@ def _backward_chunk(config: AttentionConfig, problem: canonical.Problem, out, ls
         reduce_axes = tuple(a for a in range(4) if problem.bias.shape[a] == 1)
         ds_n = jnp.reshape(ds, (B, N, T, problem.key.shape[1]))
         dbias = jnp.sum(ds_n, axis=reduce_axes, keepdims=True).astype(problem.bias.dtype)
-    ds = ds * jnp.asarray(config.scale, ds.dtype)
-    dq = jnp.einsum("bkrs,bskh->bkrh", ds, f32(problem.key), precision=highest)
+    d_scale = None
+    if config.scale is None:
+        # a runtime scale: d scale = <dS k, q> (`xla_chunked.scale_gradient`), with dq = scale * dS k
+        dq = jnp.einsum("bkrs,bskh->bkrh", ds, f32(problem.key), precision=highest)
+        d_scale = jnp.sum(dq * f32(q_rows)).astype(problem.scale.dtype)
+        ds = ds * scores.logit_scale(config, problem.scale, ds.dtype)
+        dq = dq * scores.logit_scale(config, problem.scale, dq.dtype)
+    else:
+        ds = ds * jnp.asarray(config.scale, ds.dtype)
+        dq = jnp.einsum("bkrs,bskh->bkrh", ds, f32(problem.key), precision=highest)
     dk = jnp.einsum("bkrs,bkrh->bskh", ds, f32(q_rows), precision=highest)
     d_sinks = None
     if problem.sinks is not None:
         d_sinks = scores.sinks_gradient(config, problem.sinks, lse, jnp.reshape(correction, (B, K, G, T)))
     dq = jnp.reshape(jnp.transpose(jnp.reshape(dq, (B, K, G, T, H)), (0, 3, 1, 2, 4)), (B, T, N, H))
-    return dq, dk, dv, dbias, d_sinks
+    return dq, dk, dv, dbias, d_sinks, d_scale

@@ -149,8 +149,21 @@ def sinks_gradient(config: AttentionConfig, sinks: jax.Array, lse: jax.Array, co
     return jnp.reshape(jnp.sum(-p_sink * correction, axis=(0, 3)), (config.num_q_heads,)).astype(sinks.dtype)
 
 
+def logit_scale(config: AttentionConfig, scale: jax.Array | None, dtype) -> jax.Array:
+    """The logit scale in `dtype`: the runtime 0-d array `scale` (`Problem.scale`) when `config.scale` is None."""
+    if config.scale is None:
+        return scale.astype(dtype)
+    return jnp.asarray(config.scale, dtype)
+
+
 def raw_scores(
-    config: AttentionConfig, q5: jax.Array, key: jax.Array, bias: jax.Array | None, *, scale_query: bool = False
+    config: AttentionConfig,
+    q5: jax.Array,
+    key: jax.Array,
+    bias: jax.Array | None,
+    *,
+    scale_query: bool = False,
+    scale: jax.Array | None = None,
 ) -> jax.Array:
     """`[B, K, G, T, s]` scores `scale * q.k (+ bias)` in the accumulator dtype, before soft-capping.
 
@@ -161,15 +174,16 @@ def raw_scores(
         scale_query: multiply the `[T, H]`-sized query by the scale instead of the scores (one pass over the scores
             fewer on the CPU); only for float32 / float64 queries, as rounding `q * scale` to 16 bits would perturb
             the scores.
+        scale: the runtime scale (`Problem.scale`) when `config.scale` is None.
     """
     acc = accumulator(q5.dtype)
     if scale_query:
         if acc != q5.dtype:
             raise ValueError(f"scale_query needs a float32 or float64 query, got {q5.dtype}")
-        q5 = q5 * jnp.asarray(config.scale, q5.dtype)
+        q5 = q5 * logit_scale(config, scale, q5.dtype)
     s = score_dot(q5, key, preferred_element_type=acc, precision=precision(q5.dtype))
     if not scale_query:
-        s = s * jnp.asarray(config.scale, s.dtype)
+        s = s * logit_scale(config, scale, s.dtype)
     if bias is not None:
         s = s + grouped_heads(config, bias).astype(s.dtype)
     return s

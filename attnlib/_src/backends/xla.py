@@ -22,7 +22,7 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
     B, T, N, _ = problem.query.shape
     S = problem.key.shape[1]
     q5 = scores.grouped_query(config, problem.query)
-    s = scores.raw_scores(config, q5, problem.key, problem.bias)  # [B, K, G, T, S]
+    s = scores.raw_scores(config, q5, problem.key, problem.bias, scale=problem.scale)  # [B, K, G, T, S]
     allowed = scores.visible(config, problem, 0, S, problem.mask)
     if config.modifiers is not None:
         # score_mod and mask_mod as written, vectorised; autodiff differentiates them (closures included).

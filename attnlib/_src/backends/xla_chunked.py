@@ -147,7 +147,7 @@ def _replace_at(values: tuple, where: tuple[int, ...], new: tuple) -> tuple:
 def _block_scores(config: AttentionConfig, problem: canonical.Problem, q5, mods: _Modifiers | None, k_start, block):
     """Scores (after bias, the modifiers and the soft cap) and visibility of keys `k_start : k_start + block`."""
     k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
-    s = scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block))
+    s = scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block), scale=problem.scale)
     allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
     if mods is not None:
         s, allowed = mods.apply(s, allowed, k_start, block)
@@ -287,8 +287,8 @@ def _backward(
     d_lse,
     fp8_shift=None,
 ):
-    """Gradients `(dq, dk, dv, dbias, dsinks, d_args, d_score_consts)` from the saved `lse [B, K, G, T]`, recomputing
-    each block.
+    """Gradients `(dq, dk, dv, dbias, dsinks, d_args, d_score_consts, d_scale)` from the saved `lse [B, K, G, T]`,
+    recomputing each block (`d_scale`: of a runtime scale, else None).
 
     `d_lse` is the cotangent of `lse`, also `[B, K, G, T]`. `d_args` / `d_score_consts` hold the gradients of the
     float `score_mod_args` / closed-over arrays of `score_mod` (None for the others and without `score_mod`).
@@ -324,7 +324,7 @@ def _backward(
         k_start = c * block
         k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
-        s = scores.raw_scores(config, q5, k_blk, _slice_keys(bias, k_start, block))
+        s = scores.raw_scores(config, q5, k_blk, _slice_keys(bias, k_start, block), scale=problem.scale)
         allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
         mod_vjp = None
         if mods is not None:
@@ -368,8 +368,13 @@ def _backward(
                 dbias = dbias + jnp.sum(ds_n, axis=3, keepdims=True)
             else:
                 dbias = jax.lax.dynamic_update_slice_in_dim(dbias, ds_n, k_start, axis=3)
-        ds = ds * jnp.asarray(config.scale, ds.dtype)
-        dq = dq + scores.rows_dot(ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
+        if config.scale is None:
+            # a runtime scale: dq stays unscaled (d scale = <dq, q> below), scaled once after the loop
+            dq = dq + scores.rows_dot(ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
+            ds = ds * scores.logit_scale(config, problem.scale, ds.dtype)
+        else:
+            ds = ds * jnp.asarray(config.scale, ds.dtype)
+            dq = dq + scores.rows_dot(ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
         dk_blk = scores.keys_dot(ds, f32(q5), precision=jax.lax.Precision.HIGHEST)
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk, k_start, axis=1)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk, k_start, axis=1)
@@ -391,6 +396,9 @@ def _backward(
         ),
     )
     dq, dk, dv, dbias, d_args, d_consts = jax.lax.fori_loop(0, S // block, body, init)
+    d_scale = None
+    if config.scale is None:
+        d_scale, dq = scale_gradient(config, problem.scale, dq, q5)
 
     d_sinks = None if problem.sinks is None else scores.sinks_gradient(config, problem.sinks, lse, correction)
     d_args_all = [None] * len(args)
@@ -407,28 +415,38 @@ def _backward(
         d_sinks,
         tuple(d_args_all),
         tuple(d_consts_all),
+        d_scale,
     )
 
 
-def _problem_and_modifiers(config, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts,
+def scale_gradient(config: AttentionConfig, scale: jax.Array, dq_unscaled: jax.Array, query: jax.Array):
+    """`(d scale, dq)` of a runtime scale from `dq_unscaled = dS k` (the query gradient before the scale) and the query
+    in the same layout: `s = scale * q k^T` gives `d scale = sum dS * (q k^T) = <dS k, q>` and `dq = scale * dS k`."""
+    d_scale = jnp.sum(dq_unscaled * query.astype(dq_unscaled.dtype))
+    dq = dq_unscaled * scores.logit_scale(config, scale, dq_unscaled.dtype)
+    return d_scale.astype(scale.dtype), dq
+
+
+def _problem_and_modifiers(config, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts,
                            mask_consts):  # fmt: skip
-    problem = canonical.Problem(query, key, value, bias, mask, sinks, seeds, positions, args)
+    problem = canonical.Problem(query, key, value, bias, mask, sinks, seeds, positions, args, scale)
     mods = None if config.modifiers is None else _Modifiers(config, problem, score_consts, mask_consts)
     return problem, mods
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunked(config, block, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts):
+def _chunked(config, block, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts,
+             mask_consts):  # fmt: skip
     (out, lse), _ = _chunked_fwd(
-        config, block, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
+        config, block, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
     )
     return out, lse
 
 
-def _chunked_fwd(config, block, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts,
+def _chunked_fwd(config, block, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts,
                  mask_consts):  # fmt: skip
     problem, mods = _problem_and_modifiers(
-        config, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
+        config, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
     )
     saved = None  # the probabilities and their row sums, where the backward reuses them
     fp8_shift = None
@@ -445,14 +463,15 @@ def _chunked_bwd(config, block, residuals, cotangents):
     problem, score_consts, mask_consts, out, lse, fp8_shift, saved = residuals
     d_out, d_lse = cotangents
     if saved is not None:
-        dq, dk, dv, dbias, d_sinks = one_block.backward(config, problem, out, lse, *saved, d_out, d_lse)
-        return dq, dk, dv, dbias, d_sinks, None, None, None, (None,) * len(problem.score_mod_args), (), ()
+        dq, dk, dv, dbias, d_sinks, d_scale = one_block.backward(config, problem, out, lse, *saved, d_out, d_lse)
+        no_args = (None,) * len(problem.score_mod_args)
+        return d_scale, dq, dk, dv, dbias, d_sinks, None, None, None, no_args, (), ()
     mods = None if config.modifiers is None else _Modifiers(config, problem, score_consts, mask_consts)
-    dq, dk, dv, dbias, d_sinks, d_args, d_score_consts = _backward(
+    dq, dk, dv, dbias, d_sinks, d_args, d_score_consts, d_scale = _backward(
         config, block, problem, mods, out, lse, d_out, d_lse, fp8_shift
     )
     d_mask_consts = (None,) * len(mask_consts)
-    return dq, dk, dv, dbias, d_sinks, None, None, None, d_args, d_score_consts, d_mask_consts
+    return d_scale, dq, dk, dv, dbias, d_sinks, None, None, None, d_args, d_score_consts, d_mask_consts
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -497,8 +516,9 @@ def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int = B
         config = _for_varying_inputs(config, padded)
     score_consts = () if config.modifiers is None else config.modifiers.score_consts
     mask_consts = () if config.modifiers is None else config.modifiers.mask_consts
+    scale = None if padded.scale is None else varying.like_inputs(padded.scale, padded)
     out, lse = _chunked(
-        config, block, query, key, value, bias, sinks, padded.mask, padded.dropout_seeds, padded.positions, args,
+        config, block, scale, query, key, value, bias, sinks, padded.mask, padded.dropout_seeds, padded.positions, args,
         score_consts, mask_consts,
     )  # fmt: skip
     # [B, K, G, T] -> [B, T, N]

@@ -151,17 +151,18 @@ def _fp8_inputs(config: AttentionConfig, inputs: AttentionInputs, q, k, v, dtype
 
 def _forward(
     plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8: Fp8Operands | None = None,
-    spec: GraphSpec | None = None,
+    spec: GraphSpec | None = None, scale: jax.Array | None = None,
 ):
     """(out, stats or None, valid rows `[B, T, 1|N]` or None, row maxima `[B, N, T]` or None) of the forward graph
     `spec` (default `plan.fwd`). An FP8 graph reads `fp8` instead of `q`, `k`, `v`; its output is dequantized to
-    `q`'s dtype. A `row_max` graph's stats are `score_max + log(score_sum_exp)`."""
+    `q`'s dtype. A `row_max` graph's stats are `score_max + log(score_sum_exp)`. `scale`: the float32 `[1]` runtime
+    scale of a graph with `spec.scale` None."""
     spec = plan.fwd if spec is None else spec
     seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
     values = {
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.BIAS: bias, Uid.SEQ_Q: _graph_seq_q(plan, seq_q, seq_kv),
         Uid.SEQ_KV: _graph_seq_kv(plan, seq_kv), Uid.SEED: seed, Uid.OFFSET: offset, Uid.SINK: sinks,
-        **_arg_values(args),
+        Uid.ATTN_SCALE: scale, **_arg_values(args),
     }
     if spec.fp8:
         assert fp8 is not None
@@ -199,16 +200,29 @@ def _visible(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> j
     return (i < q_len[:, None, None]) & (j < kv_len[:, None, None]) & plan.band.allows(j - diagonal)
 
 
-def _lse_reference(plan: Plan, q, k, bias, sinks, seq_q, seq_kv, args) -> jax.Array:
+def _lse_reference(plan: Plan, q, k, bias, sinks, seq_q, seq_kv, args, scale) -> jax.Array:
     """float32 lse `[B, T, N]` of the graphs' scores in plain JAX (used only for gradients flowing into lse)."""
     spec = plan.fwd
     score_mod = None
     if spec.modifier is not None:
         score_mod = functools.partial(modifier_lib.reference_scores, spec.modifier, args=args)
     return lse_lib.logsumexp(
-        q, k, _visible(plan, seq_q, seq_kv), scale=spec.scale, bias=bias, sinks=sinks, score_mod=score_mod,
+        q, k, _visible(plan, seq_q, seq_kv), scale=_scale_value(spec, scale), bias=bias, sinks=sinks, score_mod=score_mod,
         masked_below=plan.masked_below if plan.detect_masked else None,
     )
+
+
+def _scale_value(spec: GraphSpec, scale: jax.Array | None) -> Any:
+    """The graph's logit scale: `spec.scale`, or the runtime float32 `[1]` `scale` as a 0-d array."""
+    return spec.scale if spec.scale is not None else scale[0]
+
+
+def _scale_gradient(q: jax.Array, dq: jax.Array, scale: jax.Array) -> jax.Array:
+    """float32 `[1]` gradient of the graph's runtime scale from the query gradient: `s = scale * q k^T` gives
+    `dq = scale * dS k`, so `d scale = sum dS * (q k^T) = <dq, q> / scale` (q enters only through `s`, whatever the
+    score modifier, soft cap or bias after it). Undefined (NaN) at `scale == 0`, where `dq` is zero."""
+    inner = jnp.sum(dq.astype(jnp.float32) * q.astype(jnp.float32))
+    return jnp.reshape(jnp.where(scale[0] != 0, inner / scale[0], jnp.nan), (1,))
 
 
 def _head_maxima(row_max: jax.Array | None, valid: jax.Array | None) -> jax.Array | None:
@@ -222,18 +236,21 @@ def _head_maxima(row_max: jax.Array | None, valid: jax.Array | None) -> jax.Arra
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sdpa(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8):
-    """`(out, lse, per-head maxima `[B, N]` or None)`; the maxima are a statistic (no gradient flows from them)."""
+def _sdpa(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, scale):
+    """`(out, lse, per-head maxima `[B, N]` or None)`; the maxima are a statistic (no gradient flows from them).
+    `scale`: the float32 `[1]` runtime scale of graphs with `GraphSpec.scale` None, else None."""
     if plan.inference is not None:
-        out, _, _, _ = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, spec=plan.inference)
+        out, _, _, _ = _forward(
+            plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, spec=plan.inference, scale=scale
+        )
         # The caller drops lse (return_residual=False); it only has to have lse's type.
         unused = jnp.full((plan.fwd.b, plan.fwd.t, plan.fwd.n), -jnp.inf, jnp.float32)
         return out, varying.vary_over(unused, varying.union_axes(out)), None
-    out, stats, valid, row_max = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
+    out, stats, valid, row_max = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, scale=scale)
     return out, _masked_lse(stats, valid, sinks), _head_maxima(row_max, valid)
 
 
-def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8):
+def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, scale):
     is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
     if any(x.perturbed for x in jax.tree.leaves(args, is_leaf=is_primal) if is_primal(x)):
         raise NotImplementedError(
@@ -245,17 +262,17 @@ def _sdpa_fwd(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
         # Build the backward now: a modifier cuDNN rejects fails here, where dispatch can fall back.
         plan.executor.get_entry(plan.bwd)
     unwrap = lambda x: x.value if is_primal(x) else x
-    primals = jax.tree.map(unwrap, (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8), is_leaf=is_primal)
-    q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8 = primals
-    out, stats, valid, row_max = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
+    primals = (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, scale)
+    q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, scale = jax.tree.map(unwrap, primals, is_leaf=is_primal)
+    out, stats, valid, row_max = _forward(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, scale=scale)
     # An FP8 forward is differentiated by the 16-bit backward graph at the dequantized inputs q, k, v (`fp8.py`).
     residuals = (q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, jax.tree.map(lambda _: None, fp8), out, stats,
-                 valid)
+                 valid, scale)
     return (out, _masked_lse(stats, valid, sinks), _head_maxima(row_max, valid)), residuals
 
 
 def _sdpa_bwd(plan: Plan, residuals, cotangents):
-    q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, no_fp8, out, stats, valid = residuals
+    q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, no_fp8, out, stats, valid, scale = residuals
     d_out, d_lse, _ = cotangents  # the row maxima are a statistic
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
@@ -271,11 +288,12 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
         )  # fmt: skip
         # Exact zeros wherever a row or a key is not visible: no masking pass over the gradients.
         dq, dk, dv, dbias = lse_backward.gradients(
-            q, k, v, out, d_out, stats, _visible(plan, seq_q, seq_kv), scale=plan.bwd.scale, bias=bias
+            q, k, v, out, d_out, stats, _visible(plan, seq_q, seq_kv), scale=_scale_value(plan.bwd, scale),
+            bias=bias,
         )
     else:
         dq, dk, dv, dbias = _graph_gradients(plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, out, stats,
-                                             d_out, valid if mask_rows else None)  # fmt: skip
+                                             d_out, valid if mask_rows else None, scale)  # fmt: skip
     dsinks = None
     if sinks is not None:
         # d out_i / d sink = -p_sink,i * out_i with p_sink,i = exp(sink - lse_i); rows that see no key have out = 0.
@@ -287,17 +305,19 @@ def _sdpa_bwd(plan: Plan, residuals, cotangents):
     if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
         # Gradients flowing into lse: cuDNN's backward has no input for them; differentiate a reference lse.
         diff = (q, k, bias, sinks)
-        lse_reference, vjp = jax.vjp(lambda *a: _lse_reference(plan, *a, seq_q, seq_kv, args), *diff)
+        lse_reference, vjp = jax.vjp(lambda *a: _lse_reference(plan, *a, seq_q, seq_kv, args, scale), *diff)
         extra = vjp(varying.match(d_lse.astype(jnp.float32), lse_reference))
         dq, dk = (g + e.astype(g.dtype) for g, e in zip((dq, dk), extra[:2]))
         if bias is not None:
             dbias = dbias + extra[2].astype(dbias.dtype)
         if sinks is not None:
             dsinks = dsinks + extra[3].astype(dsinks.dtype)
-    return dq, dk, dv, dbias, dsinks, None, None, None, jax.tree.map(lambda _: None, args), no_fp8
+    d_scale = None if scale is None else _scale_gradient(q, dq, scale)  # dq: every path to q, lse's included
+    return dq, dk, dv, dbias, dsinks, None, None, None, jax.tree.map(lambda _: None, args), no_fp8, d_scale
 
 
-def _graph_gradients(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, out, stats, d_out, valid_rows):
+def _graph_gradients(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, args, out, stats, d_out, valid_rows,
+                     scale=None):  # fmt: skip
     """`(dq, dk, dv, dbias)` from the backward graph, zero in the rows `valid_rows` `[B, T, 1|N]` marks invalid (None:
     no row masking) and, unless the graph zero-fills them, in the keys past `seq_kv`."""
     seed, offset = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
@@ -305,7 +325,7 @@ def _graph_gradients(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, arg
         Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.DO: d_out, Uid.STATS: stats, Uid.BIAS: bias,
         Uid.SEQ_Q: _graph_seq_q(plan, seq_q, seq_kv), Uid.SEQ_KV: _graph_seq_kv(plan, seq_kv), Uid.SEED: seed,
         Uid.OFFSET: offset,
-        Uid.SINK: sinks,
+        Uid.SINK: sinks, Uid.ATTN_SCALE: scale,
         **_arg_values(args),
     }
     grads = executor.graph_call(plan.bwd, plan.executor)(*_operands(plan.bwd, values))
@@ -381,7 +401,7 @@ def make_plan(
     common = dict(
         dtype=np.dtype(config.output_dtype).name,
         b=b, t=t, s=s, n=config.num_q_heads, k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim,
-        scale=float(modifier_lib.folded_scale(config)),
+        scale=None if config.scale is None else float(modifier_lib.folded_scale(config)),
         alignment="bottom_right" if band.bottom_right else "top_left",
         left_bound=None if band.left is None else band.left + 1,
         right_bound=band.right,
@@ -554,11 +574,16 @@ def attention(
             )  # fmt: skip
             plan = make_plan(config, B, t, bias_shape, bias_grad=bias_grad, mask_bias=masks is not None,
                              graph_executor=graph_executor, device=device)
+    scale = None  # a runtime scale: one float32 [1] graph input for every value (`GraphSpec.scale` None)
+    if config.scale is None:
+        scale = jnp.reshape(modifier_lib.folded_scale(config, inputs.scale).astype(jnp.float32), (1,))
     # Inside shard_map: differentiable inputs vary like the rest, so custom_vjp cotangent types match.
-    q, k, v, bias, sinks = varying.like_inputs((q, k, v, bias, sinks), (q, k, v, bias, sinks, seq_q, seq_kv, seeds))
+    q, k, v, bias, sinks, scale = varying.like_inputs(
+        (q, k, v, bias, sinks, scale), (q, k, v, bias, sinks, seq_q, seq_kv, seeds, scale)
+    )
     if fp8 is not None and skip:
         fp8 = dataclasses.replace(fp8, q=fp8.q[:, skip:])
-    out, lse, maxima = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8)
+    out, lse, maxima = _sdpa(plan, q[:, skip:], k, v, bias, sinks, seq_q, seq_kv, seeds, args, fp8, scale)
     if skip:
         out = jnp.concatenate([jnp.zeros((B, skip) + out.shape[2:], out.dtype), out], axis=1)
         head = jnp.full((B, skip, N), -jnp.inf, jnp.float32) if sinks is None else jnp.broadcast_to(sinks, (B, skip, N))

@@ -69,6 +69,7 @@ class Uid(enum.IntEnum):
     AMAX_O = 31
     SCORE_MAX = 32
     SUM_EXP = 33
+    ATTN_SCALE = 34
 
 
 FP8_SCALES = (Uid.DESCALE_Q, Uid.DESCALE_K, Uid.DESCALE_V, Uid.DESCALE_S, Uid.SCALE_S, Uid.SCALE_O)
@@ -103,7 +104,8 @@ class GraphSpec:
         direction: `"fwd"` (outputs O and Stats) or `"bwd"` (outputs dQ, dK, dV and dBias when `bias_b`).
         dtype: `"float16"` or `"bfloat16"`.
         b, t, s, n, k, h, hv: batch, query length, key length, query heads, key/value heads, head dims.
-        scale: the logit scale (baked into the graph).
+        scale: the logit scale (baked into the graph), or None: a runtime scale, the float32 `[1]` input
+            `Uid.ATTN_SCALE` (one graph for every value of a traced or learned `scale`).
         alignment: `"top_left"` or `"bottom_right"` diagonal.
         left_bound: cuDNN's `diagonal_band_left_bound` (keys `j > i - left_bound` are kept) or None.
         right_bound: cuDNN's `diagonal_band_right_bound` (keys `j <= i + right_bound`) or None.
@@ -147,7 +149,7 @@ class GraphSpec:
     k: int
     h: int
     hv: int
-    scale: float
+    scale: float | None
     alignment: Literal["top_left", "bottom_right"] = "top_left"
     left_bound: int | None = None
     right_bound: int | None = None
@@ -203,6 +205,8 @@ class GraphSpec:
             uids += [MODIFIER_ARG_UID + i for i in range(len(self.modifier.arg_dims))]
         if self.fp8:
             uids += FP8_SCALES
+        if self.scale is None:
+            uids.append(Uid.ATTN_SCALE)
         return tuple(uids)
 
     def out_uids(self) -> tuple[Uid, ...]:
@@ -273,6 +277,7 @@ class GraphSpec:
             Uid.SEED: ((1,), "int32"),
             Uid.OFFSET: ((1,), "int32"),
             Uid.SINK: ((n,), "float32"),
+            Uid.ATTN_SCALE: ((1,), "float32"),
         }[uid]
 
     def _dense_shape(self, uid: Uid) -> tuple[int, ...]:
@@ -314,7 +319,7 @@ def _layout(uid: Uid, spec: GraphSpec) -> tuple[list[int], list[int]]:
         return [spec.bias_b, spec.bias_n, t, s], [spec.bias_n * t * s, t * s, s, 1]
     if uid in (Uid.SEQ_Q, Uid.SEQ_KV):
         return [b, 1, 1, 1], [1, 1, 1, 1]
-    if uid in (Uid.SEED, Uid.OFFSET) or uid in FP8_SCALES or uid in FP8_AMAXES:
+    if uid in (Uid.SEED, Uid.OFFSET, Uid.ATTN_SCALE) or uid in FP8_SCALES or uid in FP8_AMAXES:
         return [1, 1, 1, 1], [1, 1, 1, 1]
     if uid == Uid.SINK:
         return [1, n, 1, 1], [n, 1, 1, 1]

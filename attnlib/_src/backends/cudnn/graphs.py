@@ -149,7 +149,10 @@ def _define(spec: GraphSpec) -> Any:
             name=getattr(uid, "name", f"ARG{int(uid)}"), **extra,
         )
 
-    options: dict[str, Any] = {"attn_scale": float(spec.scale)}
+    # A runtime scale is a float32 [1,1,1,1] device tensor like the dropout seeds and FP8 scales (not pass-by-value:
+    # under jit its value lives on the device), bound by uid as every other operand.
+    scale = tensors[Uid.ATTN_SCALE] if spec.scale is None else float(spec.scale)
+    options: dict[str, Any] = {"attn_scale": scale}
     if spec.left_bound is not None or spec.right_bound is not None:
         alignment = cudnn.diagonal_alignment
         bottom_right = spec.alignment == "bottom_right"

@@ -86,13 +86,15 @@ def reads_input(jaxpr: Any, index: int) -> bool:
     return any(v is var for v in used)
 
 
-def folded_scale(config: AttentionConfig) -> float:
+def folded_scale(config: AttentionConfig, scale: Any = None) -> Any:
     """The graph's `attn_scale`. A soft cap without a `score_mod` folds its `1/c` into it, so the modifier is
-    `c * tanh(x)` on scores cuDNN already scaled (one multiply per score fewer)."""
+    `c * tanh(x)` on scores cuDNN already scaled (one multiply per score fewer). `scale`: the runtime scale array
+    when `config.scale` is None (the result is then an array too)."""
+    value = config.scale if config.scale is not None else scale
     has_score_mod = config.modifiers is not None and config.modifiers.score_mod is not None
     if config.logits_soft_cap is not None and not has_score_mod:
-        return config.scale / config.logits_soft_cap
-    return config.scale
+        return value / config.logits_soft_cap
+    return value
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

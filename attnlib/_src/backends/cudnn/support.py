@@ -202,6 +202,13 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
 
 def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_version: int) -> str | None:
     """Why cuDNN cannot serve `config` on a GPU of `capability` with cuDNN `cudnn_version`, or None if it can."""
+    if config.scale is None and (
+        config.layout != "dense" or (config.has_segments and not modifier_lib.visibility_as_bias(config))
+    ):
+        return (
+            f"cudnn: `scale` as an array (traced or learned) is supported on dense calls only, not on {config.layout} "
+            "ones or packed rows (segment ids); pass a Python float, or use implementation='xla_chunked'."
+        )
     if config.fp8 is not None:
         reason = fp8_reason(config, capability)
         if reason is not None:
