@@ -65,3 +65,11 @@ def test_local_spec_divides_batch_heads_bias_and_modifier_args():
     local = partitioning.local_spec(spec, FakeMesh(), partitioning.Split(("data",), ("model",), ("model",)))
     assert (local.b, local.n, local.k, local.bias_b, local.bias_n) == (1, 3, 1, 1, 1)
     assert local.shape(Uid.Q) == ((1, 7, 3, 16), "bfloat16")
+
+
+def test_a_runtime_scale_is_replicated():
+    """A traced `scale` reaches the graph as a `[1, 1, 1, 1]` input that every shard reads whole."""
+    rule, _, _ = _rule_of(dataclasses.replace(SPEC, scale=None))
+    operands = rule.split(" -> ")[0].split(", ")
+    assert len(operands) == 4 and operands[0].startswith("b t (k g)")
+    assert all(factor.startswith("u") for factor in operands[3].split()), operands[3]

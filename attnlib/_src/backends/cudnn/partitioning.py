@@ -85,8 +85,8 @@ def _dims(spec: GraphSpec, uid: int, shape: tuple[int, ...]) -> tuple[Dim, ...]:
     if spec.modifier is not None and uid >= MODIFIER_ARG_UID:
         _, n, t, s = shape
         return None, heads(n), "t" if t == spec.t else None, "s" if s == spec.s else None
-    if uid in FP8_SCALES or uid in FP8_AMAXES or uid in (Uid.SEED, Uid.OFFSET):
-        return (None,)
+    if uid in FP8_SCALES or uid in FP8_AMAXES or uid in (Uid.SEED, Uid.OFFSET, Uid.ATTN_SCALE):
+        return (None,) * len(shape)
     if uid in _RAGGED_OFFSETS:
         return None, None
     q_like = uid in (Uid.Q, Uid.DQ, Uid.O, Uid.DO)
