@@ -50,7 +50,7 @@ SWEEP_FILES = frozenset({
     "test_cudnn_ragged.py", "test_cudnn_dense_emulated.py", "test_score_mod_emulated.py", "test_fp8_cudnn_emulated.py",
     "test_dropout.py", "test_score_mod.py", "test_equinox.py", "test_haiku.py", "test_transforms.py",
     "test_fp8.py", "test_row_fill.py", "test_max_logit.py", "test_paged_cache.py", "test_xla_chunked.py",
-    "test_debug_nans.py",
+    "test_debug_nans.py", "test_traced_scale.py",
 })  # fmt: skip
 """Files of parametrized sweeps: the first case of each sweep runs in the fast tier, the others in the full matrix
 (`-m full`). `test_conformance.py` runs every feature on every implementation in the fast tier."""

@@ -64,13 +64,21 @@ def _inputs(options):
     return q, k, v, sinks, weights, kw
 
 
-@pytest.mark.parametrize(
-    "strategy,load_balanced",
-    [pytest.param("ring", True, id="ring-balanced"), pytest.param("all_gather", False, id="all_gather-contiguous"),
-     pytest.param("ring", False, id="ring-contiguous", marks=pytest.mark.full),
-     pytest.param("all_gather", True, id="all_gather-balanced", marks=pytest.mark.full)],
-)  # fmt: skip
-@pytest.mark.parametrize("name", list(OPTIONS))
+def _params():
+    """Every option with every strategy and layout; the fast tier runs each option once, alternating ring
+    (load-balanced) and all-gather (contiguous)."""
+    params = []
+    for i, name in enumerate(OPTIONS):
+        fast = ("ring", True) if i % 2 == 0 else ("all_gather", False)
+        for strategy in ("ring", "all_gather"):
+            for balanced in (True, False):
+                marks = () if (strategy, balanced) == fast else (pytest.mark.full,)
+                layout = "balanced" if balanced else "contiguous"
+                params.append(pytest.param(name, strategy, balanced, marks=marks, id=f"{name}-{strategy}-{layout}"))
+    return params
+
+
+@pytest.mark.parametrize("name,strategy,load_balanced", _params())
 def test_context_parallel_on_the_cudnn_wrapper(name, strategy, load_balanced):
     q, k, v, sinks, weights, kw = _inputs(OPTIONS[name])
     mesh = Mesh(np.array(jax.devices()[:D]), ("sp",))

@@ -18,6 +18,11 @@ def test_eight_device_cases():
     run_pytest_on_simulated_devices("sharding_cases.py", 8)
 
 
+@pytest.mark.full
+def test_eight_device_cases_full_matrix():
+    run_pytest_on_simulated_devices("sharding_cases.py", 8, tier="full")
+
+
 SPEC = GraphSpec(direction="fwd", dtype="bfloat16", b=4, t=7, s=11, n=6, k=2, h=16, hv=8, scale=0.25)
 
 
