@@ -207,6 +207,7 @@ print(*(cache.key_digest(dense.graphs.cache_key(spec, device)) for spec in (plan
 """
 
 
+@pytest.mark.full  # heavy; its feature runs in the fast tier elsewhere
 def test_modifier_graph_keys_are_stable_across_processes_and_distinct():
     """The same score_mod / mask_mod in a fresh process gives the same graph keys (a disk-cache hit); changing the
     function gives other keys."""

@@ -635,6 +635,7 @@ def test_segments_without_a_bound_under_jit(emulated, runs, fused):
         _close(x, r, (2 if name == "out" else 8 * float(np.max(np.abs(r)))) * e, e, name)
 
 
+@pytest.mark.full  # heavy; its feature runs in the fast tier elsewhere
 def test_segments_without_a_bound_take_it_from_concrete_ids(emulated):
     """Outside `jit` the bound is the rows' own segment count rounded up to a power of two (here 20 -> 32): no
     fallback, no NaN, the same numbers as that bound given explicitly."""
@@ -729,6 +730,7 @@ def test_paged_wrapper_matches_reference(emulated, case):
     _close(lse, r_lse, 2 * e, 0, "lse")
 
 
+@pytest.mark.full  # heavy; its feature runs in the fast tier elsewhere
 def test_paged_gradient_rules(emulated):
     B, P, page = 2, 6, 4
     q = jax.random.normal(jax.random.key(1), (B, 1, 2, 64)).astype(jnp.bfloat16)
