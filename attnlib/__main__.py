@@ -33,20 +33,17 @@ def _reference(q, k, v, scale):
     return np.einsum("bnts,bsnh->btnh", p, v)
 
 
-def _version(code: int, parts: int = 3) -> str:
-    return ".".join(str(code // 100 ** (2 - i) % 100) if i else str(code // 10000) for i in range(parts))
-
-
 def _extension_line() -> str:
     info = ffi.build_info()
     if info is None:
         return "native cuDNN extension: not built"
     major, minor = info["xla_ffi_api"]
     jaxlib = f" of jaxlib {info['jaxlib']}" if info["jaxlib"] else ""
+    frontend, cudnn = support.version_string(info["cudnn_frontend"]), support.version_string(info["cudnn"])
+    cuda = f"{info['cuda'] // 1000}.{info['cuda'] % 1000 // 10}"
     return (
-        f"native cuDNN extension: built against cudnn-frontend {_version(info['cudnn_frontend'])}, cuDNN headers "
-        f"{_version(info['cudnn'])}, CUDA {info['cuda'] // 1000}.{info['cuda'] % 1000 // 10}, XLA FFI API "
-        f"{major}.{minor}{jaxlib}"
+        f"native cuDNN extension: built against cudnn-frontend {frontend}, cuDNN headers {cudnn}, CUDA {cuda}, "
+        f"XLA FFI API {major}.{minor}{jaxlib}"
     )
 
 

@@ -155,8 +155,9 @@ def _prepare(hook, metadata_directory, config_settings):
 def _build(hook, wheel_directory, config_settings):
     # scikit-build-core checks a wheel's metadata against a prepared directory; the frontend requirement is added
     # to both afterwards, so it is given none.
-    name = hook(wheel_directory, _with_native_settings(config_settings), None)
-    if _mode(config_settings) == "ON":
+    settings = _with_native_settings(config_settings)
+    name = hook(wheel_directory, settings, None)
+    if settings[_DEFINE + "ATTNLIB_ENABLE_CUDA"] == "ON":
         add_requirement_to_wheel(pathlib.Path(wheel_directory, name), frontend_requirement())
     return name
 

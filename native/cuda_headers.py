@@ -37,7 +37,7 @@ FRONTEND_INCLUDE = pathlib.Path(__file__).resolve().parent / "third_party" / "cu
 _SITE_SCAN = (
     "import json, sys, importlib.metadata as m\n"
     "versions = {}\n"
-    "for name in ('jax', 'jaxlib', 'jax-cuda12-plugin', 'jax-cuda13-plugin', 'nvidia-cuda-runtime'):\n"
+    "for name in ('jaxlib', 'jax-cuda12-plugin', 'jax-cuda13-plugin', 'nvidia-cuda-runtime'):\n"
     "    try:\n"
     "        versions[name] = m.version(name)\n"
     "    except m.PackageNotFoundError:\n"
