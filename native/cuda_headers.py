@@ -17,7 +17,10 @@ The cudnn-frontend headers are those of the pinned `nvidia-cudnn-frontend` wheel
 The target environment is the one pip installs into: a GPU user's `jax[cuda13]` already holds them, so nothing is
 fetched. pip's default isolated build runs the backend with the target's
 interpreter and hides its site-packages with `PYTHONPATH` / `PYTHONNOUSERSITE`; the same interpreter without those
-variables shows them (and `$VIRTUAL_ENV` names an activated one). The toolkit is `$CUDA_HOME` (or `$CUDA_PATH`) when
+variables shows them. A front end that builds in a virtualenv of its own (`python -m build`) runs another interpreter;
+there `$VIRTUAL_ENV`, an activated environment, is the target. Under pip's overlay `$VIRTUAL_ENV` is ignored: it may
+name an environment other than the one pip installs into (`other-venv/bin/python -m pip install .` with a venv
+active). The toolkit is `$CUDA_HOME` (or `$CUDA_PATH`) when
 set, else `/usr/local/cuda`.
 """
 
@@ -79,7 +82,8 @@ def environments() -> list[tuple[str, Environment]]:
     found = [("build environment", here)] if here else []
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
     candidates = [sys.executable]
-    if venv := os.environ.get("VIRTUAL_ENV"):
+    pip_overlay = "PYTHONPATH" in os.environ and "PYTHONNOUSERSITE" in os.environ
+    if (venv := os.environ.get("VIRTUAL_ENV")) and not pip_overlay:
         candidates.append(os.path.join(venv, "bin", "python"))
     for python in candidates:
         if not os.path.exists(python):

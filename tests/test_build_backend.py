@@ -154,6 +154,26 @@ def test_the_target_environment_is_seen_from_an_isolated_build(tmp_path, monkeyp
     assert any(p.endswith("site-packages") for _, env in envs for p in env.path)
 
 
+@pytest.mark.parametrize("pip_overlay", [True, False])
+def test_an_activated_venv_is_a_target_only_outside_pips_overlay(tmp_path, monkeypatch, pip_overlay):
+    """`/tmp/other/bin/python -m pip install .` with a venv active installs into /tmp/other, not into $VIRTUAL_ENV;
+    a front end with a build venv of its own (`python -m build`) installs into $VIRTUAL_ENV."""
+    active = tmp_path / "active"
+    (active / "bin").mkdir(parents=True)
+    (active / "bin" / "python").write_text("")
+    scanned = []
+    monkeypatch.setattr(cuda_headers, "_scan", lambda python, env: scanned.append(python) or
+                        cuda_headers.Environment((python,), {}))
+    monkeypatch.setenv("VIRTUAL_ENV", str(active))
+    for name in ("PYTHONPATH", "PYTHONNOUSERSITE"):
+        if pip_overlay:
+            monkeypatch.setenv(name, "1")
+        else:
+            monkeypatch.delenv(name, raising=False)
+    cuda_headers.environments()
+    assert (str(active / "bin" / "python") in scanned) is not pip_overlay
+
+
 def test_without_a_gpu_or_headers_the_wheel_is_pure(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(attnlib_build, "gpu_visible", lambda: False)
     monkeypatch.setattr(attnlib_build.sys, "platform", "linux")
