@@ -20,8 +20,7 @@ interpreter and hides its site-packages with `PYTHONPATH` / `PYTHONNOUSERSITE`; 
 variables shows them. A front end that builds in a virtualenv of its own (`python -m build`) runs another interpreter;
 there `$VIRTUAL_ENV`, an activated environment, is the target. Under pip's overlay `$VIRTUAL_ENV` is ignored: it may
 name an environment other than the one pip installs into (`other-venv/bin/python -m pip install .` with a venv
-active). The toolkit is `$CUDA_HOME` (or `$CUDA_PATH`) when
-set, else `/usr/local/cuda`.
+active). The toolkit is `$CUDA_HOME` (or `$CUDA_PATH`) when set, else `/usr/local/cuda`.
 """
 
 import dataclasses
