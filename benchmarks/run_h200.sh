@@ -3,8 +3,13 @@
 # extension once, then run the steps asked for, in order, each under its own time limit, every JSON and log in OUT_DIR.
 #
 # Usage: bash benchmarks/run_h200.sh OUT_DIR STEP [STEP ...]
-#   build                       the extension only (every other step builds it first when needed)
-#   selfcheck                   python -m attnlib
+#   build                       the extension only, by the README's first command (every other step builds it
+#                               first when needed; $ATTNLIB_FIND_LINKS: a wheel folder for a machine without registry)
+#   develop                     the README's second command's install (editable, isolated build) instead
+#   sharding[:SECONDS]          tests/gpu_sharding_check.py (mocked topologies, one device, dropout, chunked)
+#   stage-cudnn / swap-cudnn    the newest cuDNN from ../shared/tools/device-cudnn.sh's parts: stage .cudnn/partaa
+#                               and .cudnn/sha (one call), join .cudnn/partab and swap the libraries in (the next)
+#   selfcheck                   python -P -m attnlib (the installed package, from /tmp)
 #   tests[:SECONDS]             pytest -m gpu over tests/ (or the node ids / files in $ATTNLIB_TESTS, or listed one
 #                               per line in the file $ATTNLIB_TESTS_FILE), in parallel (ATTNLIB_WORKERS, default 12)
 #   bench:SCRIPT[:SECONDS]      benchmarks/SCRIPT.py --json OUT_DIR/SCRIPT.json (extra args in $ATTNLIB_ARGS_SCRIPT,
@@ -21,49 +26,60 @@ mkdir -p "$out"
 root=$(pwd)
 
 build() {
-  if [ -e attnlib/_attnlib_ffi*.so ] && [ ! native/src/cudnn_graph.cc -nt attnlib/_attnlib_ffi*.so ] \
-     && [ -d /tmp/attnlib_meta ]; then
+  if [ -e attnlib/_attnlib_ffi*.so ] && [ ! native/src/cudnn_graph.cc -nt attnlib/_attnlib_ffi*.so ]; then
     return 0
   fi
   local start; start=$(date +%s)
-  rm -rf /tmp/attnlib_wheel build/cp3*-linux_x86_64
-  # The device image's default /opt/gcc/bin/g++ links libstdc++ statically, and iostreams inside the cuDNN frontend
-  # then crash in the JAX process (measured). Use the system compiler, which links the process's libstdc++.so.
-  if [ "${ATTNLIB_CXX:-system}" = system ]; then
-    for cxx in /usr/bin/g++-13 /usr/bin/g++; do
-      if [ -x "$cxx" ]; then export CXX=$cxx; break; fi
-    done
+  # The README's first command, as pip runs it for a user: isolated build, headers from wheels, the CUDA toolkit
+  # hidden (CUDA_HOME names no directory). A machine without a registry gets the build requirements and the missing
+  # header wheels from $ATTNLIB_FIND_LINKS (and the run-time requirements already installed: --no-deps).
+  local how=(env CUDA_HOME=/nonexistent)
+  local deps=()
+  if [ -n "${ATTNLIB_FIND_LINKS:-}" ]; then
+    how+=(PIP_NO_INDEX=1 "PIP_FIND_LINKS=$ATTNLIB_FIND_LINKS"); deps=(--no-deps)
   fi
-  if ! python3 -m pip wheel -v --no-build-isolation --no-deps \
-       -C cmake.build-type="${ATTNLIB_BUILD_TYPE:-Release}" . -w /tmp/attnlib_wheel > "$out/build.log" 2>&1; then
+  if ! "${how[@]}" python3 -m pip install -v "${deps[@]}" . > "$out/build.log" 2>&1; then
     tail -40 "$out/build.log"; return 1
   fi
-  python3 - "$root" <<'PY'
-import glob, sys, zipfile
-z = zipfile.ZipFile(glob.glob("/tmp/attnlib_wheel/attnlib*.whl")[0])
-for name in z.namelist():
-    if "_attnlib_ffi" in name and name.endswith(".so"):
-        z.extract(name, sys.argv[1]); print("extracted", name)
-PY
-  # attnlib's metadata (its __version__) from the wheel; the code itself is imported from this tree.
-  python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/attnlib_meta /tmp/attnlib_wheel/attnlib*.whl \
-    || return 1
-  echo "build: $(( $(date +%s) - start )) s (compiler ${CXX:-default})"
-  python3 -c "import attnlib._attnlib_ffi as m; print('extension FE version', m.frontend_version())" || return 1
+  grep -E "attnlib build:|Successfully installed" "$out/build.log" | tail -8
+  # Tests and benchmarks import attnlib from this tree (the same sources): give it the installed extension.
+  local so; so=$(cd /tmp && python3 -P -c "import attnlib._attnlib_ffi as m; print(m.__file__)") || return 1
+  cp "$so" attnlib/
+  echo "build: $(( $(date +%s) - start )) s"
+  (cd /tmp && python3 -P -c "import attnlib._attnlib_ffi as m; print('extension build info', m.build_info())") || return 1
   ldd attnlib/_attnlib_ffi*.so | grep -q "libstdc++" || echo "WARNING: the extension links libstdc++ statically"
 }
 
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/attnlib_meta:$root/.whl/xprof_standin"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root/.whl/xprof_standin"
 export ATTNLIB_CACHE_DIR=${ATTNLIB_CACHE_DIR:-/tmp/attnlib_cache} XLA_PYTHON_CLIENT_PREALLOCATE=false
-build 2>&1 | tee -a "$out/build_summary.log" | tail -4
+build 2>&1 | tee -a "$out/build_summary.log" | tail -12
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 
 for step in "$@"; do
   IFS=: read -r kind name seconds <<< "$step"
   case "$kind" in
     build) ;;
+    develop)
+      rm -f attnlib/_attnlib_ffi*.so
+      how=(env CUDA_HOME=/nonexistent); deps=()
+      if [ -n "${ATTNLIB_FIND_LINKS:-}" ]; then how+=(PIP_NO_INDEX=1 "PIP_FIND_LINKS=$ATTNLIB_FIND_LINKS"); deps=(--no-deps); fi
+      "${how[@]}" python3 -m pip install -v "${deps[@]}" -e . > "$out/develop.log" 2>&1 || { tail -30 "$out/develop.log"; exit 1; }
+      grep -E "attnlib build:|Successfully installed" "$out/develop.log" | tail -8
+      python3 -c "import attnlib, attnlib._attnlib_ffi as m; print('editable:', attnlib.__file__, m.__file__)" ;;
+    sharding)
+      timeout "${name:-400}" python3 tests/gpu_sharding_check.py --timeout 120 2>&1 | tee "$out/sharding.log" \
+        | grep -v "^WARNING:absl" | tail -80 ;;
+    stage-cudnn)
+      mkdir -p /tmp/cudnn_parts && cp .cudnn/partaa .cudnn/sha /tmp/cudnn_parts/ && echo "cuDNN part 1 staged" ;;
+    swap-cudnn)
+      cat /tmp/cudnn_parts/partaa .cudnn/partab > /tmp/cudnn.tar.xz
+      [ "$(sha256sum /tmp/cudnn.tar.xz | cut -c1-64)" = "$(cut -c1-64 /tmp/cudnn_parts/sha)" ] || { echo "sha mismatch"; exit 4; }
+      lib=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))")
+      mkdir -p /tmp/cudnn_image /tmp/cudnn_new && tar -C /tmp/cudnn_new -xJf /tmp/cudnn.tar.xz
+      mv "$lib"/* /tmp/cudnn_image/ && cp /tmp/cudnn_new/lib/* "$lib"/
+      python3 -c "import cudnn; print('cuDNN backend now', cudnn.backend_version())" ;;
     selfcheck)
-      timeout 90 python3 -m attnlib 2>&1 | tee "$out/selfcheck.log" ;;
+      (cd /tmp && timeout 120 python3 -P -m attnlib) 2>&1 | tee "$out/selfcheck.log" ;;
     tests)
       seconds=${name:-400}
       if [ -n "${ATTNLIB_TESTS_FILE:-}" ]; then mapfile -t targets < "$ATTNLIB_TESTS_FILE"

@@ -10,14 +10,22 @@ import dataclasses
 import pytest
 from helpers import run_pytest_on_simulated_devices
 
-from attnlib._src.backends.cudnn import partitioning
+from attnlib._src.backends.cudnn import ffi, partitioning
 from attnlib._src.backends.cudnn.graphs import GraphSpec, Uid
 
 
+needs_extension = pytest.mark.skipif(
+    ffi.unavailable_reason() is not None,
+    reason=f"the 8-device cases run the native extension's CPU handler: {ffi.unavailable_reason()}",
+)
+
+
+@needs_extension
 def test_eight_device_cases():
     run_pytest_on_simulated_devices("sharding_cases.py", 8)
 
 
+@needs_extension
 @pytest.mark.full
 def test_eight_device_cases_full_matrix():
     run_pytest_on_simulated_devices("sharding_cases.py", 8, tier="full")
