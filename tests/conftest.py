@@ -1,4 +1,5 @@
-"""Test configuration: strict promotion, the `gpu` and `tpu` markers and their skip / require logic, the `full` tier of sweeps.
+"""Test configuration: strict promotion, the `gpu` and `tpu` markers and their skip / require logic, the `full` tier
+of sweeps.
 
 Never import attnlib at the top of this file (the jaxtyping pytest hook must see it first).
 """

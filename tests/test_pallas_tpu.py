@@ -66,8 +66,11 @@ CASES = {
         kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)), ("is_causal", True)),
     ),  # fmt: skip
     "lengths_with_empty_rows": Case(
-        kwargs=(("query_seq_lengths", np.asarray([30, 0], np.int32)), ("key_value_seq_lengths", np.asarray([0, 41], np.int32)),
-                ("is_causal", True))  # fmt: skip
+        kwargs=(
+            ("query_seq_lengths", np.asarray([30, 0], np.int32)),
+            ("key_value_seq_lengths", np.asarray([0, 41], np.int32)),
+            ("is_causal", True),
+        )
     ),
     "mqa": Case(n=5, k=1, kwargs=(("is_causal", True),)),
     "soft_cap_gqa": Case(n=6, k=3, kwargs=(("logits_soft_cap", 1.5), ("scale", 0.9))),
@@ -323,8 +326,9 @@ def test_haiku_layer_runs_pallas_tpu():
     x = normal(rng(6), (2, 29, 24))
 
     def apply(impl):
-        f = hk.transform(lambda x: ahk.MultiHeadAttention(3, 8, model_size=24, is_causal=True, implementation=impl,
-                                                           w_init=hk.initializers.VarianceScaling(1.0))(x, x, x))  # fmt: skip
+        init = hk.initializers.VarianceScaling(1.0)
+        layer = lambda: ahk.MultiHeadAttention(3, 8, model_size=24, is_causal=True, implementation=impl, w_init=init)
+        f = hk.transform(lambda x: layer()(x, x, x))
         params = f.init(jax.random.key(0), x)
         return f.apply(params, None, x)
 
