@@ -5,6 +5,7 @@ import importlib.metadata
 from . import context_parallel as context_parallel
 from ._src.attention import attention as attention, explain as explain
 from ._src.backends.cudnn.implementation import Cudnn as Cudnn
+from ._src.backends.pallas_tpu.implementation import PallasTpu as PallasTpu
 from ._src.backends.xla import Xla as Xla
 from ._src.backends.xla_chunked import XlaChunked as XlaChunked
 from ._src.dispatch import Explanation as Explanation

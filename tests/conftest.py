@@ -1,4 +1,5 @@
-"""Test configuration: strict promotion, the `gpu` marker and its skip / require logic, the `full` tier of sweeps.
+"""Test configuration: strict promotion, the `gpu` and `tpu` markers and their skip / require logic, the `full` tier
+of sweeps.
 
 Never import attnlib at the top of this file (the jaxtyping pytest hook must see it first).
 """
@@ -46,6 +47,30 @@ def _gpu_unavailable_reason() -> str | None:
     return None
 
 
+def _tpu_unavailable_reason() -> str | None:
+    try:
+        if not any(d.platform == "tpu" for d in jax.devices()):
+            return "no TPU visible to JAX"
+    except RuntimeError as e:  # pragma: no cover - backend init failure
+        return f"JAX could not initialise a TPU backend: {e}"
+    return None
+
+
+def _skip_without(items, marker: str, reason_fn, require_env: str) -> None:
+    """Skip the `marker` tests when `reason_fn()` says the device is missing; `require_env=1` makes that an error."""
+    marked = [item for item in items if marker in item.keywords]
+    if not marked:
+        return
+    reason = reason_fn()
+    if reason is None:
+        return
+    if os.environ.get(require_env) == "1":
+        raise pytest.UsageError(f"{require_env}=1 but {marker.upper()} tests cannot run: {reason}")
+    skip = pytest.mark.skip(reason=f"{marker} test: {reason}")
+    for item in marked:
+        item.add_marker(skip)
+
+
 SWEEP_FILES = frozenset({
     "test_cudnn_ragged.py", "test_cudnn_dense_emulated.py", "test_score_mod_emulated.py", "test_fp8_cudnn_emulated.py",
     "test_dropout.py", "test_score_mod.py", "test_equinox.py", "test_haiku.py", "test_transforms.py",
@@ -70,14 +95,5 @@ def _mark_sweeps_full(items) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     _mark_sweeps_full(items)
-    gpu_items = [item for item in items if "gpu" in item.keywords]
-    if not gpu_items:
-        return
-    reason = _gpu_unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("ATTNLIB_REQUIRE_GPU") == "1":
-        raise pytest.UsageError(f"ATTNLIB_REQUIRE_GPU=1 but GPU tests cannot run: {reason}")
-    skip = pytest.mark.skip(reason=f"gpu test: {reason}")
-    for item in gpu_items:
-        item.add_marker(skip)
+    _skip_without(items, "gpu", _gpu_unavailable_reason, "ATTNLIB_REQUIRE_GPU")
+    _skip_without(items, "tpu", _tpu_unavailable_reason, "ATTNLIB_REQUIRE_TPU")

@@ -20,9 +20,10 @@ def test_import_attnlib_imports_no_framework():
 def test_public_names():
     assert callable(attnlib.attention)
     assert callable(attnlib.explain)
-    for cls in (attnlib.Cudnn, attnlib.Xla, attnlib.XlaChunked):
+    for cls in (attnlib.Cudnn, attnlib.PallasTpu, attnlib.Xla, attnlib.XlaChunked):
         assert hash(cls()) == hash(cls()) and cls() == cls()  # frozen, hashable: static under jit
     assert attnlib.Cudnn().name == "cudnn" and attnlib.Xla().name == "xla" and attnlib.XlaChunked().name == "xla_chunked"
+    assert attnlib.PallasTpu().name == "pallas_tpu"
     assert isinstance(attnlib.__version__, str)
 
 
@@ -40,7 +41,7 @@ def test_explain_accepts_shape_dtype_structs_and_reports_reasons():
     # Small scores: a CPU picks xla_chunked at every size, an accelerator leaves them to xla.
     on_cpu = jax.default_backend() == "cpu"
     assert explanation.implementation == ("xla_chunked" if on_cpu else "xla")
-    assert set(explanation.declined) == ({"cudnn"} if on_cpu else {"cudnn", "xla_chunked"})
+    assert set(explanation.declined) == ({"cudnn", "pallas_tpu"} if on_cpu else {"cudnn", "pallas_tpu", "xla_chunked"})
     assert all(isinstance(r, str) and r for r in explanation.declined.values())
     assert f"would run: {explanation.implementation}" in str(explanation)
 
@@ -163,7 +164,7 @@ def test_configured_implementation_in_explain_sequences_and_layers():
 @pytest.mark.parametrize(
     "bad, error, match",
     [
-        (5, TypeError, r"`implementation` must be str \| attnlib.Cudnn \| attnlib.XlaChunked \| attnlib.Xla \| a sequence"),
+        (5, TypeError, r"`implementation` must be str \| attnlib.Cudnn \| attnlib.PallasTpu \| attnlib.XlaChunked \| attnlib.Xla \| a sequence"),
         ("flash", ValueError, r"`implementation` must be None, one of .* a configured implementation"),
         ([], ValueError, r"non-empty sequence"),
         (["xla", 3], ValueError, r"Got \['xla', 3\]"),

@@ -136,3 +136,16 @@ class Band:
         lo = xp.zeros_like(diagonal) if self.left is None else xp.maximum(diagonal - self.left, 0)
         hi = last if self.right is None else xp.minimum(diagonal + self.right, last)
         return lo <= hi
+
+
+def causal_mask_is_a_no_op(is_causal, diagonal_alignment, q_len, layout, q_segment_ids) -> bool:
+    """A single query row aligned bottom-right sits on the last key of its sequence and sees every key: decoding.
+    Dropping the mask there lets cuDNN run its unmasked kernels (docs/performance.md, decode loop); a window still
+    bounds the row from the left."""
+    return (
+        bool(is_causal)
+        and diagonal_alignment == "bottom_right"
+        and q_len == 1
+        and layout != "thd"
+        and q_segment_ids is None
+    )

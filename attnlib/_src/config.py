@@ -16,7 +16,7 @@ from .modifiers import Modifiers
 Layout = Literal["dense", "thd", "paged"]
 Alignment = Literal["top_left", "bottom_right"]
 
-IMPLEMENTATIONS = ("cudnn", "xla_chunked", "xla")
+IMPLEMENTATIONS = ("cudnn", "pallas_tpu", "xla_chunked", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,8 @@ class AttentionConfig:
         bias_shape, mask_shape: the caller's shapes, or None.
         has_q_lengths, has_kv_lengths: padding lengths given.
         has_segments: packed rows via segment ids.
+        separate_kv_structure: keys carry their own sequence structure (`kv_segment_ids` or `cu_seqlens_kv` given),
+            rather than the queries'.
         max_segments_per_row: the static bound on segments per row, or None.
         num_sequences: THD: `B` of `cu_seqlens` (`len(cu_seqlens) - 1`); paged: rows of the page table.
         max_seqlen_q, max_seqlen_kv: THD static bounds (default: the token counts).
@@ -91,6 +93,7 @@ class AttentionConfig:
     fp8: Literal["current", "scaled"] | None = None
     fp8_output_dtype: np.dtype | None = None
     max_logit: bool = False
+    separate_kv_structure: bool = False
 
     @property
     def output_dtype(self) -> np.dtype:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import fp8 as fp8_lib, modifiers as modifiers_lib
+from . import band, fp8 as fp8_lib, modifiers as modifiers_lib
 from .config import AttentionConfig, AttentionInputs
 
 
@@ -235,7 +235,7 @@ def validate(
             "Python float."
         )
 
-    if _causal_mask_is_a_no_op(is_causal, diagonal_alignment, g.T, g.layout, q_segment_ids):
+    if band.causal_mask_is_a_no_op(is_causal, diagonal_alignment, g.T, g.layout, q_segment_ids):
         is_causal = False
     config = AttentionConfig(
         layout=g.layout,
@@ -257,6 +257,7 @@ def validate(
         has_q_lengths=query_seq_lengths is not None,
         has_kv_lengths=key_value_seq_lengths is not None,
         has_segments=q_segment_ids is not None,
+        separate_kv_structure=kv_segment_ids is not None or cu_seqlens_kv is not None,
         max_segments_per_row=max_segments_per_row,
         num_sequences=num_sequences,
         max_seqlen_q=max_q,
@@ -588,16 +589,3 @@ def _scale(scale: Any, H: int) -> Any:
         if not math.isfinite(float(scale)):
             raise ValueError(f"`scale` must be finite. Got {scale!r}.")
     return scale
-
-
-def _causal_mask_is_a_no_op(is_causal, diagonal_alignment, q_len, layout, q_segment_ids) -> bool:
-    """A single query row aligned bottom-right sits on the last key of its sequence and sees every key: decoding.
-    Dropping the mask there lets cuDNN run its unmasked kernels (docs/performance.md, decode loop); a window still
-    bounds the row from the left."""
-    return (
-        bool(is_causal)
-        and diagonal_alignment == "bottom_right"
-        and q_len == 1
-        and layout != "thd"
-        and q_segment_ids is None
-    )

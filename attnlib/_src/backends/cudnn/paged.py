@@ -109,7 +109,7 @@ def attention(
         seq_q = jnp.full((B,), T, jnp.int32)
     else:
         seq_q = jnp.clip(jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32), 0, T)
-    band = Band.of(config)  # decode's no-op causal mask is already dropped (`validation._causal_mask_is_a_no_op`)
+    band = Band.of(config)  # decode's no-op causal mask is already dropped (`band.causal_mask_is_a_no_op`)
     spec = GraphSpec(
         direction="fwd", dtype=np.dtype(config.dtype).name, b=B, t=T, s=config.kv_len, n=N,
         k=config.num_kv_heads, h=config.head_dim, hv=config.value_head_dim, scale=float(config.scale),

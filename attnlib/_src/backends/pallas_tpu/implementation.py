@@ -1,0 +1,124 @@
+"""`attnlib.PallasTpu`: the Pallas TPU implementation, its options and the calls it declines, with reasons."""
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+from ...config import AttentionConfig, AttentionInputs
+from ..base import Context, Implementation
+from . import blocks
+
+
+MAX_HEAD_DIM = 256
+"""The largest head dim (after padding to 128 lanes) attnlib hands splash: its blocks hold whole heads in VMEM."""
+
+DTYPES = (np.dtype("bfloat16"), np.dtype("float32"))
+
+
+def tpu_visible() -> bool:
+    """Whether JAX sees a TPU."""
+    try:
+        return any(d.platform == "tpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def _backward_kernels_reason() -> str | None:
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    if not all(hasattr(sk, n) for n in ("_splash_attention_bwd_dkv", "_splash_attention_bwd_dq")):
+        return "this JAX's splash attention lacks the dK/dV and dQ kernels attnlib's backward calls"
+    return None
+
+
+def feature_reason(config: AttentionConfig) -> str | None:
+    """Why splash cannot serve `config` (a sentence naming the feature and the limit), or None. Pure Python."""
+    if config.layout == "paged":
+        return (
+            "paged KV caches (`page_table`) are not served: JAX's paged-attention kernels take head-major page "
+            "pools and no log-sum-exp or gradient"
+        )
+    if config.fp8 is not None:
+        return "FP8 attention (`fp8=`) is not supported: splash runs bfloat16 and float32"
+    if config.dtype not in DTYPES:
+        return f"{config.dtype} inputs are not supported: splash runs bfloat16 and float32"
+    unsupported = [
+        (config.has_bias, "`bias` is not supported: splash takes no additive bias"),
+        (config.has_mask, "`mask` arrays are not supported: splash takes static masks and segment ids only"),
+        (config.dropout_rate > 0, "dropout is not supported: splash has no dropout"),
+        (config.has_sinks, "`sinks` are not supported yet by attnlib's splash backward"),
+        (config.has_modifiers, "`score_mod` / `mask_mod` are not supported: splash has no score modifiers"),
+        (config.deterministic_backward, "`deterministic_backward=True` is not supported: splash does not promise a "
+                                        "bitwise reproducible backward"),
+    ]  # fmt: skip
+    for declined, reason in unsupported:
+        if declined:
+            return reason
+    if config.head_dim != config.value_head_dim:
+        return f"value head dim Hv={config.value_head_dim} != H={config.head_dim} (MLA) is not supported"
+    if blocks.round_up(config.head_dim, blocks.LANES) > MAX_HEAD_DIM:
+        return f"head dim H={config.head_dim} is not supported: at most {MAX_HEAD_DIM}"
+    if config.q_len == 0 or config.kv_len == 0:
+        return f"empty sequences (T={config.q_len}, S={config.kv_len}) are not supported"
+    banded = config.is_causal or config.window is not None
+    if banded and config.separate_kv_structure:
+        return (
+            "a causal mask or window over packed sequences with their own key structure (`kv_segment_ids` or "
+            "`cu_seqlens_kv`) is not supported: splash's masks have one static offset, not one per sequence"
+        )
+    lengths = config.has_q_lengths or config.has_kv_lengths
+    if banded and lengths and config.diagonal_alignment == "bottom_right" and config.layout == "dense":
+        return (
+            "a bottom-right aligned causal mask or window with padding lengths is not supported: the offset differs "
+            "per row and splash's masks have one static offset"
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasTpu(Implementation):
+    """`implementation="pallas_tpu"`: fused attention on TPU through JAX's bundled Pallas TPU kernels (splash
+    attention), forward and backward. Pass an instance wherever `implementation` takes a name (alone or in a
+    sequence); the name stands for `PallasTpu()`.
+
+    It serves dense and THD layouts with causal masks (both diagonal alignments), two-sided windows, padding
+    lengths, packed segment ids, GQA / MQA, `logits_soft_cap`, float or array `scale`, the returned `lse` and
+    gradients of query, key and value (through `lse` too), in bfloat16 and float32. What it declines, and why,
+    `attnlib.explain` says (docs/implementations.md).
+
+    Attributes:
+        block_sizes: splash's tiles: None (the default) for attnlib's table by shape (`blocks.py`), or a
+            `jax.experimental.pallas.ops.tpu.splash_attention.BlockSizes` (backward blocks it leaves unset follow
+            its forward blocks; every block a multiple of 128; lengths are padded to multiples of its blocks).
+        interpret: run the Pallas kernels in interpret mode: slow, but on any backend (CPU included); for tests.
+            Defaults to False: off a TPU the implementation then declines ("no TPU visible to JAX").
+    """
+
+    block_sizes: Any = None
+    interpret: bool = False
+    name: ClassVar[str] = "pallas_tpu"
+
+    def __post_init__(self):
+        if self.block_sizes is not None:
+            blocks.check_user_block_sizes(self.block_sizes)
+        if not isinstance(self.interpret, bool):
+            raise TypeError(f"`interpret` must be a bool. Got interpret={self.interpret!r}.")
+
+    def decline_reason(self, config: AttentionConfig, context: Context) -> str | None:
+        if not self.interpret and not tpu_visible():
+            return "no TPU visible to JAX"
+        return feature_reason(config) or _backward_kernels_reason()
+
+    def declines_loudly(self) -> bool:
+        # A TPU machine falling back to plain JAX loses most of its speed: say so loudly. Elsewhere it is expected.
+        return tpu_visible()
+
+    def attention(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
+        from . import splash  # the kernels load when a call is traced, not at import
+
+        reason = self.decline_reason(config, context)
+        if reason is not None:
+            raise NotImplementedError(f"pallas_tpu: {reason}")
+        return splash.attention(config, inputs, splash.layout(config, self.block_sizes, self.interpret))

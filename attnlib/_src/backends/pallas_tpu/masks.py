@@ -1,0 +1,93 @@
+"""Splash masks and kernels, built once per static configuration.
+
+Splash describes the causal / window structure of a call with a static mask over the padded `[T', S']` grid
+(`CausalMask` / `LocalMask` with an `offset`, or `FullMask`) and turns it into block tables on the host (NumPy
+work: its `MaskInfo`). `kernel` caches the kernel object per `Kernel` description with `functools.lru_cache`, so a
+configuration's tables are built once per process, not per call or per trace. Sequence structure that varies per
+call (padding, segments, THD) is not part of the mask: it reaches the kernel as segment ids (`splash.py`).
+"""
+
+import dataclasses
+import functools
+from typing import Any, Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """The static mask of a call on the padded grid.
+
+    Attributes:
+        kind: `"full"`, `"causal"` or `"local"` (a window, causal or not).
+        q_len, kv_len: the padded lengths `T'`, `S'`.
+        offset: added to a query's index to align it with the keys (`S - T` for `diagonal_alignment="bottom_right"`,
+            else 0).
+        window: `"local"`: `(left, right)` keys visible around the aligned query (causal folds into `right <= 0`).
+    """
+
+    kind: Literal["full", "causal", "local"]
+    q_len: int
+    kv_len: int
+    offset: int = 0
+    window: tuple[int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """Everything static about one splash kernel: what `kernel` is cached on.
+
+    Attributes:
+        mask: the static mask.
+        block_sizes: splash `BlockSizes` (backward blocks included).
+        soft_cap: `logits_soft_cap`, or None.
+        interpret: run the Pallas kernels in interpret mode (any backend, CPU included).
+    """
+
+    mask: MaskSpec
+    block_sizes: Any
+    soft_cap: float | None
+    interpret: bool
+
+
+def mask_spec(
+    *, is_causal: bool, window: tuple[int, int] | None, offset: int, q_len: int, kv_len: int
+) -> MaskSpec:
+    """The static mask of a causal and / or windowed call (`offset`: see `MaskSpec`)."""
+    if window is not None:
+        left, right = window
+        return MaskSpec("local", q_len, kv_len, offset, (left, min(right, 0) if is_causal else right))
+    if is_causal:
+        return MaskSpec("causal", q_len, kv_len, offset)
+    return MaskSpec("full", q_len, kv_len)
+
+
+def _splash_mask(spec: MaskSpec) -> Any:
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    shape = (spec.q_len, spec.kv_len)
+    if spec.kind == "causal":
+        mask = splash.CausalMask(shape, offset=spec.offset)
+    elif spec.kind == "local":
+        assert spec.window is not None
+        mask = splash.LocalMask(shape, window_size=spec.window, offset=spec.offset)
+    else:
+        mask = splash.FullMask(shape)
+    return splash.MultiHeadMask([mask])  # one head: every head shares it
+
+
+@functools.lru_cache(maxsize=128)
+def kernel(spec: Kernel) -> Any:
+    """The splash kernel of `spec` (forward saving the log-sum-exp; its `MaskInfo`s for the backward), built on the
+    first call with this `spec` and reused afterwards."""
+    import jax
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    with jax.ensure_compile_time_eval():  # concrete tables even when first built inside a trace
+        return splash.make_splash_mha(
+            _splash_mask(spec.mask),
+            block_sizes=spec.block_sizes,
+            save_residuals=True,
+            attn_logits_soft_cap=spec.soft_cap,
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=spec.interpret,
+        )

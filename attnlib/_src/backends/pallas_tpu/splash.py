@@ -1,0 +1,196 @@
+"""Running splash attention on a canonical problem: layout, padding, segment ids, scale, empty rows and gradients.
+
+Splash runs one batch row at a time on `q [N, T', H']`, `k [K, S', H']`, `v [K, S', Hv']` (GQA: query head `n`
+reads key/value head `n // (N // K)`, as attnlib's contract has it); attnlib vmaps it over the batch (one fused
+call). Lengths are padded to the block grid (`blocks.padded_lengths`) and head dims to 128 lanes with zeros (zero
+columns change no score and add only zero output columns). Splash has no scale argument: the query is multiplied by
+the scale first (in float32, rounded once), so a traced scale gets its gradient from JAX.
+
+Sequence structure (padding lengths, packed segments, THD sequences, padded keys) reaches the kernel as segment
+ids: `positions.TokenPositions` ids, with "sees nothing" (`0`) mapped to sentinels no key / query carries.
+
+Rows that see no key: splash leaves them at its mask value (or NaN where every block of the row was skipped). The
+forward sets their output to 0 and their `lse` to `scores.hidden_score` (`-inf` when returned); the backward zeroes
+their cotangents and gives the kernels `lse = 0` there, so their probabilities are exactly 0.
+
+Gradients: attnlib's own `custom_vjp` around splash's forward and its dK/dV and dQ kernels. The `lse` cotangent
+enters exactly through the kernels' row term: `dS = P (dP - D)` with `D = rowsum(dO * O) - dlse`.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ... import canonical
+from ...config import AttentionConfig, AttentionInputs
+from .. import scores
+from . import blocks, masks
+
+
+Q_NONE = -(2**31)
+"""Segment id of a query that sees nothing (attnlib's id 0, padding): no key carries it."""
+KV_NONE = -(2**31) + 1
+"""Segment id of a key no query sees (attnlib's id 0, padding, the padded tail): no query carries it."""
+
+
+def _seen(lse: jax.Array) -> jax.Array:
+    """Rows of a raw splash `lse` that saw a key: above half the mask value (an empty row sits at the mask value,
+    -inf or NaN)."""
+    return lse > 0.5 * scores.hidden_score(jnp.float32)
+
+
+def _kernel_call(call: masks.Kernel, q, k, v, q_ids, kv_ids) -> tuple[jax.Array, jax.Array]:
+    """Splash's forward over the batch: `out [B, N, T', Hv']` and the raw float32 `lse [B, N, T']`."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    kernel = masks.kernel(call)
+
+    def one(q, k, v, q_ids, kv_ids):
+        segment_ids = None if q_ids is None else SegmentIds(q_ids, kv_ids)
+        out, (lse,) = kernel(q, k, v, segment_ids)
+        return out, lse
+
+    return jax.vmap(one)(q, k, v, q_ids, kv_ids)
+
+
+def _forward(call: masks.Kernel, q, k, v, q_ids, kv_ids):
+    out, lse = _kernel_call(call, q, k, v, q_ids, kv_ids)
+    seen = _seen(lse)
+    out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
+    lse = jnp.where(seen, lse, scores.hidden_score(jnp.float32))
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _splash(call: masks.Kernel, q, k, v, q_ids, kv_ids) -> tuple[jax.Array, jax.Array]:
+    """`(out [B, N, T', Hv'], lse [B, N, T'])` of `q [B, N, T', H']` (already scaled), `k [B, K, S', H']`,
+    `v [B, K, S', Hv']` and int32 segment ids `[B, T']`, `[B, S']` (or None); empty rows: out 0,
+    `lse = hidden_score`."""
+    return _forward(call, q, k, v, q_ids, kv_ids)
+
+
+def _splash_fwd(call, q, k, v, q_ids, kv_ids):
+    out, lse = _forward(call, q, k, v, q_ids, kv_ids)
+    return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
+
+
+def _collapse(mask_info):
+    """Splash's `MaskInfo` with its partial mask blocks as one `[blocks, bq, bkv]` stack (as its own call does)."""
+    if mask_info is None or mask_info.partial_mask_blocks is None:
+        return mask_info
+    blocks_ = mask_info.partial_mask_blocks
+    return mask_info._replace(partial_mask_blocks=blocks_.reshape(-1, *blocks_.shape[-2:]))
+
+
+def _backward_kernels(call: masks.Kernel, q, k, v, q_ids, kv_ids, lse, d_out, di):
+    """Splash's dK/dV (and dQ) kernels for one batch row with the row term `di` given."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds, splash_attention_kernel as sk
+
+    kernel = masks.kernel(call)
+    bs = call.block_sizes
+    segment_ids = None if q_ids is None else SegmentIds(q_ids, kv_ids)
+    common = dict(
+        is_mqa=False, mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=call.soft_cap,
+        q_layout=bs.q_layout, k_layout=bs.k_layout, v_layout=bs.v_layout,
+        mask_function=kernel.kwargs["mask_function"], interpret=call.interpret,
+    )  # fmt: skip
+    dq, dk, dv = sk._splash_attention_bwd_dkv(
+        q, k, v, segment_ids, None, lse, d_out, di,
+        bq=bs.block_q_dkv, bkv=bs.block_kv_dkv, bkv_compute=bs.block_kv_dkv_compute,
+        mask_info=_collapse(kernel.dkv_mask_info), use_fused_bwd_kernel=bs.use_fused_bwd_kernel, **common,
+    )  # fmt: skip
+    if not bs.use_fused_bwd_kernel:
+        dq = sk._splash_attention_bwd_dq(
+            q, k, v, segment_ids, None, lse, d_out, di,
+            bq=bs.block_q_dq, bkv=bs.block_kv_dq, mask_info=_collapse(kernel.dq_mask_info), **common,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+def _splash_bwd(call, residuals, cotangents):
+    q, k, v, q_ids, kv_ids, out, lse = residuals
+    d_out, d_lse = cotangents
+    seen = _seen(lse)
+    d_out = jnp.where(seen[..., None], d_out, jnp.zeros((), d_out.dtype))
+    d_lse = jnp.where(seen, d_lse, 0.0)
+    di = jnp.einsum("bnth,bnth->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)) - d_lse
+    kernel_lse = jnp.where(seen, lse, 0.0)  # empty rows: exp(mask value - 0) = 0
+    dq, dk, dv = jax.vmap(functools.partial(_backward_kernels, call))(q, k, v, q_ids, kv_ids, kernel_lse, d_out, di)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_splash.defvjp(_splash_fwd, _splash_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one call maps onto splash: padded lengths and head dims, its kernel, and whether it needs segment ids."""
+
+    kernel: masks.Kernel
+    q_len: int
+    kv_len: int
+    head_dim: int
+    value_head_dim: int
+    segmented: bool
+
+
+def layout(config: AttentionConfig, block_sizes: Any | None, interpret: bool) -> Layout:
+    """The splash layout of a call `PallasTpu.decline_reason` accepted."""
+    T, S = config.q_len, config.kv_len
+    Tp, Sp = blocks.padded_lengths(T, S, block_sizes)
+    chosen = blocks.default_block_sizes(Tp, Sp) if block_sizes is None else blocks.with_backward_blocks(block_sizes)
+    offset = S - T if config.diagonal_alignment == "bottom_right" else 0
+    mask = masks.mask_spec(is_causal=config.is_causal, window=config.window, offset=offset, q_len=Tp, kv_len=Sp)
+    # Padded keys need hiding unless the static mask already keeps every real query short of them.
+    reach = {"causal": 0, "local": None if mask.window is None else mask.window[1]}.get(mask.kind)
+    keys_hidden = Sp == S or (reach is not None and T - 1 + offset + reach <= S - 1)
+    structured = config.has_q_lengths or config.has_kv_lengths or config.has_segments or config.layout == "thd"
+    return Layout(
+        kernel=masks.Kernel(mask, chosen, config.logits_soft_cap, interpret),
+        q_len=Tp, kv_len=Sp,
+        head_dim=blocks.round_up(config.head_dim, blocks.LANES),
+        value_head_dim=blocks.round_up(config.value_head_dim, blocks.LANES),
+        segmented=structured or not keys_hidden,
+    )  # fmt: skip
+
+
+def _segment_ids(problem: canonical.Problem, lay: Layout) -> tuple[jax.Array | None, jax.Array | None]:
+    """int32 `[B, T']`, `[B, S']` splash segment ids of the call (None when it needs none)."""
+    if not lay.segmented:
+        return None, None
+    p = problem.positions.with_segments()
+    q_ids = jnp.where(p.q_segment != 0, p.q_segment, Q_NONE).astype(jnp.int32)
+    kv_ids = jnp.where(p.kv_segment != 0, p.kv_segment, KV_NONE).astype(jnp.int32)
+    q_ids = jnp.pad(q_ids, ((0, 0), (0, lay.q_len - q_ids.shape[1])), constant_values=Q_NONE)
+    kv_ids = jnp.pad(kv_ids, ((0, 0), (0, lay.kv_len - kv_ids.shape[1])), constant_values=KV_NONE)
+    return q_ids, kv_ids
+
+
+def _heads_major(x: jax.Array, length: int, dim: int) -> jax.Array:
+    """`[B, L, heads, D]` -> `[B, heads, length, dim]`, zero-padded."""
+    x = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
+    return jnp.transpose(x, (0, 2, 1, 3))
+
+
+def attention(config: AttentionConfig, inputs: AttentionInputs, lay: Layout) -> tuple[jax.Array, jax.Array]:
+    """`(out, lse)` in the caller's layout (`Implementation.attention`)."""
+    problem = canonical.canonicalize(config, inputs)
+    q = problem.query
+    scale = scores.logit_scale(config, problem.scale, jnp.float32)
+    q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    q_ids, kv_ids = _segment_ids(problem, lay)
+    out, lse = _splash(
+        lay.kernel,
+        _heads_major(q, lay.q_len, lay.head_dim),
+        _heads_major(problem.key, lay.kv_len, lay.head_dim),
+        _heads_major(problem.value, lay.kv_len, lay.value_head_dim),
+        q_ids,
+        kv_ids,
+    )
+    T, Hv = config.q_len, config.value_head_dim
+    out = jnp.transpose(out[:, :, :T, :Hv], (0, 2, 1, 3))
+    lse = jnp.transpose(lse[:, :, :T], (0, 2, 1))
+    return canonical.restore(config, out, scores.returned_lse(config, lse))

@@ -1,0 +1,335 @@
+"""`attnlib.PallasTpu` (splash attention) against the float64 reference, its declines and its dispatch.
+
+On CPU the kernels run in Pallas interpret mode (`PallasTpu(interpret=True)`): the same kernels, block tables,
+padding, segment ids and backward as on a TPU, executed by XLA:CPU. The `tpu`-marked tests run the same feature
+groups on a real TPU, through `PallasTpu()` and through automatic dispatch (`implementation=None`, which `explain`
+must report as `pallas_tpu`); their reference is computed on the host in NumPy float64 (a TPU's default matmul
+precision is far below float32). Run them in one process: `python -m pytest -q -m tpu tests -p no:cacheprovider`.
+
+Sizes are odd and distinct (and no multiple of 128: every case pads `T`, `S` and the head dims), small because
+interpret mode is slow.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib._src.backends.pallas_tpu import blocks
+from helpers import assert_grad_close, assert_lse_close, assert_out_close, normal, rng, segment_ids_from_runs, to_f64
+from reference import reference_attention, reference_attention_vjp
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One feature group: `batch`, sizes and the keyword arguments of `attnlib.attention` (arrays as NumPy)."""
+
+    t: int = 37
+    s: int = 53
+    n: int = 6
+    k: int = 2
+    h: int = 8
+    batch: tuple[int, ...] = (2,)
+    thd: bool = False
+    kwargs: tuple = ()
+
+
+def _seg(runs_per_row, total):
+    return np.stack([segment_ids_from_runs(runs, total) for runs in runs_per_row])
+
+
+CASES = {
+    "dense": Case(),
+    "causal_top_left": Case(kwargs=(("is_causal", True),)),
+    # T > S bottom-right: the first T - S rows see nothing (out 0, lse -inf).
+    "causal_bottom_right": Case(t=53, s=37, kwargs=(("is_causal", True), ("diagonal_alignment", "bottom_right"))),
+    "window_two_sided": Case(kwargs=(("local_window_size", (5, 3)),)),
+    "window_causal_bottom_right": Case(
+        kwargs=(("local_window_size", (4, 2)), ("is_causal", True), ("diagonal_alignment", "bottom_right"))
+    ),
+    "segments_causal": Case(
+        t=41, s=41,
+        kwargs=(("q_segment_ids", _seg([[(3, 11), (1, 20), (2, 7)], [(5, 30), (2, 9)]], 41)), ("is_causal", True)),
+    ),  # fmt: skip
+    "segments_cross": Case(
+        t=29, s=43,
+        kwargs=(
+            ("q_segment_ids", _seg([[(1, 10), (2, 15)], [(4, 29)]], 29)),
+            ("kv_segment_ids", _seg([[(2, 20), (1, 13)], [(4, 9), (6, 30)]], 43)),
+        ),
+    ),
+    "thd_causal": Case(
+        t=47, s=47, batch=(), thd=True,
+        kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)), ("is_causal", True)),
+    ),  # fmt: skip
+    "lengths_with_empty_rows": Case(
+        kwargs=(
+            ("query_seq_lengths", np.asarray([30, 0], np.int32)),
+            ("key_value_seq_lengths", np.asarray([0, 41], np.int32)),
+            ("is_causal", True),
+        )
+    ),
+    "mqa": Case(n=5, k=1, kwargs=(("is_causal", True),)),
+    "soft_cap_gqa": Case(n=6, k=3, kwargs=(("logits_soft_cap", 1.5), ("scale", 0.9))),
+    "array_scale": Case(kwargs=(("scale", np.float32(0.41)),)),
+    "head_dim_136": Case(h=136, n=2, k=1, kwargs=(("is_causal", True),)),
+}
+
+
+def _arrays(case: Case, dtype):
+    r = rng(7)
+    lead = case.batch
+    q = normal(r, lead + (case.t, case.n, case.h), dtype)
+    k = normal(r, lead + (case.s, case.k, case.h), dtype)
+    v = normal(r, lead + (case.s, case.k, case.h), dtype)
+    return q, k, v
+
+
+def _kwargs(case: Case):
+    kw = dict(case.kwargs)
+    return {n: (jnp.asarray(x) if isinstance(x, np.ndarray | np.generic) else x) for n, x in kw.items()}
+
+
+def _run(case: Case, dtype, implementation):
+    """`(out, lse, (dq, dk, dv), d_out, d_lse)` of one case: the VJP of `(out, lse)` with random cotangents."""
+    q, k, v = _arrays(case, dtype)
+    kw = _kwargs(case)
+    f = lambda q, k, v: attnlib.attention(q, k, v, implementation=implementation, return_residual=True, **kw)
+    (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v)
+    r = rng(11)
+    d_out = normal(r, out.shape, dtype)
+    d_lse = normal(r, lse.shape, jnp.float32)
+    grads = jax.jit(vjp)((d_out, d_lse))
+    return (q, k, v), out, lse, grads, d_out, d_lse
+
+
+def _check(case: Case, dtype, implementation):
+    (q, k, v), out, lse, grads, d_out, d_lse = _run(case, dtype, implementation)
+    kw = {n: (np.asarray(x) if isinstance(x, jax.Array) else x) for n, x in _kwargs(case).items()}
+    if "scale" in kw and isinstance(kw["scale"], np.ndarray):
+        kw["scale"] = float(kw["scale"])
+    if "cu_seqlens_q" in kw:
+        kw.setdefault("cu_seqlens_kv", kw["cu_seqlens_q"])  # the reference spells the shared key structure out
+    args = [to_f64(x) for x in (q, k, v)]
+    ref_out, ref_lse = reference_attention(*args, **kw)
+    assert_out_close(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+    empty = np.isinf(ref_lse)
+    ref_grads = reference_attention_vjp(*args, d_out=to_f64(d_out), d_lse=np.where(empty, 0.0, to_f64(d_lse)), **kw)
+    for name, g in zip(("query", "key", "value"), grads):
+        assert g.dtype == dtype
+        assert_grad_close(g, ref_grads[name], dtype, what=f"d{name}")
+    if empty.any():
+        assert (np.asarray(to_f64(out))[empty] == 0).all(), "a row that sees nothing has a non-zero output"
+        assert (np.asarray(to_f64(grads[0]))[empty] == 0).all(), "a row that sees nothing has a query gradient"
+    return empty
+
+
+INTERPRET = attnlib.PallasTpu(interpret=True)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpret_matches_reference_float32(name):
+    _check(CASES[name], jnp.float32, INTERPRET)
+
+
+@pytest.mark.parametrize("name", ["causal_bottom_right", "segments_cross", "soft_cap_gqa"])
+def test_interpret_matches_reference_bfloat16(name):
+    _check(CASES[name], jnp.bfloat16, INTERPRET)
+
+
+def test_the_empty_rows_are_exercised():
+    """The cases meant to have rows that see nothing do (so the fix-up of splash's empty rows is tested)."""
+    for name in ("causal_bottom_right", "lengths_with_empty_rows", "segments_cross"):
+        case = CASES[name]
+        q, k, v = (to_f64(x) for x in _arrays(case, jnp.float32))
+        kw = {n: (np.asarray(x) if isinstance(x, jax.Array) else x) for n, x in _kwargs(case).items()}
+        assert np.isinf(reference_attention(q, k, v, **kw)[1]).any(), name
+
+
+def test_user_block_sizes_pad_to_their_blocks():
+    """A caller's `BlockSizes` (backward blocks unset): lengths pad to multiples of its blocks; same numbers."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import BlockSizes
+
+    chosen = BlockSizes(block_q=256, block_kv=128)
+    assert blocks.padded_lengths(37, 53, chosen) == (256, 128)
+    _check(CASES["causal_top_left"], jnp.float32, attnlib.PallasTpu(block_sizes=chosen, interpret=True))
+
+
+def test_block_table():
+    assert blocks.padded_lengths(37, 600, None) == (128, 640)
+    table = blocks.default_block_sizes(1536, 640)
+    assert (table.block_q, table.block_kv, table.block_kv_compute) == (512, 128, 128)
+    assert (table.block_q_dkv, table.block_kv_dkv, table.block_q_dq, table.block_kv_dq) == (512, 128, 512, 128)
+    assert blocks.default_block_sizes(768, 2048).block_q == 256
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [(dict(block_sizes=(128, 128)), TypeError), (dict(interpret=1), TypeError)],
+)
+def test_bad_options_are_named(bad, error):
+    with pytest.raises(error, match=f"`{next(iter(bad))}`"):
+        attnlib.PallasTpu(**bad)
+
+
+def test_bad_block_size_is_named():
+    from jax.experimental.pallas.ops.tpu.splash_attention import BlockSizes
+
+    with pytest.raises(ValueError, match="multiples of 128"):
+        attnlib.PallasTpu(block_sizes=BlockSizes(block_q=100, block_kv=128))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# declines
+
+
+def _qkv(t=37, s=53, n=6, k=2, h=8, hv=8, dtype=jnp.float32):
+    r = rng(3)
+    return normal(r, (2, t, n, h), dtype), normal(r, (2, s, k, h), dtype), normal(r, (2, s, k, hv), dtype)
+
+
+DECLINES = {
+    "bias": (dict(bias=jnp.zeros((2, 6, 37, 53))), "`bias`"),
+    "mask": (dict(mask=jnp.ones((37, 53), bool)), "`mask` arrays"),
+    "dropout": (dict(dropout_rate=0.1, dropout_key=jax.random.key(0)), "dropout"),
+    "sinks": (dict(sinks=jnp.zeros((6,))), "`sinks`"),
+    "score_mod": (dict(score_mod=lambda s, b, h, i, j: s * 0.5), "`score_mod`"),
+    "deterministic": (dict(deterministic_backward=True), "deterministic_backward"),
+    "float16": (dict(dtype=jnp.float16), "float16 inputs"),
+    "mla": (dict(hv=5), "Hv=5 != H=8"),
+    "head_dim": (dict(h=264, hv=264), "H=264"),
+    "fp8": (dict(fp8="current"), "FP8"),
+    "causal_separate_kv_segments": (
+        dict(t=41, s=41, is_causal=True, q_segment_ids=jnp.ones((2, 41), jnp.int32),
+             kv_segment_ids=jnp.ones((2, 41), jnp.int32)),
+        "`kv_segment_ids` or `cu_seqlens_kv`",
+    ),  # fmt: skip
+    "bottom_right_lengths": (
+        dict(is_causal=True, diagonal_alignment="bottom_right", key_value_seq_lengths=jnp.asarray([5, 9], jnp.int32)),
+        "bottom-right aligned causal mask or window with padding lengths",
+    ),
+}
+
+
+def _decline_call(name):
+    kw, match = DECLINES[name]
+    kw = dict(kw)
+    sizes = {n: kw.pop(n) for n in ("t", "s", "n", "k", "h", "hv", "dtype") if n in kw}
+    return _qkv(**sizes), kw, match
+
+
+@pytest.mark.parametrize("name", list(DECLINES))
+def test_declines_with_a_reason(name):
+    (q, k, v), kw, match = _decline_call(name)
+    explanation = attnlib.explain(q, k, v, implementation=INTERPRET, **kw)
+    assert explanation.implementation is None
+    assert match in explanation.declined["pallas_tpu"]
+    with pytest.raises(NotImplementedError, match=r"pallas_tpu: .*" + _escape(match)):
+        attnlib.attention(q, k, v, implementation=INTERPRET, **kw)
+    # a sequence falls back to the next implementation
+    out = attnlib.attention(q, k, v, implementation=(INTERPRET, "xla"), **kw)
+    assert out.shape == q.shape[:-1] + (v.shape[-1],)
+
+
+def _escape(text):
+    import re
+
+    return re.escape(text)
+
+
+def test_paged_kv_declines_with_a_reason():
+    cache = attnlib.PagedKVCache.create(2, 6, 16, 2, 8, dtype=jnp.float32)
+    cache = cache.append(*_qkv(s=20)[1:])
+    q = _qkv(t=1)[0]
+    kw = dict(page_table=cache.page_table, key_value_seq_lengths=cache.lengths)
+    explanation = attnlib.explain(q, cache.k_pages, cache.v_pages, implementation=INTERPRET, **kw)
+    assert "paged KV caches" in explanation.declined["pallas_tpu"]
+
+
+@pytest.mark.skipif(any(d.platform == "tpu" for d in jax.devices()), reason="checks a machine without a TPU")
+def test_without_a_tpu_it_declines_and_automatic_dispatch_never_picks_it():
+    q, k, v = _qkv()
+    named = attnlib.explain(q, k, v, is_causal=True, implementation="pallas_tpu")
+    assert named.declined == {"pallas_tpu": "no TPU visible to JAX"}
+    with pytest.raises(NotImplementedError, match="no TPU visible to JAX"):
+        attnlib.attention(q, k, v, implementation="pallas_tpu")
+    automatic = attnlib.explain(q, k, v, is_causal=True)
+    assert automatic.implementation != "pallas_tpu"
+    assert automatic.declined["pallas_tpu"] == "no TPU visible to JAX"
+    assert automatic.requested == ("cudnn", "pallas_tpu", "xla_chunked", "xla")
+
+
+def test_max_segments_bound_is_served_exactly():
+    """Splash's segment ids have no bound: a row with more segments than `max_segments_per_row` still gets exact
+    numbers (the contract only forbids silently wrong ones)."""
+    case = CASES["segments_causal"]
+    kw = dict(case.kwargs) | {"max_segments_per_row": 1}
+    _check(dataclasses.replace(case, kwargs=tuple(kw.items())), jnp.float32, INTERPRET)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# on a TPU
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_tpu_matches_reference_bfloat16(name):
+    _check(CASES[name], jnp.bfloat16, attnlib.PallasTpu())
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("name", ["dense", "causal_bottom_right", "segments_cross", "soft_cap_gqa"])
+def test_tpu_matches_reference_float32(name):
+    """float32 at float32's tolerance: whether splash's in-kernel matmuls keep float32 precision on a TPU."""
+    _check(CASES[name], jnp.float32, attnlib.PallasTpu())
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("name", ["dense", "causal_bottom_right", "thd_causal", "lengths_with_empty_rows", "mqa"])
+def test_tpu_automatic_dispatch_runs_pallas_tpu(name):
+    case = CASES[name]
+    q, k, v = _arrays(case, jnp.bfloat16)
+    assert attnlib.explain(q, k, v, **_kwargs(case)).implementation == "pallas_tpu"
+    _check(case, jnp.bfloat16, None)
+
+
+@pytest.mark.tpu
+def test_tpu_head_dim_64_long_sequence():
+    """A realistic shape: head dim 64 (padded to 128 lanes), T = S = 1000 (padded to 1024, 512-blocks)."""
+    _check(Case(t=1000, s=1000, n=4, k=2, h=64, batch=(1,), kwargs=(("is_causal", True),)), jnp.bfloat16,
+           attnlib.PallasTpu())  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# layers: they call `attnlib.attention`, so the implementation passes through unchanged
+
+
+def test_equinox_layer_runs_pallas_tpu():
+    eqx = pytest.importorskip("equinox")
+    import attnlib.equinox as aeqx
+
+    del eqx
+    x = normal(rng(5), (29, 24))
+    layer = lambda impl: aeqx.MultiheadAttention(3, 24, is_causal=True, implementation=impl, key=jax.random.key(0))
+    fused, plain = layer(INTERPRET), layer("xla")
+    assert fused.implementation is INTERPRET
+    assert_out_close(fused(x, x, x), np.asarray(plain(x, x, x), np.float64), jnp.float32)
+
+
+def test_haiku_layer_runs_pallas_tpu():
+    hk = pytest.importorskip("haiku")
+    import attnlib.haiku as ahk
+
+    x = normal(rng(6), (2, 29, 24))
+
+    def apply(impl):
+        init = hk.initializers.VarianceScaling(1.0)
+        layer = lambda: ahk.MultiHeadAttention(3, 8, model_size=24, is_causal=True, implementation=impl, w_init=init)
+        f = hk.transform(lambda x: layer()(x, x, x))
+        params = f.init(jax.random.key(0), x)
+        return f.apply(params, None, x)
+
+    assert_out_close(apply(INTERPRET), np.asarray(apply("xla"), np.float64), jnp.float32)
