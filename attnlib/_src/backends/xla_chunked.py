@@ -1,7 +1,10 @@
 """`implementation="xla_chunked"`: online softmax over key blocks (the flash-attention algorithm in plain JAX).
 
 The forward keeps a running maximum, denominator and output per query and visits the keys one block at a time, so
-memory is linear in the key length. The backward (`custom_vjp`) recomputes each block's probabilities from the
+memory is linear in the key length. Under a band that holds on the token indices whatever the runtime lengths are
+(`Band.on_indices`: causal or window bounds) the queries are cut into blocks too, and one loop of static trip count
+visits only the (query block, key block) tiles the band touches (`Tiles`): a fully-masked tile costs nothing, on
+every backend (no per-block `lax.cond`, which a TPU or a `vmap` may turn into computing both branches). The backward (`custom_vjp`) recomputes each block's probabilities from the
 saved `lse` instead of storing them — except when the keys fit in one block: then the forward's probabilities (at
 most `AUTO_MIN_SCORE_BYTES`) are kept for the backward, which on a CPU made small problems faster than jax.nn's
 (docs/performance.md).
@@ -704,7 +707,8 @@ class XlaChunked(Implementation):
     (alone or in a sequence); the name stands for `XlaChunked()`.
 
     Attributes:
-        block_k: keys per block of the online softmax. Each block materialises `[B, N, T, block_k]` float32 scores;
+        block_k: keys per block of the online softmax. Each block materialises `[B, N, T, block_k]` float32 scores
+            (under a causal or window bound, tiles of about `block_k` query rows: `[B, N, ~block_k, block_k]`);
             smaller blocks take less memory and more loop steps. Keys that fit in one block run the one-block path
             (probabilities kept for the backward).
     """
