@@ -73,6 +73,8 @@ SMOKE_CASES = {  # splash's blocks are multiples of 128 rows, even in interpret 
     "smoke_mha_full": Case(1, 256, 2, 2, 64, causal=False),
 }
 
+KINDS = ("fwd", "fwd_bwd")
+
 VARIANTS = (
     "attnlib",
     "attnlib_pallas_tpu",
@@ -122,8 +124,10 @@ def _splash_blocks(case: Case, default: bool):
 
 def splash_fn(case: Case, *, default: bool, interpret: bool):
     """`fn(q, k, v) -> out`, all `[B, T, N, H]`, through raw splash attention (see the module docstring)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib,
+        splash_attention_mask as mask_lib,
+    )
 
     shape = (case.s, case.s)
     if case.window is not None:
@@ -329,7 +333,7 @@ def table(results: dict) -> str:
             else:
                 cells.append("—" if not r else "error")
         speed = [
-            " / ".join(f"{row.get(f'attnlib_vs_{peer}', {}).get(kind, float('nan')):.2f}×" for kind in ("fwd", "fwd_bwd"))
+            " / ".join(f"{row.get(f'attnlib_vs_{peer}', {}).get(kind, float('nan')):.2f}×" for kind in KINDS)
             for peer in ("splash", "splash_default")
         ]
         lines.append(f"| {name} | {row.get('attnlib_pick')} | " + " | ".join(cells) + f" | {speed[0]} | {speed[1]} |")

@@ -4,10 +4,11 @@ The forward keeps a running maximum, denominator and output per query and visits
 memory is linear in the key length. Under a band that holds on the token indices whatever the runtime lengths are
 (`Band.on_indices`: causal or window bounds) the queries are cut into blocks too, and one loop of static trip count
 visits only the (query block, key block) tiles the band touches (`Tiles`): a fully-masked tile costs nothing, on
-every backend (no per-block `lax.cond`, which a TPU or a `vmap` may turn into computing both branches). The backward (`custom_vjp`) recomputes each block's probabilities from the
-saved `lse` instead of storing them — except when the keys fit in one block: then the forward's probabilities (at
-most `AUTO_MIN_SCORE_BYTES`) are kept for the backward, which on a CPU made small problems faster than jax.nn's
-(docs/performance.md).
+every backend (no per-block `lax.cond`, which a TPU or a `vmap` may turn into computing both branches).
+
+The backward (`custom_vjp`) recomputes each block's probabilities from the saved `lse` instead of storing them —
+except when the keys fit in one block: then the forward's probabilities (at most `AUTO_MIN_SCORE_BYTES`) are kept for
+the backward, which on a CPU made small problems faster than jax.nn's (docs/performance.md).
 
 `score_mod` / `mask_mod` run on each key block as the jaxprs traced by `modifiers.describe`, with the arrays they
 close over passed through the `custom_vjp` as explicit inputs (a `custom_vjp` may not close over traced values).
@@ -189,8 +190,8 @@ class Tiles:
         """`(first query row, first key)` of tile `step` (the row is the int 0 without `pairs`)."""
         if self.pairs is None:
             return 0, step * self.block_k
-        table = np.reshape(np.asarray(self.pairs, np.int32), (-1, 2)) * np.asarray([self.block_q, self.block_k], np.int32)
-        table = jnp.asarray(table)
+        blocks = np.reshape(np.asarray(self.pairs, np.int32), (-1, 2))
+        table = jnp.asarray(blocks * np.asarray([self.block_q, self.block_k], np.int32))
         return table[step, 0], table[step, 1]
 
 
