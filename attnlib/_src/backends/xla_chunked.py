@@ -272,6 +272,7 @@ def _add_at(acc: jax.Array, x: jax.Array, starts, *, overwrite: bool = False) ->
     """`acc` with `x` added at `starts`, or written there when `overwrite` (no other tile touches that part)."""
     if x.shape == acc.shape:
         return x if overwrite else acc + x
+    starts = tuple(jnp.asarray(i, jnp.int32) for i in starts)  # one index type (Python ints are int64 under x64)
     if not overwrite:
         x = jax.lax.dynamic_slice(acc, starts, x.shape) + x
     return jax.lax.dynamic_update_slice(acc, x, starts)
