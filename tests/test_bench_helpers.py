@@ -1,6 +1,8 @@
-"""CPU checks of benchmark helpers whose results feed a decision (the per-kernel profile of `kernel_profile.py`)."""
+"""CPU checks of benchmark helpers whose results feed a decision (the per-kernel profile of `kernel_profile.py`) and
+of `bench_tpu.py` (its case table, FLOP convention and `--smoke` mode)."""
 
 import importlib.util
+import json
 import pathlib
 
 import jax
@@ -32,3 +34,49 @@ def test_kernel_profile_reads_the_trace_on_the_cpu():
     result = _kernel_profile().kernel_profile(f, (jnp.ones((128, 128)),), calls=3, plane_prefix="/host:CPU")
     assert result["launches"] > 0 and result["kernel_us"] > 0
     assert any("sin" in kernel["name"] for kernel in result["kernels"])
+
+
+def _bench_tpu():
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench_tpu.py"
+    spec = importlib.util.spec_from_file_location("bench_tpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_tpu_case_table_and_flop_convention():
+    bench = _bench_tpu()
+    assert {name: (c.b, c.s, c.n, c.k, c.h, c.causal, c.window) for name, c in bench.CASES.items()} == {
+        "mha_causal_4k": (4, 4096, 16, 16, 128, True, None),
+        "mha_causal_16k": (1, 16384, 16, 16, 128, True, None),
+        "gqa_causal_8k": (2, 8192, 32, 8, 128, True, None),
+        "mha_full_2k": (8, 2048, 16, 16, 128, False, None),
+        "gqa_window_8k": (2, 8192, 16, 4, 128, True, 1024),
+        "small_512": (8, 512, 16, 16, 64, True, None),
+    }
+    small = bench.Case(1, 5, 1, 1, 2)
+    assert bench.visible_pairs(small) == 15  # 1 + 2 + 3 + 4 + 5
+    assert bench.visible_pairs(bench.Case(1, 5, 1, 1, 2, window=1)) == 9  # 1 + 2 + 2 + 2 + 2
+    assert bench.visible_pairs(bench.Case(1, 5, 1, 1, 2, causal=False)) == 25
+    fwd, fwd_bwd = bench.flops(small)
+    assert fwd == 2 * 15 * (2 + 2) and fwd_bwd == 3.5 * fwd
+
+
+def test_bench_tpu_smoke_runs_one_case_on_the_cpu(tmp_path):
+    """`--smoke` on the CPU: splash interpreted, every variant checked against the reference before it is timed; an
+    implementation this build lacks is reported, not fatal."""
+    out = tmp_path / "bench.json"
+    variants = ["attnlib", "attnlib_pallas_tpu", "attnlib_xla_chunked", "splash"]
+    _bench_tpu().main(["--smoke", "--only", "smoke_gqa_window", "--variants", *variants, "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["smoke"] and "visible" in result["flops"]
+    row = result["cases"]["smoke_gqa_window"]
+    assert row["attnlib_pick"] in ("xla_chunked", "xla", "pallas_tpu")
+    assert set(row["variants"]) == set(variants)
+    for label in ("attnlib", "attnlib_xla_chunked", "splash"):
+        r = row["variants"][label]
+        assert r["max_err"] <= row["tolerance"], r
+        assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_tflops"] > 0, r
+    pallas = row["variants"]["attnlib_pallas_tpu"]
+    assert "fwd_ms" in pallas or "error" in pallas
+    assert set(row["attnlib_vs_splash"]) == {"fwd", "fwd_bwd"}

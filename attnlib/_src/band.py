@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import AttentionConfig
+from .config import AttentionConfig, AttentionInputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,32 @@ class Band:
         if is_causal:
             right = 0 if right is None else min(right, 0)
         return cls(left, right, False)
+
+    @classmethod
+    def on_indices(cls, config: AttentionConfig, inputs: AttentionInputs) -> "Band | None":
+        """A band on the canonical token indices (query row `i`, key `j` of one row of `canonical.Problem`) outside
+        which no query sees a key, when one holds whatever the runtime lengths, segment ids or `cu_seqlens` are; None
+        when the call is unbounded or its positions move the diagonal at run time. `xla_chunked` skips the key
+        blocks outside it.
+
+        - Plain rows: `Band.of(config)` itself (positions are the indices; padding only hides more, and with
+          `bottom_right` the diagonal moves with the lengths, so none then).
+        - Segments or THD where the keys share the queries' ids (`kv_segment_ids` / `cu_seqlens_kv` not given, and
+          for segments `T = S`): a query and a key of one sequence sit at the same offset from its start (each
+          segment is one contiguous run), so the band holds on the indices, top-left. With padding lengths and
+          `bottom_right` the two runs may end differently: none then.
+        """
+        band = cls.of(config)
+        if not band.bounded:
+            return None
+        top_left = cls(band.left, band.right, False)
+        lengths = config.has_q_lengths or config.has_kv_lengths
+        if config.layout == "thd":
+            return top_left if inputs.cu_seqlens_kv is None else None
+        if config.has_segments:
+            shared = inputs.kv_segment_ids is None and config.q_len == config.kv_len
+            return top_left if shared and not (lengths and band.bottom_right) else None
+        return None if lengths and band.bottom_right else band
 
     @property
     def bounded(self) -> bool:

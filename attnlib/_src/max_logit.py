@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from . import canonical, fp8 as fp8_lib, positions as positions_lib
 from .backends import scores, xla_chunked
+from .band import Band
 from .config import AttentionConfig, AttentionInputs
 
 
@@ -22,7 +23,7 @@ def max_logit(config: AttentionConfig, inputs: AttentionInputs) -> jax.Array:
     if config.fp8 is not None:  # the logits an FP8 kernel computes: from the quantized inputs
         dequantize, _ = fp8_lib.plan(config.fp8, inputs.query, inputs.key, inputs.value, inputs.fp8_scales)
         problem = problem._replace(query=dequantize(problem.query, 0), key=dequantize(problem.key, 1))
-    rows = xla_chunked.row_max(config, problem)  # [B, K, G, T]
+    rows = xla_chunked.row_max(config, problem, band=Band.on_indices(config, inputs))  # [B, K, G, T]
     B, K, G, T = rows.shape
     rows = jnp.reshape(rows, (B, K * G, T))
     if config.layout == "thd":

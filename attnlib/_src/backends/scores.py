@@ -213,13 +213,21 @@ def visible(
 
 
 def dropout_keep(
-    config: AttentionConfig, seeds: jax.Array, batch: int, q_len: int, k_start: jax.Array | int, k_size: int
+    config: AttentionConfig,
+    seeds: jax.Array,
+    batch: int,
+    q_len: int,
+    k_start: jax.Array | int,
+    k_size: int,
+    *,
+    q_start: jax.Array | int = 0,
 ) -> jax.Array:
-    """Bool `[B, K, G, T, s]` keep mask for keys `k_start : k_start + k_size`."""
+    """Bool `[B, K, G, t, s]` keep mask for query rows `q_start : q_start + q_len` and keys
+    `k_start : k_start + k_size`."""
     K, G = config.num_kv_heads, config.group_size
     b = jnp.arange(batch)[:, None, None, None, None]
     n = (jnp.arange(K)[:, None] * G + jnp.arange(G)[None, :])[None, :, :, None, None]
-    i = jnp.arange(q_len)[None, None, None, :, None]
+    i = (q_start + jnp.arange(q_len))[None, None, None, :, None]
     j = (k_start + jnp.arange(k_size))[None, None, None, None, :]
     return dropout_lib.keep_mask_from_seeds(seeds, config.dropout_rate, b, n, i, j)
 

@@ -1,10 +1,14 @@
 """`implementation="xla_chunked"`: online softmax over key blocks (the flash-attention algorithm in plain JAX).
 
 The forward keeps a running maximum, denominator and output per query and visits the keys one block at a time, so
-memory is linear in the key length. The backward (`custom_vjp`) recomputes each block's probabilities from the
-saved `lse` instead of storing them — except when the keys fit in one block: then the forward's probabilities (at
-most `AUTO_MIN_SCORE_BYTES`) are kept for the backward, which on a CPU made small problems faster than jax.nn's
-(docs/performance.md).
+memory is linear in the key length. Under a band that holds on the token indices whatever the runtime lengths are
+(`Band.on_indices`: causal or window bounds) the queries are cut into blocks too, and one loop of static trip count
+visits only the (query block, key block) tiles the band touches (`Tiles`): a fully-masked tile costs nothing, on
+every backend (no per-block `lax.cond`, which a TPU or a `vmap` may turn into computing both branches).
+
+The backward (`custom_vjp`) recomputes each block's probabilities from the saved `lse` instead of storing them —
+except when the keys fit in one block: then the forward's probabilities (at most `AUTO_MIN_SCORE_BYTES`) are kept for
+the backward, which on a CPU made small problems faster than jax.nn's (docs/performance.md).
 
 `score_mod` / `mask_mod` run on each key block as the jaxprs traced by `modifiers.describe`, with the arrays they
 close over passed through the `custom_vjp` as explicit inputs (a `custom_vjp` may not close over traced values).
@@ -13,14 +17,17 @@ The backward differentiates `score_mod` per block with `jax.vjp`: the raw-score 
 are accumulated exactly.
 """
 
+import copy
 import dataclasses
 import functools
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import canonical, fp8 as fp8_lib, varying
+from ..band import Band
 from ..config import AttentionConfig, AttentionInputs
 from ..positions import TokenPositions
 from . import one_block, scores
@@ -102,6 +109,14 @@ class _Modifiers:
     def vary(self, x):
         return varying.vary_over(x, self.axes)
 
+    def on_rows(self, problem: canonical.Problem) -> "_Modifiers":
+        """The same modifiers on `problem` restricted to some query rows (`_query_rows`)."""
+        if problem is self.problem:
+            return self
+        rows = copy.copy(self)
+        rows.problem = problem
+        return rows
+
     def block_inputs(self, k_start, block):
         """Index arrays and grouped `score_mod_args` of keys `k_start : k_start + block`."""
         indices = scores.modifier_indices(self.config, self.problem, k_start, block)
@@ -144,6 +159,132 @@ def _replace_at(values: tuple, where: tuple[int, ...], new: tuple) -> tuple:
     return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The (query block, key block) tiles the key-block loops visit.
+
+    Without a static band every key block is visited against all query rows at once (`pairs` None). Under one
+    (`Band.on_indices`) the queries are cut into blocks too and only the tiles the band touches are visited, grouped
+    by query block with ascending keys (the order of the online softmax), so a fully-masked tile costs nothing and
+    every loop keeps a static trip count (work linear in the visible band, memory linear in `T` and `S`).
+
+    Attributes:
+        block_q: query rows per tile (all the rows when `pairs` is None).
+        block_k: keys per tile.
+        num_q_blocks: query blocks of the padded rows (`num_q_blocks * block_q` rows).
+        num_k_blocks: key blocks of the padded keys.
+        pairs: the visited `(query block, key block)` indices, or None for every key block with all rows.
+    """
+
+    block_q: int
+    block_k: int
+    num_q_blocks: int
+    num_k_blocks: int
+    pairs: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return self.num_k_blocks if self.pairs is None else len(self.pairs)
+
+    def starts(self, step):
+        """`(first query row, first key)` of tile `step` (the row is the int 0 without `pairs`)."""
+        if self.pairs is None:
+            return 0, step * self.block_k
+        blocks = np.reshape(np.asarray(self.pairs, np.int32), (-1, 2))
+        table = jnp.asarray(blocks * np.asarray([self.block_q, self.block_k], np.int32))
+        return table[step, 0], table[step, 1]
+
+
+def plan_tiles(band: Band | None, q_len: int, kv_len: int, block_k: int) -> Tiles:
+    """The tiles of a `q_len x kv_len` call with key blocks of `block_k` (`block_k <= kv_len`): under `band` (on the
+    canonical indices, `Band.on_indices`) query blocks of about `block_k` rows, each against the key blocks its rows
+    can see; every key block with all rows when there is no band or it hides no tile."""
+    num_k = max(1, -(-kv_len // block_k))
+    whole = Tiles(q_len, block_k, 1, num_k)
+    if band is None or num_k == 1 or q_len == 0:
+        return whole
+    num_q = -(-q_len // block_k)
+    block_q = -(-q_len // num_q)  # as even as possible: fewer than num_q padded rows ...
+    if num_q > 1:
+        block_q = -(-block_q // 8) * 8  # ... rounded to a multiple of 8 rows
+    num_q = -(-q_len // block_q)
+    pairs = []
+    for a in range(num_q):
+        first, last = a * block_q, min(q_len, (a + 1) * block_q) - 1
+        lo = 0 if band.left is None else max(0, int(band.diagonal(first, q_len, kv_len)) - band.left)
+        hi = kv_len - 1 if band.right is None else min(kv_len - 1, int(band.diagonal(last, q_len, kv_len)) + band.right)
+        if lo <= hi:
+            pairs += [(a, c) for c in range(lo // block_k, hi // block_k + 1)]
+    if len(pairs) >= num_q * num_k:
+        return whole
+    return Tiles(block_q, block_k, num_q, num_k, tuple(pairs))
+
+
+def _pad_queries(problem: canonical.Problem, padded_len: int) -> canonical.Problem:
+    """Pad the query axis to `padded_len`; padded queries belong to no sequence, so they see nothing."""
+    extra = padded_len - problem.query.shape[1]
+    if extra == 0:
+        return problem
+    pad = lambda x, axis, value=0: jnp.pad(
+        x, [(0, 0)] * axis + [(0, extra)] + [(0, 0)] * (x.ndim - axis - 1), constant_values=value
+    )
+    pad_rank4 = lambda x, value: x if x is None or x.shape[2] == 1 else pad(x, 2, value)
+    p = problem.positions.with_segments()
+    return problem._replace(
+        query=pad(problem.query, 1),
+        bias=pad_rank4(problem.bias, 0),
+        mask=pad_rank4(problem.mask, False),
+        positions=p._replace(q_segment=pad(p.q_segment, 1), q_position=pad(p.q_position, 1)),
+        score_mod_args=tuple(pad_rank4(a, False if a.dtype == jnp.bool_ else 0) for a in problem.score_mod_args),
+    )
+
+
+def _query_rows(problem: canonical.Problem, q_start, rows: int) -> canonical.Problem:
+    """The problem restricted to query rows `q_start : q_start + rows` (the query, the query axis of bias, mask and
+    `score_mod_args`, the query positions); unchanged when that is all of them."""
+    if rows == problem.query.shape[1]:
+        return problem
+    cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, q_start, rows, axis=axis)
+    cut_rank4 = lambda x: x if x is None or x.shape[2] == 1 else cut(x, 2)
+    p = problem.positions
+    return problem._replace(
+        query=cut(problem.query, 1),
+        bias=cut_rank4(problem.bias),
+        mask=cut_rank4(problem.mask),
+        positions=p._replace(
+            q_segment=None if p.q_segment is None else cut(p.q_segment, 1), q_position=cut(p.q_position, 1)
+        ),
+        score_mod_args=tuple(cut_rank4(a) for a in problem.score_mod_args),
+    )
+
+
+def _rows_of(x: jax.Array, q_start, rows: int, axis: int = 3) -> jax.Array:
+    """Query rows `q_start : q_start + rows` of a per-row array (`[B, K, G, T, ...]`: axis 3)."""
+    return x if x.shape[axis] == rows else jax.lax.dynamic_slice_in_dim(x, q_start, rows, axis=axis)
+
+
+def _set_rows(x: jax.Array, rows: jax.Array, q_start, axis: int = 3) -> jax.Array:
+    """`x` with its rows from `q_start` replaced by `rows`."""
+    return rows if rows.shape == x.shape else jax.lax.dynamic_update_slice_in_dim(x, rows, q_start, axis=axis)
+
+
+def _add_at(acc: jax.Array, x: jax.Array, starts, *, overwrite: bool = False) -> jax.Array:
+    """`acc` with `x` added at `starts`, or written there when `overwrite` (no other tile touches that part)."""
+    if x.shape == acc.shape:
+        return x if overwrite else acc + x
+    starts = tuple(jnp.asarray(i, jnp.int32) for i in starts)  # one index type (Python ints are int64 under x64)
+    if not overwrite:
+        x = jax.lax.dynamic_slice(acc, starts, x.shape) + x
+    return jax.lax.dynamic_update_slice(acc, x, starts)
+
+
+def _tile(tiles: Tiles, problem: canonical.Problem, mods: "_Modifiers | None", step):
+    """`(q_start, k_start, the problem on the tile's query rows, its modifiers)` of tile `step`."""
+    q_start, k_start = tiles.starts(step)
+    rows = _query_rows(problem, q_start, tiles.block_q)
+    return q_start, k_start, rows, None if mods is None else mods.on_rows(rows)
+
+
 def _block_scores(config: AttentionConfig, problem: canonical.Problem, q5, mods: _Modifiers | None, k_start, block):
     """Scores (after bias, the modifiers and the soft cap) and visibility of keys `k_start : k_start + block`."""
     k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
@@ -154,22 +295,25 @@ def _block_scores(config: AttentionConfig, problem: canonical.Problem, q5, mods:
     return scores.soft_cap(config, s), allowed
 
 
-def _max_visible(config: AttentionConfig, block: int, problem: canonical.Problem, q5, mods: _Modifiers | None):
-    """`[B, K, G, T]`: each query row's largest visible score over the key blocks (`scores.hidden_score` where none
-    is visible)."""
+def _max_visible(config: AttentionConfig, tiles: Tiles, problem: canonical.Problem, q5, mods: _Modifiers | None):
+    """`[B, K, G, T]`: each query row's largest visible score over the tiles (`scores.hidden_score` where none is
+    visible)."""
     B, K, G, T, _ = q5.shape
     acc_dtype = scores.accumulator(q5.dtype)
     hidden = scores.hidden_score(acc_dtype)
+    bq = tiles.block_q
 
-    def body(c, best):
-        s, allowed = _block_scores(config, problem, q5, mods, c * block, block)
-        return jnp.maximum(best, jnp.max(jnp.where(allowed, s, hidden), axis=-1))
+    def body(step, best):
+        q_start, k_start, rows, rows_mods = _tile(tiles, problem, mods, step)
+        s, allowed = _block_scores(config, rows, _rows_of(q5, q_start, bq), rows_mods, k_start, tiles.block_k)
+        row_best = jnp.maximum(_rows_of(best, q_start, bq), jnp.max(jnp.where(allowed, s, hidden), axis=-1))
+        return _set_rows(best, row_best, q_start)
 
     empty = jnp.full((B, K, G, T), hidden, acc_dtype)
-    return jax.lax.fori_loop(0, problem.key.shape[1] // block, body, varying.like_inputs(empty, problem))
+    return jax.lax.fori_loop(0, tiles.num_steps, body, varying.like_inputs(empty, problem))
 
 
-def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mods: _Modifiers | None):
+def _forward(config: AttentionConfig, tiles: Tiles, problem: canonical.Problem, mods: _Modifiers | None):
     """Returns `out [B, T, N, Hv]` (query dtype) and `lse [B, K, G, T]` in the accumulator dtype (`hidden_score`
     where nothing is visible, as `scores.statistics`)."""
     B, T, N, _ = problem.query.shape
@@ -177,13 +321,13 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mo
     hidden = scores.hidden_score(acc_dtype)
     K, G, Hv = config.num_kv_heads, config.group_size, problem.value.shape[-1]
     q5 = scores.grouped_query(config, problem.query)
-    num_blocks = problem.key.shape[1] // block
+    bq, block = tiles.block_q, tiles.block_k
 
-    def body(c, carry):
-        row_max, denominator, acc = carry
-        k_start = c * block
+    def body(step, carry):
+        q_start, k_start, rows, rows_mods = _tile(tiles, problem, mods, step)
+        row_max, denominator, acc = (_rows_of(x, q_start, bq) for x in carry)
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
-        s, allowed = _block_scores(config, problem, q5, mods, k_start, block)
+        s, allowed = _block_scores(config, rows, _rows_of(q5, q_start, bq), rows_mods, k_start, block)
         masked = jnp.where(allowed, s, hidden)
         new_max = jnp.maximum(row_max, jnp.max(masked, axis=-1))
         shift = scores.row_shift(new_max)
@@ -191,21 +335,21 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mo
         p = jnp.exp(masked - shift[..., None])
         denominator = denominator * rescale + jnp.sum(p, axis=-1)
         if problem.dropout_seeds is not None:
-            keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, k_start, block)
+            keep = scores.dropout_keep(config, problem.dropout_seeds, B, bq, k_start, block, q_start=q_start)
             p = jnp.where(keep, p, 0.0)
         pv = scores.rows_dot(
             p.astype(problem.value.dtype), v_blk, preferred_element_type=acc_dtype,
             precision=scores.precision(problem.value.dtype),
         )  # fmt: skip
         acc = acc * rescale[..., None] + pv
-        return new_max, denominator, acc
+        return tuple(_set_rows(x, new, q_start) for x, new in zip(carry, (new_max, denominator, acc), strict=True))
 
     init = (
         jnp.full((B, K, G, T), hidden, acc_dtype),
         jnp.zeros((B, K, G, T), acc_dtype),
         jnp.zeros((B, K, G, T, Hv), acc_dtype),
     )
-    row_max, denominator, acc = jax.lax.fori_loop(0, num_blocks, body, varying.like_inputs(init, problem))
+    row_max, denominator, acc = jax.lax.fori_loop(0, tiles.num_steps, body, varying.like_inputs(init, problem))
 
     if problem.sinks is not None:
         sinks = scores.grouped_sinks(config, problem.sinks)
@@ -224,14 +368,15 @@ def _forward(config: AttentionConfig, block: int, problem: canonical.Problem, mo
     return out, lse
 
 
-def _stores_probabilities(config: AttentionConfig, block: int, problem: canonical.Problem) -> bool:
+def _stores_probabilities(config: AttentionConfig, tiles: Tiles, problem: canonical.Problem) -> bool:
     """Whether the backward reuses the forward's probabilities instead of recomputing them: with one key block whose
     float32 probabilities stay under `AUTO_MIN_SCORE_BYTES` (the size `xla` may materialise), and none of the
     features whose backward needs the scores themselves (modifiers, soft cap, dropout, FP8)."""
     B, T, N, _ = problem.query.shape
     return (
-        problem.key.shape[1] == block
-        and 4 * B * N * T * block <= AUTO_MIN_SCORE_BYTES
+        tiles.pairs is None
+        and problem.key.shape[1] == tiles.block_k
+        and 4 * B * N * T * tiles.block_k <= AUTO_MIN_SCORE_BYTES
         and config.modifiers is None
         and config.logits_soft_cap is None
         and problem.dropout_seeds is None
@@ -239,34 +384,36 @@ def _stores_probabilities(config: AttentionConfig, block: int, problem: canonica
     )
 
 
-def _forward_fp8(config: AttentionConfig, block: int, problem: canonical.Problem, mods: _Modifiers | None):
+def _forward_fp8(config: AttentionConfig, tiles: Tiles, problem: canonical.Problem, mods: _Modifiers | None):
     """FP8 emulation (`fp8.py`): each probability is rounded against its row's final max, so a first pass over the
-    key blocks finds that max and a second accumulates. Returns `o [B, T, N, Hv]` float32 (the output before its
+    tiles finds that max and a second accumulates. Returns `o [B, T, N, Hv]` float32 (the output before its
     rounding), `lse` and that max (the probabilities' shift), both `[B, K, G, T]` float32. No dropout."""
     B, T, N, _ = problem.query.shape
     K, G, Hv = config.num_kv_heads, config.group_size, problem.value.shape[-1]
     q5 = scores.grouped_query(config, problem.query)
-    num_blocks = problem.key.shape[1] // block
     hidden = scores.hidden_score(jnp.float32)
-    row_max = _max_visible(config, block, problem, q5, mods)
+    bq, block = tiles.block_q, tiles.block_k
+    row_max = _max_visible(config, tiles, problem, q5, mods)
     if problem.sinks is not None:
         sinks = scores.grouped_sinks(config, problem.sinks)
         row_max = jnp.maximum(row_max, sinks)
     shift = scores.row_shift(row_max)
 
-    def body(c, carry):
-        denominator, acc = carry
-        s, allowed = _block_scores(config, problem, q5, mods, c * block, block)
-        p = jnp.exp(jnp.where(allowed, s, hidden) - shift[..., None])
-        v_blk = jax.lax.dynamic_slice_in_dim(problem.value, c * block, block, axis=1)
+    def body(step, carry):
+        q_start, k_start, rows, rows_mods = _tile(tiles, problem, mods, step)
+        denominator, acc = (_rows_of(x, q_start, bq) for x in carry)
+        s, allowed = _block_scores(config, rows, _rows_of(q5, q_start, bq), rows_mods, k_start, block)
+        p = jnp.exp(jnp.where(allowed, s, hidden) - _rows_of(shift, q_start, bq)[..., None])
+        v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
         pv = scores.rows_dot(
             fp8_lib.Rounding.probabilities(p), v_blk, preferred_element_type=jnp.float32,
             precision=jax.lax.Precision.HIGHEST,
         )  # fmt: skip
-        return denominator + jnp.sum(p, axis=-1), acc + pv
+        new = (denominator + jnp.sum(p, axis=-1), acc + pv)
+        return tuple(_set_rows(x, y, q_start) for x, y in zip(carry, new, strict=True))
 
     init = (jnp.zeros((B, K, G, T), jnp.float32), jnp.zeros((B, K, G, T, Hv), jnp.float32))
-    denominator, acc = jax.lax.fori_loop(0, num_blocks, body, varying.like_inputs(init, problem))
+    denominator, acc = jax.lax.fori_loop(0, tiles.num_steps, body, varying.like_inputs(init, problem))
     if problem.sinks is not None:
         denominator = denominator + jnp.exp(sinks - shift)
     has_mass = denominator > 0
@@ -278,7 +425,7 @@ def _forward_fp8(config: AttentionConfig, block: int, problem: canonical.Problem
 
 def _backward(
     config: AttentionConfig,
-    block: int,
+    tiles: Tiles,
     problem: canonical.Problem,
     mods: _Modifiers | None,
     out,
@@ -288,7 +435,7 @@ def _backward(
     fp8_shift=None,
 ):
     """Gradients `(dq, dk, dv, dbias, dsinks, d_args, d_score_consts, d_scale)` from the saved `lse [B, K, G, T]`,
-    recomputing each block (`d_scale`: of a runtime scale, else None).
+    recomputing each tile (`d_scale`: of a runtime scale, else None).
 
     `d_lse` is the cotangent of `lse`, also `[B, K, G, T]`. `d_args` / `d_score_consts` hold the gradients of the
     float `score_mod_args` / closed-over arrays of `score_mod` (None for the others and without `score_mod`).
@@ -296,7 +443,6 @@ def _backward(
     rounding, as autodiff of `xla`'s emulation gives), and `out` is the output before its rounding.
     """
     B, T, N, H = problem.query.shape
-    S = problem.key.shape[1]
     K, G = config.num_kv_heads, config.group_size
     q5 = scores.grouped_query(config, problem.query)
     to_kgt = lambda x: jnp.transpose(jnp.reshape(x, (B, T, K, G)), (0, 2, 3, 1))
@@ -313,38 +459,46 @@ def _backward(
     keep_scale = 1.0 / (1.0 - config.dropout_rate)
     bias = problem.bias
     f32 = lambda x: x.astype(acc_dtype)  # float32, or float64 for float64 inputs
+    bq, block = tiles.block_q, tiles.block_k
+    # Without `pairs` each key block is one step, so its key-axis gradients are written; tiles add up.
+    once = tiles.pairs is None
 
     args = problem.score_mod_args
     score_vjp = mods is not None and mods.fns.score is not None
     float_args = mods.float_args if score_vjp else ()
     float_consts = mods.float_consts if score_vjp else ()
 
-    def body(c, carry):
+    def rank4_starts(x, q_start, k_start):
+        """Where a tile's part of a rank-4 `[B|1, N|1, T|1, S|1]` array starts."""
+        return (0, 0, q_start if x.shape[2] != 1 else 0, k_start if x.shape[3] != 1 else 0)
+
+    def body(step, carry):
         dq, dk, dv, dbias, d_args, d_consts = carry
-        k_start = c * block
+        q_start, k_start, rows, rows_mods = _tile(tiles, problem, mods, step)
+        q5_rows, do5_rows = _rows_of(q5, q_start, bq), _rows_of(do5, q_start, bq)
         k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
-        s = scores.raw_scores(config, q5, k_blk, _slice_keys(bias, k_start, block), scale=problem.scale)
-        allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
+        s = scores.raw_scores(config, q5_rows, k_blk, _slice_keys(rows.bias, k_start, block), scale=problem.scale)
+        allowed = scores.visible(config, rows, k_start, block, _slice_keys(rows.mask, k_start, block))
         mod_vjp = None
-        if mods is not None:
-            s, allowed, mod_vjp = mods.apply_with_vjp(s, allowed, k_start, block)
+        if rows_mods is not None:
+            s, allowed, mod_vjp = rows_mods.apply_with_vjp(s, allowed, k_start, block)
         s = scores.soft_cap(config, s)
         masked = jnp.where(allowed, s, hidden)
-        p = jnp.exp(masked - shift[..., None])
+        p = jnp.exp(masked - _rows_of(shift, q_start, bq)[..., None])
         dp = scores.score_dot(
-            do5, v_blk, preferred_element_type=acc_dtype, precision=scores.precision(v_blk.dtype)
+            do5_rows, v_blk, preferred_element_type=acc_dtype, precision=scores.precision(v_blk.dtype)
         )
         p_kept = p
         if fp8_shift is not None:
-            p_tilde = jnp.exp(masked - fp8_shift[..., None])
-            p_kept = fp8_lib.Rounding.probabilities(p_tilde) / row_sum[..., None]
+            p_tilde = jnp.exp(masked - _rows_of(fp8_shift, q_start, bq)[..., None])
+            p_kept = fp8_lib.Rounding.probabilities(p_tilde) / _rows_of(row_sum, q_start, bq)[..., None]
         if problem.dropout_seeds is not None:
-            keep = scores.dropout_keep(config, problem.dropout_seeds, B, T, k_start, block)
+            keep = scores.dropout_keep(config, problem.dropout_seeds, B, bq, k_start, block, q_start=q_start)
             p_kept = jnp.where(keep, p * keep_scale, 0.0)
             dp = jnp.where(keep, dp * keep_scale, 0.0)
-        dv_blk = scores.keys_dot(p_kept, f32(do5), precision=jax.lax.Precision.HIGHEST)
-        ds = p * (dp - correction[..., None])
+        dv_blk = scores.keys_dot(p_kept, f32(do5_rows), precision=jax.lax.Precision.HIGHEST)
+        ds = p * (dp - _rows_of(correction, q_start, bq)[..., None])
         if config.logits_soft_cap is not None:
             ds = ds * (1.0 - jnp.square(s / jnp.asarray(config.logits_soft_cap, s.dtype)))
         if mod_vjp is not None:
@@ -352,32 +506,31 @@ def _backward(
             ds, d_args_blk, d_consts_blk = mod_vjp(ds)
             new_args = []
             for acc, i, d in zip(d_args, float_args, d_args_blk, strict=True):
-                b, n, t, s_arg = args[i].shape
+                b, n, t, s_arg = rows.score_mod_args[i].shape
                 d = jnp.reshape(d, (b, n, t, min(s_arg, block))).astype(acc.dtype)
-                if s_arg == 1:
-                    new_args.append(acc + d)
-                else:
-                    new_args.append(jax.lax.dynamic_update_slice_in_dim(acc, d, k_start, axis=3))
+                starts = rank4_starts(acc, q_start, k_start)
+                new_args.append(_add_at(acc, d, starts, overwrite=once and s_arg != 1))
             d_args = tuple(new_args)
             d_consts = tuple(acc + d.astype(acc.dtype) for acc, d in zip(d_consts, d_consts_blk, strict=True))
         if bias is not None:
-            ds_n = jnp.reshape(ds, (B, N, T, block))
+            ds_n = jnp.reshape(ds, (B, N, ds.shape[3], block))
             reduce_axes = tuple(a for a in range(3) if bias.shape[a] == 1)
             ds_n = jnp.sum(ds_n, axis=reduce_axes, keepdims=True)
             if bias.shape[3] == 1:
-                dbias = dbias + jnp.sum(ds_n, axis=3, keepdims=True)
-            else:
-                dbias = jax.lax.dynamic_update_slice_in_dim(dbias, ds_n, k_start, axis=3)
+                ds_n = jnp.sum(ds_n, axis=3, keepdims=True)
+            starts = rank4_starts(bias, q_start, k_start)
+            dbias = _add_at(dbias, ds_n, starts, overwrite=once and bias.shape[3] != 1)
         if config.scale is None:
             # a runtime scale: dq stays unscaled (d scale = <dq, q> below), scaled once after the loop
-            dq = dq + scores.rows_dot(ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
+            dq_rows = scores.rows_dot(ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
             ds = ds * scores.logit_scale(config, problem.scale, ds.dtype)
         else:
             ds = ds * jnp.asarray(config.scale, ds.dtype)
-            dq = dq + scores.rows_dot(ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
-        dk_blk = scores.keys_dot(ds, f32(q5), precision=jax.lax.Precision.HIGHEST)
-        dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk, k_start, axis=1)
-        dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk, k_start, axis=1)
+            dq_rows = scores.rows_dot(ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
+        dq = _add_at(dq, dq_rows, (0, 0, 0, q_start, 0))
+        dk_blk = scores.keys_dot(ds, f32(q5_rows), precision=jax.lax.Precision.HIGHEST)
+        dk = _add_at(dk, dk_blk, (0, k_start, 0, 0), overwrite=once)
+        dv = _add_at(dv, dv_blk, (0, k_start, 0, 0), overwrite=once)
         return dq, dk, dv, dbias, d_args, d_consts
 
     init = (  # dq, dk, dv, dbias, d_args (+ d_consts below)
@@ -395,7 +548,7 @@ def _backward(
             for c in (mods.score_consts[i] for i in float_consts)
         ),
     )
-    dq, dk, dv, dbias, d_args, d_consts = jax.lax.fori_loop(0, S // block, body, init)
+    dq, dk, dv, dbias, d_args, d_consts = jax.lax.fori_loop(0, tiles.num_steps, body, init)
     d_scale = None
     if config.scale is None:
         d_scale, dq = scale_gradient(config, problem.scale, dq, q5)
@@ -435,31 +588,31 @@ def _problem_and_modifiers(config, scale, query, key, value, bias, sinks, mask, 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunked(config, block, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts,
+def _chunked(config, tiles, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts,
              mask_consts):  # fmt: skip
     (out, lse), _ = _chunked_fwd(
-        config, block, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
+        config, tiles, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
     )
     return out, lse
 
 
-def _chunked_fwd(config, block, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts,
+def _chunked_fwd(config, tiles, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts,
                  mask_consts):  # fmt: skip
     problem, mods = _problem_and_modifiers(
         config, scale, query, key, value, bias, sinks, mask, seeds, positions, args, score_consts, mask_consts
     )
     saved = None  # the probabilities and their row sums, where the backward reuses them
     fp8_shift = None
-    if _stores_probabilities(config, block, problem):
+    if _stores_probabilities(config, tiles, problem):
         out, lse, *saved = one_block.forward(config, problem)
     elif config.fp8 is not None:
-        out, lse, fp8_shift = _forward_fp8(config, block, problem, mods)
+        out, lse, fp8_shift = _forward_fp8(config, tiles, problem, mods)
     else:
-        out, lse = _forward(config, block, problem, mods)
+        out, lse = _forward(config, tiles, problem, mods)
     return (out, lse), (problem, score_consts, mask_consts, out, lse, fp8_shift, saved)
 
 
-def _chunked_bwd(config, block, residuals, cotangents):
+def _chunked_bwd(config, tiles, residuals, cotangents):
     problem, score_consts, mask_consts, out, lse, fp8_shift, saved = residuals
     d_out, d_lse = cotangents
     if saved is not None:
@@ -468,7 +621,7 @@ def _chunked_bwd(config, block, residuals, cotangents):
         return d_scale, dq, dk, dv, dbias, d_sinks, None, None, None, no_args, (), ()
     mods = None if config.modifiers is None else _Modifiers(config, problem, score_consts, mask_consts)
     dq, dk, dv, dbias, d_sinks, d_args, d_score_consts, d_scale = _backward(
-        config, block, problem, mods, out, lse, d_out, d_lse, fp8_shift
+        config, tiles, problem, mods, out, lse, d_out, d_lse, fp8_shift
     )
     d_mask_consts = (None,) * len(mask_consts)
     return d_scale, dq, dk, dv, dbias, d_sinks, None, None, None, d_args, d_score_consts, d_mask_consts
@@ -497,14 +650,22 @@ def _for_varying_inputs(config: AttentionConfig, problem: canonical.Problem) -> 
     return dataclasses.replace(config, modifiers=dataclasses.replace(description, **retraced))
 
 
-def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int = BLOCK_K):
-    """Canonical attention: `out [B, T, N, Hv]` in the query dtype and float32 `lse [B, T, N]` (its rows with
-    nothing visible as `scores.returned_lse` says)."""
-    B, T, N, _ = problem.query.shape
-    S = problem.key.shape[1]
+def _padded(problem: canonical.Problem, block_k: int, band: Band | None) -> tuple[canonical.Problem, Tiles]:
+    """The problem with its keys (and, with tiles of query rows, its queries) padded to whole blocks, and the tiles."""
+    T, S = problem.query.shape[1], problem.key.shape[1]
     block = max(1, min(block_k, S))
+    tiles = plan_tiles(band, T, S, block)
     # At least one block: with S = 0 a single invisible padding key gives every row out 0 and nothing visible.
-    padded = _pad_keys(problem, max(1, -(-S // block)) * block)
+    padded = _pad_keys(problem, tiles.num_k_blocks * block)
+    return _pad_queries(padded, tiles.num_q_blocks * tiles.block_q), tiles
+
+
+def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int = BLOCK_K, band: Band | None = None):
+    """Canonical attention: `out [B, T, N, Hv]` in the query dtype and float32 `lse [B, T, N]` (its rows with
+    nothing visible as `scores.returned_lse` says). `band`: no query sees a key outside it (`Band.on_indices`);
+    the loops then skip the tiles it hides."""
+    B, T, N, _ = problem.query.shape
+    padded, tiles = _padded(problem, block_k, band)
     # Inside shard_map, differentiable inputs must vary like the rest so their cotangents (reduced by JAX where an
     # input was replicated) match the custom_vjp's types.
     query, key, value, bias, sinks = varying.like_inputs(
@@ -518,26 +679,28 @@ def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int = B
     mask_consts = () if config.modifiers is None else config.modifiers.mask_consts
     scale = None if padded.scale is None else varying.like_inputs(padded.scale, padded)
     out, lse = _chunked(
-        config, block, scale, query, key, value, bias, sinks, padded.mask, padded.dropout_seeds, padded.positions, args,
+        config, tiles, scale, query, key, value, bias, sinks, padded.mask, padded.dropout_seeds, padded.positions, args,
         score_consts, mask_consts,
     )  # fmt: skip
-    # [B, K, G, T] -> [B, T, N]
-    lse = jnp.reshape(jnp.transpose(lse, (0, 3, 1, 2)), (B, T, N))
-    return out, scores.returned_lse(config, lse)
+    # [B, K, G, T] -> [B, T, N] (padded query rows dropped)
+    lse = jnp.reshape(jnp.transpose(lse[..., :T], (0, 3, 1, 2)), (B, T, N))
+    return out[:, :T], scores.returned_lse(config, lse)
 
 
-def row_max(config: AttentionConfig, problem: canonical.Problem, block_k: int = BLOCK_K) -> jax.Array:
+def row_max(
+    config: AttentionConfig, problem: canonical.Problem, block_k: int = BLOCK_K, band: Band | None = None
+) -> jax.Array:
     """`[B, K, G, T]`: each query row's largest visible logit (after bias, `score_mod` and soft cap;
-    `scores.hidden_score` where nothing is visible), one key block at a time. Not differentiable (a statistic)."""
+    `scores.hidden_score` where nothing is visible), one tile at a time (skipping those outside `band`, as
+    `attend`). Not differentiable (a statistic)."""
     problem = jax.lax.stop_gradient(problem)
-    S = problem.key.shape[1]
-    block = max(1, min(block_k, S))
-    padded = _pad_keys(problem, max(1, -(-S // block)) * block)
+    T = problem.query.shape[1]
+    padded, tiles = _padded(problem, block_k, band)
     description = config.modifiers
     mods = None
     if description is not None:
         mods = _Modifiers(config, padded, description.score_consts, description.mask_consts)
-    return _max_visible(config, block, padded, scores.grouped_query(config, padded.query), mods)
+    return _max_visible(config, tiles, padded, scores.grouped_query(config, padded.query), mods)[..., :T]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -546,7 +709,8 @@ class XlaChunked(Implementation):
     (alone or in a sequence); the name stands for `XlaChunked()`.
 
     Attributes:
-        block_k: keys per block of the online softmax. Each block materialises `[B, N, T, block_k]` float32 scores;
+        block_k: keys per block of the online softmax. Each block materialises `[B, N, T, block_k]` float32 scores
+            (under a causal or window bound, tiles of about `block_k` query rows: `[B, N, ~block_k, block_k]`);
             smaller blocks take less memory and more loop steps. Keys that fit in one block run the one-block path
             (probabilities kept for the backward).
     """
@@ -580,7 +744,8 @@ class XlaChunked(Implementation):
 
     def attention(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
         # Serves every call it accepts by itself: nothing in `context` changes how.
+        band = Band.on_indices(config, inputs)
         if config.fp8 is not None:
-            return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem, self.block_k))
-        return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs), self.block_k))
+            return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem, self.block_k, band))
+        return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs), self.block_k, band))
 
