@@ -40,12 +40,17 @@ class Kernel:
         block_sizes: splash `BlockSizes` (backward blocks included).
         soft_cap: `logits_soft_cap`, or None.
         interpret: run the Pallas kernels in interpret mode (any backend, CPU included).
+        lse_needed: the forward outside differentiation needs the log-sum-exp: the call returns it, or rows that
+            see no key must be found (sequence structure, or a band that leaves rows empty). Otherwise it runs
+            splash's forward without residuals, which writes the log-sum-exp 128 lanes wide (`[N, T', 128]`
+            float32: twice the bytes of a bfloat16 output with 128-wide heads).
     """
 
     mask: MaskSpec
     block_sizes: Any
     soft_cap: float | None
     interpret: bool
+    lse_needed: bool = True
 
 
 def mask_spec(
@@ -75,9 +80,9 @@ def _splash_mask(spec: MaskSpec) -> Any:
 
 
 @functools.lru_cache(maxsize=128)
-def kernel(spec: Kernel) -> Any:
-    """The splash kernel of `spec` (forward saving the log-sum-exp; its `MaskInfo`s for the backward), built on the
-    first call with this `spec` and reused afterwards."""
+def kernel(spec: Kernel, save_residuals: bool = True) -> Any:
+    """The splash kernel of `spec` (its forward saving the log-sum-exp unless `save_residuals` is False; its
+    `MaskInfo`s for the backward), built on the first call with these arguments and reused afterwards."""
     import jax
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
@@ -85,7 +90,7 @@ def kernel(spec: Kernel) -> Any:
         return splash.make_splash_mha(
             _splash_mask(spec.mask),
             block_sizes=spec.block_sizes,
-            save_residuals=True,
+            save_residuals=save_residuals,
             attn_logits_soft_cap=spec.soft_cap,
             head_shards=1,
             q_seq_shards=1,

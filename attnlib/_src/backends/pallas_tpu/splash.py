@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ... import canonical
+from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import scores
 from . import blocks, masks
@@ -56,6 +57,18 @@ def _kernel_call(call: masks.Kernel, q, k, v, q_ids, kv_ids) -> tuple[jax.Array,
     return jax.vmap(one)(q, k, v, q_ids, kv_ids)
 
 
+def _out_only(call: masks.Kernel, q, k, v, q_ids, kv_ids) -> jax.Array:
+    """Splash's forward without residuals over the batch: `out [B, N, T', Hv']` (every row sees a key)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    kernel = masks.kernel(call, save_residuals=False)
+
+    def one(q, k, v, q_ids, kv_ids):
+        return kernel(q, k, v, None if q_ids is None else SegmentIds(q_ids, kv_ids))
+
+    return jax.vmap(one)(q, k, v, q_ids, kv_ids)
+
+
 def _forward(call: masks.Kernel, q, k, v, q_ids, kv_ids):
     out, lse = _kernel_call(call, q, k, v, q_ids, kv_ids)
     seen = _seen(lse)
@@ -68,7 +81,11 @@ def _forward(call: masks.Kernel, q, k, v, q_ids, kv_ids):
 def _splash(call: masks.Kernel, q, k, v, q_ids, kv_ids) -> tuple[jax.Array, jax.Array]:
     """`(out [B, N, T', Hv'], lse [B, N, T'])` of `q [B, N, T', H']` (already scaled), `k [B, K, S', H']`,
     `v [B, K, S', Hv']` and int32 segment ids `[B, T']`, `[B, S']` (or None); empty rows: out 0,
-    `lse = hidden_score`."""
+    `lse = hidden_score`. Outside differentiation, a call whose `lse` is dropped (`call.lse_needed` False) runs
+    the forward without residuals and gives `lse = -inf` (as cuDNN's paged forward does for a dropped `lse`)."""
+    if not call.lse_needed:
+        out = _out_only(call, q, k, v, q_ids, kv_ids)
+        return out, jnp.full(out.shape[:3], -jnp.inf, jnp.float32)
     return _forward(call, q, k, v, q_ids, kv_ids)
 
 
@@ -148,12 +165,14 @@ def layout(config: AttentionConfig, block_sizes: Any | None, interpret: bool) ->
     reach = {"causal": 0, "local": None if mask.window is None else mask.window[1]}.get(mask.kind)
     keys_hidden = Sp == S or (reach is not None and T - 1 + offset + reach <= S - 1)
     structured = config.has_q_lengths or config.has_kv_lengths or config.has_segments or config.layout == "thd"
+    segmented = structured or not keys_hidden
+    lse_needed = config.return_residual or segmented or not Band.of(config).all_rows_valid(T, S)
     return Layout(
-        kernel=masks.Kernel(mask, chosen, config.logits_soft_cap, interpret),
+        kernel=masks.Kernel(mask, chosen, config.logits_soft_cap, interpret, lse_needed),
         q_len=Tp, kv_len=Sp,
         head_dim=blocks.round_up(config.head_dim, blocks.LANES),
         value_head_dim=blocks.round_up(config.value_head_dim, blocks.LANES),
-        segmented=structured or not keys_hidden,
+        segmented=segmented,
     )  # fmt: skip
 
 
