@@ -306,18 +306,39 @@ def test_float32_declines_on_a_tpu_but_not_in_interpret_mode(monkeypatch):
 
 @pytest.mark.tpu
 @pytest.mark.parametrize("name", ["dense", "causal_bottom_right", "thd_causal", "lengths_with_empty_rows", "mqa"])
-def test_tpu_automatic_dispatch_runs_pallas_tpu(name):
+def test_tpu_automatic_dispatch_leaves_short_sequences_to_xla_chunked(name):
     case = CASES[name]
     q, k, v = _arrays(case, jnp.bfloat16)
-    assert attnlib.explain(q, k, v, **_kwargs(case)).implementation == "pallas_tpu"
+    explanation = attnlib.explain(q, k, v, **_kwargs(case))
+    assert explanation.implementation == "xla_chunked"
+    assert explanation.declined["pallas_tpu"].startswith("automatic dispatch leaves sequences of at most 512")
     _check(case, jnp.bfloat16, None)
 
 
 @pytest.mark.tpu
-def test_tpu_head_dim_64_long_sequence():
-    """A realistic shape: head dim 64 (padded to 128 lanes), T = S = 1000 (padded to 1024, 512-blocks)."""
-    _check(Case(t=1000, s=1000, n=4, k=2, h=64, batch=(1,), kwargs=(("is_causal", True),)), jnp.bfloat16,
-           attnlib.PallasTpu())  # fmt: skip
+@pytest.mark.parametrize("implementation", [None, attnlib.PallasTpu()], ids=["automatic", "named"])
+def test_tpu_head_dim_64_long_sequence(implementation):
+    """A realistic shape: head dim 64 (padded to 128 lanes), T = S = 1000 (padded to 1024, 512-blocks); automatic
+    dispatch picks pallas_tpu."""
+    case = Case(t=1000, s=1000, n=4, k=2, h=64, batch=(1,), kwargs=(("is_causal", True),))
+    q, k, v = _arrays(case, jnp.bfloat16)
+    assert attnlib.explain(q, k, v, **_kwargs(case)).implementation == "pallas_tpu"
+    _check(case, jnp.bfloat16, implementation)
+
+
+def test_automatic_dispatch_on_a_tpu_leaves_short_sequences_to_xla_chunked(monkeypatch):
+    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    for case, automatic in ((Case(t=513, s=600), "pallas_tpu"), (CASES["dense"], "xla_chunked")):
+        q, k, v = _arrays(case, jnp.bfloat16)
+        explanation = attnlib.explain(q, k, v)
+        assert explanation.implementation == automatic
+        if automatic == "xla_chunked":
+            assert explanation.declined["pallas_tpu"] == (
+                "automatic dispatch leaves sequences of at most 512 tokens (T=37, S=53) to xla_chunked, faster "
+                "there on a TPU v5e; name pallas_tpu to force it"
+            )
+        named = attnlib.explain(q, k, v, implementation=(attnlib.PallasTpu(), "xla_chunked"))
+        assert named.implementation == "pallas_tpu"
 
 
 # ------------------------------------------------------------------------------------------------------------------

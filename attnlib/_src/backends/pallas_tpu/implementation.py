@@ -16,6 +16,12 @@ MAX_HEAD_DIM = 256
 
 DTYPES = (np.dtype("bfloat16"), np.dtype("float32"))
 
+AUTO_MIN_LENGTH = 512
+"""With `implementation=None`, calls whose T and S are both at most this are left to `xla_chunked` (one key block:
+its forward keeps the probabilities for the backward). Measured on a TPU v5e, b8 T=S=512 N16 H64 causal bf16
+(`benchmarks/bench_tpu.py`, small_512): xla_chunked 0.15 / 0.77 ms forward / forward + backward, splash 0.27 / 0.83
+with its best blocks, attnlib's splash call 0.33 / 0.89."""
+
 FLOAT32_ON_TPU = (
     "float32 inputs are not served on a TPU: splash's matrix products run at the TPU's default precision there "
     "(bfloat16 passes; max |error| 5e-3 against float64 on a v5e), so float32 falls back to a plain-JAX "
@@ -119,6 +125,11 @@ class PallasTpu(Implementation):
             return "no TPU visible to JAX"
         if not self.interpret and config.dtype == np.dtype("float32") and config.fp8 is None:
             return FLOAT32_ON_TPU
+        if context.automatic and max(config.q_len, config.kv_len) <= AUTO_MIN_LENGTH:
+            return (
+                f"automatic dispatch leaves sequences of at most {AUTO_MIN_LENGTH} tokens (T={config.q_len}, "
+                f"S={config.kv_len}) to xla_chunked, faster there on a TPU v5e; name pallas_tpu to force it"
+            )
         return feature_reason(config) or _backward_kernels_reason()
 
     def declines_loudly(self) -> bool:
