@@ -133,7 +133,26 @@ def _counting_cudnn():
     return emulated_cudnn(graph), specs
 
 
-CUDNN_OPTIONS = ["plain", "causal", "bias_window", "soft_cap"]
+CUDNN_OPTIONS = ["plain", "soft_cap"]
+"""What cuDNN's runtime-scale graphs serve: on an H200 with cuDNN 9.19 (2026-12-05) these matched `xla`; with
+`is_causal` the values were wrong, with a bias and a window the graph was refused (`support.runtime_scale_reason`)."""
+CUDNN_DECLINED = ["causal", "bias_window", "score_mod"]
+
+
+@pytest.mark.parametrize("option", CUDNN_DECLINED)
+def test_cudnn_declines_runtime_scale_with_masks_and_falls_back(option):
+    cudnn, specs = _counting_cudnn()
+    q, k, v = _qkv(jnp.bfloat16, h=8, hv=16)
+    options = _options(option, jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"`scale` as an array .* served only without masks"):
+        _loss(cudnn, **options)(q, k, v, jnp.float32(0.7))
+    got = jax.value_and_grad(_loss([cudnn, "xla"], **options), argnums=(0, 3))(q, k, v, jnp.float32(0.7))
+    want = jax.value_and_grad(_loss("xla", **options), argnums=(0, 3))(q, k, v, jnp.float32(0.7))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert not specs
+    # a Python float scale keeps these calls on cuDNN
+    _loss(cudnn, **options)(q, k, v, 0.7)
+    assert specs
 
 
 @pytest.mark.parametrize("option", CUDNN_OPTIONS)

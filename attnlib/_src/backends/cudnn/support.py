@@ -200,6 +200,28 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
     return None
 
 
+def runtime_scale_reason(config: AttentionConfig) -> str | None:
+    """Why a dense call with `scale` as an array is not served, or None. The runtime-scale graphs ran correctly on
+    an H200 with cuDNN 9.19 only without score masks (plain and with `logits_soft_cap`, values and gradients against
+    `xla`); with `is_causal` the results were wrong and a `bias` with a window was refused (no engine), measured
+    2026-12-05 by `tests/test_traced_scale.py::test_cudnn_gpu_traced_scale`. Everything else not measured there
+    declines too, so no unmeasured combination can be silently wrong."""
+    extras = [
+        (config.is_causal, "a causal mask"), (config.window is not None, "a window"), (config.has_bias, "a bias"),
+        (config.has_mask, "a mask"), (config.has_q_lengths or config.has_kv_lengths, "padding lengths"),
+        (config.has_segments, "segment ids"), (config.has_modifiers, "a score_mod / mask_mod"),
+        (config.has_sinks, "sinks"), (config.dropout_rate > 0, "dropout"),
+    ]  # fmt: skip
+    named = [name for present, name in extras if present]
+    if not named:
+        return None
+    return (
+        f"cudnn: `scale` as an array (traced or learned) is served only without masks and extras, not with "
+        f"{', '.join(named)}: on an H200 with cuDNN 9.19 its causal graph gave wrong results and its bias + window "
+        "graph was refused; pass a Python float, or let automatic dispatch run it on xla_chunked."
+    )
+
+
 def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_version: int) -> str | None:
     """Why cuDNN cannot serve `config` on a GPU of `capability` with cuDNN `cudnn_version`, or None if it can."""
     if config.scale is None and (
@@ -209,6 +231,10 @@ def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_ve
             f"cudnn: `scale` as an array (traced or learned) is supported on dense calls only, not on {config.layout} "
             "ones or packed rows (segment ids); pass a Python float, or use implementation='xla_chunked'."
         )
+    if config.scale is None:
+        reason = runtime_scale_reason(config)
+        if reason is not None:
+            return reason
     if config.fp8 is not None:
         reason = fp8_reason(config, capability)
         if reason is not None:
