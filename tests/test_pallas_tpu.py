@@ -42,6 +42,11 @@ def _seg(runs_per_row, total):
     return np.stack([segment_ids_from_runs(runs, total) for runs in runs_per_row])
 
 
+def _sinks(n):
+    """`[n]` sink logits of the size of the scores, so that the sink takes a visible share of every row."""
+    return (1.3 * rng(13).standard_normal(n) + 0.4).astype(np.float32)
+
+
 CASES = {
     "dense": Case(),
     "causal_top_left": Case(kwargs=(("is_causal", True),)),
@@ -77,6 +82,33 @@ CASES = {
     "soft_cap_gqa": Case(n=6, k=3, kwargs=(("logits_soft_cap", 1.5), ("scale", 0.9))),
     "array_scale": Case(kwargs=(("scale", np.float32(0.41)),)),
     "head_dim_136": Case(h=136, n=2, k=1, kwargs=(("is_causal", True),)),
+    "sinks_dense": Case(kwargs=(("sinks", _sinks(6)),)),
+    # T > S bottom-right: the first T - S rows see only the sink (out 0, lse = sink).
+    "sinks_causal_bottom_right": Case(
+        t=53, s=37, kwargs=(("is_causal", True), ("diagonal_alignment", "bottom_right"), ("sinks", _sinks(6)))
+    ),
+    "sinks_segments_cross": Case(
+        t=29, s=43,
+        kwargs=(
+            ("q_segment_ids", _seg([[(1, 10), (2, 15)], [(4, 29)]], 29)),
+            ("kv_segment_ids", _seg([[(2, 20), (1, 13)], [(4, 9), (6, 30)]], 43)),
+            ("sinks", _sinks(6)),
+        ),
+    ),
+    "sinks_lengths_with_empty_rows": Case(
+        kwargs=(
+            ("query_seq_lengths", np.asarray([30, 0], np.int32)),
+            ("key_value_seq_lengths", np.asarray([0, 41], np.int32)),
+            ("is_causal", True),
+            ("sinks", _sinks(6)),
+        )
+    ),
+    "sinks_thd_causal": Case(
+        t=47, s=47, batch=(), thd=True,
+        kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)), ("is_causal", True), ("sinks", _sinks(6))),
+    ),  # fmt: skip
+    "sinks_gqa_window": Case(n=6, k=3, kwargs=(("local_window_size", (5, 3)), ("sinks", _sinks(6)))),
+    "sinks_soft_cap_mqa": Case(n=5, k=1, kwargs=(("logits_soft_cap", 1.5), ("scale", 0.9), ("sinks", _sinks(5)))),
 }
 
 
@@ -95,11 +127,18 @@ def _kwargs(case: Case):
 
 
 def _run(case: Case, dtype, implementation):
-    """`(out, lse, (dq, dk, dv), d_out, d_lse)` of one case: the VJP of `(out, lse)` with random cotangents."""
+    """`(out, lse, (dq, dk, dv[, dsinks]), d_out, d_lse)` of one case: the VJP of `(out, lse)` with random
+    cotangents (w.r.t. the sinks too when the case has them)."""
     q, k, v = _arrays(case, dtype)
     kw = _kwargs(case)
-    f = lambda q, k, v: attnlib.attention(q, k, v, implementation=implementation, return_residual=True, **kw)
-    (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v)
+    sinks = kw.pop("sinks", None)
+
+    def f(q, k, v, *sinks):
+        kw_sinks = dict(sinks=sinks[0]) if sinks else {}
+        return attnlib.attention(q, k, v, implementation=implementation, return_residual=True, **kw, **kw_sinks)
+
+    primals = (q, k, v) if sinks is None else (q, k, v, sinks)
+    (out, lse), vjp = jax.vjp(jax.jit(f), *primals)
     r = rng(11)
     d_out = normal(r, out.shape, dtype)
     d_lse = normal(r, lse.shape, jnp.float32)
@@ -120,13 +159,26 @@ def _check(case: Case, dtype, implementation):
     assert_lse_close(lse, ref_lse, dtype)
     empty = np.isinf(ref_lse)
     ref_grads = reference_attention_vjp(*args, d_out=to_f64(d_out), d_lse=np.where(empty, 0.0, to_f64(d_lse)), **kw)
-    for name, g in zip(("query", "key", "value"), grads):
-        assert g.dtype == dtype
+    assert len(grads) == (3 if "sinks" not in kw else 4)
+    for name, g in zip(("query", "key", "value", "sinks"), grads):
+        assert g.dtype == (dtype if name != "sinks" else kw["sinks"].dtype)
         assert_grad_close(g, ref_grads[name], dtype, what=f"d{name}")
     if empty.any():
         assert (np.asarray(to_f64(out))[empty] == 0).all(), "a row that sees nothing has a non-zero output"
         assert (np.asarray(to_f64(grads[0]))[empty] == 0).all(), "a row that sees nothing has a query gradient"
+    if "sinks" in kw:
+        # Rows that see no key but the sink: out exactly 0, lse = sink, no query gradient.
+        only_sink = _key_empty_rows(args, kw)
+        assert_lse_close(np.where(only_sink, lse, 0.0), np.where(only_sink, kw["sinks"], 0.0), dtype)
+        assert (np.asarray(to_f64(out))[only_sink] == 0).all(), "a row seeing only the sink has a non-zero output"
+        assert (np.asarray(to_f64(grads[0]))[only_sink] == 0).all(), "a row seeing only the sink has a query gradient"
     return empty
+
+
+def _key_empty_rows(args, kw):
+    """Bool, the shape of `lse`: the rows that see no key (the reference's `lse` without the sinks is -inf)."""
+    kw = {n: x for n, x in kw.items() if n != "sinks"}
+    return np.isinf(reference_attention(*args, **kw)[1])
 
 
 INTERPRET = attnlib.PallasTpu(interpret=True)
@@ -137,18 +189,55 @@ def test_interpret_matches_reference_float32(name):
     _check(CASES[name], jnp.float32, INTERPRET)
 
 
-@pytest.mark.parametrize("name", ["causal_bottom_right", "segments_cross", "soft_cap_gqa"])
+@pytest.mark.parametrize("name", ["causal_bottom_right", "segments_cross", "soft_cap_gqa", "sinks_causal_bottom_right"])
 def test_interpret_matches_reference_bfloat16(name):
     _check(CASES[name], jnp.bfloat16, INTERPRET)
 
 
+def _case_kwargs_f64(case: Case):
+    kw = {n: (np.asarray(x) if isinstance(x, jax.Array) else x) for n, x in _kwargs(case).items()}
+    if "cu_seqlens_q" in kw:
+        kw.setdefault("cu_seqlens_kv", kw["cu_seqlens_q"])
+    return [to_f64(x) for x in _arrays(case, jnp.float32)], kw
+
+
 def test_the_empty_rows_are_exercised():
-    """The cases meant to have rows that see nothing do (so the fix-up of splash's empty rows is tested)."""
+    """The cases meant to have rows that see nothing do (so the fix-up of splash's empty rows is tested), and the
+    sinks cases meant to have rows that see only the sink do."""
     for name in ("causal_bottom_right", "lengths_with_empty_rows", "segments_cross"):
-        case = CASES[name]
-        q, k, v = (to_f64(x) for x in _arrays(case, jnp.float32))
-        kw = {n: (np.asarray(x) if isinstance(x, jax.Array) else x) for n, x in _kwargs(case).items()}
-        assert np.isinf(reference_attention(q, k, v, **kw)[1]).any(), name
+        args, kw = _case_kwargs_f64(CASES[name])
+        assert np.isinf(reference_attention(*args, **kw)[1]).any(), name
+    for name in ("sinks_causal_bottom_right", "sinks_lengths_with_empty_rows", "sinks_segments_cross"):
+        args, kw = _case_kwargs_f64(CASES[name])
+        assert not np.isinf(reference_attention(*args, **kw)[1]).any(), name
+        assert _key_empty_rows(args, kw).any(), name
+
+
+LSE_DROPPED = {
+    "causal_top_left": (CASES["causal_top_left"], False),
+    "causal_top_left_sinks": (Case(kwargs=(("is_causal", True), ("sinks", _sinks(6)))), False),
+    "dense_padded_keys_sinks": (CASES["sinks_dense"], True),
+    "causal_bottom_right_sinks": (CASES["sinks_causal_bottom_right"], True),
+    "segments_cross_sinks": (CASES["sinks_segments_cross"], True),
+}
+
+
+@pytest.mark.parametrize("name", list(LSE_DROPPED))
+def test_forward_with_lse_dropped(name, monkeypatch):
+    """`lse` dropped: rows that all see a key (and no padded key) run splash without residuals, sinks or not;
+    rows that may see nothing, or padded keys to hide, keep the `lse` (with a sink alone: out 0)."""
+    from attnlib._src.backends.pallas_tpu import splash
+
+    layouts = []
+    layout = splash.layout
+    monkeypatch.setattr(splash, "layout", lambda *a: layouts.append(layout(*a)) or layouts[-1])
+    case, lse_needed = LSE_DROPPED[name]
+    q, k, v = _arrays(case, jnp.float32)
+    kw = _kwargs(case)
+    out = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation=INTERPRET, **kw))(q, k, v)
+    assert [lay.kernel.lse_needed for lay in layouts] == [lse_needed]
+    args, kw64 = _case_kwargs_f64(case)
+    assert_out_close(out, reference_attention(*args, **kw64)[0], jnp.float32)
 
 
 def test_user_block_sizes_pad_to_their_blocks():
@@ -197,7 +286,6 @@ DECLINES = {
     "bias": (dict(bias=jnp.zeros((2, 6, 37, 53))), "`bias`"),
     "mask": (dict(mask=jnp.ones((37, 53), bool)), "`mask` arrays"),
     "dropout": (dict(dropout_rate=0.1, dropout_key=jax.random.key(0)), "dropout"),
-    "sinks": (dict(sinks=jnp.zeros((6,))), "`sinks`"),
     "score_mod": (dict(score_mod=lambda s, b, h, i, j: s * 0.5), "`score_mod`"),
     "deterministic": (dict(deterministic_backward=True), "deterministic_backward"),
     "float16": (dict(dtype=jnp.float16), "float16 inputs"),

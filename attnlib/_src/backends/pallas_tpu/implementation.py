@@ -62,7 +62,6 @@ def feature_reason(config: AttentionConfig) -> str | None:
         (config.has_bias, "`bias` is not supported: splash takes no additive bias"),
         (config.has_mask, "`mask` arrays are not supported: splash takes static masks and segment ids only"),
         (config.dropout_rate > 0, "dropout is not supported: splash has no dropout"),
-        (config.has_sinks, "`sinks` are not supported yet by attnlib's splash backward"),
         (config.has_modifiers, "`score_mod` / `mask_mod` are not supported: splash has no score modifiers"),
         (config.deterministic_backward, "`deterministic_backward=True` is not supported: splash does not promise a "
                                         "bitwise reproducible backward"),
@@ -98,9 +97,9 @@ class PallasTpu(Implementation):
     sequence); the name stands for `PallasTpu()`.
 
     It serves dense and THD layouts with causal masks (both diagonal alignments), two-sided windows, padding
-    lengths, packed segment ids, GQA / MQA, `logits_soft_cap`, float or array `scale`, the returned `lse` and
-    gradients of query, key and value (through `lse` too), in bfloat16 and float32. What it declines, and why,
-    `attnlib.explain` says (docs/implementations.md).
+    lengths, packed segment ids, GQA / MQA, `logits_soft_cap`, float or array `scale`, attention `sinks`, the
+    returned `lse` and gradients of query, key, value and sinks (through `lse` too), in bfloat16 and float32. What
+    it declines, and why, `attnlib.explain` says (docs/implementations.md).
 
     Attributes:
         block_sizes: splash's tiles: None (the default) for attnlib's table by shape (`blocks.py`), or a

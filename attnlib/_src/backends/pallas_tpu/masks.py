@@ -41,7 +41,8 @@ class Kernel:
         soft_cap: `logits_soft_cap`, or None.
         interpret: run the Pallas kernels in interpret mode (any backend, CPU included).
         lse_needed: the forward outside differentiation needs the log-sum-exp: the call returns it, or rows that
-            see no key must be found (sequence structure, or a band that leaves rows empty). Otherwise it runs
+            see no key must be found (sequence structure, or a band that leaves rows empty; with sinks too, where a
+            finite sink alone gives such a row out 0 in the kernel, but a -inf one does not). Otherwise it runs
             splash's forward without residuals, which writes the log-sum-exp 128 lanes wide (`[N, T', 128]`
             float32: twice the bytes of a bfloat16 output with 128-wide heads).
     """

@@ -9,12 +9,19 @@ the scale first (in float32, rounded once), so a traced scale gets its gradient 
 Sequence structure (padding lengths, packed segments, THD sequences, padded keys) reaches the kernel as segment
 ids: `positions.TokenPositions` ids, with "sees nothing" (`0`) mapped to sentinels no key / query carries.
 
-Rows that see no key: splash leaves them at its mask value (or NaN where every block of the row was skipped). The
-forward sets their output to 0 and their `lse` to `scores.hidden_score` (`-inf` when returned); the backward zeroes
-their cotangents and gives the kernels `lse = 0` there, so their probabilities are exactly 0.
+Sinks (per query head, `[N]`) are splash's own operand: its forward starts each row's running max at the sink and
+its running sum at 1, so the sink is one more logit in every denominator, neither scaled (the scale is folded into the
+query) nor soft-capped (splash caps only `q.k`), as attnlib's contract has it. The kernels' `lse` then includes it.
+
+Rows that see no key: without sinks splash leaves them at its mask value (or NaN where every block of the row was
+skipped). The forward sets their output to 0 and their `lse` to `scores.hidden_score` (`-inf` when returned); the
+backward zeroes their cotangents and gives the kernels `lse = 0` there, so their probabilities are exactly 0. With a
+(finite) sink such a row is exact from the kernel: out 0 (its keys' `exp(mask value - sink)` is 0), `lse = sink`,
+and it counts as seen.
 
 Gradients: attnlib's own `custom_vjp` around splash's forward and its dK/dV and dQ kernels. The `lse` cotangent
-enters exactly through the kernels' row term: `dS = P (dP - D)` with `D = rowsum(dO * O) - dlse`.
+enters exactly through the kernels' row term: `dS = P (dP - D)` with `D = rowsum(dO * O) - dlse`. The sink is a
+column with no value (`dP = 0`), so `dsink[n] = -Σ_{b,t} p_sink D` with `p_sink = exp(sink - lse)`.
 """
 
 import dataclasses
@@ -38,39 +45,40 @@ KV_NONE = -(2**31) + 1
 
 
 def _seen(lse: jax.Array) -> jax.Array:
-    """Rows of a raw splash `lse` that saw a key: above half the mask value (an empty row sits at the mask value,
-    -inf or NaN)."""
+    """Rows of a raw splash `lse` that saw a key or a sink: above half the mask value (an empty row without a sink
+    sits at the mask value, -inf or NaN)."""
     return lse > 0.5 * scores.hidden_score(jnp.float32)
 
 
-def _kernel_call(call: masks.Kernel, q, k, v, q_ids, kv_ids) -> tuple[jax.Array, jax.Array]:
-    """Splash's forward over the batch: `out [B, N, T', Hv']` and the raw float32 `lse [B, N, T']`."""
+def _kernel_call(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks) -> tuple[jax.Array, jax.Array]:
+    """Splash's forward over the batch: `out [B, N, T', Hv']` and the raw float32 `lse [B, N, T']` (the sinks `[N]`,
+    or None, shared by every batch row)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     kernel = masks.kernel(call)
 
-    def one(q, k, v, q_ids, kv_ids):
+    def one(q, k, v, q_ids, kv_ids, sinks):
         segment_ids = None if q_ids is None else SegmentIds(q_ids, kv_ids)
-        out, (lse,) = kernel(q, k, v, segment_ids)
+        out, (lse,) = kernel(q, k, v, segment_ids, sinks)
         return out, lse
 
-    return jax.vmap(one)(q, k, v, q_ids, kv_ids)
+    return jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None))(q, k, v, q_ids, kv_ids, sinks)
 
 
-def _out_only(call: masks.Kernel, q, k, v, q_ids, kv_ids) -> jax.Array:
+def _out_only(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks) -> jax.Array:
     """Splash's forward without residuals over the batch: `out [B, N, T', Hv']` (every row sees a key)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     kernel = masks.kernel(call, save_residuals=False)
 
-    def one(q, k, v, q_ids, kv_ids):
-        return kernel(q, k, v, None if q_ids is None else SegmentIds(q_ids, kv_ids))
+    def one(q, k, v, q_ids, kv_ids, sinks):
+        return kernel(q, k, v, None if q_ids is None else SegmentIds(q_ids, kv_ids), sinks)
 
-    return jax.vmap(one)(q, k, v, q_ids, kv_ids)
+    return jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None))(q, k, v, q_ids, kv_ids, sinks)
 
 
-def _forward(call: masks.Kernel, q, k, v, q_ids, kv_ids):
-    out, lse = _kernel_call(call, q, k, v, q_ids, kv_ids)
+def _forward(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks):
+    out, lse = _kernel_call(call, q, k, v, q_ids, kv_ids, sinks)
     seen = _seen(lse)
     out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
     lse = jnp.where(seen, lse, scores.hidden_score(jnp.float32))
@@ -78,20 +86,21 @@ def _forward(call: masks.Kernel, q, k, v, q_ids, kv_ids):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _splash(call: masks.Kernel, q, k, v, q_ids, kv_ids) -> tuple[jax.Array, jax.Array]:
+def _splash(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks) -> tuple[jax.Array, jax.Array]:
     """`(out [B, N, T', Hv'], lse [B, N, T'])` of `q [B, N, T', H']` (already scaled), `k [B, K, S', H']`,
-    `v [B, K, S', Hv']` and int32 segment ids `[B, T']`, `[B, S']` (or None); empty rows: out 0,
-    `lse = hidden_score`. Outside differentiation, a call whose `lse` is dropped (`call.lse_needed` False) runs
-    the forward without residuals and gives `lse = -inf` (as cuDNN's paged forward does for a dropped `lse`)."""
+    `v [B, K, S', Hv']`, int32 segment ids `[B, T']`, `[B, S']` (or None) and sink logits `[N]` (or None); rows
+    that see neither a key nor a sink: out 0, `lse = hidden_score`. Outside differentiation, a call whose `lse` is
+    dropped (`call.lse_needed` False) runs the forward without residuals and gives `lse = -inf` (as cuDNN's paged
+    forward does for a dropped `lse`)."""
     if not call.lse_needed:
-        out = _out_only(call, q, k, v, q_ids, kv_ids)
+        out = _out_only(call, q, k, v, q_ids, kv_ids, sinks)
         return out, jnp.full(out.shape[:3], -jnp.inf, jnp.float32)
-    return _forward(call, q, k, v, q_ids, kv_ids)
+    return _forward(call, q, k, v, q_ids, kv_ids, sinks)
 
 
-def _splash_fwd(call, q, k, v, q_ids, kv_ids):
-    out, lse = _forward(call, q, k, v, q_ids, kv_ids)
-    return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
+def _splash_fwd(call, q, k, v, q_ids, kv_ids, sinks):
+    out, lse = _forward(call, q, k, v, q_ids, kv_ids, sinks)
+    return (out, lse), (q, k, v, q_ids, kv_ids, sinks, out, lse)
 
 
 def _collapse(mask_info):
@@ -102,8 +111,10 @@ def _collapse(mask_info):
     return mask_info._replace(partial_mask_blocks=blocks_.reshape(-1, *blocks_.shape[-2:]))
 
 
-def _backward_kernels(call: masks.Kernel, q, k, v, q_ids, kv_ids, lse, d_out, di):
-    """Splash's dK/dV (and dQ) kernels for one batch row with the row term `di` given."""
+def _backward_kernels(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks, lse, d_out, di):
+    """Splash's dK/dV (and dQ) kernels for one batch row with the row term `di` given. The sinks enter through
+    `lse` (which includes them: `P = exp(S - lse)`); the kernels take them as an operand as splash's own backward
+    passes them."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds, splash_attention_kernel as sk
 
     kernel = masks.kernel(call)
@@ -115,28 +126,38 @@ def _backward_kernels(call: masks.Kernel, q, k, v, q_ids, kv_ids, lse, d_out, di
         mask_function=kernel.kwargs["mask_function"], interpret=call.interpret,
     )  # fmt: skip
     dq, dk, dv = sk._splash_attention_bwd_dkv(
-        q, k, v, segment_ids, None, lse, d_out, di,
+        q, k, v, segment_ids, sinks, lse, d_out, di,
         bq=bs.block_q_dkv, bkv=bs.block_kv_dkv, bkv_compute=bs.block_kv_dkv_compute,
         mask_info=_collapse(kernel.dkv_mask_info), use_fused_bwd_kernel=bs.use_fused_bwd_kernel, **common,
     )  # fmt: skip
     if not bs.use_fused_bwd_kernel:
         dq = sk._splash_attention_bwd_dq(
-            q, k, v, segment_ids, None, lse, d_out, di,
+            q, k, v, segment_ids, sinks, lse, d_out, di,
             bq=bs.block_q_dq, bkv=bs.block_kv_dq, mask_info=_collapse(kernel.dq_mask_info), **common,
         )  # fmt: skip
     return dq, dk, dv
 
 
+def _sinks_gradient(sinks: jax.Array, lse: jax.Array, seen: jax.Array, di: jax.Array) -> jax.Array:
+    """`dsink [N] = -Σ_{b,t} p_sink D` with `p_sink = exp(sink - lse)` (0 on rows that see nothing) and the row
+    term `D = rowsum(dO * O) - dlse`, `[B, N, T']`: the sink column has no value, so its `dP` is 0."""
+    sinks32 = sinks.astype(jnp.float32)[None, :, None]
+    p_sink = jnp.exp(jnp.where(seen, sinks32 - lse, scores.hidden_score(jnp.float32)))
+    return jnp.sum(-p_sink * di, axis=(0, 2)).astype(sinks.dtype)
+
+
 def _splash_bwd(call, residuals, cotangents):
-    q, k, v, q_ids, kv_ids, out, lse = residuals
+    q, k, v, q_ids, kv_ids, sinks, out, lse = residuals
     d_out, d_lse = cotangents
     seen = _seen(lse)
     d_out = jnp.where(seen[..., None], d_out, jnp.zeros((), d_out.dtype))
     d_lse = jnp.where(seen, d_lse, 0.0)
     di = jnp.einsum("bnth,bnth->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)) - d_lse
     kernel_lse = jnp.where(seen, lse, 0.0)  # empty rows: exp(mask value - 0) = 0
-    dq, dk, dv = jax.vmap(functools.partial(_backward_kernels, call))(q, k, v, q_ids, kv_ids, kernel_lse, d_out, di)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    per_row = jax.vmap(functools.partial(_backward_kernels, call), in_axes=(0, 0, 0, 0, 0, None, 0, 0, 0))
+    dq, dk, dv = per_row(q, k, v, q_ids, kv_ids, sinks, kernel_lse, d_out, di)
+    d_sinks = None if sinks is None else _sinks_gradient(sinks, lse, seen, di)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks
 
 
 _splash.defvjp(_splash_fwd, _splash_bwd)
@@ -208,6 +229,7 @@ def attention(config: AttentionConfig, inputs: AttentionInputs, lay: Layout) -> 
         _heads_major(problem.value, lay.kv_len, lay.value_head_dim),
         q_ids,
         kv_ids,
+        problem.sinks,
     )
     T, Hv = config.q_len, config.value_head_dim
     out = jnp.transpose(out[:, :, :T, :Hv], (0, 2, 1, 3))
