@@ -28,7 +28,7 @@ from ... import canonical
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import scores
-from . import blocks, masks
+from . import blocks, masks, partitioning
 
 
 Q_NONE = -(2**31)
@@ -54,7 +54,7 @@ def _kernel_call(call: masks.Kernel, q, k, v, q_ids, kv_ids) -> tuple[jax.Array,
         out, (lse,) = kernel(q, k, v, segment_ids)
         return out, lse
 
-    return jax.vmap(one)(q, k, v, q_ids, kv_ids)
+    return partitioning.call(jax.vmap(one), partitioning.FORWARD, (q, k, v, q_ids, kv_ids))
 
 
 def _out_only(call: masks.Kernel, q, k, v, q_ids, kv_ids) -> jax.Array:
@@ -66,7 +66,7 @@ def _out_only(call: masks.Kernel, q, k, v, q_ids, kv_ids) -> jax.Array:
     def one(q, k, v, q_ids, kv_ids):
         return kernel(q, k, v, None if q_ids is None else SegmentIds(q_ids, kv_ids))
 
-    return jax.vmap(one)(q, k, v, q_ids, kv_ids)
+    return partitioning.call(jax.vmap(one), partitioning.OUT_ONLY, (q, k, v, q_ids, kv_ids))
 
 
 def _forward(call: masks.Kernel, q, k, v, q_ids, kv_ids):
@@ -135,7 +135,8 @@ def _splash_bwd(call, residuals, cotangents):
     d_lse = jnp.where(seen, d_lse, 0.0)
     di = jnp.einsum("bnth,bnth->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)) - d_lse
     kernel_lse = jnp.where(seen, lse, 0.0)  # empty rows: exp(mask value - 0) = 0
-    dq, dk, dv = jax.vmap(functools.partial(_backward_kernels, call))(q, k, v, q_ids, kv_ids, kernel_lse, d_out, di)
+    kernels = jax.vmap(functools.partial(_backward_kernels, call))
+    dq, dk, dv = partitioning.call(kernels, partitioning.BACKWARD, (q, k, v, q_ids, kv_ids, kernel_lse, d_out, di))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
