@@ -25,32 +25,20 @@ element); cuDNN does not document its indexing, and `tests/gpu_sharding_check.py
 """
 
 import dataclasses
-import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
 
-from ... import logs
+from .. import partition_rules as rules
+from ..partition_rules import BATCH, GROUP, KV_HEADS, Dim, Split
 from . import modifier as modifier_lib
 from .graph_spec import FP8_AMAXES, FP8_SCALES, GraphSpec, MODIFIER_ARG_UID, Uid
 
 
-BATCH = "b"
-KV_HEADS = "k"
-GROUP = "g"
-HEADS = (KV_HEADS, GROUP)
-"""Query heads: key/value head major, GQA group minor."""
-
 _RAGGED_OFFSETS = (Uid.OFF_Q, Uid.OFF_K, Uid.OFF_V, Uid.OFF_O, Uid.OFF_STATS)
-
-Dim = str | tuple[str, str] | None
-"""One operand dim in the rule: a factor name, the compound query heads `HEADS`, or None (a dim of its own, size 1
-or never split)."""
 
 RawCall = Callable[..., tuple[jax.Array, ...]]
 """`raw(spec, entry, *operands, tokens=...)`: one FFI call of a built graph, its outputs in `spec.out_uids()` order."""
@@ -70,11 +58,7 @@ def splittable(spec: GraphSpec) -> frozenset[str]:
 
 
 def _query_heads(spec: GraphSpec) -> Dim:
-    """The query heads' name in `spec`'s rule: `(k g)`, or one factor where the other has size 1 (Shardy rejects a
-    compound with a factor of size 1)."""
-    if spec.n == spec.k:
-        return KV_HEADS
-    return GROUP if spec.k == 1 else HEADS
+    return rules.query_heads(spec.n, spec.k)
 
 
 def _dims(spec: GraphSpec, uid: int, shape: tuple[int, ...]) -> tuple[Dim, ...]:
@@ -119,92 +103,18 @@ def _dims(spec: GraphSpec, uid: int, shape: tuple[int, ...]) -> tuple[Dim, ...]:
 
 def _rule(spec: GraphSpec, in_dims: Sequence[tuple[Dim, ...]], out_dims: Sequence[tuple[Dim, ...]]) -> tuple:
     """`(rule string, need_replication factors, factor sizes)` for `custom_partitioning.def_partition`."""
-    unique = iter(range(1 << 20))
-    named: list[str] = []  # in order of first appearance: Shardy wants special factors sorted by their index
-
-    def array(dims: tuple[Dim, ...]) -> str:
-        words = []
-        for d in dims:
-            if d is None:
-                words.append(f"u{next(unique)}")
-            elif isinstance(d, tuple):
-                words.append(f"({' '.join(d)})")
-                named.extend(f for f in d if f not in named)
-            else:
-                words.append(d)
-                named.extend([d] if d not in named else [])
-        return " ".join(words)
-
-    rule = ", ".join(map(array, in_dims)) + " -> " + ", ".join(map(array, out_dims))
-    replicated = tuple(f for f in named if f not in splittable(spec))
-    return rule, replicated, {GROUP: spec.n // spec.k} if "(" in rule else {}
-
-
-@dataclasses.dataclass(frozen=True)
-class Split:
-    """The mesh axes that split one call's batch, query heads and key/value heads (empty: not split)."""
-
-    batch: tuple[str, ...] = ()
-    heads: tuple[str, ...] = ()
-    kv_heads: tuple[str, ...] = ()
-
-    def axes(self, dim: Dim) -> tuple[str, ...]:
-        if dim == BATCH:
-            return self.batch
-        if dim in (HEADS, GROUP):  # a lone group factor is the query heads of a graph with one kv head
-            return self.heads
-        if dim == KV_HEADS:
-            return self.kv_heads
-        return ()
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def _spec_of(sharding: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
-    """Per-dim mesh axes of an operand's sharding (None or not a `NamedSharding`: unsplit)."""
-    spec = getattr(sharding, "spec", None)
-    if spec is None:
-        return ((),) * ndim
-    padded = tuple(spec) + (None,) * (ndim - len(spec))
-    return tuple(_axes(e) for e in padded)
-
-
-def _size(mesh: Any, axes: tuple[str, ...]) -> int:
-    return math.prod(mesh.shape[a] for a in axes)
+    return rules.rule(in_dims, out_dims, splittable(spec), spec.n, spec.k)
 
 
 def choose_split(spec: GraphSpec, mesh: Any, q_axes: tuple[tuple[str, ...], ...]) -> Split:
-    """The split of a call whose query arrives with per-dim mesh axes `q_axes`: its batch and head axes where they
-    divide the batch and keep GQA groups whole (the key/value heads take the major axes, the group the rest)."""
-    allowed = splittable(spec)
-    dims = _dims(spec, Uid.Q, (0,) * len(q_axes))
-    batch: tuple[str, ...] = ()
-    heads: tuple[str, ...] = ()
-    for d, axes in zip(dims, q_axes):
-        if d == BATCH and BATCH in allowed:
-            batch = axes
-        elif d == _query_heads(spec) and {KV_HEADS, GROUP} <= allowed:
-            heads = axes
-    if batch and spec.b % _size(mesh, batch):
-        batch = ()
-    kv: tuple[str, ...] = ()
-    for i in range(len(heads) + 1):
-        if spec.k % _size(mesh, heads[:i]) == 0:
-            kv = heads[:i]
-    group = heads[len(kv) :]
-    group_ok = not group or (_size(mesh, kv) == spec.k and (spec.n // spec.k) % _size(mesh, group) == 0)
-    if not group_ok:
-        heads, kv = (), ()
-    return Split(batch, heads, kv)
+    """The split of a call whose query arrives with per-dim mesh axes `q_axes` (`partition_rules.choose_split`)."""
+    q_dims = _dims(spec, Uid.Q, (0,) * len(q_axes))
+    return rules.choose_split(mesh, q_dims, q_axes, spec.b, spec.n, spec.k, splittable(spec))
 
 
 def local_spec(spec: GraphSpec, mesh: Any, split: Split) -> GraphSpec:
     """The graph one shard runs: `spec` with its batch and heads divided by the mesh axes of `split`."""
-    nb, nh, nk = (_size(mesh, a) for a in (split.batch, split.heads, split.kv_heads))
+    nb, nh, nk = (rules.size(mesh, a) for a in (split.batch, split.heads, split.kv_heads))
     b, n, k = spec.b // nb, spec.n // nh, spec.k // nk
     changes: dict[str, Any] = dict(b=b, n=n, k=k)
     if spec.bias_b:
@@ -217,23 +127,8 @@ def local_spec(spec: GraphSpec, mesh: Any, split: Split) -> GraphSpec:
 
 
 def _log_resharded(spec: GraphSpec, uids: Sequence[int], dims: Sequence[tuple[Dim, ...]], incoming, chosen) -> None:
-    """One warning (once per set of resharded dims and axes) naming what XLA gathers to run the call by the rule."""
-    found = []
-    for uid, uid_dims, have, want in zip(uids, dims, incoming, chosen):
-        name = Uid(uid).name if uid < MODIFIER_ARG_UID else f"score_mod_args[{uid - MODIFIER_ARG_UID}]"
-        for position, (d, h, w) in enumerate(zip(uid_dims, have, want)):
-            if h and h != w:
-                found.append((name, position, d or "unsplittable", h))
-    if not found:
-        return
-    key = ("resharded", tuple(sorted({(d, h) for _, _, d, h in found})))
-    described = ", ".join(f"{name} dim {position} ({d}) over {list(h)}" for name, position, d, h in found)
-    logs.log_once(
-        key, logging.WARNING,
-        "attnlib cudnn: the graph call %s gets operands split along dims it cannot split (%s); XLA gathers them "
-        "(a cuDNN call splits only batch and head dims, GQA groups whole). To split the sequence, use "
-        "attnlib.context_parallel.", spec.label, described,
-    )  # fmt: skip
+    names = [Uid(u).name if u < MODIFIER_ARG_UID else f"score_mod_args[{u - MODIFIER_ARG_UID}]" for u in uids]
+    rules.log_resharded(f"attnlib cudnn: the graph call {spec.label}", "a cuDNN", names, dims, incoming, chosen)
 
 
 def _local_offsets(offsets: jax.Array, parts: int) -> jax.Array:
@@ -280,22 +175,19 @@ def call(
 
     partitioned = custom_partitioning(run)
 
-    def shardings(mesh: Any, split: Split, dims: Sequence[tuple[Dim, ...]]) -> tuple[NamedSharding, ...]:
-        return tuple(NamedSharding(mesh, PartitionSpec(*(split.axes(d) or None for d in ds))) for ds in dims)
-
     def split_of(mesh: Any, arg_shapes: Any) -> Split:
-        return choose_split(spec, mesh, _spec_of(arg_shapes[0].sharding, len(in_shapes[0])))
+        return choose_split(spec, mesh, rules.mesh_axes(arg_shapes[0].sharding, len(in_shapes[0])))
 
-    def infer(mesh: Any, arg_shapes: Any, result_shape: Any) -> tuple[NamedSharding, ...]:
+    def infer(mesh: Any, arg_shapes: Any, result_shape: Any) -> tuple[Any, ...]:
         del result_shape
-        return shardings(mesh, split_of(mesh, arg_shapes), out_dims)
+        return rules.shardings(mesh, split_of(mesh, arg_shapes), out_dims)
 
     def partition(mesh: Any, arg_shapes: Any, result_shape: Any):
         del result_shape
         split = split_of(mesh, arg_shapes)
-        arg_shardings = shardings(mesh, split, in_dims)
-        incoming = [_spec_of(a.sharding, len(s)) for a, s in zip(arg_shapes, in_shapes)]
-        chosen = [_spec_of(s, len(d)) for s, d in zip(arg_shardings, in_dims)]
+        arg_shardings = rules.shardings(mesh, split, in_dims)
+        incoming = [rules.mesh_axes(a.sharding, len(s)) for a, s in zip(arg_shapes, in_shapes)]
+        chosen = [rules.mesh_axes(s, len(d)) for s, d in zip(arg_shardings, in_dims)]
         _log_resharded(spec, in_uids, in_dims, incoming, chosen)
         local = local_spec(spec, mesh, split)
 
@@ -313,16 +205,13 @@ def call(
                     summed = (split.batch if BATCH not in dims else ()) + (split.heads if _query_heads(spec) not in dims else ())
                     if summed:
                         outs[i] = jax.lax.psum(outs[i].astype(jnp.float32), summed).astype(outs[i].dtype)
-                elif uid in (Uid.DK, Uid.DV) and len(split.heads) > len(split.kv_heads):
-                    # The GQA group was split (one kv head, or fewer kv heads than shards): each shard holds the
-                    # gradient of its query heads only.
-                    group_axes = split.heads[len(split.kv_heads) :]
-                    outs[i] = jax.lax.psum(outs[i].astype(jnp.float32), group_axes).astype(outs[i].dtype)
+                elif uid in (Uid.DK, Uid.DV) and split.group_axes:
+                    outs[i] = jax.lax.psum(outs[i].astype(jnp.float32), split.group_axes).astype(outs[i].dtype)
                 elif uid in FP8_AMAXES and (split.batch or split.heads):
                     outs[i] = jax.lax.pmax(outs[i], split.batch + split.heads)
             return tuple(outs)
 
-        return mesh, lower, shardings(mesh, split, out_dims), arg_shardings
+        return mesh, lower, rules.shardings(mesh, split, out_dims), arg_shardings
 
     rule, replicated, sizes = _rule(spec, in_dims, out_dims)
     partitioned.def_partition(

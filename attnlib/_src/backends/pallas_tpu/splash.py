@@ -35,7 +35,7 @@ from ... import canonical
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import scores
-from . import blocks, masks
+from . import blocks, masks, partitioning
 
 
 Q_NONE = -(2**31)
@@ -62,7 +62,8 @@ def _kernel_call(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks) -> tuple[jax
         out, (lse,) = kernel(q, k, v, segment_ids, sinks)
         return out, lse
 
-    return jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None))(q, k, v, q_ids, kv_ids, sinks)
+    batched = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None))
+    return partitioning.call(batched, partitioning.FORWARD, (q, k, v, q_ids, kv_ids, sinks))
 
 
 def _out_only(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks) -> jax.Array:
@@ -74,7 +75,8 @@ def _out_only(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks) -> jax.Array:
     def one(q, k, v, q_ids, kv_ids, sinks):
         return kernel(q, k, v, None if q_ids is None else SegmentIds(q_ids, kv_ids), sinks)
 
-    return jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None))(q, k, v, q_ids, kv_ids, sinks)
+    batched = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None))
+    return partitioning.call(batched, partitioning.OUT_ONLY, (q, k, v, q_ids, kv_ids, sinks))
 
 
 def _forward(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks):
@@ -155,7 +157,8 @@ def _splash_bwd(call, residuals, cotangents):
     di = jnp.einsum("bnth,bnth->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)) - d_lse
     kernel_lse = jnp.where(seen, lse, 0.0)  # empty rows: exp(mask value - 0) = 0
     per_row = jax.vmap(functools.partial(_backward_kernels, call), in_axes=(0, 0, 0, 0, 0, None, 0, 0, 0))
-    dq, dk, dv = per_row(q, k, v, q_ids, kv_ids, sinks, kernel_lse, d_out, di)
+    operands = (q, k, v, q_ids, kv_ids, sinks, kernel_lse, d_out, di)
+    dq, dk, dv = partitioning.call(per_row, partitioning.BACKWARD, operands)
     d_sinks = None if sinks is None else _sinks_gradient(sinks, lse, seen, di)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks
 

@@ -1,0 +1,172 @@
+"""How XLA partitions splash's calls under `jit` on sharded arrays: a Shardy rule over batch and heads, and the
+per-shard call.
+
+A Mosaic kernel is one custom call XLA cannot look inside: without a rule it gathers every operand onto every
+device. Each of attnlib's splash calls (`splash._kernel_call`, `splash._out_only` and the backward kernels) is a
+`custom_partitioning` whose rule (`partition_rules`) names its operands' dims:
+
+- `b`, the batch: axis 0 of every operand and result; partitions with no communication.
+- the heads (axis 1): query heads are the compound `(k g)` of key/value heads `k` (major) and the GQA group `g`
+  (minor), so a split of the query heads keeps each group with its key/value head; key/value heads are `k`. When the
+  mesh splits the query heads finer than the key/value heads (MQA over a model axis), the groups themselves split:
+  each shard reads its whole key/value head, and the backward sums dK and dV over those axes (`psum`, the only
+  collective). Heads that neither divide evenly stay whole.
+- the padded lengths `T'`, `S'` and head dims are never split: an operand split along one is resharded by XLA,
+  logged once on the `attnlib` logger.
+
+Each shard runs the same splash call on its local batch and heads: the mask is shared by every head and batch row,
+so the kernel object (`masks.kernel`) is the one the unsharded call uses. A `vmap` of a call folds the mapped axis
+into the batch (one bigger call).
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+
+from .. import partition_rules as rules
+from ..partition_rules import BATCH, GROUP, KV_HEADS, Dim
+
+
+SPLITTABLE = frozenset({BATCH, KV_HEADS, GROUP})
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """The operands and results of one splash call, each named by its kind (`dims`)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+_IDS = ("q", "k", "v", "q_ids", "kv_ids", "sinks")
+FORWARD = Signature("forward", _IDS, ("out", "rows"))
+"""`_kernel_call`: `q [B, N, T', H']`, `k`, `v [B, K, S', H']`, ids `[B, T']`, `[B, S']`, sinks `[N]` -> `out`,
+`lse [B, N, T']`."""
+OUT_ONLY = Signature("forward", _IDS, ("out",))
+"""`_out_only`: the forward without residuals."""
+BACKWARD = Signature("backward", _IDS + ("rows", "out", "rows"), ("q", "k", "v"))
+"""The backward kernels: `(q, k, v, ids, sinks, lse, d_out, di) -> (dq, dk, dv)`."""
+
+
+def dims(kind: str, n: int, k: int) -> tuple[Dim, ...]:
+    """The rule's name of each dim of an operand or result of `kind` in a call with `n` query and `k` kv heads."""
+    heads = rules.query_heads(n, k)
+    return {
+        "q": (BATCH, heads, "t", "h"),
+        "k": (BATCH, KV_HEADS, "s", "h"),
+        "v": (BATCH, KV_HEADS, "s", "hv"),
+        "out": (BATCH, heads, "t", "hv"),
+        "rows": (BATCH, heads, "t"),
+        "q_ids": (BATCH, "t"),
+        "kv_ids": (BATCH, "s"),
+        "sinks": (heads,),
+    }[kind]
+
+
+def _fold(x: jax.Array, batched: bool, axis_size: int, kind: str) -> jax.Array:
+    """`[V, B, ...]` (or `[B, ...]`, broadcast) -> `[V * B, ...]`; sinks (no batch axis, unbatched) stay as they are."""
+    if kind == "sinks":
+        return x
+    x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+    return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+
+def call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Array | None]) -> Any:
+    """`fn(*operands)` (a splash call over the batch; segment ids may be None) as a partitionable call: its results
+    (one array, or a tuple as `signature.outputs` has several)."""
+    present = [i for i, x in enumerate(operands) if x is not None]
+    arrays = [operands[i] for i in present]
+    assert all(x is not None for x in arrays)
+    kinds = [signature.inputs[i] for i in present]
+    q, kv = operands[0], operands[1]
+    assert q is not None and kv is not None
+    b, n, k = q.shape[0], q.shape[1], kv.shape[1]
+    in_dims = [dims(kind, n, k) for kind in kinds]
+    out_dims = [dims(kind, n, k) for kind in signature.outputs]
+
+    def run(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        full: list[jax.Array | None] = [None] * len(operands)
+        for i, x in zip(present, xs):
+            full[i] = x
+        outs = fn(*full)
+        return tuple(outs) if isinstance(outs, tuple) else (outs,)
+
+    # `custom_partitioning` takes no closed-over constants, and splash's block tables are NumPy constants of its
+    # kernels: they become leading operands, replicated (each shard's call closes over its own copy again).
+    closed = jax.make_jaxpr(run)(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays))
+    consts = [jnp.asarray(c) for c in closed.consts]
+    nc = len(consts)
+    const_dims = [(None,) * c.ndim for c in consts]
+
+    def hoisted(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(jex.jaxpr_as_fun(jex.ClosedJaxpr(closed.jaxpr, list(xs[:nc])))(*xs[nc:]))
+
+    partitioned = custom_partitioning(hoisted)
+
+    def split_of(mesh: Any, arg_shapes: Any) -> rules.Split:
+        q_axes = rules.mesh_axes(arg_shapes[nc].sharding, len(in_dims[0]))
+        return rules.choose_split(mesh, in_dims[0], q_axes, b, n, k, SPLITTABLE)
+
+    def infer(mesh: Any, arg_shapes: Any, result_shape: Any) -> tuple[Any, ...]:
+        del result_shape
+        return rules.shardings(mesh, split_of(mesh, arg_shapes), out_dims)
+
+    def partition(mesh: Any, arg_shapes: Any, result_shape: Any):
+        del result_shape
+        split = split_of(mesh, arg_shapes)
+        arg_shardings = rules.shardings(mesh, split, const_dims + in_dims)
+        incoming = [rules.mesh_axes(a.sharding, len(d)) for a, d in zip(arg_shapes[nc:], in_dims)]
+        chosen = [rules.mesh_axes(s, len(d)) for s, d in zip(arg_shardings[nc:], in_dims)]
+        rules.log_resharded(
+            f"attnlib pallas_tpu: the splash {signature.name} call", "a splash", kinds, in_dims, incoming, chosen
+        )
+
+        def lower(*xs: jax.Array) -> tuple[jax.Array, ...]:
+            outs = run(*xs[nc:])
+            if not split.group_axes:
+                return outs
+            # The GQA groups were split (fewer kv heads than shards): each shard's dK, dV cover its query heads.
+            return tuple(
+                jax.lax.psum(o.astype(jnp.float32), split.group_axes).astype(o.dtype) if kind in ("k", "v") else o
+                for o, kind in zip(outs, signature.outputs)
+            )
+
+        return mesh, lower, rules.shardings(mesh, split, out_dims), arg_shardings
+
+    text, replicated, sizes = rules.rule(const_dims + in_dims, out_dims, SPLITTABLE, n, k)
+    partitioned.def_partition(
+        partition, infer_sharding_from_operands=infer, sharding_rule=text, need_replication_factors=replicated,
+        **sizes,
+    )  # fmt: skip
+
+    @jax.custom_batching.custom_vmap
+    def one_call(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(partitioned(*xs))
+
+    @one_call.def_vmap
+    def folded(axis_size: int, in_batched: list[bool], *xs: jax.Array) -> tuple[Any, Any]:
+        if any(batched and kind == "sinks" for kind, batched in zip(kinds, in_batched[nc:])):
+            # Per-example sinks cannot share one call's `[N]` operand: one call per example.
+            def each(i: jax.Array) -> tuple[jax.Array, ...]:
+                flat: list[jax.Array | None] = [None] * len(operands)
+                for j, x, batched in zip(present, xs[nc:], in_batched[nc:]):
+                    flat[j] = x[i] if batched else x
+                outs = call(fn, signature, flat)
+                return outs if isinstance(outs, tuple) else (outs,)
+
+            return jax.lax.map(each, jnp.arange(axis_size)), tuple(True for _ in signature.outputs)
+        flat: list[jax.Array | None] = [None] * len(operands)
+        for i, x, batched in zip(present, xs[nc:], in_batched[nc:]):
+            flat[i] = _fold(x, batched, axis_size, signature.inputs[i])
+        outs = call(fn, signature, flat)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs), tuple(True for _ in outs)
+
+    outs = one_call(*consts, *arrays)
+    return outs if len(outs) > 1 else outs[0]

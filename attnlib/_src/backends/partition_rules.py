@@ -1,0 +1,159 @@
+"""The parts of attnlib's Shardy rules that every fused kernel call shares: factor names, the rule string, the split
+of batch and heads over mesh axes, and the warning when XLA reshards an operand.
+
+A kernel call (a cuDNN graph, a splash call) names each operand dim by a factor: `b` the batch, query heads the
+compound `(k g)` of key/value heads `k` (major) and the GQA group `g` (minor), key/value heads `k`; every other dim
+is never split (`need_replication_factors`), so an operand that arrives split along it is gathered by XLA.
+"""
+
+import dataclasses
+import logging
+import math
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .. import logs
+
+
+BATCH = "b"
+KV_HEADS = "k"
+GROUP = "g"
+HEADS = (KV_HEADS, GROUP)
+"""Query heads: key/value head major, GQA group minor."""
+
+Dim = str | tuple[str, str] | None
+"""One operand dim in a rule: a factor name, the compound query heads `HEADS`, or None (a dim of its own, size 1 or
+never split)."""
+
+
+def query_heads(n: int, k: int) -> Dim:
+    """The query heads' name in a rule with `n` query and `k` key/value heads: `(k g)`, or one factor where the other
+    has size 1 (Shardy rejects a compound with a factor of size 1)."""
+    if n == k:
+        return KV_HEADS
+    return GROUP if k == 1 else HEADS
+
+
+def rule(
+    in_dims: Sequence[tuple[Dim, ...]], out_dims: Sequence[tuple[Dim, ...]], splittable: Collection[str], n: int, k: int
+) -> tuple[str, tuple[str, ...], dict[str, int]]:
+    """`(rule string, need_replication factors, factor sizes)` for `custom_partitioning.def_partition`: the named
+    factors outside `splittable` are replicated; `n // k` sizes the group factor of a compound."""
+    unique = iter(range(1 << 20))
+    named: list[str] = []  # in order of first appearance: Shardy wants special factors sorted by their index
+
+    def array(dims: tuple[Dim, ...]) -> str:
+        words = []
+        for d in dims:
+            if d is None:
+                words.append(f"u{next(unique)}")
+            elif isinstance(d, tuple):
+                words.append(f"({' '.join(d)})")
+                named.extend(f for f in d if f not in named)
+            else:
+                words.append(d)
+                named.extend([d] if d not in named else [])
+        return " ".join(words)
+
+    text = ", ".join(map(array, in_dims)) + " -> " + ", ".join(map(array, out_dims))
+    replicated = tuple(f for f in named if f not in splittable)
+    return text, replicated, {GROUP: n // k} if "(" in text else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The mesh axes that split one call's batch, query heads and key/value heads (empty: not split)."""
+
+    batch: tuple[str, ...] = ()
+    heads: tuple[str, ...] = ()
+    kv_heads: tuple[str, ...] = ()
+
+    def axes(self, dim: Dim) -> tuple[str, ...]:
+        if dim == BATCH:
+            return self.batch
+        if dim in (HEADS, GROUP):  # a lone group factor is the query heads of a call with one kv head
+            return self.heads
+        if dim == KV_HEADS:
+            return self.kv_heads
+        return ()
+
+    @property
+    def group_axes(self) -> tuple[str, ...]:
+        """The axes that split the GQA groups themselves (fewer kv heads than shards): each shard's dK and dV hold
+        the gradient of its query heads only, summed over these axes."""
+        return self.heads[len(self.kv_heads) :]
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def mesh_axes(sharding: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """Per-dim mesh axes of an operand's sharding (None or not a `NamedSharding`: unsplit)."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return ((),) * ndim
+    padded = tuple(spec) + (None,) * (ndim - len(spec))
+    return tuple(_axes(e) for e in padded)
+
+
+def size(mesh: Any, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def choose_split(
+    mesh: Any, q_dims: tuple[Dim, ...], q_axes: tuple[tuple[str, ...], ...], b: int, n: int, k: int,
+    allowed: Collection[str], split_groups: bool = True,
+) -> Split:
+    """The split of a call whose query (dims `q_dims`) arrives with per-dim mesh axes `q_axes`: its batch and head
+    axes where they divide the batch and keep GQA groups whole (the key/value heads take the major axes, the group
+    the rest, unless `split_groups` is False: then the heads split only as far as the key/value heads do)."""
+    batch: tuple[str, ...] = ()
+    heads: tuple[str, ...] = ()
+    for d, axes in zip(q_dims, q_axes):
+        if d == BATCH and BATCH in allowed:
+            batch = axes
+        elif d == query_heads(n, k) and {KV_HEADS, GROUP} <= set(allowed):
+            heads = axes
+    if batch and b % size(mesh, batch):
+        batch = ()
+    kv: tuple[str, ...] = ()
+    for i in range(len(heads) + 1):
+        if k % size(mesh, heads[:i]) == 0:
+            kv = heads[:i]
+    group = heads[len(kv) :]
+    group_ok = not group or (split_groups and size(mesh, kv) == k and (n // k) % size(mesh, group) == 0)
+    if not group_ok:
+        heads, kv = (), ()
+    return Split(batch, heads, kv)
+
+
+def shardings(mesh: Any, split: Split, dims: Sequence[tuple[Dim, ...]]) -> tuple[NamedSharding, ...]:
+    """The `NamedSharding` of each array (dims `dims`) under `split`."""
+    return tuple(NamedSharding(mesh, PartitionSpec(*(split.axes(d) or None for d in ds))) for ds in dims)
+
+
+def log_resharded(
+    call: str, kernel: str, names: Sequence[str], dims: Sequence[tuple[Dim, ...]], incoming: Sequence[Any],
+    chosen: Sequence[Any],
+) -> None:
+    """One warning (once per set of resharded dims and axes) naming what XLA gathers to run `call` (a `kernel` call
+    that splits only batch and head dims) by its rule: `incoming` and `chosen` are the operands' per-dim mesh axes."""
+    found = []
+    for name, operand_dims, have, want in zip(names, dims, incoming, chosen):
+        for position, (d, h, w) in enumerate(zip(operand_dims, have, want)):
+            if h and h != w:
+                found.append((name, position, d or "unsplittable", h))
+    if not found:
+        return
+    key = ("resharded", kernel, tuple(sorted({(d, h) for _, _, d, h in found})))
+    described = ", ".join(f"{name} dim {position} ({d}) over {list(h)}" for name, position, d, h in found)
+    logs.log_once(
+        key, logging.WARNING,
+        "%s gets operands split along dims it cannot split (%s); XLA gathers them (%s call splits only batch and "
+        "head dims, GQA groups whole). To split the sequence, use attnlib.context_parallel.", call, described, kernel,
+    )  # fmt: skip

@@ -1,0 +1,178 @@
+"""Sharded inputs under `jit` on 8 simulated CPU devices: splash's calls (`pallas_tpu`) partitioned by attnlib's rule.
+
+Not collected by a plain `pytest` run: `tests/test_pallas_tpu_sharding.py` runs this file in a subprocess with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` (the flag must be set before JAX starts). Run it directly with:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/tpu_sharding_cases.py
+
+`attnlib.PallasTpu(interpret=True)` runs the splash kernels in Pallas interpret mode inside attnlib's
+`custom_partitioning` (`attnlib/_src/backends/pallas_tpu/partitioning.py`). Every case compiles the forward and the
+gradients (through `out` and the returned `lse`) with batch over a `data` axis and heads over a `model` axis (mesh
+4 x 2), counts the all-gathers in the compiled HLO (none), and compares out, lse and every gradient with the
+unsharded call at the dtype's tolerances (`helpers.py`). Sizes are tiny: interpret mode is slow.
+"""
+
+import dataclasses
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_grad_close, assert_lse_close, assert_out_close
+
+import attnlib
+from attnlib._src.backends.pallas_tpu import partitioning
+
+
+if jax.device_count() < 8:
+    raise RuntimeError(
+        f"tests/tpu_sharding_cases.py needs 8 devices, got {jax.device_count()}: run it with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_pallas_tpu_sharding.py does)."
+    )
+
+
+P = jax.sharding.PartitionSpec
+DTYPE = jnp.float32
+MESH_SHAPE = (4, 2)
+IMPL = attnlib.PallasTpu(interpret=True)
+
+
+def mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh(MESH_SHAPE, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    B: int = 4
+    T: int = 7
+    S: int = 11
+    N: int = 4
+    K: int = 2
+    H: int = 8
+    lengths: bool = False
+    segments: bool = False
+    sinks: bool = False
+
+
+CASES = {
+    c.name: c
+    for c in [
+        Case("gqa_causal", {"is_causal": True}, N=8, K=2),
+        Case("gqa_sinks", {"is_causal": True}, N=8, K=2, T=11, S=7, sinks=True),
+        Case("gqa_window", {"local_window_size": (3, 2)}, N=8, K=4),
+        Case("segments", {"is_causal": True}, T=12, S=12, segments=True),
+        Case("lengths", {"is_causal": True}, lengths=True),
+        Case("mqa_groups_split", {"is_causal": True}, N=4, K=1),
+    ]
+}
+
+
+def make_inputs(case: Case, seed: int = 0) -> tuple[dict, dict]:
+    """(differentiable arrays, the rest) of a case."""
+    r = np.random.default_rng(seed)
+    arr = lambda *shape: jnp.asarray(r.standard_normal(shape), DTYPE)  # noqa: E731
+    B, T, S = case.B, case.T, case.S
+    diff = {"query": arr(B, T, case.N, case.H), "key": arr(B, S, case.K, case.H), "value": arr(B, S, case.K, case.H)}
+    rest = {}
+    if case.sinks:
+        diff["sinks"] = jnp.asarray(r.standard_normal(case.N), jnp.float32)
+    if case.segments:
+        rest["q_segment_ids"] = jnp.asarray([[1] * 5 + [2] * 7, [3] * 9 + [0] * 3] * 2, jnp.int32)
+    if case.lengths:
+        rest["query_seq_lengths"] = jnp.asarray([7, 3, 0, 5], jnp.int32)
+        rest["key_value_seq_lengths"] = jnp.asarray([11, 2, 6, 9], jnp.int32)
+    rest["d_out"] = arr(B, T, case.N, case.H)
+    rest["d_lse"] = arr(B, T, case.N)
+    return diff, rest
+
+
+def program(case: Case):
+    """The jitted value-and-gradients of `sum(out * d_out) + sum(finite lse * d_lse)`, with `(out, lse)`."""
+
+    def loss(diff, rest):
+        kwargs = {k: v for k, v in rest.items() if k not in ("d_out", "d_lse")}
+        out, lse = attnlib.attention(
+            diff["query"], diff["key"], diff["value"], implementation=IMPL, return_residual=True, **case.kwargs,
+            sinks=diff.get("sinks"), **kwargs,
+        )  # fmt: skip
+        total = jnp.sum(out * rest["d_out"]) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * rest["d_lse"])
+        return total, (out, lse)
+
+    diff, rest = make_inputs(case)
+    return jax.jit(jax.value_and_grad(loss, has_aux=True)), diff, rest
+
+
+def sharding_of(name: str, x: jax.Array, m: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+    """Batch over `data`; heads over `model` where they divide (MQA: the one kv head stays whole)."""
+    spec: list = [None] * x.ndim
+    spec[0] = "data"
+    heads = {"query": 2, "key": 2, "value": 2, "d_out": 2, "d_lse": 2}
+    if name == "sinks":  # `[N]`: heads over `model`, no batch
+        return jax.sharding.NamedSharding(m, P("model"))
+    if name in heads and x.shape[heads[name]] % MESH_SHAPE[1] == 0:
+        spec[heads[name]] = "model"
+    return jax.sharding.NamedSharding(m, P(*spec))
+
+
+def place(tree: dict, m) -> dict:
+    return {k: jax.device_put(v, sharding_of(k, v, m)) for k, v in tree.items()}
+
+
+def all_gathers(compiled_text: str) -> int:
+    return len(re.findall(r"\ball-gather(?:-start)?\(", compiled_text))
+
+
+def compare(actual, expected) -> None:
+    (_, (out, lse)), grads = actual
+    (_, (out_ref, lse_ref)), grads_ref = expected
+    assert_out_close(out, out_ref, DTYPE)
+    assert_lse_close(lse, lse_ref, DTYPE)
+    for name in grads_ref:
+        assert_grad_close(grads[name], grads_ref[name], DTYPE, what=f"d{name}")
+
+
+FAST = {"gqa_causal", "gqa_sinks", "segments"}
+"""The cases of the fast tier; the rest are `full`."""
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else (pytest.mark.full,)) for n in CASES])
+def test_sharded_equals_unsharded_without_all_gathers(name):
+    case = CASES[name]
+    fn, diff, rest = program(case)
+    expected = fn(diff, rest)
+    m = mesh()
+    diff_s, rest_s = place(diff, m), place(rest, m)
+    compiled = fn.lower(diff_s, rest_s).compile()
+    text = compiled.as_text()
+    assert all_gathers(text) == 0, text
+    compare(compiled(diff_s, rest_s), expected)
+
+
+@pytest.mark.full
+def test_all_gathers_without_the_rule(monkeypatch):
+    """The same program with splash's calls unpartitioned (no rule): XLA gathers their operands."""
+    case = CASES["gqa_causal"]
+    m = mesh()
+    monkeypatch.setattr(partitioning, "call", lambda fn, signature, operands: fn(*operands))
+    fn, diff, rest = program(case)
+    diff_s, rest_s = place(diff, m), place(rest, m)
+    assert all_gathers(fn.lower(diff_s, rest_s).compile().as_text()) >= 3  # q, k, v at least
+
+
+def test_sequence_split_is_resharded_with_one_log_line(caplog):
+    case = dataclasses.replace(CASES["gqa_causal"], T=8)
+    fn, diff, rest = program(case)
+    expected = fn(diff, rest)
+    m = mesh()
+    sequence = jax.sharding.NamedSharding(m, P("data", "model", None, None))
+    diff_s = dict(diff, query=jax.device_put(diff["query"], sequence))
+    with caplog.at_level(logging.WARNING, logger="attnlib"):
+        compiled = fn.lower(diff_s, rest).compile()
+    messages = [r.getMessage() for r in caplog.records if "gathers" in r.getMessage()]
+    assert len(messages) == 1, messages  # the forward's and the backward's calls: one line
+    assert "pallas_tpu" in messages[0] and "q dim 2 (t) over ['model']" in messages[0], messages
+    compare(compiled(diff_s, rest), expected)
