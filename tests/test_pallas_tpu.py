@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_grad_close, assert_lse_close, assert_out_close, normal, rng, segment_ids_from_runs, to_f64
+from reference import reference_attention, reference_attention_vjp
 
 import attnlib
 from attnlib._src.backends.pallas_tpu import blocks, implementation as implementation_lib
 from attnlib._src.backends.pallas_tpu.implementation import FLOAT32_ON_TPU
-from helpers import assert_grad_close, assert_lse_close, assert_out_close, normal, rng, segment_ids_from_runs, to_f64
-from reference import reference_attention, reference_attention_vjp
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,8 @@ Each shard runs the graph of its local `GraphSpec` (`local_spec`: the local batc
 A result that sums over the batch or the heads inside the graph (dBias of a bias without a batch or head dim; dK
 and dV when the GQA group itself is split, e.g. MQA over a model axis) is summed over the mesh axes that split them
 (`psum`, as `jax.nn`'s cuDNN attention does for dBias); the FP8 amaxes take the maximum. These reductions are the
-only collectives; none gathers an operand. A modifier that reads the batch or head index keeps that axis whole (a shard would see local indices).
+only collectives; none gathers an operand. A modifier that reads the batch or head index keeps that axis whole (a
+shard would see local indices).
 
 Dropout: each shard's Philox `offset` is advanced by the global linear index of its first (batch, head) pair times
 `T * S`, so shards draw different masks. With a generator whose counter is an element's linear position in
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 
 from .. import partition_rules as rules
-from ..partition_rules import BATCH, GROUP, KV_HEADS, Dim, Split
+from ..partition_rules import BATCH, Dim, GROUP, KV_HEADS, Split
 from . import modifier as modifier_lib
 from .graph_spec import FP8_AMAXES, FP8_SCALES, GraphSpec, MODIFIER_ARG_UID, Uid
 
@@ -195,14 +196,17 @@ def call(
             xs = list(xs)
             for at, uid in enumerate(in_uids):
                 if uid in _RAGGED_OFFSETS:
-                    xs[at] = _local_offsets(xs[at], spec.k // local.k if uid in (Uid.OFF_K, Uid.OFF_V) else spec.n // local.n)
+                    per = spec.k // local.k if uid in (Uid.OFF_K, Uid.OFF_V) else spec.n // local.n
+                    xs[at] = _local_offsets(xs[at], per)
             if local.dropout > 0 and (split.batch or split.heads):
                 at = in_uids.index(Uid.OFFSET)
                 xs[at] = _shift_offset(spec, split, local.b, local.n, xs[at])
             outs = list(raw(local, entry_of(local), *xs, tokens=tokens))
             for i, (uid, dims) in enumerate(zip(out_uids, out_dims)):
                 if uid == Uid.DBIAS:
-                    summed = (split.batch if BATCH not in dims else ()) + (split.heads if _query_heads(spec) not in dims else ())
+                    summed = (split.batch if BATCH not in dims else ()) + (
+                        split.heads if _query_heads(spec) not in dims else ()
+                    )
                     if summed:
                         outs[i] = jax.lax.psum(outs[i].astype(jnp.float32), summed).astype(outs[i].dtype)
                 elif uid in (Uid.DK, Uid.DV) and split.group_axes:

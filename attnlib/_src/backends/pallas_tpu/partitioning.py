@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 
 from .. import partition_rules as rules
-from ..partition_rules import BATCH, GROUP, KV_HEADS, Dim
+from ..partition_rules import BATCH, Dim, GROUP, KV_HEADS
 
 
 SPLITTABLE = frozenset({BATCH, KV_HEADS, GROUP})
