@@ -120,8 +120,8 @@ def test_configured_xla_chunked_runs_its_block_size(monkeypatch):
     from attnlib._src.backends import xla_chunked
 
     padded_to = []
-    pad_keys = xla_chunked._pad_keys
-    monkeypatch.setattr(xla_chunked, "_pad_keys", lambda p, s: padded_to.append(s) or pad_keys(p, s))
+    pad_keys = xla_chunked.pad_keys
+    monkeypatch.setattr(xla_chunked, "pad_keys", lambda p, s: padded_to.append(s) or pad_keys(p, s))
     r = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(r[0], (2, 13, 6, 8))
     k, v = jax.random.normal(r[1], (2, 17, 3, 8)), jax.random.normal(r[2], (2, 17, 3, 5))

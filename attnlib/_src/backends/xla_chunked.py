@@ -24,60 +24,27 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import canonical, fp8 as fp8_lib, varying
 from ..band import Band
 from ..config import AttentionConfig, AttentionInputs
-from ..positions import TokenPositions
 from . import one_block, scores
 from .base import Context, Implementation
+from .tiles import add_at, pad_keys, pad_queries, plan_tiles, query_rows, rows_of, set_rows, slice_keys, Tiles
 
 
 BLOCK_K = 512
 """Keys per block unless configured (`XlaChunked(block_k=...)`)."""
 
 AUTO_MIN_SCORE_BYTES = 256 * 2**20
-"""With `implementation=None` on a GPU (where cuDNN declined), materialised float32 scores below this size are left
-to `"xla"`. On a CPU and a TPU `xla_chunked` is chosen at every size: on `benchmarks/bench_cpu_dispatch.py`'s shapes
-it was 1.1–2.0x faster than `xla` forward + backward on a CPU (docs/performance.md); on a TPU v5e, at b8 T=S=512
-N16 H64 causal bf16 (128 MiB of scores), 0.15 / 0.77 ms against `xla`'s 0.63 / 1.24 (`benchmarks/bench_tpu.py`)."""
+"""On a GPU where cuDNN declined, automatic dispatch leaves materialised float32 scores below this size to `"xla"`.
+On a CPU and a TPU `xla_chunked` is chosen at every size: 1.1–2.0x faster than `xla` forward + backward on a CPU
+(docs/performance.md); 0.15 / 0.77 ms against `xla`'s 0.63 / 1.24 at b8 T=S=512 N16 H64 on a TPU v5e."""
 
 
 def auto_min_score_bytes() -> int:
     """The score size from which automatic dispatch picks `xla_chunked` over `xla` on this process's backend."""
     return 0 if jax.default_backend() in ("cpu", "tpu") else AUTO_MIN_SCORE_BYTES
-
-
-def _pad_keys(problem: canonical.Problem, padded_len: int) -> canonical.Problem:
-    """Pad the key axis to `padded_len`; padded keys belong to no sequence, so nothing sees them."""
-    S = problem.key.shape[1]
-    extra = padded_len - S
-    if extra == 0:
-        return problem
-    pad_tokens = lambda x, value=0: jnp.pad(
-        x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value
-    )
-    pad_last = lambda x, value: x if x is None or x.shape[-1] == 1 else jnp.pad(
-        x, [(0, 0)] * 3 + [(0, extra)], constant_values=value
-    )
-    p = problem.positions.with_segments()
-    positions = TokenPositions(p.q_segment, p.q_position, pad_tokens(p.kv_segment), pad_tokens(p.kv_position))
-    return problem._replace(
-        key=pad_tokens(problem.key),
-        value=pad_tokens(problem.value),
-        bias=pad_last(problem.bias, 0),
-        mask=pad_last(problem.mask, False),
-        positions=positions,
-        score_mod_args=tuple(pad_last(a, False if a.dtype == jnp.bool_ else 0) for a in problem.score_mod_args),
-    )
-
-
-def _slice_keys(x: jax.Array | None, start: jax.Array, size: int) -> jax.Array | None:
-    """Keys `start : start + size` of a rank-4 bias/mask (unchanged when broadcast along keys)."""
-    if x is None or x.shape[-1] == 1:
-        return x
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=3)
 
 
 def _is_float(x) -> bool:
@@ -111,7 +78,7 @@ class _Modifiers:
         return varying.vary_over(x, self.axes)
 
     def on_rows(self, problem: canonical.Problem) -> "_Modifiers":
-        """The same modifiers on `problem` restricted to some query rows (`_query_rows`)."""
+        """The same modifiers on `problem` restricted to some query rows (`query_rows`)."""
         if problem is self.problem:
             return self
         rows = copy.copy(self)
@@ -121,7 +88,7 @@ class _Modifiers:
     def block_inputs(self, k_start, block):
         """Index arrays and grouped `score_mod_args` of keys `k_start : k_start + block`."""
         indices = scores.modifier_indices(self.config, self.problem, k_start, block)
-        args = tuple(_slice_keys(a, k_start, block) for a in self.problem.score_mod_args)
+        args = tuple(slice_keys(a, k_start, block) for a in self.problem.score_mod_args)
         return tuple(map(self.vary, indices)), scores.grouped_args(self.config, args)
 
     def apply(self, s, allowed, k_start, block):
@@ -160,137 +127,18 @@ def _replace_at(values: tuple, where: tuple[int, ...], new: tuple) -> tuple:
     return tuple(out)
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """The (query block, key block) tiles the key-block loops visit.
-
-    Without a static band every key block is visited against all query rows at once (`pairs` None). Under one
-    (`Band.on_indices`) the queries are cut into blocks too and only the tiles the band touches are visited, grouped
-    by query block with ascending keys (the order of the online softmax), so a fully-masked tile costs nothing and
-    every loop keeps a static trip count (work linear in the visible band, memory linear in `T` and `S`).
-
-    Attributes:
-        block_q: query rows per tile (all the rows when `pairs` is None).
-        block_k: keys per tile.
-        num_q_blocks: query blocks of the padded rows (`num_q_blocks * block_q` rows).
-        num_k_blocks: key blocks of the padded keys.
-        pairs: the visited `(query block, key block)` indices, or None for every key block with all rows.
-    """
-
-    block_q: int
-    block_k: int
-    num_q_blocks: int
-    num_k_blocks: int
-    pairs: tuple[tuple[int, int], ...] | None = None
-
-    @property
-    def num_steps(self) -> int:
-        return self.num_k_blocks if self.pairs is None else len(self.pairs)
-
-    def starts(self, step):
-        """`(first query row, first key)` of tile `step` (the row is the int 0 without `pairs`)."""
-        if self.pairs is None:
-            return 0, step * self.block_k
-        blocks = np.reshape(np.asarray(self.pairs, np.int32), (-1, 2))
-        table = jnp.asarray(blocks * np.asarray([self.block_q, self.block_k], np.int32))
-        return table[step, 0], table[step, 1]
-
-
-def plan_tiles(band: Band | None, q_len: int, kv_len: int, block_k: int) -> Tiles:
-    """The tiles of a `q_len x kv_len` call with key blocks of `block_k` (`block_k <= kv_len`): under `band` (on the
-    canonical indices, `Band.on_indices`) query blocks of about `block_k` rows, each against the key blocks its rows
-    can see; every key block with all rows when there is no band or it hides no tile."""
-    num_k = max(1, -(-kv_len // block_k))
-    whole = Tiles(q_len, block_k, 1, num_k)
-    if band is None or num_k == 1 or q_len == 0:
-        return whole
-    num_q = -(-q_len // block_k)
-    block_q = -(-q_len // num_q)  # as even as possible: fewer than num_q padded rows ...
-    if num_q > 1:
-        block_q = -(-block_q // 8) * 8  # ... rounded to a multiple of 8 rows
-    num_q = -(-q_len // block_q)
-    pairs = []
-    for a in range(num_q):
-        first, last = a * block_q, min(q_len, (a + 1) * block_q) - 1
-        lo = 0 if band.left is None else max(0, int(band.diagonal(first, q_len, kv_len)) - band.left)
-        hi = kv_len - 1 if band.right is None else min(kv_len - 1, int(band.diagonal(last, q_len, kv_len)) + band.right)
-        if lo <= hi:
-            pairs += [(a, c) for c in range(lo // block_k, hi // block_k + 1)]
-    if len(pairs) >= num_q * num_k:
-        return whole
-    return Tiles(block_q, block_k, num_q, num_k, tuple(pairs))
-
-
-def _pad_queries(problem: canonical.Problem, padded_len: int) -> canonical.Problem:
-    """Pad the query axis to `padded_len`; padded queries belong to no sequence, so they see nothing."""
-    extra = padded_len - problem.query.shape[1]
-    if extra == 0:
-        return problem
-    pad = lambda x, axis, value=0: jnp.pad(
-        x, [(0, 0)] * axis + [(0, extra)] + [(0, 0)] * (x.ndim - axis - 1), constant_values=value
-    )
-    pad_rank4 = lambda x, value: x if x is None or x.shape[2] == 1 else pad(x, 2, value)
-    p = problem.positions.with_segments()
-    return problem._replace(
-        query=pad(problem.query, 1),
-        bias=pad_rank4(problem.bias, 0),
-        mask=pad_rank4(problem.mask, False),
-        positions=p._replace(q_segment=pad(p.q_segment, 1), q_position=pad(p.q_position, 1)),
-        score_mod_args=tuple(pad_rank4(a, False if a.dtype == jnp.bool_ else 0) for a in problem.score_mod_args),
-    )
-
-
-def _query_rows(problem: canonical.Problem, q_start, rows: int) -> canonical.Problem:
-    """The problem restricted to query rows `q_start : q_start + rows` (the query, the query axis of bias, mask and
-    `score_mod_args`, the query positions); unchanged when that is all of them."""
-    if rows == problem.query.shape[1]:
-        return problem
-    cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, q_start, rows, axis=axis)
-    cut_rank4 = lambda x: x if x is None or x.shape[2] == 1 else cut(x, 2)
-    p = problem.positions
-    return problem._replace(
-        query=cut(problem.query, 1),
-        bias=cut_rank4(problem.bias),
-        mask=cut_rank4(problem.mask),
-        positions=p._replace(
-            q_segment=None if p.q_segment is None else cut(p.q_segment, 1), q_position=cut(p.q_position, 1)
-        ),
-        score_mod_args=tuple(cut_rank4(a) for a in problem.score_mod_args),
-    )
-
-
-def _rows_of(x: jax.Array, q_start, rows: int, axis: int = 3) -> jax.Array:
-    """Query rows `q_start : q_start + rows` of a per-row array (`[B, K, G, T, ...]`: axis 3)."""
-    return x if x.shape[axis] == rows else jax.lax.dynamic_slice_in_dim(x, q_start, rows, axis=axis)
-
-
-def _set_rows(x: jax.Array, rows: jax.Array, q_start, axis: int = 3) -> jax.Array:
-    """`x` with its rows from `q_start` replaced by `rows`."""
-    return rows if rows.shape == x.shape else jax.lax.dynamic_update_slice_in_dim(x, rows, q_start, axis=axis)
-
-
-def _add_at(acc: jax.Array, x: jax.Array, starts, *, overwrite: bool = False) -> jax.Array:
-    """`acc` with `x` added at `starts`, or written there when `overwrite` (no other tile touches that part)."""
-    if x.shape == acc.shape:
-        return x if overwrite else acc + x
-    starts = tuple(jnp.asarray(i, jnp.int32) for i in starts)  # one index type (Python ints are int64 under x64)
-    if not overwrite:
-        x = jax.lax.dynamic_slice(acc, starts, x.shape) + x
-    return jax.lax.dynamic_update_slice(acc, x, starts)
-
-
 def _tile(tiles: Tiles, problem: canonical.Problem, mods: "_Modifiers | None", step):
     """`(q_start, k_start, the problem on the tile's query rows, its modifiers)` of tile `step`."""
     q_start, k_start = tiles.starts(step)
-    rows = _query_rows(problem, q_start, tiles.block_q)
+    rows = query_rows(problem, q_start, tiles.block_q)
     return q_start, k_start, rows, None if mods is None else mods.on_rows(rows)
 
 
 def _block_scores(config: AttentionConfig, problem: canonical.Problem, q5, mods: _Modifiers | None, k_start, block):
     """Scores (after bias, the modifiers and the soft cap) and visibility of keys `k_start : k_start + block`."""
     k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
-    s = scores.raw_scores(config, q5, k_blk, _slice_keys(problem.bias, k_start, block), scale=problem.scale)
-    allowed = scores.visible(config, problem, k_start, block, _slice_keys(problem.mask, k_start, block))
+    s = scores.raw_scores(config, q5, k_blk, slice_keys(problem.bias, k_start, block), scale=problem.scale)
+    allowed = scores.visible(config, problem, k_start, block, slice_keys(problem.mask, k_start, block))
     if mods is not None:
         s, allowed = mods.apply(s, allowed, k_start, block)
     return scores.soft_cap(config, s), allowed
@@ -306,9 +154,9 @@ def _max_visible(config: AttentionConfig, tiles: Tiles, problem: canonical.Probl
 
     def body(step, best):
         q_start, k_start, rows, rows_mods = _tile(tiles, problem, mods, step)
-        s, allowed = _block_scores(config, rows, _rows_of(q5, q_start, bq), rows_mods, k_start, tiles.block_k)
-        row_best = jnp.maximum(_rows_of(best, q_start, bq), jnp.max(jnp.where(allowed, s, hidden), axis=-1))
-        return _set_rows(best, row_best, q_start)
+        s, allowed = _block_scores(config, rows, rows_of(q5, q_start, bq), rows_mods, k_start, tiles.block_k)
+        row_best = jnp.maximum(rows_of(best, q_start, bq), jnp.max(jnp.where(allowed, s, hidden), axis=-1))
+        return set_rows(best, row_best, q_start)
 
     empty = jnp.full((B, K, G, T), hidden, acc_dtype)
     return jax.lax.fori_loop(0, tiles.num_steps, body, varying.like_inputs(empty, problem))
@@ -326,9 +174,9 @@ def _forward(config: AttentionConfig, tiles: Tiles, problem: canonical.Problem, 
 
     def body(step, carry):
         q_start, k_start, rows, rows_mods = _tile(tiles, problem, mods, step)
-        row_max, denominator, acc = (_rows_of(x, q_start, bq) for x in carry)
+        row_max, denominator, acc = (rows_of(x, q_start, bq) for x in carry)
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
-        s, allowed = _block_scores(config, rows, _rows_of(q5, q_start, bq), rows_mods, k_start, block)
+        s, allowed = _block_scores(config, rows, rows_of(q5, q_start, bq), rows_mods, k_start, block)
         masked = jnp.where(allowed, s, hidden)
         new_max = jnp.maximum(row_max, jnp.max(masked, axis=-1))
         shift = scores.row_shift(new_max)
@@ -343,7 +191,7 @@ def _forward(config: AttentionConfig, tiles: Tiles, problem: canonical.Problem, 
             precision=scores.precision(problem.value.dtype),
         )  # fmt: skip
         acc = acc * rescale[..., None] + pv
-        return tuple(_set_rows(x, new, q_start) for x, new in zip(carry, (new_max, denominator, acc), strict=True))
+        return tuple(set_rows(x, new, q_start) for x, new in zip(carry, (new_max, denominator, acc), strict=True))
 
     init = (
         jnp.full((B, K, G, T), hidden, acc_dtype),
@@ -402,16 +250,16 @@ def _forward_fp8(config: AttentionConfig, tiles: Tiles, problem: canonical.Probl
 
     def body(step, carry):
         q_start, k_start, rows, rows_mods = _tile(tiles, problem, mods, step)
-        denominator, acc = (_rows_of(x, q_start, bq) for x in carry)
-        s, allowed = _block_scores(config, rows, _rows_of(q5, q_start, bq), rows_mods, k_start, block)
-        p = jnp.exp(jnp.where(allowed, s, hidden) - _rows_of(shift, q_start, bq)[..., None])
+        denominator, acc = (rows_of(x, q_start, bq) for x in carry)
+        s, allowed = _block_scores(config, rows, rows_of(q5, q_start, bq), rows_mods, k_start, block)
+        p = jnp.exp(jnp.where(allowed, s, hidden) - rows_of(shift, q_start, bq)[..., None])
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
         pv = scores.rows_dot(
             fp8_lib.Rounding.probabilities(p), v_blk, preferred_element_type=jnp.float32,
             precision=jax.lax.Precision.HIGHEST,
         )  # fmt: skip
         new = (denominator + jnp.sum(p, axis=-1), acc + pv)
-        return tuple(_set_rows(x, y, q_start) for x, y in zip(carry, new, strict=True))
+        return tuple(set_rows(x, y, q_start) for x, y in zip(carry, new, strict=True))
 
     init = (jnp.zeros((B, K, G, T), jnp.float32), jnp.zeros((B, K, G, T, Hv), jnp.float32))
     denominator, acc = jax.lax.fori_loop(0, tiles.num_steps, body, varying.like_inputs(init, problem))
@@ -476,30 +324,30 @@ def _backward(
     def body(step, carry):
         dq, dk, dv, dbias, d_args, d_consts = carry
         q_start, k_start, rows, rows_mods = _tile(tiles, problem, mods, step)
-        q5_rows, do5_rows = _rows_of(q5, q_start, bq), _rows_of(do5, q_start, bq)
+        q5_rows, do5_rows = rows_of(q5, q_start, bq), rows_of(do5, q_start, bq)
         k_blk = jax.lax.dynamic_slice_in_dim(problem.key, k_start, block, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(problem.value, k_start, block, axis=1)
-        s = scores.raw_scores(config, q5_rows, k_blk, _slice_keys(rows.bias, k_start, block), scale=problem.scale)
-        allowed = scores.visible(config, rows, k_start, block, _slice_keys(rows.mask, k_start, block))
+        s = scores.raw_scores(config, q5_rows, k_blk, slice_keys(rows.bias, k_start, block), scale=problem.scale)
+        allowed = scores.visible(config, rows, k_start, block, slice_keys(rows.mask, k_start, block))
         mod_vjp = None
         if rows_mods is not None:
             s, allowed, mod_vjp = rows_mods.apply_with_vjp(s, allowed, k_start, block)
         s = scores.soft_cap(config, s)
         masked = jnp.where(allowed, s, hidden)
-        p = jnp.exp(masked - _rows_of(shift, q_start, bq)[..., None])
+        p = jnp.exp(masked - rows_of(shift, q_start, bq)[..., None])
         dp = scores.score_dot(
             do5_rows, v_blk, preferred_element_type=acc_dtype, precision=scores.precision(v_blk.dtype)
         )
         p_kept = p
         if fp8_shift is not None:
-            p_tilde = jnp.exp(masked - _rows_of(fp8_shift, q_start, bq)[..., None])
-            p_kept = fp8_lib.Rounding.probabilities(p_tilde) / _rows_of(row_sum, q_start, bq)[..., None]
+            p_tilde = jnp.exp(masked - rows_of(fp8_shift, q_start, bq)[..., None])
+            p_kept = fp8_lib.Rounding.probabilities(p_tilde) / rows_of(row_sum, q_start, bq)[..., None]
         if problem.dropout_seeds is not None:
             keep = scores.dropout_keep(config, problem.dropout_seeds, B, bq, k_start, block, q_start=q_start)
             p_kept = jnp.where(keep, p * keep_scale, 0.0)
             dp = jnp.where(keep, dp * keep_scale, 0.0)
         dv_blk = scores.keys_dot(p_kept, f32(do5_rows), precision=jax.lax.Precision.HIGHEST)
-        ds = p * (dp - _rows_of(correction, q_start, bq)[..., None])
+        ds = p * (dp - rows_of(correction, q_start, bq)[..., None])
         if config.logits_soft_cap is not None:
             ds = ds * (1.0 - jnp.square(s / jnp.asarray(config.logits_soft_cap, s.dtype)))
         if mod_vjp is not None:
@@ -510,7 +358,7 @@ def _backward(
                 b, n, t, s_arg = rows.score_mod_args[i].shape
                 d = jnp.reshape(d, (b, n, t, min(s_arg, block))).astype(acc.dtype)
                 starts = rank4_starts(acc, q_start, k_start)
-                new_args.append(_add_at(acc, d, starts, overwrite=once and s_arg != 1))
+                new_args.append(add_at(acc, d, starts, overwrite=once and s_arg != 1))
             d_args = tuple(new_args)
             d_consts = tuple(acc + d.astype(acc.dtype) for acc, d in zip(d_consts, d_consts_blk, strict=True))
         if bias is not None:
@@ -520,7 +368,7 @@ def _backward(
             if bias.shape[3] == 1:
                 ds_n = jnp.sum(ds_n, axis=3, keepdims=True)
             starts = rank4_starts(bias, q_start, k_start)
-            dbias = _add_at(dbias, ds_n, starts, overwrite=once and bias.shape[3] != 1)
+            dbias = add_at(dbias, ds_n, starts, overwrite=once and bias.shape[3] != 1)
         if config.scale is None:
             # a runtime scale: dq stays unscaled (d scale = <dq, q> below), scaled once after the loop
             dq_rows = scores.rows_dot(ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
@@ -528,10 +376,10 @@ def _backward(
         else:
             ds = ds * jnp.asarray(config.scale, ds.dtype)
             dq_rows = scores.rows_dot(ds, f32(k_blk), precision=jax.lax.Precision.HIGHEST)
-        dq = _add_at(dq, dq_rows, (0, 0, 0, q_start, 0))
+        dq = add_at(dq, dq_rows, (0, 0, 0, q_start, 0))
         dk_blk = scores.keys_dot(ds, f32(q5_rows), precision=jax.lax.Precision.HIGHEST)
-        dk = _add_at(dk, dk_blk, (0, k_start, 0, 0), overwrite=once)
-        dv = _add_at(dv, dv_blk, (0, k_start, 0, 0), overwrite=once)
+        dk = add_at(dk, dk_blk, (0, k_start, 0, 0), overwrite=once)
+        dv = add_at(dv, dv_blk, (0, k_start, 0, 0), overwrite=once)
         return dq, dk, dv, dbias, d_args, d_consts
 
     init = (  # dq, dk, dv, dbias, d_args (+ d_consts below)
@@ -657,8 +505,8 @@ def _padded(problem: canonical.Problem, block_k: int, band: Band | None) -> tupl
     block = max(1, min(block_k, S))
     tiles = plan_tiles(band, T, S, block)
     # At least one block: with S = 0 a single invisible padding key gives every row out 0 and nothing visible.
-    padded = _pad_keys(problem, tiles.num_k_blocks * block)
-    return _pad_queries(padded, tiles.num_q_blocks * tiles.block_q), tiles
+    padded = pad_keys(problem, tiles.num_k_blocks * block)
+    return pad_queries(padded, tiles.num_q_blocks * tiles.block_q), tiles
 
 
 def attend(config: AttentionConfig, problem: canonical.Problem, block_k: int = BLOCK_K, band: Band | None = None):
