@@ -205,7 +205,13 @@ def runtime_scale_reason(config: AttentionConfig) -> str | None:
     an H200 with cuDNN 9.19 only without score masks (plain and with `logits_soft_cap`, values and gradients against
     `xla`); with `is_causal` the results were wrong and a `bias` with a window was refused (no engine), measured
     2026-12-05 by `tests/test_traced_scale.py::test_cudnn_gpu_traced_scale`. Everything else not measured there
-    declines too, so no unmeasured combination can be silently wrong."""
+    declines too, so no unmeasured combination can be silently wrong. THD and paged layouts have no runtime-scale
+    graphs at all."""
+    if config.layout != "dense":
+        return (
+            f"cudnn: `scale` as an array (traced or learned) is supported on dense calls only, not on {config.layout} "
+            "ones; pass a Python float, or use implementation='xla_chunked'."
+        )
     extras = [
         (config.is_causal, "a causal mask"), (config.window is not None, "a window"), (config.has_bias, "a bias"),
         (config.has_mask, "a mask"), (config.has_q_lengths or config.has_kv_lengths, "padding lengths"),
@@ -224,13 +230,6 @@ def runtime_scale_reason(config: AttentionConfig) -> str | None:
 
 def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_version: int) -> str | None:
     """Why cuDNN cannot serve `config` on a GPU of `capability` with cuDNN `cudnn_version`, or None if it can."""
-    if config.scale is None and (
-        config.layout != "dense" or (config.has_segments and not modifier_lib.visibility_as_bias(config))
-    ):
-        return (
-            f"cudnn: `scale` as an array (traced or learned) is supported on dense calls only, not on {config.layout} "
-            "ones or packed rows (segment ids); pass a Python float, or use implementation='xla_chunked'."
-        )
     if config.scale is None:
         reason = runtime_scale_reason(config)
         if reason is not None:

@@ -80,10 +80,15 @@ def _splash_mask(spec: MaskSpec) -> Any:
     return splash.MultiHeadMask([mask])  # one head: every head shares it
 
 
-@functools.lru_cache(maxsize=128)
 def kernel(spec: Kernel, save_residuals: bool = True) -> Any:
     """The splash kernel of `spec` (its forward saving the log-sum-exp unless `save_residuals` is False; its
-    `MaskInfo`s for the backward), built on the first call with these arguments and reused afterwards."""
+    `MaskInfo`s for the backward), built on the first call with these arguments and reused afterwards (whatever
+    `spec.lse_needed` says: it chooses between the kernels, it does not shape them)."""
+    return _kernel(dataclasses.replace(spec, lse_needed=True), save_residuals)
+
+
+@functools.lru_cache(maxsize=128)
+def _kernel(spec: Kernel, save_residuals: bool) -> Any:
     import jax
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
