@@ -225,10 +225,11 @@ def dropout_keep(
     """Bool `[B, K, G, t, s]` keep mask for query rows `q_start : q_start + q_len` and keys
     `k_start : k_start + k_size`."""
     K, G = config.num_kv_heads, config.group_size
-    b = jnp.arange(batch)[:, None, None, None, None]
-    n = (jnp.arange(K)[:, None] * G + jnp.arange(G)[None, :])[None, :, :, None, None]
-    i = (q_start + jnp.arange(q_len))[None, None, None, :, None]
-    j = (k_start + jnp.arange(k_size))[None, None, None, None, :]
+    index = lambda start, size: jnp.asarray(start, jnp.int32) + jnp.arange(size, dtype=jnp.int32)
+    b = index(0, batch)[:, None, None, None, None]
+    n = (index(0, K)[:, None] * G + index(0, G)[None, :])[None, :, :, None, None]
+    i = index(q_start, q_len)[None, None, None, :, None]
+    j = index(k_start, k_size)[None, None, None, None, :]
     return dropout_lib.keep_mask_from_seeds(seeds, config.dropout_rate, b, n, i, j)
 
 
