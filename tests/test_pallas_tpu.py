@@ -330,15 +330,6 @@ def _escape(text):
     return re.escape(text)
 
 
-def test_paged_kv_declines_with_a_reason():
-    cache = attnlib.PagedKVCache.create(2, 6, 16, 2, 8, dtype=jnp.float32)
-    cache = cache.append(*_qkv(s=20)[1:])
-    q = _qkv(t=1)[0]
-    kw = dict(page_table=cache.page_table, key_value_seq_lengths=cache.lengths)
-    explanation = attnlib.explain(q, cache.k_pages, cache.v_pages, implementation=INTERPRET, **kw)
-    assert "paged KV caches" in explanation.declined["pallas_tpu"]
-
-
 @pytest.mark.skipif(any(d.platform == "tpu" for d in jax.devices()), reason="checks a machine without a TPU")
 def test_without_a_tpu_it_declines_and_automatic_dispatch_never_picks_it():
     q, k, v = _qkv()

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...config import AttentionConfig, AttentionInputs
 from ..base import Context, Implementation
-from . import blocks
+from . import blocks, paged
 
 
 MAX_HEAD_DIM = 256
@@ -49,11 +49,6 @@ def _backward_kernels_reason() -> str | None:
 
 def feature_reason(config: AttentionConfig) -> str | None:
     """Why splash cannot serve `config` (a sentence naming the feature and the limit), or None. Pure Python."""
-    if config.layout == "paged":
-        return (
-            "paged KV caches (`page_table`) are not served: JAX's paged-attention kernels take head-major page "
-            "pools and no log-sum-exp or gradient"
-        )
     if config.fp8 is not None:
         return "FP8 attention (`fp8=`) is not supported: splash runs bfloat16 and float32"
     if config.dtype not in DTYPES:
@@ -98,8 +93,9 @@ class PallasTpu(Implementation):
 
     It serves dense and THD layouts with causal masks (both diagonal alignments), two-sided windows, padding
     lengths, packed segment ids, GQA / MQA, `logits_soft_cap`, float or array `scale`, attention `sinks`, the
-    returned `lse` and gradients of query, key, value and sinks (through `lse` too), in bfloat16 and float32. What
-    it declines, and why, `attnlib.explain` says (docs/implementations.md).
+    returned `lse` and gradients of query, key, value and sinks (through `lse` too), in bfloat16 and float32; and
+    decoding from a paged KV cache (`page_table`, one bfloat16 query per sequence) through JAX's paged-attention
+    kernel (`paged.py`). What it declines, and why, `attnlib.explain` says (docs/implementations.md).
 
     Attributes:
         block_sizes: splash's tiles: None (the default) for attnlib's table by shape (`blocks.py`), or a
@@ -129,6 +125,8 @@ class PallasTpu(Implementation):
                 f"automatic dispatch leaves sequences of at most {AUTO_MIN_LENGTH} tokens (T={config.q_len}, "
                 f"S={config.kv_len}) to xla_chunked, faster there on a TPU v5e; name pallas_tpu to force it"
             )
+        if config.layout == "paged":
+            return feature_reason(config) or paged.decline_reason(config)
         return feature_reason(config) or _backward_kernels_reason()
 
     def declines_loudly(self) -> bool:
@@ -141,4 +139,6 @@ class PallasTpu(Implementation):
         reason = self.decline_reason(config, context)
         if reason is not None:
             raise NotImplementedError(f"pallas_tpu: {reason}")
+        if config.layout == "paged":
+            return paged.attention(config, inputs, interpret=self.interpret, fallback=context.fallback)
         return splash.attention(config, inputs, splash.layout(config, self.block_sizes, self.interpret))

@@ -1,0 +1,181 @@
+"""Paged key/value decode on TPU: JAX's bundled Pallas paged-attention kernel, one query per sequence.
+
+`jax.experimental.pallas.ops.tpu.paged_attention` reads head-major pools `[K, P, page_size, H]`, takes the query
+already scaled, applies the soft cap, and returns the output only (no log-sum-exp). attnlib's pools are
+`[P, page_size, K, H]` (`PagedKVCache`), so each call lays them out head-major, padding the head dim to 128 lanes in
+the same copy (zero columns change no score); page-table entries are clamped into the pool, as on every path
+(`paged.gather_pages`). Rows that see no key (a sequence of length 0, a padding query) get `out = 0`.
+
+The kernel is forward only. As on cuDNN's paged path, a gradient differentiates the `fallback` that dispatch
+passes (`xla`, recomputing the attention in plain JAX); with `implementation="pallas_tpu"` named alone there is none
+and a gradient raises.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ... import varying
+from ...band import Band
+from ...config import AttentionConfig, AttentionInputs
+from ..base import Fallback
+from . import blocks
+
+
+BLOCK_TOKENS = 512
+"""Key tokens per kernel step: `pages_per_compute_block` is the largest divisor of `pages_per_seq` whose pages hold at
+most this many tokens (one page when a page is larger). Not tuned on a TPU yet."""
+
+
+def decline_reason(config: AttentionConfig) -> str | None:
+    """Why the paged kernel cannot serve the paged call `config` (a sentence naming the feature and the limit), or
+    None. Pure Python; the features splash declines for every layout are `implementation.feature_reason`'s."""
+    if config.q_len != 1:
+        return (
+            f"paged KV caches (`page_table`) with T={config.q_len} queries per sequence are not supported: JAX's "
+            "paged-attention kernel decodes one query per sequence (T=1)"
+        )
+    if config.dtype != np.dtype("bfloat16"):
+        return (
+            f"paged KV caches (`page_table`) with {config.dtype} inputs are not supported: JAX's paged-attention "
+            "kernel rounds keys and values to bfloat16"
+        )
+    unsupported = [
+        (config.return_residual, "the log-sum-exp (`return_residual=True`) with a paged KV cache is not supported: "
+                                 "JAX's paged-attention kernel returns the output only"),
+        (config.has_sinks, "`sinks` with a paged KV cache are not supported: JAX's paged-attention kernel has no "
+                           "sink term and returns no log-sum-exp to add one"),
+        (config.scale is None, "an array `scale` with a paged KV cache is not supported: the paged path folds a "
+                               "static scale into the query"),
+    ]  # fmt: skip
+    for declined, reason in unsupported:
+        if declined:
+            return reason
+    band = Band.of(config)
+    sees_every_key = band.left is None and (band.right is None or (band.bottom_right and band.right >= 0))
+    if not sees_every_key:
+        return (
+            "with a paged KV cache only a decode query that sees every key of its sequence is supported (no mask, or "
+            f"causal aligned bottom-right); got is_causal={config.is_causal}, local_window_size={config.window}, "
+            f"diagonal_alignment={config.diagonal_alignment!r}"
+        )
+    return None
+
+
+def pages_per_block(page_size: int, pages_per_seq: int) -> int:
+    """The kernel's `pages_per_compute_block` (see `BLOCK_TOKENS`)."""
+    fits = [d for d in range(1, pages_per_seq + 1) if pages_per_seq % d == 0 and d * page_size <= BLOCK_TOKENS]
+    return max(fits, default=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedPlan:
+    """Static description of one paged decode.
+
+    Attributes:
+        config: the call's configuration (also what the fallback backward recomputes).
+        head_dim: the head dim padded to 128 lanes.
+        interpret: run the kernel in Pallas TPU interpret mode.
+        fallback: what a gradient differentiates, or None (a gradient then raises).
+    """
+
+    config: AttentionConfig
+    head_dim: int
+    interpret: bool
+    fallback: Fallback | None
+
+
+def _head_major_pool(pool: jax.Array, head_dim: int) -> jax.Array:
+    """`[P, page_size, K, H]` -> `[K, P, page_size, head_dim]`, zero-padded."""
+    pool = jnp.pad(pool, ((0, 0), (0, 0), (0, 0), (0, head_dim - pool.shape[3])))
+    return jnp.transpose(pool, (2, 0, 1, 3))
+
+
+def _kernel(plan: PagedPlan, query, k_pages, v_pages, page_table, seq_kv):
+    """The kernel's `[B, N, head_dim]` output for the scaled, padded `query [B, N, head_dim]`."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    config = plan.config
+    run = functools.partial(
+        paged_attention,
+        query,
+        _head_major_pool(k_pages, plan.head_dim),
+        _head_major_pool(v_pages, plan.head_dim),
+        seq_kv,
+        jnp.clip(page_table, 0, config.num_pages - 1),
+        attn_logits_soft_cap=config.logits_soft_cap,
+        pages_per_compute_block=pages_per_block(config.page_size, config.pages_per_seq),
+    )
+    # The kernel mixes a float32 query with bfloat16 pages: trace it under standard promotion whatever the caller's.
+    with jax.numpy_dtype_promotion("standard"):
+        if not plan.interpret:
+            return run()
+        with pltpu.force_tpu_interpret_mode():
+            return run()
+
+
+def _forward(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv):
+    config = plan.config
+    H = config.head_dim
+    query = (q[:, 0].astype(jnp.float32) * config.scale).astype(q.dtype)  # [B, N, H]: T = 1
+    query = jnp.pad(query, ((0, 0), (0, 0), (0, plan.head_dim - H)))
+    out = _kernel(plan, query, k_pages, v_pages, page_table, seq_kv)
+    valid = Band.of(config).rows_valid(seq_q, seq_kv, 1)  # [B, 1]
+    out = jnp.where(valid[:, :, None, None], out[:, None, :, :H], jnp.zeros((), out.dtype))
+    return out, jnp.full(out.shape[:-1], -jnp.inf, jnp.float32)  # no lse: `decline_reason` keeps it dropped
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _paged(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv, lengths):
+    return _forward(plan, q, k_pages, v_pages, page_table, seq_q, seq_kv)
+
+
+def _paged_fwd(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv, lengths):
+    residuals = (q, k_pages, v_pages, page_table, lengths)
+    return _forward(plan, q, k_pages, v_pages, page_table, seq_q, seq_kv), residuals
+
+
+def _paged_bwd(plan: PagedPlan, residuals, cotangents):
+    q, k_pages, v_pages, page_table, lengths = residuals
+    if plan.fallback is None:
+        raise NotImplementedError(
+            "pallas_tpu: gradients of paged key/value attention (`page_table`) are not supported: JAX's "
+            "paged-attention kernel is forward only. Use implementation=None (the kernel forward, `xla` backward) or "
+            "implementation='xla' to differentiate it."
+        )
+    d_out = cotangents[0]  # the lse is never returned (`decline_reason`): its cotangent is zero
+
+    def fallback(q, k_pages, v_pages):
+        inputs = AttentionInputs(query=q, key=k_pages, value=v_pages, page_table=page_table, **lengths)
+        return plan.fallback(plan.config, inputs)[0]
+
+    primal_out, vjp = jax.vjp(fallback, q, k_pages, v_pages)
+    dq, dk, dv = vjp(varying.match(d_out.astype(q.dtype), primal_out))
+    return dq, dk, dv, None, None, None, jax.tree.map(lambda _: None, lengths)
+
+
+_paged.defvjp(_paged_fwd, _paged_bwd)
+
+
+def attention(
+    config: AttentionConfig, inputs: AttentionInputs, *, interpret: bool, fallback: Fallback | None
+) -> tuple[jax.Array, jax.Array]:
+    """`(out, lse)` of a paged decode call (`decline_reason(config)` is None) in the caller's layout; `lse` is -inf
+    (the call does not return it)."""
+    B, N = config.batch_size, config.num_q_heads
+    q = jnp.reshape(inputs.query, (B, 1, N, config.head_dim))
+    seq_kv = jnp.clip(jnp.reshape(inputs.key_value_seq_lengths, (B,)).astype(jnp.int32), 0, config.kv_len)
+    if inputs.query_seq_lengths is None:
+        seq_q = jnp.ones((B,), jnp.int32)
+    else:
+        seq_q = jnp.clip(jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32), 0, 1)
+    plan = PagedPlan(config, blocks.round_up(config.head_dim, blocks.LANES), interpret, fallback)
+    lengths = {"key_value_seq_lengths": inputs.key_value_seq_lengths, "query_seq_lengths": inputs.query_seq_lengths}
+    out, lse = _paged(plan, q, inputs.key, inputs.value, inputs.page_table.astype(jnp.int32), seq_q, seq_kv, lengths)
+    return jnp.reshape(out, config.batch_shape + (1, N, config.value_head_dim)), jnp.reshape(
+        lse, config.batch_shape + (1, N)
+    )

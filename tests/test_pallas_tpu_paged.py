@@ -1,0 +1,214 @@
+"""`attnlib.PallasTpu` decoding from a paged KV cache (JAX's Pallas paged-attention kernel) against the float64
+reference, its gradient through the `xla` fallback and its declines.
+
+On CPU the kernel runs in Pallas TPU interpret mode (`PallasTpu(interpret=True)`); the `tpu`-marked tests run the
+same cases on a real TPU. Sizes are odd and distinct (N != K, H no multiple of 128, lengths ending mid-page, a
+sequence of length 0, page tables in shuffled order). The kernel rounds keys and values to bfloat16, so the cases
+are bfloat16 (float32 declines).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_grad_close, assert_out_close, normal, rng, to_f64
+from reference import reference_attention, reference_attention_vjp
+
+import attnlib
+from attnlib._src.backends.pallas_tpu import implementation as implementation_lib, paged
+
+
+INTERPRET = attnlib.PallasTpu(interpret=True)
+DECODE = (("is_causal", True), ("diagonal_alignment", "bottom_right"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One decode: `lengths` per sequence, pool and page geometry, heads, and extra keyword arguments."""
+
+    lengths: tuple[int, ...] = (5, 32, 0, 17)
+    n: int = 6
+    k: int = 2
+    h: int = 40
+    num_pages: int = 23
+    page_size: int = 8
+    pages_per_seq: int = 4
+    kwargs: tuple = DECODE
+
+
+CASES = {
+    "gqa_causal_bottom_right": Case(),
+    "mha_unmasked": Case(n=3, k=3, kwargs=()),
+    "mqa_soft_cap_scale": Case(n=5, k=1, h=24, kwargs=DECODE + (("logits_soft_cap", 2.5), ("scale", 0.37))),
+    "query_padding": Case(kwargs=DECODE + (("query_seq_lengths", np.asarray([1, 0, 1, 1], np.int32)),)),
+    # S = 37 * 16 = 592 > 512: automatic dispatch on a TPU picks pallas_tpu; 37 pages: one page per kernel step.
+    "long_pages": Case(lengths=(590, 77), page_size=16, pages_per_seq=37, num_pages=79, h=64),
+}
+
+
+def _arrays(case: Case, dtype=jnp.bfloat16):
+    """`(q [B, 1, N, H], k_pages, v_pages, page_table, lengths)`: each sequence's pages drawn without replacement
+    from a shuffled pool."""
+    r = rng(17)
+    B = len(case.lengths)
+    q = normal(r, (B, 1, case.n, case.h), dtype)
+    k = normal(r, (case.num_pages, case.page_size, case.k, case.h), dtype)
+    v = normal(r, (case.num_pages, case.page_size, case.k, case.h), dtype)
+    table = r.permutation(case.num_pages)[: B * case.pages_per_seq].reshape(B, case.pages_per_seq)
+    return q, k, v, jnp.asarray(table, jnp.int32), jnp.asarray(case.lengths, jnp.int32)
+
+
+def _kwargs(case: Case, table, lengths):
+    kw = dict(case.kwargs, page_table=table, key_value_seq_lengths=lengths)
+    return {n: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+
+
+def _reference_kwargs(kw):
+    return {n: (np.asarray(x) if isinstance(x, jax.Array) else x) for n, x in kw.items()}
+
+
+def _check_forward(case: Case, implementation):
+    q, k, v, table, lengths = _arrays(case)
+    kw = _kwargs(case, table, lengths)
+    out = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation=implementation, **kw))(q, k, v)
+    ref_out, ref_lse = reference_attention(*(to_f64(x) for x in (q, k, v)), **_reference_kwargs(kw))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_out_close(out, ref_out, jnp.bfloat16)
+    empty = np.isinf(ref_lse)
+    assert (np.asarray(to_f64(out))[empty] == 0).all(), "a row that sees nothing has a non-zero output"
+    return empty
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpret_decode_matches_reference(name):
+    _check_forward(CASES[name], INTERPRET)
+
+
+def test_the_empty_rows_are_exercised():
+    assert _check_forward(CASES["gqa_causal_bottom_right"], INTERPRET).sum() == 6  # the sequence of length 0
+    assert _check_forward(CASES["query_padding"], INTERPRET).sum() == 12  # ... and a padding query
+
+
+def test_explain_names_pallas_tpu_for_a_decode():
+    q, k, v, table, lengths = _arrays(CASES["gqa_causal_bottom_right"])
+    explanation = attnlib.explain(q, k, v, implementation=INTERPRET, **_kwargs(CASES["gqa_causal_bottom_right"],
+                                                                                  table, lengths))
+    assert explanation.implementation == "pallas_tpu"
+
+
+def test_page_table_entries_past_the_length_are_clamped():
+    """Entries past a sequence's length are never read for values: out-of-pool ones (-1, P) change nothing (under
+    `jit`: concrete tables are validated)."""
+    case = CASES["gqa_causal_bottom_right"]
+    q, k, v, table, lengths = _arrays(case)
+    pages_used = -(-np.asarray(lengths) // case.page_size)
+    past = np.arange(case.pages_per_seq)[None, :] >= pages_used[:, None]
+    wild = jnp.asarray(np.where(past, np.where(np.arange(case.pages_per_seq) % 2, -1, case.num_pages), table))
+    run = jax.jit(lambda t: attnlib.attention(q, k, v, implementation=INTERPRET, **_kwargs(case, t, lengths)))
+    np.testing.assert_array_equal(np.asarray(run(wild), np.float32), np.asarray(run(table), np.float32))
+
+
+def test_decode_from_a_paged_kv_cache():
+    """`PagedKVCache.append` then a decode step, as the API page shows it."""
+    r = rng(19)
+    B, N, K, H = 3, 4, 2, 24
+    cache = attnlib.PagedKVCache.create(B, 11, 8, K, H, dtype=jnp.bfloat16, max_pages_per_seq=3)
+    prompt = [normal(r, (B, 13, K, H), jnp.bfloat16) for _ in range(2)]
+    cache = cache.append(*prompt, lengths=jnp.asarray([13, 4, 9], jnp.int32))
+    q = normal(r, (B, 1, N, H), jnp.bfloat16)
+    kw = dict(page_table=cache.page_table, key_value_seq_lengths=cache.lengths, is_causal=True,
+              diagonal_alignment="bottom_right")  # fmt: skip
+    out = attnlib.attention(q, cache.k_pages, cache.v_pages, implementation=INTERPRET, **kw)
+    ref = attnlib.attention(*(x.astype(jnp.float32) for x in (q, cache.k_pages, cache.v_pages)),
+                            implementation="xla", **kw)  # fmt: skip
+    assert_out_close(out, np.asarray(ref, np.float64), jnp.bfloat16)
+
+
+def test_gradient_differentiates_the_xla_fallback():
+    case = CASES["mqa_soft_cap_scale"]
+    q, k, v, table, lengths = _arrays(case)
+    kw = _kwargs(case, table, lengths)
+    d_out = normal(rng(23), q.shape, jnp.float32)
+    loss = lambda q, k, v: jnp.sum(
+        attnlib.attention(q, k, v, implementation=(INTERPRET, "xla"), **kw).astype(jnp.float32) * d_out
+    )
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    args = [to_f64(x) for x in (q, k, v)]
+    ref = reference_attention_vjp(*args, d_out=to_f64(d_out), **_reference_kwargs(kw))
+    for name, g in zip(("query", "key", "value"), grads, strict=True):
+        assert g.dtype == jnp.bfloat16
+        assert_grad_close(g, ref[name], jnp.bfloat16, what=f"d{name}")
+
+
+def test_gradient_named_alone_raises():
+    case = CASES["gqa_causal_bottom_right"]
+    q, k, v, table, lengths = _arrays(case)
+    kw = _kwargs(case, table, lengths)
+    loss = lambda q: jnp.sum(attnlib.attention(q, k, v, implementation=INTERPRET, **kw).astype(jnp.float32))
+    with pytest.raises(NotImplementedError, match="pallas_tpu: gradients of paged key/value attention"):
+        jax.grad(loss)(q)
+
+
+DECLINES = {
+    "chunked_prefill": (dict(t=3), "T=3 queries per sequence"),
+    "float32": (dict(dtype=jnp.float32), "kernel rounds keys and values to bfloat16"),
+    "lse": (dict(return_residual=True), "`return_residual=True`"),
+    "sinks": (dict(sinks=jnp.zeros((6,), jnp.float32)), "`sinks` with a paged KV cache"),
+    "array_scale": (dict(scale=jnp.asarray(0.3, jnp.float32)), "an array `scale`"),
+    "window": (dict(local_window_size=(7, 0)), "local_window_size=(7, 0)"),
+    "causal_top_left": (dict(diagonal_alignment="top_left"), "diagonal_alignment='top_left'"),
+    "bias": (dict(bias=jnp.zeros((4, 6, 1, 32), jnp.bfloat16)), "`bias`"),
+}
+
+
+@pytest.mark.parametrize("name", list(DECLINES))
+def test_declines_with_a_reason(name):
+    extra, match = DECLINES[name]
+    extra = dict(extra)
+    t, dtype = extra.pop("t", 1), extra.pop("dtype", jnp.bfloat16)
+    case = CASES["gqa_causal_bottom_right"]
+    q, k, v, table, lengths = _arrays(case, dtype)
+    q = jnp.tile(q, (1, t, 1, 1))
+    kw = _kwargs(case, table, lengths) | extra
+    explanation = attnlib.explain(q, k, v, implementation=INTERPRET, **kw)
+    assert explanation.implementation is None
+    assert match in explanation.declined["pallas_tpu"]
+    with pytest.raises(NotImplementedError, match="pallas_tpu: "):
+        attnlib.attention(q, k, v, implementation=INTERPRET, **kw)
+    result = attnlib.attention(q, k, v, implementation=(INTERPRET, "xla"), **kw)
+    out = result[0] if isinstance(result, tuple) else result
+    assert out.shape == q.shape
+
+
+def test_pages_per_block():
+    assert paged.pages_per_block(16, 64) == 32
+    assert paged.pages_per_block(16, 13) == 13
+    assert paged.pages_per_block(8, 100) == 50
+    assert paged.pages_per_block(1024, 4) == 1
+
+
+def test_automatic_dispatch_on_a_tpu_picks_it_for_long_caches(monkeypatch):
+    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    for case, automatic in ((CASES["long_pages"], "pallas_tpu"), (CASES["gqa_causal_bottom_right"], "xla_chunked")):
+        q, k, v, table, lengths = _arrays(case)
+        assert attnlib.explain(q, k, v, **_kwargs(case, table, lengths)).implementation == automatic
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# on a TPU
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_tpu_decode_matches_reference(name):
+    _check_forward(CASES[name], attnlib.PallasTpu())
+
+
+@pytest.mark.tpu
+def test_tpu_automatic_dispatch_decodes_long_caches_on_pallas_tpu():
+    case = CASES["long_pages"]
+    q, k, v, table, lengths = _arrays(case)
+    assert attnlib.explain(q, k, v, **_kwargs(case, table, lengths)).implementation == "pallas_tpu"
+    _check_forward(case, None)
