@@ -216,3 +216,30 @@ def assert_matches_finite_differences(grads: dict, loss, args: dict, step: float
             fd[idx] = (loss(plus) - loss(minus)) / (2 * step)
         # central differences in float64: truncation ~ step**2, rounding ~ 1e-16 / step -> ~1e-9 absolute
         np.testing.assert_allclose(grads[name], fd, atol=1e-7, rtol=1e-6, err_msg=f"d{name}")
+
+
+def paged_decode_stand_in(traced_shapes: list | None = None):
+    """A plain-JAX function with the contract of `pallas_tpu.paged.decode_kernel` (JAX's paged-attention kernel), for
+    tests of what attnlib does around the kernel where the kernel cannot run (partitioning: TPU interpret mode's
+    callbacks cannot be partitioned). It appends the query shape of each trace to `traced_shapes`: a partitioned call
+    is traced with each shard's local shapes. `[B, N, H']` from `query [B, N, H']` (scaled), pools
+    `[K, P, page_size, H']`."""
+
+    def decode(query, k_pool, v_pool, lengths, table, *, soft_cap, pages_per_block, interpret):
+        del pages_per_block, interpret
+        if traced_shapes is not None:
+            traced_shapes.append(query.shape)
+        K, _, _, H = k_pool.shape
+        B, N, _ = query.shape
+        gather = lambda pool: pool[:, table].reshape(K, B, -1, H).astype(jnp.float32)  # noqa: E731  [K, B, S, H']
+        k, v = gather(k_pool), gather(v_pool)
+        q = query.astype(jnp.float32).reshape(B, K, N // K, H)
+        s = jnp.einsum("bkgh,kbsh->bkgs", q, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        seen = jnp.arange(k.shape[2])[None, None, None, :] < lengths[:, None, None, None]
+        p = jax.nn.softmax(jnp.where(seen, s, -jnp.inf), axis=-1)
+        out = jnp.einsum("bkgs,kbsh->bkgh", jnp.where(seen, p, 0.0), v)
+        return out.reshape(B, N, H).astype(query.dtype)
+
+    return decode

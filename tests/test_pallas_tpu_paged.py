@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_grad_close, assert_out_close, normal, rng, to_f64
+from helpers import assert_grad_close, assert_out_close, normal, paged_decode_stand_in, rng, to_f64
 from reference import reference_attention, reference_attention_vjp
 
 import attnlib
@@ -194,6 +194,52 @@ def test_automatic_dispatch_on_a_tpu_picks_it_for_long_caches(monkeypatch):
     for case, automatic in ((CASES["long_pages"], "pallas_tpu"), (CASES["gqa_causal_bottom_right"], "xla_chunked")):
         q, k, v, table, lengths = _arrays(case)
         assert attnlib.explain(q, k, v, **_kwargs(case, table, lengths)).implementation == automatic
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the partitionable call around the kernel (off interpret mode: a plain-JAX stand-in for the kernel)
+
+
+def test_stand_in_matches_the_kernel():
+    """The stand-in that the partitioning tests put in the kernel's place computes what the kernel computes."""
+    r = rng(29)
+    q = normal(r, (3, 6, 128), jnp.bfloat16)
+    k_pool, v_pool = (normal(r, (2, 9, 8, 128), jnp.bfloat16) for _ in range(2))
+    lengths = jnp.asarray([5, 24, 17], jnp.int32)
+    table = jnp.asarray(rng(31).permutation(9)[:9].reshape(3, 3), jnp.int32)
+    kw = dict(soft_cap=2.0, pages_per_block=3)
+    kernel = paged.decode_kernel(q, k_pool, v_pool, lengths, table, interpret=True, **kw)
+    stand_in = paged_decode_stand_in()(q, k_pool, v_pool, lengths, table, interpret=False, **kw)
+    assert_out_close(kernel, np.asarray(stand_in, np.float64), jnp.bfloat16)
+
+
+@pytest.fixture
+def tpu_with_stand_in(monkeypatch):
+    """A "TPU" whose paged kernel is the stand-in: `PallasTpu()` then runs the partitionable call."""
+    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    monkeypatch.setattr(paged, "decode_kernel", paged_decode_stand_in())
+
+
+@pytest.mark.parametrize("pool_mapped", [False, True], ids=["shared_pool", "pool_per_example"])
+def test_vmap_of_a_decode(tpu_with_stand_in, pool_mapped):
+    """`vmap` over decodes: with a shared pool the mapped axis folds into the batch (one call), with a pool per
+    example one call runs per example; both equal the calls one by one."""
+    del tpu_with_stand_in
+    case = CASES["gqa_causal_bottom_right"]
+    examples = [_arrays(dataclasses.replace(case, lengths=lengths)) for lengths in ((5, 32, 0, 17), (9, 1, 30, 8))]
+    q, k, v, table, lengths = (jnp.stack(xs) for xs in zip(*examples, strict=True))
+    if not pool_mapped:
+        k, v = k[0], v[0]
+
+    def one(q, k, v, table, lengths):
+        return attnlib.attention(q, k, v, implementation=attnlib.PallasTpu(), **_kwargs(case, table, lengths))
+
+    mapped = jax.jit(jax.vmap(one, in_axes=(0, 0 if pool_mapped else None, 0 if pool_mapped else None, 0, 0)))
+    out = mapped(q, k, v, table, lengths)
+    for i in range(2):
+        ki, vi = (k[i], v[i]) if pool_mapped else (k, v)
+        expected = one(q[i], ki, vi, table[i], lengths[i])
+        np.testing.assert_array_equal(np.asarray(out[i], np.float32), np.asarray(expected, np.float32))
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -176,3 +176,55 @@ def test_sequence_split_is_resharded_with_one_log_line(caplog):
     assert len(messages) == 1, messages  # the forward's and the backward's calls: one line
     assert "pallas_tpu" in messages[0] and "q dim 2 (t) over ['model']" in messages[0], messages
     compare(compiled(diff_s, rest), expected)
+
+
+def _paged_decode(monkeypatch) -> tuple[jax.Array, jax.Array, list]:
+    """`(unsharded out, sharded out, the query shapes the kernel's stand-in was traced with)` of a decode under `jit`
+    with batch over `data`, query heads and the pools' key/value heads over `model`; asserts no all-gather."""
+    from helpers import paged_decode_stand_in
+
+    from attnlib._src.backends.pallas_tpu import implementation as implementation_lib, paged
+
+    traced: list = []
+    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    monkeypatch.setattr(paged, "decode_kernel", paged_decode_stand_in(traced))
+    r = np.random.default_rng(3)
+    B, N, K, H, pages, page_size, per_seq = 4, 8, 2, 24, 19, 8, 3
+    arr = lambda *shape: jnp.asarray(r.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    q, k_pool, v_pool = arr(B, 1, N, H), arr(pages, page_size, K, H), arr(pages, page_size, K, H)
+    table = jnp.asarray(r.permutation(pages)[: B * per_seq].reshape(B, per_seq), jnp.int32)
+    lengths = jnp.asarray([5, 24, 0, 17], jnp.int32)
+    fn = jax.jit(
+        lambda q, k, v, table, lengths: attnlib.attention(
+            q, k, v, page_table=table, key_value_seq_lengths=lengths, is_causal=True,
+            diagonal_alignment="bottom_right", logits_soft_cap=3.0, implementation=attnlib.PallasTpu(),
+        )  # fmt: skip
+    )
+    expected = fn(q, k_pool, v_pool, table, lengths)
+    m = mesh()
+    put = lambda x, *spec: jax.device_put(x, jax.sharding.NamedSharding(m, P(*spec)))  # noqa: E731
+    args = (
+        put(q, "data", None, "model"), put(k_pool, None, None, "model"), put(v_pool, None, None, "model"),
+        put(table, "data"), put(lengths, "data"),
+    )  # fmt: skip
+    compiled = fn.lower(*args).compile()
+    assert all_gathers(compiled.as_text()) == 0, compiled.as_text()
+    return expected, compiled(*args), traced
+
+
+def test_paged_decode_partitions_over_batch_and_heads(monkeypatch):
+    """The paged decode call under `jit`: each shard runs the kernel on its own batch row and its 4 of the 8 query
+    heads (the local shape the kernel is traced with), no all-gather, equal to the unsharded call. TPU interpret mode
+    cannot be partitioned (its callbacks are effects), so a plain-JAX stand-in with the kernel's contract takes the
+    kernel's place (`tests/test_pallas_tpu_paged.py` checks the stand-in against the kernel)."""
+    expected, sharded, traced = _paged_decode(monkeypatch)
+    assert (1, 4, 128) in traced, traced
+    np.testing.assert_array_equal(np.asarray(sharded, np.float32), np.asarray(expected, np.float32))
+
+
+def test_paged_decode_without_the_rule_runs_whole(monkeypatch):
+    """With the call unpartitioned, the stand-in is traced with the whole batch and all heads only: the local shapes
+    above come from attnlib's rule."""
+    monkeypatch.setattr(partitioning, "call", lambda fn, signature, operands: fn(*operands))
+    _, _, traced = _paged_decode(monkeypatch)
+    assert set(traced) == {(4, 8, 128)}, traced

@@ -22,7 +22,7 @@ from ... import varying
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from ..base import Fallback
-from . import blocks
+from . import blocks, partitioning
 
 
 BLOCK_TOKENS = 512
@@ -94,28 +94,36 @@ def _head_major_pool(pool: jax.Array, head_dim: int) -> jax.Array:
     return jnp.transpose(pool, (2, 0, 1, 3))
 
 
-def _kernel(plan: PagedPlan, query, k_pages, v_pages, page_table, seq_kv):
-    """The kernel's `[B, N, head_dim]` output for the scaled, padded `query [B, N, head_dim]`."""
+def decode_kernel(query, k_pool, v_pool, lengths, table, *, soft_cap, pages_per_block, interpret):
+    """JAX's paged-attention kernel: `[B, N, H']` from the scaled query `[B, N, H']`, head-major pools
+    `[K, P, page_size, H']`, lengths `[B]` and the page table `[B, pages_per_seq]` (entries inside the pool)."""
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
+    kernel = functools.partial(
+        paged_attention, query, k_pool, v_pool, lengths, table,
+        attn_logits_soft_cap=soft_cap, pages_per_compute_block=pages_per_block,
+    )  # fmt: skip
+    # The kernel mixes a float32 query with bfloat16 pages: traced under standard promotion whatever the caller's.
+    with jax.numpy_dtype_promotion("standard"):
+        if not interpret:
+            return kernel()
+        with pltpu.force_tpu_interpret_mode():
+            return kernel()
+
+
+def _kernel(plan: PagedPlan, query, k_pages, v_pages, page_table, seq_kv):
+    """`decode_kernel` on the call's operands, as one partitionable call (`partitioning.PAGED`)."""
     config = plan.config
     run = functools.partial(
-        paged_attention,
-        query,
-        _head_major_pool(k_pages, plan.head_dim),
-        _head_major_pool(v_pages, plan.head_dim),
-        seq_kv,
-        jnp.clip(page_table, 0, config.num_pages - 1),
-        attn_logits_soft_cap=config.logits_soft_cap,
-        pages_per_compute_block=pages_per_block(config.page_size, config.pages_per_seq),
-    )
-    # The kernel mixes a float32 query with bfloat16 pages: trace it under standard promotion whatever the caller's.
-    with jax.numpy_dtype_promotion("standard"):
-        if not plan.interpret:
-            return run()
-        with pltpu.force_tpu_interpret_mode():
-            return run()
+        decode_kernel, soft_cap=config.logits_soft_cap,
+        pages_per_block=pages_per_block(config.page_size, config.pages_per_seq), interpret=plan.interpret,
+    )  # fmt: skip
+    pools = (_head_major_pool(k_pages, plan.head_dim), _head_major_pool(v_pages, plan.head_dim))
+    operands = (query, *pools, seq_kv, jnp.clip(page_table, 0, config.num_pages - 1))
+    if plan.interpret:  # TPU interpret mode simulates the chip through callbacks, which `custom_partitioning` refuses
+        return run(*operands)
+    return partitioning.call(run, partitioning.PAGED, operands)
 
 
 def _forward(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_q, seq_kv):

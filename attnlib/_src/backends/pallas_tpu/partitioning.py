@@ -1,9 +1,10 @@
-"""How XLA partitions splash's calls under `jit` on sharded arrays: a Shardy rule over batch and heads, and the
-per-shard call.
+"""How XLA partitions attnlib's Pallas TPU kernel calls under `jit` on sharded arrays: a Shardy rule over batch and
+heads, and the per-shard call.
 
 A Mosaic kernel is one custom call XLA cannot look inside: without a rule it gathers every operand onto every
-device. Each of attnlib's splash calls (`splash._kernel_call`, `splash._out_only` and the backward kernels) is a
-`custom_partitioning` whose rule (`partition_rules`) names its operands' dims:
+device. Each of attnlib's splash calls (`splash._kernel_call`, `splash._out_only` and the backward kernels) and its
+paged decode call (`paged._kernel`, `PAGED`: the page pools have no batch axis and split over their key/value heads
+only) is a `custom_partitioning` whose rule (`partition_rules`) names its operands' dims:
 
 - `b`, the batch: axis 0 of every operand and result; partitions with no communication.
 - the heads (axis 1): query heads are the compound `(k g)` of key/value heads `k` (major) and the GQA group `g`
@@ -37,11 +38,14 @@ SPLITTABLE = frozenset({BATCH, KV_HEADS, GROUP})
 
 @dataclasses.dataclass(frozen=True)
 class Signature:
-    """The operands and results of one splash call, each named by its kind (`dims`)."""
+    """The operands and results of one kernel call, each named by its kind (`dims`); the key/value heads are axis
+    `kv_heads_axis` of the second operand."""
 
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    kernel: str = "splash"
+    kv_heads_axis: int = 1
 
 
 _IDS = ("q", "k", "v", "q_ids", "kv_ids", "sinks")
@@ -52,6 +56,12 @@ OUT_ONLY = Signature("forward", _IDS, ("out",))
 """`_out_only`: the forward without residuals."""
 BACKWARD = Signature("backward", _IDS + ("rows", "out", "rows"), ("q", "k", "v"))
 """The backward kernels: `(q, k, v, ids, sinks, lse, d_out, di) -> (dq, dk, dv)`."""
+PAGED = Signature("decode", ("decode_q", "pool", "pool", "lengths", "page_table"), ("decode_q",), "paged-attention", 0)
+"""`paged._kernel`: `q [B, N, H']`, head-major pools `[K, P, page_size, H']`, lengths `[B]`, page table
+`[B, pages_per_seq]` -> `out [B, N, H']`. The pools have no batch axis: every batch shard reads the whole pool."""
+
+UNBATCHED = frozenset({"sinks", "pool"})
+"""Operands without a batch axis: shared by every batch row (a `vmap` that maps them runs one call per example)."""
 
 
 def dims(kind: str, n: int, k: int) -> tuple[Dim, ...]:
@@ -66,19 +76,23 @@ def dims(kind: str, n: int, k: int) -> tuple[Dim, ...]:
         "q_ids": (BATCH, "t"),
         "kv_ids": (BATCH, "s"),
         "sinks": (heads,),
+        "decode_q": (BATCH, heads, "h"),
+        "pool": (KV_HEADS, "p", "page", "h"),
+        "lengths": (BATCH,),
+        "page_table": (BATCH, "pages"),
     }[kind]
 
 
 def _fold(x: jax.Array, batched: bool, axis_size: int, kind: str) -> jax.Array:
-    """`[V, B, ...]` (or `[B, ...]`, broadcast) -> `[V * B, ...]`; sinks (no batch axis, unbatched) stay as they are."""
-    if kind == "sinks":
+    """`[V, B, ...]` (or `[B, ...]`, broadcast) -> `[V * B, ...]`; `UNBATCHED` kinds (unmapped) stay as they are."""
+    if kind in UNBATCHED:
         return x
     x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
     return x.reshape(axis_size * x.shape[1], *x.shape[2:])
 
 
 def call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Array | None]) -> Any:
-    """`fn(*operands)` (a splash call over the batch; segment ids may be None) as a partitionable call: its results
+    """`fn(*operands)` (a kernel call over the batch; segment ids may be None) as a partitionable call: its results
     (one array, or a tuple as `signature.outputs` has several)."""
     present = [i for i, x in enumerate(operands) if x is not None]
     arrays = [operands[i] for i in present]
@@ -86,7 +100,7 @@ def call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Ar
     kinds = [signature.inputs[i] for i in present]
     q, kv = operands[0], operands[1]
     assert q is not None and kv is not None
-    b, n, k = q.shape[0], q.shape[1], kv.shape[1]
+    b, n, k = q.shape[0], q.shape[1], kv.shape[signature.kv_heads_axis]
     in_dims = [dims(kind, n, k) for kind in kinds]
     out_dims = [dims(kind, n, k) for kind in signature.outputs]
 
@@ -124,8 +138,9 @@ def call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Ar
         incoming = [rules.mesh_axes(a.sharding, len(d)) for a, d in zip(arg_shapes[nc:], in_dims)]
         chosen = [rules.mesh_axes(s, len(d)) for s, d in zip(arg_shardings[nc:], in_dims)]
         rules.log_resharded(
-            f"attnlib pallas_tpu: the splash {signature.name} call", "a splash", kinds, in_dims, incoming, chosen
-        )
+            f"attnlib pallas_tpu: the {signature.kernel} {signature.name} call", f"a {signature.kernel}", kinds,
+            in_dims, incoming, chosen,
+        )  # fmt: skip
 
         def lower(*xs: jax.Array) -> tuple[jax.Array, ...]:
             outs = run(*xs[nc:])
@@ -151,8 +166,8 @@ def call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Ar
 
     @one_call.def_vmap
     def folded(axis_size: int, in_batched: list[bool], *xs: jax.Array) -> tuple[Any, Any]:
-        if any(batched and kind == "sinks" for kind, batched in zip(kinds, in_batched[nc:])):
-            # Per-example sinks cannot share one call's `[N]` operand: one call per example.
+        if any(batched and kind in UNBATCHED for kind, batched in zip(kinds, in_batched[nc:])):
+            # Per-example sinks or pools cannot share one call's operand: one call per example.
             def each(i: jax.Array) -> tuple[jax.Array, ...]:
                 flat: list[jax.Array | None] = [None] * len(operands)
                 for j, x, batched in zip(present, xs[nc:], in_batched[nc:]):
