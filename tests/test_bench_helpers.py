@@ -80,3 +80,18 @@ def test_bench_tpu_smoke_runs_one_case_on_the_cpu(tmp_path):
     pallas = row["variants"]["attnlib_pallas_tpu"]
     assert "fwd_ms" in pallas or "error" in pallas
     assert set(row["attnlib_vs_splash"]) == {"fwd", "fwd_bwd"}
+
+
+def test_bench_tpu_decode_smoke_runs_on_the_cpu(tmp_path):
+    """`bench_tpu_decode.py --smoke`: attnlib's paged decode and the raw kernel in TPU interpret mode, both checked
+    against the reference before they are timed."""
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench_tpu_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_tpu_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "decode.json"
+    bench.main(["--smoke", "--json", str(out)])
+    row = json.loads(out.read_text())["cases"]["smoke_gqa"]
+    assert set(row["variants"]) == set(bench.VARIANTS)
+    for name, r in row["variants"].items():
+        assert r["max_err"] <= row["tolerance"] and r["ms"] > 0, (name, r)
