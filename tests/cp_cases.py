@@ -155,9 +155,11 @@ def reference(case: Case, x: dict):
 
 
 def context_parallel(
-    case: Case, x: dict, num_devices: int, strategy: str, load_balanced: bool, data_parallel: int = 1
+    case: Case, x: dict, num_devices: int, strategy: str, load_balanced: bool, data_parallel: int = 1,
+    check_vma: bool = True,
 ):
-    """Run the case on `num_devices` sequence shards (times `data_parallel` batch shards over axis "dp")."""
+    """Run the case on `num_devices` sequence shards (times `data_parallel` batch shards over axis "dp"), inside
+    `jax.shard_map(..., check_vma=check_vma)`."""
     D = num_devices
     lay = lambda k, a: cp.reorder(a, D, SEQ_AXIS[k]) if load_balanced and k in SEQ_AXIS else a
     back = lambda k, a: cp.restore(a, D, SEQ_AXIS[k]) if load_balanced and k in SEQ_AXIS else a
@@ -188,6 +190,7 @@ def context_parallel(
             mesh=mesh,
             in_specs=({k: spec(k) for k in diff}, {k: spec(k) for k in extra}),
             out_specs=out_specs,
+            check_vma=check_vma,
         )
         return sharded(diff, extra)
 
@@ -245,6 +248,40 @@ def test_bfloat16(strategy):
     for k in grads_ref:
         assert grads[k].dtype == grads_ref[k].dtype
         assert_grad_close(grads[k], grads_ref[k], jnp.bfloat16, what=f"d{k}")
+
+
+@pytest.mark.parametrize(
+    "name,strategy",
+    [pytest.param(n, s, marks=() if (n, s) == ("causal", "ring") else (pytest.mark.full,))
+     for n in ("causal", "window_causal", "lengths", "bottom_right_cross") for s in ("ring", "all_gather")],
+)  # fmt: skip
+def test_pallas_tpu_serves_the_steps(name, strategy, monkeypatch):
+    """`implementation=(PallasTpu(interpret=True), "xla")` composes per step inside `shard_map(check_vma=False)`:
+    splash (in interpret mode) serves the steps it can (the others are logged and run on `xla`), and the result
+    equals single-device attention. With `check_vma=True` pallas_tpu declines every step (its kernels cannot type
+    their outputs' variation) and `xla` serves them, with the same result. (Steps of packed rows carry a mask array,
+    which splash declines: segment ids run on `xla`.)"""
+    served = []
+    serve = attnlib.PallasTpu.attention
+
+    def counted(self, config, inputs, context):
+        served.append(config.q_len)
+        return serve(self, config, inputs, context)
+
+    monkeypatch.setattr(attnlib.PallasTpu, "attention", counted)
+    base = CASES[name]
+    implementation = (attnlib.PallasTpu(interpret=True), "xla")
+    case = dataclasses.replace(base, kwargs=base.kwargs | {"implementation": implementation})
+    out_ref, lse_ref, grads_ref = reference_of(name)
+    for check_vma in (False, True):
+        served.clear()
+        out, lse, grads = context_parallel(case, make_inputs(case), 4, strategy, True, check_vma=check_vma)
+        assert bool(served) == (not check_vma), (check_vma, served)
+        assert_out_close(out, out_ref, jnp.float32)
+        if case.return_residual:
+            assert_lse_close(lse, lse_ref, jnp.float32)
+        for k in grads_ref:
+            assert_grad_close(grads[k], grads_ref[k], jnp.float32, what=f"d{k}")
 
 
 # ------------------------------------------------------------------------------------------------------------------

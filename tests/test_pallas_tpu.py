@@ -21,7 +21,7 @@ from reference import reference_attention, reference_attention_vjp
 
 import attnlib
 from attnlib._src.backends.pallas_tpu import blocks, implementation as implementation_lib
-from attnlib._src.backends.pallas_tpu.implementation import FLOAT32_ON_TPU
+from attnlib._src.backends.pallas_tpu.implementation import FLOAT32_ON_TPU, TYPED_VARYING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,6 +341,30 @@ def test_without_a_tpu_it_declines_and_automatic_dispatch_never_picks_it():
     assert automatic.implementation != "pallas_tpu"
     assert automatic.declined["pallas_tpu"] == "no TPU visible to JAX"
     assert automatic.requested == ("cudnn", "pallas_tpu", "xla_chunked", "xla")
+
+
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_inside_shard_map(check_vma, caplog):
+    """Inside `jax.shard_map(check_vma=False)` splash serves the call; with `check_vma=True` (the default) this JAX's
+    Pallas kernels cannot type their outputs' variation, so pallas_tpu declines with the reason (logged) and the next
+    implementation serves."""
+    import logging
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    q, k, v = _qkv()
+    spec = jax.P("x")
+
+    def body(q, k, v):
+        return attnlib.attention(q, k, v, is_causal=True, implementation=(INTERPRET, "xla"))
+
+    sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=check_vma))
+    with caplog.at_level(logging.INFO, logger="attnlib"):
+        put = lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+        out = sharded(put(q), put(k), put(v))
+    declined = [r.getMessage() for r in caplog.records if TYPED_VARYING in r.getMessage()]
+    assert bool(declined) == check_vma, declined
+    expected = attnlib.attention(q, k, v, is_causal=True, implementation="xla")
+    assert_out_close(out, np.asarray(expected, np.float64), jnp.float32)
 
 
 def test_max_segments_bound_is_served_exactly():

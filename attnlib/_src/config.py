@@ -56,6 +56,8 @@ class AttentionConfig:
         fp8_output_dtype: with `fp8="scaled"`, `Fp8Scales.output_dtype`; else None.
         max_logit: `return_max_logit=True`: an implementation may return each row's largest logit with its
             results (cuDNN's dense graphs do, `Implementation.attention`); it never changes which one serves.
+        typed_varying: the arrays carry the manual mesh axes they vary over: the call is traced inside
+            `jax.shard_map` with `check_vma=True` (kernels must then type their outputs' variation).
     """
 
     layout: Layout
@@ -94,6 +96,7 @@ class AttentionConfig:
     fp8_output_dtype: np.dtype | None = None
     max_logit: bool = False
     separate_kv_structure: bool = False
+    typed_varying: bool = False
 
     @property
     def output_dtype(self) -> np.dtype:

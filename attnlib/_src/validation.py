@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import band, fp8 as fp8_lib, modifiers as modifiers_lib
+from . import band, fp8 as fp8_lib, modifiers as modifiers_lib, varying
 from .config import AttentionConfig, AttentionInputs
 
 
@@ -274,6 +274,7 @@ def validate(
         fp8=fp8_mode,
         fp8_output_dtype=None if fp8_scales is None else np.dtype(fp8_scales.output_dtype),
         max_logit=bool(return_max_logit),
+        typed_varying=bool(varying.union_axes(query, key, value)),
     )
     inputs = AttentionInputs(
         query=query,

@@ -47,8 +47,17 @@ def _backward_kernels_reason() -> str | None:
     return None
 
 
+TYPED_VARYING = (
+    "calls inside `jax.shard_map(..., check_vma=True)` (the default) are not served: this JAX's Pallas TPU kernels "
+    "give their outputs no varying-axes type (pallas_call raises); pass check_vma=False to `jax.shard_map` to run "
+    "them there"
+)
+
+
 def feature_reason(config: AttentionConfig) -> str | None:
     """Why splash cannot serve `config` (a sentence naming the feature and the limit), or None. Pure Python."""
+    if config.typed_varying:
+        return TYPED_VARYING
     if config.fp8 is not None:
         return "FP8 attention (`fp8=`) is not supported: splash runs bfloat16 and float32"
     if config.dtype not in DTYPES:
