@@ -258,3 +258,14 @@ def test_tpu_automatic_dispatch_decodes_long_caches_on_pallas_tpu():
     q, k, v, table, lengths = _arrays(case)
     assert attnlib.explain(q, k, v, **_kwargs(case, table, lengths)).implementation == "pallas_tpu"
     _check_forward(case, None)
+
+
+def test_no_nan_reaches_the_output_under_debug_nans():
+    """A sequence of length 0 and a padding query give exact zeros, and nothing trips `jax_debug_nans` (the kernel
+    is handed at least one key per sequence, so it writes every output row)."""
+    case = CASES["query_padding"]
+    q, k, v, table, lengths = _arrays(case)
+    with jax.debug_nans(True):
+        out = attnlib.attention(q, k, v, implementation=INTERPRET, **_kwargs(case, table, lengths))
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(out[1], np.float32) == 0).all()

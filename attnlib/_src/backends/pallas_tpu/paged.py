@@ -120,7 +120,8 @@ def _kernel(plan: PagedPlan, query, k_pages, v_pages, page_table, seq_kv):
         pages_per_block=pages_per_block(config.page_size, config.pages_per_seq), interpret=plan.interpret,
     )  # fmt: skip
     pools = (_head_major_pool(k_pages, plan.head_dim), _head_major_pool(v_pages, plan.head_dim))
-    operands = (query, *pools, seq_kv, jnp.clip(page_table, 0, config.num_pages - 1))
+    # A sequence of length 0 reads one key, so that the kernel writes finite values there (masked after it).
+    operands = (query, *pools, jnp.maximum(seq_kv, 1), jnp.clip(page_table, 0, config.num_pages - 1))
     if plan.interpret:  # TPU interpret mode simulates the chip through callbacks, which `custom_partitioning` refuses
         return run(*operands)
     return partitioning.call(run, partitioning.PAGED, operands)
