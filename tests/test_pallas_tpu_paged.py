@@ -48,6 +48,11 @@ CASES = {
 }
 
 
+def _on_tpu(case: Case) -> Case:
+    """`case` with pages of at least 16 tokens (what a TPU serves)."""
+    return dataclasses.replace(case, page_size=max(case.page_size, paged.TPU_PAGE_SIZE_MULTIPLE))
+
+
 def _arrays(case: Case, dtype=jnp.bfloat16):
     """`(q [B, 1, N, H], k_pages, v_pages, page_table, lengths)`: each sequence's pages drawn without replacement
     from a shuffled pool."""
@@ -225,7 +230,7 @@ def test_vmap_of_a_decode(tpu_with_stand_in, pool_mapped):
     """`vmap` over decodes: with a shared pool the mapped axis folds into the batch (one call), with a pool per
     example one call runs per example; both equal the calls one by one."""
     del tpu_with_stand_in
-    case = CASES["gqa_causal_bottom_right"]
+    case = _on_tpu(CASES["gqa_causal_bottom_right"])
     examples = [_arrays(dataclasses.replace(case, lengths=lengths)) for lengths in ((5, 32, 0, 17), (9, 1, 30, 8))]
     q, k, v, table, lengths = (jnp.stack(xs) for xs in zip(*examples, strict=True))
     if not pool_mapped:
@@ -246,10 +251,22 @@ def test_vmap_of_a_decode(tpu_with_stand_in, pool_mapped):
 # on a TPU
 
 
+def test_on_a_tpu_page_sizes_are_multiples_of_16(monkeypatch):
+    """On a TPU the kernel gets the page sizes JAX tests it with (multiples of 16); interpret mode takes any."""
+    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    case = CASES["gqa_causal_bottom_right"]  # pages of 8 tokens
+    q, k, v, table, lengths = _arrays(case)
+    kw = _kwargs(case, table, lengths)
+    explanation = attnlib.explain(q, k, v, implementation=(attnlib.PallasTpu(), "xla"), **kw)
+    assert explanation.implementation == "xla"
+    assert "pages of 8 tokens are not served on a TPU" in explanation.declined["pallas_tpu"]
+    assert attnlib.explain(q, k, v, implementation=INTERPRET, **kw).implementation == "pallas_tpu"
+
+
 @pytest.mark.tpu
 @pytest.mark.parametrize("name", list(CASES))
 def test_tpu_decode_matches_reference(name):
-    _check_forward(CASES[name], attnlib.PallasTpu())
+    _check_forward(_on_tpu(CASES[name]), attnlib.PallasTpu())
 
 
 @pytest.mark.tpu

@@ -189,7 +189,7 @@ def _paged_decode(monkeypatch) -> tuple[jax.Array, jax.Array, list]:
     monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
     monkeypatch.setattr(paged, "decode_kernel", paged_decode_stand_in(traced))
     r = np.random.default_rng(3)
-    B, N, K, H, pages, page_size, per_seq = 4, 8, 2, 24, 19, 8, 3
+    B, N, K, H, pages, page_size, per_seq = 4, 8, 2, 24, 19, 16, 2
     arr = lambda *shape: jnp.asarray(r.standard_normal(shape), jnp.bfloat16)  # noqa: E731
     q, k_pool, v_pool = arr(B, 1, N, H), arr(pages, page_size, K, H), arr(pages, page_size, K, H)
     table = jnp.asarray(r.permutation(pages)[: B * per_seq].reshape(B, per_seq), jnp.int32)

@@ -30,9 +30,16 @@ BLOCK_TOKENS = 512
 most this many tokens (one page when a page is larger). Not tuned on a TPU yet."""
 
 
-def decline_reason(config: AttentionConfig) -> str | None:
+TPU_PAGE_SIZE_MULTIPLE = 16
+"""On a TPU, page sizes the kernel is given are multiples of this: JAX tests its paged-attention kernel on TPUs with
+pages of 16, 32 and 64 tokens (a bfloat16 tile holds 16 rows); other sizes are left to the plain-JAX path rather than
+risk a kernel that does not compile. Interpret mode takes any size."""
+
+
+def decline_reason(config: AttentionConfig, *, on_tpu: bool) -> str | None:
     """Why the paged kernel cannot serve the paged call `config` (a sentence naming the feature and the limit), or
-    None. Pure Python; the features splash declines for every layout are `implementation.feature_reason`'s."""
+    None; `on_tpu`: for a real TPU (not interpret mode). Pure Python; the features splash declines for every layout
+    are `implementation.feature_reason`'s."""
     if config.q_len != 1:
         return (
             f"paged KV caches (`page_table`) with T={config.q_len} queries per sequence are not supported: JAX's "
@@ -54,6 +61,12 @@ def decline_reason(config: AttentionConfig) -> str | None:
     for declined, reason in unsupported:
         if declined:
             return reason
+    if on_tpu and config.page_size % TPU_PAGE_SIZE_MULTIPLE:
+        return (
+            f"paged KV caches with pages of {config.page_size} tokens are not served on a TPU: JAX's paged-attention "
+            f"kernel is tested there with pages of 16, 32 and 64 tokens (attnlib takes multiples of "
+            f"{TPU_PAGE_SIZE_MULTIPLE})"
+        )
     band = Band.of(config)
     sees_every_key = band.left is None and (band.right is None or (band.bottom_right and band.right >= 0))
     if not sees_every_key:
