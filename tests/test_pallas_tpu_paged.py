@@ -286,3 +286,37 @@ def test_no_nan_reaches_the_output_under_debug_nans():
         out = attnlib.attention(q, k, v, implementation=INTERPRET, **_kwargs(case, table, lengths))
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(out[1], np.float32) == 0).all()
+
+
+def test_kernel_on_attnlib_operands_has_no_data_race():
+    """JAX's paged-attention kernel had data races (fixed upstream in May 2025, found with TPU interpret mode's race
+    detector). The same detector, on the operands attnlib builds (head-major padded pools, a clamped table, at least
+    one key per sequence), finds none; every out-of-bounds read would raise (interpret mode's default)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
+    from jax.experimental.pallas import tpu as pltpu
+
+    case = _on_tpu(CASES["gqa_causal_bottom_right"])
+    q, k, v, table, lengths = _arrays(case)
+    kw = _kwargs(case, table, lengths)
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True)):
+        # `interpret=False`: the kernel is traced under this context's parameters, not attnlib's default ones.
+        run = attnlib.PallasTpu(interpret=False)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(implementation_lib, "tpu_visible", lambda: True)
+            m.setattr(paged, "partitioning", _Unpartitioned())
+            out = attnlib.attention(q, k, v, implementation=run, **kw)
+    assert interpreter.races is not None, "the race detector did not run"
+    assert not interpreter.races.races_found
+    ref_out, _ = reference_attention(*(to_f64(x) for x in (q, k, v)), **_reference_kwargs(kw))
+    assert_out_close(out, ref_out, jnp.bfloat16)
+
+
+class _Unpartitioned:
+    """`partitioning` without the partitionable wrapper (TPU interpret mode's callbacks cannot be partitioned)."""
+
+    PAGED = None
+
+    @staticmethod
+    def call(fn, signature, operands):
+        del signature
+        return fn(*operands)
