@@ -55,7 +55,8 @@ SMOKE_CASES = {"smoke_gqa": Case(3, 40, 4, 2, 64, 8)}
 VARIANTS = ("attnlib", "attnlib_xla", "paged_attention")
 
 
-def _time_calls():
+def _bench_tpu_helpers():
+    """`(time_calls, error)` of `bench_tpu.py`: the same timing loop and error reporting."""
     path = pathlib.Path(__file__).parent / "bench_tpu.py"
     spec = importlib.util.spec_from_file_location("bench_tpu", path)
     module = importlib.util.module_from_spec(spec)
@@ -105,7 +106,7 @@ def variant_fns(case: Case, interpret: bool) -> dict:
 
 
 def run_case(case: Case, interpret: bool) -> dict:
-    time_calls, error = _time_calls()
+    time_calls, error = _bench_tpu_helpers()
     q, k, v, table, lengths = inputs(case)
     ref = reference(q, k, v, table, case)
     tol = 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(ref)))

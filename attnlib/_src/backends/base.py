@@ -6,13 +6,31 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 
+from .. import varying
 from ..config import AttentionConfig, AttentionInputs
 
 
 Fallback = Callable[[AttentionConfig, AttentionInputs], tuple[jax.Array, ...]]
 """Another implementation's `attention` with its context bound, `(config, inputs) -> results`, as dispatch hands it
 to one that cannot compute all of a call itself."""
+
+
+def fallback_gradients(
+    run: Fallback, config: AttentionConfig, inputs: AttentionInputs, d_out: jax.Array, d_lse: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(dquery, dkey, dvalue)` of a call whose fused kernel has no backward: the VJP of `run` (dispatch's fallback,
+    recomputing the call from `inputs`) with the cotangents of `out` and of `lse` (None: zero; entries of rows whose
+    `lse` is -inf are ignored)."""
+
+    def recompute(query, key, value):
+        out, lse = run(config, dataclasses.replace(inputs, query=query, key=key, value=value))[:2]
+        return out, lse
+
+    primal, vjp = jax.vjp(recompute, inputs.query, inputs.key, inputs.value)
+    d_lse = jnp.zeros_like(primal[1]) if d_lse is None else jnp.where(jnp.isfinite(d_lse), d_lse, 0.0)
+    return vjp(varying.match((d_out.astype(primal[0].dtype), d_lse.astype(jnp.float32)), primal))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import varying
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
-from ..base import Fallback
+from ..base import Fallback, fallback_gradients
 from . import executor
 from .executor import GraphExecutor
 from .graphs import GraphSpec, Uid
@@ -83,13 +82,8 @@ def _paged_sdpa_bwd(plan: PagedPlan, residuals, cotangents):
     d_lse = jnp.zeros(q.shape[:-1], jnp.float32) if isinstance(
         d_lse, jax.custom_derivatives.SymbolicZero) else d_lse  # fmt: skip
 
-    def fallback(q, k_pages, v_pages):
-        inputs = AttentionInputs(query=q, key=k_pages, value=v_pages, page_table=page_table, **reference)
-        return run(plan.config, inputs)
-
-    primal_out, vjp = jax.vjp(fallback, q, k_pages, v_pages)
-    finite_lse = jnp.where(jnp.isfinite(d_lse), d_lse, 0.0).astype(jnp.float32)
-    dq, dk, dv = vjp(varying.match((d_out.astype(q.dtype), finite_lse), primal_out))
+    inputs = AttentionInputs(query=q, key=k_pages, value=v_pages, page_table=page_table, **reference)
+    dq, dk, dv = fallback_gradients(run, plan.config, inputs, d_out, d_lse)
     return dq, dk, dv, None, None, None, jax.tree.map(lambda _: None, reference)
 
 

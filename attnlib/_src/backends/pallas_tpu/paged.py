@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import varying
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
-from ..base import Fallback
+from ..base import Fallback, fallback_gradients
 from . import blocks, partitioning
 
 
@@ -90,15 +89,18 @@ class PagedPlan:
 
     Attributes:
         config: the call's configuration (also what the fallback backward recomputes).
-        head_dim: the head dim padded to 128 lanes.
         interpret: run the kernel in Pallas TPU interpret mode.
         fallback: what a gradient differentiates, or None (a gradient then raises).
     """
 
     config: AttentionConfig
-    head_dim: int
     interpret: bool
     fallback: Fallback | None
+
+    @property
+    def head_dim(self) -> int:
+        """The head dim padded to 128 lanes."""
+        return blocks.round_up(self.config.head_dim, blocks.LANES)
 
 
 def _head_major_pool(pool: jax.Array, head_dim: int) -> jax.Array:
@@ -169,14 +171,9 @@ def _paged_bwd(plan: PagedPlan, residuals, cotangents):
             "paged-attention kernel is forward only. Use implementation=None (the kernel forward, `xla` backward) or "
             "implementation='xla' to differentiate it."
         )
-    d_out = cotangents[0]  # the lse is never returned (`decline_reason`): its cotangent is zero
-
-    def fallback(q, k_pages, v_pages):
-        inputs = AttentionInputs(query=q, key=k_pages, value=v_pages, page_table=page_table, **lengths)
-        return plan.fallback(plan.config, inputs)[0]
-
-    primal_out, vjp = jax.vjp(fallback, q, k_pages, v_pages)
-    dq, dk, dv = vjp(varying.match(d_out.astype(q.dtype), primal_out))
+    inputs = AttentionInputs(query=q, key=k_pages, value=v_pages, page_table=page_table, **lengths)
+    # The lse is never returned (`decline_reason`): its cotangent is zero.
+    dq, dk, dv = fallback_gradients(plan.fallback, plan.config, inputs, cotangents[0], None)
     return dq, dk, dv, None, None, None, jax.tree.map(lambda _: None, lengths)
 
 
@@ -195,7 +192,7 @@ def attention(
         seq_q = jnp.ones((B,), jnp.int32)
     else:
         seq_q = jnp.clip(jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32), 0, 1)
-    plan = PagedPlan(config, blocks.round_up(config.head_dim, blocks.LANES), interpret, fallback)
+    plan = PagedPlan(config, interpret, fallback)
     lengths = {"key_value_seq_lengths": inputs.key_value_seq_lengths, "query_seq_lengths": inputs.query_seq_lengths}
     out, lse = _paged(plan, q, inputs.key, inputs.value, inputs.page_table.astype(jnp.int32), seq_q, seq_kv, lengths)
     return jnp.reshape(out, config.batch_shape + (1, N, config.value_head_dim)), jnp.reshape(
