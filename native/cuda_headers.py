@@ -4,15 +4,20 @@ toolkit, or (failing those) which wheels to add to the build requirements.
 The cudnn-frontend headers are those of the pinned `nvidia-cudnn-frontend` wheel, kept in
 `native/third_party/cudnn_frontend` (a build requirement on that wheel would pull its run-time dependencies, about
 200 MB of CUTLASS DSL libraries, into every build). The other header sets come from the first place that has them:
+a package directory (in the site-packages of the build, then of the target environment), a toolkit directory, or else
+the wheel requested:
 
-| headers | packages searched (site-packages of the build, then of the target environment) | toolkit | wheel requested |
-|---|---|---|---|
-| XLA FFI | `jaxlib/include` | — | `jaxlib` |
-| `cudnn.h` | `nvidia/cudnn`, `nvidia/cudnn_jit` | `include` | `nvidia-cudnn-jit-cu13` / `nvidia-cudnn-cu12` |
-| `cuda.h`, `cuda_runtime_api.h` | `nvidia/cu13`, `nvidia/cuda_runtime` | `include` | `nvidia-cuda-runtime` / `-cu12` |
-| `crt/host_defines.h` (read by `cuda_runtime_api.h`) | `nvidia/cu13`, `nvidia/cuda_runtime`, `nvidia/cuda_nvcc` | `include` | `nvidia-cuda-crt` / `nvidia-cuda-nvcc-cu12` |
-| `nv/target` (read by `cuda_fp16.h`) | `nvidia/cu13`, `nvidia/cuda_cccl` | `include`, `include/cccl` | `nvidia-cuda-cccl` / `-cu12` |
-| `nvrtc.h` (read by the frontend) | `nvidia/cu13`, `nvidia/cuda_nvrtc` | `include` | `nvidia-cuda-nvrtc` / `-cu12` |
+- XLA FFI: packages `jaxlib/include`; toolkit —; wheel `jaxlib`.
+- `cudnn.h`: packages `nvidia/cudnn`, `nvidia/cudnn_jit`; toolkit `include`; wheel `nvidia-cudnn-jit-cu13` /
+  `nvidia-cudnn-cu12`.
+- `cuda.h`, `cuda_runtime_api.h`: packages `nvidia/cu13`, `nvidia/cuda_runtime`; toolkit `include`; wheel
+  `nvidia-cuda-runtime` / `-cu12`.
+- `crt/host_defines.h` (read by `cuda_runtime_api.h`): packages `nvidia/cu13`, `nvidia/cuda_runtime`,
+  `nvidia/cuda_nvcc`; toolkit `include`; wheel `nvidia-cuda-crt` / `nvidia-cuda-nvcc-cu12`.
+- `nv/target` (read by `cuda_fp16.h`): packages `nvidia/cu13`, `nvidia/cuda_cccl`; toolkit `include`, `include/cccl`;
+  wheel `nvidia-cuda-cccl` / `-cu12`.
+- `nvrtc.h` (read by the frontend): packages `nvidia/cu13`, `nvidia/cuda_nvrtc`; toolkit `include`; wheel
+  `nvidia-cuda-nvrtc` / `-cu12`.
 
 The target environment is the one pip installs into: a GPU user's `jax[cuda13]` already holds them, so nothing is
 fetched. pip's default isolated build runs the backend with the target's

@@ -1,8 +1,8 @@
 """The real cuDNN graph call on CPU, for tests: attnlib's FFI target with a test-only CPU handler.
 
 `install(monkeypatch)` makes `implementation="cudnn"` trace as on an H200 with an executor that replaces only the
-graph *build* (`CpuGraphExecutor.get_entry` returns a stand-in whose `label` names its `GraphSpec`), and registers the native
-extension's test-only CPU handler of `attnlib_cudnn_graph` (`_attnlib_ffi.cpu_test_handler`). Every call is then
+graph *build* (`CpuGraphExecutor.get_entry` returns a stand-in whose `label` names its `GraphSpec`), and registers the
+native extension's test-only CPU handler of `attnlib_cudnn_graph` (`_attnlib_ffi.cpu_test_handler`). Every call is then
 the real `jax.ffi.ffi_call` inside attnlib's `custom_partitioning`, so XLA partitions it (or, without the rule,
 replicates it) as on a GPU, and each call's buffers go to the CPU model of the graph (`cudnn_emulation.emulate_graph`)
 with the spec of its label.

@@ -68,7 +68,8 @@ def _setup(topology: str | None):
 
 
 def _combos(jnp, np, B, T, S, N, K, H):
-    """(name, static kwargs, differentiable extras, integer extras) of the feature combos (bf16, T != S), and q, k, v."""
+    """(name, static kwargs, differentiable extras, integer extras) of the feature combos (bf16, T != S),
+    and q, k, v."""
     r = np.random.default_rng(0)
     arr = lambda *shape: jnp.asarray(r.standard_normal(shape), jnp.bfloat16)  # noqa: E731
     q, k, v = arr(B, T, N, H), arr(B, S, K, H), arr(B, S, K, H)
@@ -124,7 +125,9 @@ def child_mock(topology: str) -> dict:
            sharded(v, P("data", None, "model", None)))  # fmt: skip
     failures, report = [], {}
     for name, kw, extra, ints in combos:
-        extra_s = {n: sharded(x, P("model") if n == "sinks" else P(None, "model", None, None)) for n, x in extra.items()}
+        extra_s = {
+            n: sharded(x, P("model") if n == "sinks" else P(None, "model", None, None)) for n, x in extra.items()
+        }
         extra_s.update({n: sharded(x, P("data")) for n, x in ints.items()})
 
         def fwd(q, k, v, extra, kw=kw):
@@ -156,7 +159,8 @@ def child_mock(topology: str) -> dict:
             gathers, shapes = all_gathers(text), cudnn_call_shapes(text)
             ok = gathers == 0 and shapes and all(s.split("[")[1].startswith(f"{B // data},") for s in shapes)
             report[f"{name}/{direction}"] = dict(all_gathers=gathers, cudnn_calls=shapes, trace_lower_s=t1 - t0,
-                                                 compile_s=t2 - t1, graphs_built=[(l, round(s, 2)) for l, s in built])  # fmt: skip
+                                                 compile_s=t2 - t1,
+                                                 graphs_built=[(l, round(s, 2)) for l, s in built])  # fmt: skip
             print(f"  {name:20s} {direction}: all-gathers {gathers}, cuDNN calls {shapes}, trace+lower {t1 - t0:.1f} s "
                   f"(graph builds {sum(s for _, s in built):.1f} s: {len(built)}), compile {t2 - t1:.1f} s "
                   f"{'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
@@ -220,7 +224,7 @@ def child_one_device() -> dict:
 
 def child_dropout() -> dict:
     """Does a shard's graph with the shifted Philox offset draw the unsharded mask of its slice?"""
-    jax = _setup(None)
+    _setup(None)
     import dataclasses
 
     import jax.numpy as jnp
@@ -254,7 +258,8 @@ def child_dropout() -> dict:
     sl = slice(2, 4)
     shifted = offset + jnp.int32(2 * T * S)
     results["head split, shifted offset"] = np.array_equal(np.asarray(run(heads, q[:1, :, sl], k[:1, :, sl],
-                                                           v[:1, :, sl], shifted), np.float32), full[:1, :, sl])  # fmt: skip
+                                                           v[:1, :, sl], shifted), np.float32),
+                                                           full[:1, :, sl])  # fmt: skip
     for what, equal in results.items():
         print(f"[dropout] {what}: {'EQUAL' if equal else 'DIFFERENT'} to the unsharded call's slice", flush=True)
     print(json.dumps({"failures": [], "dropout": results}), flush=True)

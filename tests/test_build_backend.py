@@ -23,7 +23,10 @@ import cuda_headers  # noqa: E402
 import cxx_compiler  # noqa: E402
 
 
-METADATA = "Metadata-Version: 2.2\nName: attnlib\nVersion: 0.1.0\nRequires-Dist: jax>=0.10\nRequires-Dist: beartype\n\n# attnlib\n"
+METADATA = (
+    "Metadata-Version: 2.2\nName: attnlib\nVersion: 0.1.0\n"
+    "Requires-Dist: jax>=0.10\nRequires-Dist: beartype\n\n# attnlib\n"
+)
 
 
 def test_the_frontend_requirement_joins_the_others():
@@ -101,7 +104,9 @@ def test_a_jax_cuda13_environment_supplies_every_header(tmp_path, monkeypatch):
     assert (pathlib.Path(found["ATTNLIB_CUDNN_FRONTEND_INCLUDE_DIR"].include_dir) / "cudnn_frontend.h").is_file()
     assert found["ATTNLIB_CUDA_INCLUDE_DIR"].origin == "target environment"
     assert cuda_headers.requirements_for_missing(found, 13) == []
-    assert cuda_headers.version_from([("target environment", env)], found["ATTNLIB_XLA_INCLUDE_DIR"], "jaxlib") == "0.10.2"
+    assert (
+        cuda_headers.version_from([("target environment", env)], found["ATTNLIB_XLA_INCLUDE_DIR"], "jaxlib") == "0.10.2"
+    )
 
 
 def test_crt_matches_the_environments_cuda_runtime(tmp_path, monkeypatch):

@@ -219,7 +219,8 @@ def test_max_logit_comes_from_the_forward_graph(emulated, monkeypatch, case, kw,
 
     monkeypatch.setattr(max_logit_lib, "max_logit", refuse)
     out, lse, max_logit = jax.jit(lambda q, k, v: attnlib.attention(
-        q, k, v, implementation="cudnn", return_max_logit=True, return_residual=True, **extra, **kw))(q, k, v)  # fmt: skip
+        q, k, v, implementation="cudnn", return_max_logit=True, return_residual=True, **extra, **kw
+    ))(q, k, v)  # fmt: skip
     monkeypatch.setattr(max_logit_lib, "max_logit", plain_pass)
     assert max_logit.shape == (3, 4) and max_logit.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(max_logit), np.asarray(expected[2]), rtol=1e-6, atol=1e-5)

@@ -340,7 +340,8 @@ def _gather(buf, offsets, rows, lens):
     heads, dim = buf.shape[1:]
     start = offsets[:-1, 0]
     idx = start[:, None, None, None] + (jnp.arange(rows)[None, :, None, None] * heads * dim
-                                        + jnp.arange(heads)[None, None, :, None] * dim + jnp.arange(dim)[None, None, None, :])  # fmt: skip
+                                        + jnp.arange(heads)[None, None, :, None] * dim
+                                        + jnp.arange(dim)[None, None, None, :])  # fmt: skip
     inside = jnp.broadcast_to((jnp.arange(rows)[None, :] < lens[:, None])[:, :, None, None], idx.shape)
     flat = jnp.reshape(buf, (-1,))
     x = jnp.where(inside, flat[jnp.clip(idx, 0, flat.shape[0] - 1)], 0).astype(jnp.float32)
@@ -881,12 +882,14 @@ def test_ragged_calls_lower_without_control_flow(fake_entries, layout):
     """The sequence metadata and the row fixes are straight-line ops: an XLA `while` or conditional on a GPU reads its
     predicate back to the host (`ragged._sequence_of`)."""
     if layout == "thd":
-        q, kv, meta = (jax.ShapeDtypeStruct((1000, 8, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1000, 2, 64), jnp.bfloat16),
+        q, kv, meta = (jax.ShapeDtypeStruct((1000, 8, 64), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((1000, 2, 64), jnp.bfloat16),
                        jax.ShapeDtypeStruct((6,), jnp.int32))  # fmt: skip
         kw = lambda m: dict(cu_seqlens_q=m, max_seqlen_q=300, max_seqlen_kv=300)
     else:
         q, kv, meta = (jax.ShapeDtypeStruct((2, 500, 8, 64), jnp.bfloat16),
-                       jax.ShapeDtypeStruct((2, 500, 2, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 500), jnp.int32))  # fmt: skip
+                       jax.ShapeDtypeStruct((2, 500, 2, 64), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((2, 500), jnp.int32))  # fmt: skip
         kw = lambda m: dict(q_segment_ids=m, max_segments_per_row=4)
     loss = lambda q, k, v, m: jnp.sum(attnlib.attention(q, k, v, is_causal=True, implementation=fake_entries,
                                                         **kw(m)).astype(jnp.float32))  # fmt: skip

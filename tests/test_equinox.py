@@ -74,7 +74,10 @@ def test_shim_exports_the_src_classes():
 
 
 def test_import_attnlib_equinox_imports_equinox_but_not_haiku():
-    code = "import sys, attnlib; a = 'equinox' in sys.modules; import attnlib.equinox; print(a, 'equinox' in sys.modules, 'haiku' in sys.modules)"
+    code = (
+        "import sys, attnlib; a = 'equinox' in sys.modules; import attnlib.equinox; "
+        "print(a, 'equinox' in sys.modules, 'haiku' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "True", "False"]
 
@@ -253,7 +256,9 @@ def test_extras_match_reference_forward_and_gradients(case):
     )
     y, grads, _ = _value_and_grads(layer, d_y, x, x, x, **kwargs)
     assert_out_close(y, y_ref, F32)
-    for name, proj in (("query", "query_proj"), ("key", "key_proj"), ("value", "value_proj"), ("output", "output_proj")):
+    for name, proj in (
+        ("query", "query_proj"), ("key", "key_proj"), ("value", "value_proj"), ("output", "output_proj")
+    ):
         g = getattr(grads, proj)
         assert_grad_close(np.asarray(g.weight).T, g_ref[name][0], F32, what=f"{proj}.weight")
         if g.bias is not None:
@@ -335,7 +340,9 @@ def test_dot_product_attention_forwards_per_call_arguments():
 
     d_out = normal(r, out.shape)
     g = eqx.filter_grad(lambda m: jnp.sum(m(q, k, v, bias, **lengths) * d_out))(core)
-    g_ref = reference_attention_vjp(q, k, v, bias, d_out=d_out, **ref_kw, **{n: np.asarray(x) for n, x in lengths.items()})
+    g_ref = reference_attention_vjp(
+        q, k, v, bias, d_out=d_out, **ref_kw, **{n: np.asarray(x) for n, x in lengths.items()}
+    )
     assert_grad_close(g.sinks, g_ref["sinks"], F32, what="sinks")
 
 
@@ -350,7 +357,9 @@ def test_dot_product_attention_segments_thd_and_pages():
     assert_out_close(core(q, k, v, q_segment_ids=seg, max_segments_per_row=2), ref, F32)
     # THD
     cu = jnp.asarray([0, 3, 7], jnp.int32)
-    ref, _ = reference_attention(q, k, v, is_causal=True, sinks=zeros, cu_seqlens_q=np.asarray(cu), cu_seqlens_kv=np.asarray(cu))
+    ref, _ = reference_attention(
+        q, k, v, is_causal=True, sinks=zeros, cu_seqlens_q=np.asarray(cu), cu_seqlens_kv=np.asarray(cu)
+    )
     assert_out_close(core(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu), ref, F32)
     # paged decode: pools [P, page, K, H], one new token per sequence
     pool_k, pool_v = normal(r, (5, 3, 2, 5)), normal(r, (5, 3, 2, 3))
@@ -367,7 +376,9 @@ def test_dot_product_attention_segments_thd_and_pages():
 def test_dot_product_attention_checks_the_head_count():
     core = aeqx.DotProductAttention(6, softmax_type="learnable")
     q = jnp.zeros((T, 4, 5))
-    with pytest.raises(ValueError, match=re.escape("`query` must have num_heads=6 heads") + ".*" + re.escape("(7, 4, 5)")):
+    with pytest.raises(
+        ValueError, match=re.escape("`query` must have num_heads=6 heads") + ".*" + re.escape("(7, 4, 5)")
+    ):
         core(q, q, q)
 
 
@@ -707,11 +718,15 @@ BAD_ARGS = [
     (dict(num_heads=0), "`num_heads` must be a positive int. Got num_heads=0."),
     (dict(query_size=-3), "`query_size` must be a positive int. Got query_size=-3."),
     (dict(key_size=2.5), "`key_size` must be a positive int. Got key_size=2.5."),
-    (dict(qk_size=0), "`qk_size` must be a positive int (it defaults to query_size // num_heads = 18 // 6). Got qk_size=0."),
-    (dict(num_heads=6, query_size=5), "`qk_size` must be a positive int (it defaults to query_size // num_heads = 5 // 6). Got qk_size=0."),
+    (dict(qk_size=0), "`qk_size` must be a positive int (it defaults to query_size // num_heads = 18 // 6). "
+                      "Got qk_size=0."),
+    (dict(num_heads=6, query_size=5), "`qk_size` must be a positive int "
+                                      "(it defaults to query_size // num_heads = 5 // 6). Got qk_size=0."),
     (dict(num_kv_heads=4), "`num_kv_heads` must divide `num_heads`"),
-    (dict(softmax_type="softmax1"), "`softmax_type` must be one of ['vanilla', 'off_by_one', 'learnable']. Got softmax_type='softmax1'."),
-    (dict(logits_soft_cap=-1.0), "`logits_soft_cap` must be None or a positive finite float. Got logits_soft_cap=-1.0."),
+    (dict(softmax_type="softmax1"), "`softmax_type` must be one of ['vanilla', 'off_by_one', 'learnable']. "
+                                    "Got softmax_type='softmax1'."),
+    (dict(logits_soft_cap=-1.0), "`logits_soft_cap` must be None or a positive finite float. "
+                                 "Got logits_soft_cap=-1.0."),
     (dict(local_window_size=(1, 2, 3)), "`local_window_size` must be a non-negative int or a pair"),
     (dict(implementation="triton"), "`implementation` must be None, one of"),
     (dict(dropout_p=1.0), "`dropout_p` must be a float in [0, 1). Got dropout_p=1.0."),
@@ -748,7 +763,9 @@ def test_bad_call_arguments():
     with pytest.raises(ValueError, match=re.escape("`mask` must have shape (q_seq, kv_seq)=(7, 7)") + ".*"
                        + re.escape("Got mask.shape=(7, 5).")):  # fmt: skip
         layer(x, x, x, mask=jnp.ones((T, 5), bool))
-    with pytest.raises(ValueError, match=re.escape("`query` must be one unbatched sequence of shape (seq, query_size)=(seq, 18)")):
+    with pytest.raises(
+        ValueError, match=re.escape("`query` must be one unbatched sequence of shape (seq, query_size)=(seq, 18)")
+    ):
         layer(x[None], x, x)
     with pytest.raises(ValueError, match=re.escape("`key_` and `value` must have the same sequence length")):
         layer(x, x, x[:5])

@@ -90,7 +90,10 @@ def test_shim_exports_the_src_classes():
 
 
 def test_import_attnlib_haiku_imports_haiku_but_not_equinox():
-    code = "import sys, attnlib; a = 'haiku' in sys.modules; import attnlib.haiku; print(a, 'haiku' in sys.modules, 'equinox' in sys.modules)"
+    code = (
+        "import sys, attnlib; a = 'haiku' in sys.modules; import attnlib.haiku; "
+        "print(a, 'haiku' in sys.modules, 'equinox' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "True", "False"]
 
@@ -571,7 +574,9 @@ def test_dropout_off_and_on():
     expected = jax.jit(lambda p: plain.apply(p, None, q, k, v))(params)
 
     def f(q, k, v, rate=None):
-        layer = ahk.MultiHeadAttention(**CONFIGS["default"], dropout_rate=0.3, w_init=hk.initializers.VarianceScaling(1.0))
+        layer = ahk.MultiHeadAttention(
+            **CONFIGS["default"], dropout_rate=0.3, w_init=hk.initializers.VarianceScaling(1.0)
+        )
         return layer(q, k, v, dropout_rate=rate)
 
     drop = hk.transform(f)
@@ -673,7 +678,8 @@ BAD_ARGS = [
     (dict(value_size=-1), "`value_size` must be a positive int. Got value_size=-1."),
     (dict(model_size=2.5), "`model_size` must be a positive int. Got model_size=2.5."),
     (dict(num_kv_heads=4), "`num_kv_heads` must divide `num_heads`"),
-    (dict(softmax_type="softmax1"), "`softmax_type` must be one of ['vanilla', 'off_by_one', 'learnable']. Got softmax_type='softmax1'."),
+    (dict(softmax_type="softmax1"), "`softmax_type` must be one of ['vanilla', 'off_by_one', 'learnable']. "
+                                    "Got softmax_type='softmax1'."),
     (dict(logits_soft_cap=0.0), "`logits_soft_cap` must be None or a positive finite float. Got logits_soft_cap=0.0."),
     (dict(local_window_size=-1), "`local_window_size` must be a non-negative int or a pair"),
     (dict(implementation="triton"), "`implementation` must be None, one of"),

@@ -22,7 +22,9 @@ def test_public_names():
     assert callable(attnlib.explain)
     for cls in (attnlib.Cudnn, attnlib.PallasTpu, attnlib.Xla, attnlib.XlaChunked):
         assert hash(cls()) == hash(cls()) and cls() == cls()  # frozen, hashable: static under jit
-    assert attnlib.Cudnn().name == "cudnn" and attnlib.Xla().name == "xla" and attnlib.XlaChunked().name == "xla_chunked"
+    assert (
+        attnlib.Cudnn().name == "cudnn" and attnlib.Xla().name == "xla" and attnlib.XlaChunked().name == "xla_chunked"
+    )
     assert attnlib.PallasTpu().name == "pallas_tpu"
     assert isinstance(attnlib.__version__, str)
 
@@ -164,7 +166,12 @@ def test_configured_implementation_in_explain_sequences_and_layers():
 @pytest.mark.parametrize(
     "bad, error, match",
     [
-        (5, TypeError, r"`implementation` must be str \| attnlib.Cudnn \| attnlib.PallasTpu \| attnlib.XlaChunked \| attnlib.Xla \| a sequence"),
+        (
+            5,
+            TypeError,
+            r"`implementation` must be str \| attnlib.Cudnn \| attnlib.PallasTpu \| attnlib.XlaChunked \| attnlib.Xla"
+            r" \| a sequence",
+        ),
         ("flash", ValueError, r"`implementation` must be None, one of .* a configured implementation"),
         ([], ValueError, r"non-empty sequence"),
         (["xla", 3], ValueError, r"Got \['xla', 3\]"),

@@ -260,7 +260,8 @@ def test_vmap_over_thd(impl):
 
     def f(q, k, v, cq, ck):
         return attnlib.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_kv=ck, is_causal=True,
-                                 diagonal_alignment="bottom_right", implementation=impl, return_residual=True)  # fmt: skip
+                                 diagonal_alignment="bottom_right", implementation=impl,
+                                 return_residual=True)  # fmt: skip
 
     out, lse = jax.jit(jax.vmap(f))(q, k, v, cu_q, cu_kv)
     single = jax.jit(f)

@@ -581,7 +581,9 @@ def _scale(scale: Any, H: int) -> Any:
     if shape is None or dtype is None:
         raise TypeError(f"`scale` must be a float or a 0-d float array. Got {type(scale).__name__} {scale!r}.")
     if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype) == fp8_lib.E4M3:
-        raise TypeError(f"`scale` must be a float or a 0-d float array (float16/bfloat16/float32/float64). Got dtype={dtype}.")
+        raise TypeError(
+            f"`scale` must be a float or a 0-d float array (float16/bfloat16/float32/float64). Got dtype={dtype}."
+        )
     if tuple(shape) != ():
         raise ValueError(f"`scale` must be a scalar: a 0-d array, shape (). Got shape={tuple(shape)}.")
     if isinstance(scale, np.ndarray | np.generic) or (

@@ -207,8 +207,8 @@ def _lse_reference(plan: Plan, q, k, bias, sinks, seq_q, seq_kv, args, scale) ->
     if spec.modifier is not None:
         score_mod = functools.partial(modifier_lib.reference_scores, spec.modifier, args=args)
     return lse_lib.logsumexp(
-        q, k, _visible(plan, seq_q, seq_kv), scale=_scale_value(spec, scale), bias=bias, sinks=sinks, score_mod=score_mod,
-        masked_below=plan.masked_below if plan.detect_masked else None,
+        q, k, _visible(plan, seq_q, seq_kv), scale=_scale_value(spec, scale), bias=bias, sinks=sinks,
+        score_mod=score_mod, masked_below=plan.masked_below if plan.detect_masked else None,
     )
 
 
