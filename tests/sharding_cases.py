@@ -25,6 +25,7 @@ from helpers import assert_grad_close, assert_lse_close, assert_out_close
 import attnlib
 import attnlib.equinox
 import attnlib.haiku
+from attnlib._src import logs
 from attnlib._src.backends.cudnn import partitioning
 
 
@@ -244,6 +245,24 @@ def test_sequence_split_is_resharded_with_one_log_line(caplog):
     assert len(messages) == 1, messages  # the forward's and the backward's calls: one line
     assert "Q dim 1 (t) over ['model']" in messages[0] and "attnlib.context_parallel" in messages[0], messages
     compare(case, compiled(diff_s, rest), expected)
+
+
+def test_dropout_split_is_logged_once(monkeypatch, caplog):
+    """A cuDNN dropout call split over batch and heads says (once) that its mask is not guaranteed to be the unsharded
+    call's; the same call on one device says nothing."""
+    monkeypatch.setattr(logs, "_logged", set())  # logged once per process: forget earlier tests' messages
+    dropout = {"is_causal": True, "dropout_rate": 0.25, "dropout_key": jax.random.key(3)}
+    case = dataclasses.replace(CASES["causal"], kwargs=dropout)
+    fn, diff, rest = program(case)
+    one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1])
+    with caplog.at_level(logging.WARNING, logger="attnlib"):
+        fn.lower(place(case, diff, one), place(case, rest, one)).compile()
+        assert not [r for r in caplog.records if "dropout" in r.getMessage()]
+        m = mesh()
+        fn.lower(place(case, diff, m), place(case, rest, m)).compile()
+    messages = [r.getMessage() for r in caplog.records if "dropout" in r.getMessage()]
+    assert len(messages) == 1, messages  # the forward's and the backward's calls: one line
+    assert "over mesh axes ['data', 'model']" in messages[0] and "not guaranteed" in messages[0], messages
 
 
 def test_one_device_mesh_runs_the_unpartitioned_call():

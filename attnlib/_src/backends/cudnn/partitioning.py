@@ -22,10 +22,13 @@ shard would see local indices).
 Dropout: each shard's Philox `offset` is advanced by the global linear index of its first (batch, head) pair times
 `T * S`, so shards draw different masks. With a generator whose counter is an element's linear position in
 `[B, N, T, S]` that is exactly the unsharded call's mask for a batch split (and a head split with one local batch
-element); cuDNN does not document its indexing, and `tests/gpu_sharding_check.py` measures it on a GPU.
+element); cuDNN does not document its indexing, and `tests/gpu_sharding_check.py` measures it on a GPU. Until a
+GPU has shown the masks equal, a split dropout call logs one warning that its mask is not guaranteed to be the
+unsharded call's.
 """
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 
+from ... import logs
 from .. import partition_rules as rules
 from ..partition_rules import BATCH, Dim, GROUP, KV_HEADS, Split
 from . import modifier as modifier_lib
@@ -149,6 +153,17 @@ def _shift_offset(spec: GraphSpec, split: Split, b_local: int, n_local: int, off
     return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(offset, jnp.uint32) + shift, jnp.int32)
 
 
+def _log_dropout_split(spec: GraphSpec, split: Split) -> None:
+    axes = split.batch + split.heads
+    logs.log_once(
+        ("dropout split", axes), logging.WARNING,
+        "attnlib cudnn: the graph call %s runs dropout split over mesh axes %s: each shard draws its own mask (its "
+        "Philox offset advanced by its first (batch, head) pair's position), with the same keep probability, but "
+        "the shards' masks together are not guaranteed to be the unsharded call's mask (cuDNN does not document how "
+        "its generator indexes elements; docs/sharding.md).", spec.label, list(axes),
+    )  # fmt: skip
+
+
 def call(
     spec: GraphSpec, entry: Any, operands: Sequence[jax.Array], tokens: tuple[int, int] | None, raw: RawCall,
     entry_of: Callable[[GraphSpec], Any],
@@ -191,6 +206,8 @@ def call(
         chosen = [rules.mesh_axes(s, len(d)) for s, d in zip(arg_shardings, in_dims)]
         _log_resharded(spec, in_uids, in_dims, incoming, chosen)
         local = local_spec(spec, mesh, split)
+        if local.dropout > 0 and (split.batch or split.heads):
+            _log_dropout_split(spec, split)
 
         def lower(*xs: jax.Array) -> tuple[jax.Array, ...]:
             xs = list(xs)
