@@ -4,6 +4,7 @@ of sweeps.
 Never import attnlib at the top of this file (the jaxtyping pytest hook must see it first).
 """
 
+import importlib.util
 import os
 
 import jax
@@ -56,6 +57,14 @@ def _tpu_unavailable_reason() -> str | None:
     return None
 
 
+def _libtpu_unavailable_reason() -> str | None:
+    if importlib.util.find_spec("libtpu") is None:
+        return 'libtpu is not installed (`pip install "jax[tpu]"`: JAX then compiles for a TPU without one)'
+    if _tpu_unavailable_reason() is None:
+        return "a TPU is attached: the `tpu` tests run the kernels themselves"
+    return None
+
+
 def _skip_without(items, marker: str, reason_fn, require_env: str) -> None:
     """Skip the `marker` tests when `reason_fn()` says the device is missing; `require_env=1` makes that an error."""
     marked = [item for item in items if marker in item.keywords]
@@ -97,3 +106,4 @@ def pytest_collection_modifyitems(config, items):
     _mark_sweeps_full(items)
     _skip_without(items, "gpu", _gpu_unavailable_reason, "ATTNLIB_REQUIRE_GPU")
     _skip_without(items, "tpu", _tpu_unavailable_reason, "ATTNLIB_REQUIRE_TPU")
+    _skip_without(items, "tpu_compile", _libtpu_unavailable_reason, "ATTNLIB_REQUIRE_LIBTPU")

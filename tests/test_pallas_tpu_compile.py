@@ -1,0 +1,156 @@
+"""`attnlib.PallasTpu` compiled for a TPU v5e with no TPU attached: Mosaic lowers and libtpu compiles every kernel call.
+
+Interpret mode (`test_pallas_tpu.py`, `test_pallas_tpu_paged.py`) checks the numbers on a CPU but not what only the
+TPU compiler checks (block shapes, VMEM, Mosaic's layouts). With `libtpu` installed (`pip install "jax[tpu]"`) JAX
+compiles ahead of time for a TPU topology without one (`jax.experimental.topologies`): these tests compile the same
+feature cases, JAX's paged-attention decode and the benchmark shapes (`benchmarks/bench_tpu.py`) for one v5e chip
+of a `v5e:2x2` topology, check that the compiled program holds the Mosaic kernels (not a fallback) and, for the
+benchmark shapes, that it fits the chip's 15.7 GiB. Nothing runs: the numbers are the interpret-mode and `tpu`
+tests' job. Skipped without libtpu and on a machine with a TPU (the `tpu` tests run there); `.ci/run` installs
+libtpu in a venv of its own and runs this file there with `ATTNLIB_REQUIRE_LIBTPU=1` (a skip fails).
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+import test_pallas_tpu as dense_cases
+import test_pallas_tpu_paged as paged_cases
+
+import attnlib
+from attnlib._src.backends.pallas_tpu import implementation as implementation_lib
+
+
+pytestmark = pytest.mark.tpu_compile  # skipped without libtpu and on a TPU machine (conftest.py)
+
+V5E_HBM_BYTES = int(15.7 * 2**30)
+MOSAIC = "tpu_custom_call"
+
+
+@pytest.fixture(scope="module")
+def v5e_chip() -> jax.sharding.Sharding:
+    """One chip of a deviceless `v5e:2x2` topology (the smallest libtpu describes for a v5e)."""
+    from jax.experimental import topologies
+
+    with pytest.MonkeyPatch.context() as env:
+        # libtpu takes a machine-wide lock when it loads; no chip is used here, so pytest-xdist workers may share it.
+        env.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        devices = topologies.get_topology_desc("v5e:2x2", "tpu").devices
+    return jax.sharding.SingleDeviceSharding(devices[0])
+
+
+@pytest.fixture(autouse=True)
+def compile_for_a_tpu(monkeypatch):
+    """`PallasTpu()` serves when a TPU is visible; here the program is lowered for one that is not attached."""
+    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+
+
+def _abstract(x: jax.Array, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _compile(fn, args, sharding):
+    """`(lowered text, compiled)` of `jax.jit(fn)` for the TPU chip `sharding` names."""
+    lowered = jax.jit(fn).trace(*(_abstract(x, sharding) for x in args)).lower()
+    return lowered.as_text(), lowered.compile()
+
+
+def _vjp_program(case, implementation):
+    """`(fn, primals)`: `(out, lse)` and its VJP, as `test_pallas_tpu._run` takes them (the cotangents are inputs)."""
+    q, k, v = dense_cases._arrays(case, jnp.bfloat16)
+    kw = dense_cases._kwargs(case)
+    sinks = kw.pop("sinks", None)
+
+    def grads(q, k, v, *rest):
+        *sinks, d_out, d_lse = rest
+
+        def f(q, k, v, *sinks):
+            kw_sinks = dict(sinks=sinks[0]) if sinks else {}
+            return attnlib.attention(q, k, v, implementation=implementation, return_residual=True, **kw, **kw_sinks)
+
+        (out, lse), vjp = jax.vjp(f, q, k, v, *sinks)
+        return out, lse, vjp((d_out, d_lse))
+
+    out, lse = jax.eval_shape(lambda: attnlib.attention(
+        q, k, v, implementation=attnlib.PallasTpu(interpret=True), return_residual=True, **kw,
+        **({"sinks": sinks} if sinks is not None else {})))  # fmt: skip
+    d_out, d_lse = jnp.zeros(out.shape, out.dtype), jnp.zeros(lse.shape, lse.dtype)
+    primals = (q, k, v) + ((sinks,) if sinks is not None else ()) + (d_out, d_lse)
+    return grads, primals
+
+
+@pytest.mark.parametrize("name", list(dense_cases.CASES))
+def test_feature_cases_compile_for_a_v5e(name, v5e_chip):
+    """Forward (with `lse`) and backward of every interpret-mode feature case, in bfloat16: one Mosaic kernel call for
+    the forward, three (forward with residuals, dK/dV, dQ) in the gradient program."""
+    fn, primals = _vjp_program(dense_cases.CASES[name], attnlib.PallasTpu())
+    text, compiled = _compile(fn, primals, v5e_chip)
+    assert text.count(MOSAIC) == 3, text.count(MOSAIC)
+    assert compiled.as_text()  # compiled by libtpu
+
+
+@pytest.mark.parametrize("name", list(paged_cases.CASES))
+def test_paged_decode_compiles_for_a_v5e(name, v5e_chip):
+    """JAX's paged-attention kernel on attnlib's operands (pages of at least 16 tokens, as a TPU takes them)."""
+    case = paged_cases._on_tpu(paged_cases.CASES[name])
+    q, k, v, table, lengths = paged_cases._arrays(case)
+    kw = paged_cases._kwargs(case, table, lengths)
+    kw.pop("page_table"), kw.pop("key_value_seq_lengths")
+
+    def decode(q, k, v, table, lengths):
+        return attnlib.attention(q, k, v, page_table=table, key_value_seq_lengths=lengths,
+                                 implementation=attnlib.PallasTpu(), **kw)  # fmt: skip
+
+    text, _ = _compile(decode, (q, k, v, table, lengths), v5e_chip)
+    assert text.count(MOSAIC) == 1, text.count(MOSAIC)
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_paged_decode_page_and_head_sizes_compile_for_a_v5e(page_size, head_dim, v5e_chip):
+    """A 4096-token cache per sequence, GQA 32/8, every page size a TPU takes and the usual head dims."""
+    B, pages_per_seq = 8, 4096 // page_size
+    q = jnp.zeros((B, 1, 32, head_dim), jnp.bfloat16)
+    pool = jnp.zeros((B * pages_per_seq + 3, page_size, 8, head_dim), jnp.bfloat16)
+    table, lengths = jnp.zeros((B, pages_per_seq), jnp.int32), jnp.zeros((B,), jnp.int32)
+
+    def decode(q, k, v, table, lengths):
+        return attnlib.attention(q, k, v, page_table=table, key_value_seq_lengths=lengths, is_causal=True,
+                                 diagonal_alignment="bottom_right", implementation=attnlib.PallasTpu())  # fmt: skip
+
+    text, _ = _compile(decode, (q, pool, pool, table, lengths), v5e_chip)
+    assert text.count(MOSAIC) == 1
+
+
+BENCHMARK_SHAPES = {  # benchmarks/bench_tpu.py's cases: (B, T, N, K, H, kwargs)
+    "mha_causal_4k": (4, 4096, 16, 16, 128, {"is_causal": True}),
+    "mha_causal_16k": (1, 16384, 16, 16, 128, {"is_causal": True}),
+    "gqa_causal_8k": (2, 8192, 32, 8, 128, {"is_causal": True}),
+    "mha_full_2k": (8, 2048, 16, 16, 128, {}),
+    "gqa_window_8k": (2, 8192, 16, 4, 128, {"local_window_size": (1024, 0)}),
+}
+
+
+@pytest.mark.parametrize("name", list(BENCHMARK_SHAPES))
+def test_benchmark_shapes_pick_pallas_tpu_and_fit_a_v5e(name, v5e_chip):
+    """Automatic dispatch (`implementation=None`) compiles the TPU kernels for the benchmark shapes, forward and
+    forward + backward, and the compiled program's arguments, outputs and temporaries fit one v5e's HBM."""
+    B, T, N, K, H, kw = BENCHMARK_SHAPES[name]
+    q, kv = jnp.zeros((B, T, N, H), jnp.bfloat16), jnp.zeros((B, T, K, H), jnp.bfloat16)
+
+    def forward(q, k, v):
+        return attnlib.attention(q, k, v, **kw)
+
+    def gradients(q, k, v):
+        return jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v).astype(jnp.float32) ** 2), (0, 1, 2))(q, k, v)
+
+    for fn, kernels in ((forward, 1), (gradients, 3)):
+        text, compiled = _compile(fn, (q, kv, kv), v5e_chip)
+        assert text.count(MOSAIC) == kernels, (fn.__name__, text.count(MOSAIC))
+        memory = compiled.memory_analysis()
+        used = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+        assert used < V5E_HBM_BYTES, (fn.__name__, used / 2**30)
+
+
+def test_the_topology_is_a_v5e(v5e_chip):
+    (device,) = v5e_chip.device_set
+    assert device.platform == "tpu" and "v5" in device.device_kind.lower(), device.device_kind
