@@ -80,12 +80,17 @@ def _vjp_program(case, implementation):
 
 @pytest.mark.parametrize("name", list(dense_cases.CASES))
 def test_feature_cases_compile_for_a_v5e(name, v5e_chip):
-    """Forward (with `lse`) and backward of every interpret-mode feature case, in bfloat16: one Mosaic kernel call for
-    the forward, three (forward with residuals, dK/dV, dQ) in the gradient program."""
-    fn, primals = _vjp_program(dense_cases.CASES[name], attnlib.PallasTpu())
+    """Every interpret-mode feature case in bfloat16: `(out, lse)` with its VJP (three Mosaic kernel calls: the
+    forward with residuals, dK/dV, dQ), and the forward that drops `lse` (one call)."""
+    case = dense_cases.CASES[name]
+    fn, primals = _vjp_program(case, attnlib.PallasTpu())
     text, compiled = _compile(fn, primals, v5e_chip)
     assert text.count(MOSAIC) == 3, text.count(MOSAIC)
     assert compiled.as_text()  # compiled by libtpu
+    kw = dense_cases._kwargs(case)
+    text, _ = _compile(lambda q, k, v: attnlib.attention(q, k, v, implementation=attnlib.PallasTpu(), **kw),
+                       dense_cases._arrays(case, jnp.bfloat16), v5e_chip)  # fmt: skip
+    assert text.count(MOSAIC) == 1, text.count(MOSAIC)
 
 
 @pytest.mark.parametrize("name", list(paged_cases.CASES))
