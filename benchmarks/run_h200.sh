@@ -6,7 +6,8 @@
 #   build                       the extension only, by the README's first command (every other step builds it
 #                               first when needed; $ATTNLIB_FIND_LINKS: a wheel folder for a machine without registry)
 #   develop                     the README's second command's install (editable, isolated build) instead
-#   sharding[:SECONDS]          tests/gpu_sharding_check.py (mocked topologies, one device, dropout, chunked)
+#   sharding[:SECONDS]          tests/gpu_sharding_check.py (mocked topologies, one device, dropout, chunked; the
+#                               parts named in $ATTNLIB_SHARDING_PARTS only, if set)
 #   stage-cudnn / swap-cudnn    the newest cuDNN from ../shared/tools/device-cudnn.sh's parts: stage .cudnn/partaa
 #                               and .cudnn/sha (one call), join .cudnn/partab and swap the libraries in (the next)
 #   selfcheck                   python -P -m attnlib (the installed package, from /tmp)
@@ -67,7 +68,9 @@ for step in "$@"; do
       grep -E "attnlib build:|Successfully installed" "$out/develop.log" | tail -8
       python3 -c "import attnlib, attnlib._attnlib_ffi as m; print('editable:', attnlib.__file__, m.__file__)" ;;
     sharding)
-      timeout "${name:-400}" python3 tests/gpu_sharding_check.py --timeout 120 2>&1 | tee "$out/sharding.log" \
+      # shellcheck disable=SC2086
+      timeout "${name:-400}" python3 tests/gpu_sharding_check.py --timeout 120 \
+        ${ATTNLIB_SHARDING_PARTS:+--only $ATTNLIB_SHARDING_PARTS} 2>&1 | tee "$out/sharding.log" \
         | grep -v "^WARNING:absl" | tail -80 ;;
     stage-cudnn)
       mkdir -p /tmp/cudnn_parts && cp .cudnn/partaa .cudnn/sha /tmp/cudnn_parts/ && echo "cuDNN part 1 staged" ;;
