@@ -103,7 +103,8 @@ class PallasTpu(Implementation):
 
     It serves dense and THD layouts with causal masks (both diagonal alignments), two-sided windows, padding
     lengths, packed segment ids, GQA / MQA, `logits_soft_cap`, float or array `scale`, attention `sinks`, the
-    returned `lse` and gradients of query, key, value and sinks (through `lse` too), in bfloat16 and float32; and
+    returned `lse` and gradients of query, key, value and sinks (through `lse` too), in bfloat16 (float32 in
+    interpret mode only: on a TPU it declines, `FLOAT32_ON_TPU`); and
     decoding from a paged KV cache (`page_table`, one bfloat16 query per sequence) through JAX's paged-attention
     kernel (`paged.py`). What it declines, and why, `attnlib.explain` says (docs/implementations.md).
 
