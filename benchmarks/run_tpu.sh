@@ -32,7 +32,7 @@ for step in "$@"; do
     tests)
       seconds=${name:-300}
       if [ -n "${ATTNLIB_TESTS:-}" ]; then read -r -a targets <<< "$ATTNLIB_TESTS"
-      else targets=(tests/test_pallas_tpu.py tests/test_pallas_tpu_paged.py); fi
+      else targets=(tests/test_pallas_tpu.py tests/test_pallas_tpu_paged.py tests/test_layers_tpu.py); fi
       ATTNLIB_REQUIRE_TPU=1 timeout "$seconds" python3 -m pytest -q -m tpu "${targets[@]}" -p no:cacheprovider -rfE \
         --tb=short 2>&1 | tee "$out/tpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40 ;;
     bench)
