@@ -70,23 +70,18 @@ CASES = {
         kwargs=(("local_window_size", (4, 2)), ("is_causal", True), ("diagonal_alignment", "bottom_right"))
     ),
     "segments_causal": Case(
-        t=41,
-        s=41,
+        t=41, s=41,
         kwargs=(("q_segment_ids", _seg([[(3, 11), (1, 20), (2, 7)], [(5, 30), (2, 9)]], 41)), ("is_causal", True)),
     ),  # fmt: skip
     "segments_cross": Case(
-        t=29,
-        s=43,
+        t=29, s=43,
         kwargs=(
             ("q_segment_ids", _seg([[(1, 10), (2, 15)], [(4, 29)]], 29)),
             ("kv_segment_ids", _seg([[(2, 20), (1, 13)], [(4, 9), (6, 30)]], 43)),
         ),
     ),
     "thd_causal": Case(
-        t=47,
-        s=47,
-        batch=(),
-        thd=True,
+        t=47, s=47, batch=(), thd=True,
         kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)), ("is_causal", True)),
     ),  # fmt: skip
     "lengths_with_empty_rows": Case(
@@ -106,8 +101,7 @@ CASES = {
         t=53, s=37, kwargs=(("is_causal", True), ("diagonal_alignment", "bottom_right"), ("sinks", _sinks(6)))
     ),
     "sinks_segments_cross": Case(
-        t=29,
-        s=43,
+        t=29, s=43,
         kwargs=(
             ("q_segment_ids", _seg([[(1, 10), (2, 15)], [(4, 29)]], 29)),
             ("kv_segment_ids", _seg([[(2, 20), (1, 13)], [(4, 9), (6, 30)]], 43)),
@@ -123,10 +117,7 @@ CASES = {
         )
     ),
     "sinks_thd_causal": Case(
-        t=47,
-        s=47,
-        batch=(),
-        thd=True,
+        t=47, s=47, batch=(), thd=True,
         kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)), ("is_causal", True), ("sinks", _sinks(6))),
     ),  # fmt: skip
     "sinks_gqa_window": Case(n=6, k=3, kwargs=(("local_window_size", (5, 3)), ("sinks", _sinks(6)))),
@@ -168,8 +159,9 @@ def _run(case: Case, dtype, implementation):
     return (q, k, v), out, lse, grads, d_out, d_lse
 
 
-def _check(case: Case, dtype, implementation):
-    (q, k, v), out, lse, grads, d_out, d_lse = _run(case, dtype, implementation)
+def _reference(case: Case, q, k, v, d_out, d_lse):
+    """`(kw, args, ref_out, ref_lse, ref_grads)`: the float64 reference of one case's call and of its VJP (NumPy `kw`,
+    float64 `args = (q, k, v)`)."""
     kw = {n: (np.asarray(x) if isinstance(x, jax.Array) else x) for n, x in _kwargs(case).items()}
     if "scale" in kw and isinstance(kw["scale"], np.ndarray):
         kw["scale"] = float(kw["scale"])
@@ -177,10 +169,17 @@ def _check(case: Case, dtype, implementation):
         kw.setdefault("cu_seqlens_kv", kw["cu_seqlens_q"])  # the reference spells the shared key structure out
     args = [to_f64(x) for x in (q, k, v)]
     ref_out, ref_lse = reference_attention(*args, **kw)
+    empty = np.isinf(ref_lse)
+    ref_grads = reference_attention_vjp(*args, d_out=to_f64(d_out), d_lse=np.where(empty, 0.0, to_f64(d_lse)), **kw)
+    return kw, args, ref_out, ref_lse, ref_grads
+
+
+def _check(case: Case, dtype, implementation):
+    (q, k, v), out, lse, grads, d_out, d_lse = _run(case, dtype, implementation)
+    kw, args, ref_out, ref_lse, ref_grads = _reference(case, q, k, v, d_out, d_lse)
     assert_out_close(out, ref_out, dtype)
     assert_lse_close(lse, ref_lse, dtype)
     empty = np.isinf(ref_lse)
-    ref_grads = reference_attention_vjp(*args, d_out=to_f64(d_out), d_lse=np.where(empty, 0.0, to_f64(d_lse)), **kw)
     assert len(grads) == (3 if "sinks" not in kw else 4)
     for name, g in zip(("query", "key", "value", "sinks"), grads):
         assert g.dtype == (dtype if name != "sinks" else kw["sinks"].dtype)
@@ -315,13 +314,8 @@ DECLINES = {
     "head_dim": (dict(h=264, hv=264), "H=264"),
     "fp8": (dict(fp8="current"), "FP8"),
     "causal_separate_kv_segments": (
-        dict(
-            t=41,
-            s=41,
-            is_causal=True,
-            q_segment_ids=jnp.ones((2, 41), jnp.int32),
-            kv_segment_ids=jnp.ones((2, 41), jnp.int32),
-        ),
+        dict(t=41, s=41, is_causal=True, q_segment_ids=jnp.ones((2, 41), jnp.int32),
+             kv_segment_ids=jnp.ones((2, 41), jnp.int32)),
         "`kv_segment_ids` or `cu_seqlens_kv`",
     ),  # fmt: skip
     "bottom_right_lengths": (
@@ -405,7 +399,6 @@ def test_max_segments_bound_is_served_exactly():
 # ------------------------------------------------------------------------------------------------------------------
 # on a TPU
 
-
 @pytest.mark.tpu
 @pytest.mark.parametrize("name", list(CASES))
 def test_tpu_matches_reference_bfloat16(name):
@@ -437,11 +430,8 @@ def _assert_tpu_float32_close(case: Case, implementation):
     plus twice the largest error of `_textbook_float32` on the same device: what the device's float32 arithmetic
     (its `exp`, `log`, `tanh`) costs any implementation there."""
     (q, k, v), out, lse, grads, d_out, d_lse = _run(case, jnp.float32, implementation)
-    kw = {n: (np.asarray(x) if isinstance(x, jax.Array) else x) for n, x in _kwargs(case).items()}
-    args = [to_f64(x) for x in (q, k, v)]
-    ref_out, ref_lse = reference_attention(*args, **kw)
+    kw, args, ref_out, ref_lse, ref_grads = _reference(case, q, k, v, d_out, d_lse)
     empty = np.isinf(ref_lse)
-    ref_grads = reference_attention_vjp(*args, d_out=to_f64(d_out), d_lse=np.where(empty, 0.0, to_f64(d_lse)), **kw)
     visible = jnp.asarray(visibility(*args, **kw))
     scale = kw.get("scale", 1.0 / np.sqrt(case.h))
     textbook = lambda q, k, v: _textbook_float32(q, k, v, visible, float(scale), kw.get("logits_soft_cap"))
@@ -453,8 +443,9 @@ def _assert_tpu_float32_close(case: Case, implementation):
     def check(actual, tb, expected, tol, what, by_max=False):
         e = np.asarray(expected, np.float64)
         fin = np.isfinite(e)
-        tb_err = float(np.max(np.abs(np.asarray(tb, np.float64)[fin] - e[fin]), initial=0.0))
-        assert_close(tb, expected, Tol(2 * tb_err + tol.atol, tol.rtol), what=f"textbook {what}")  # its own bound
+        tb = np.asarray(tb, np.float64)
+        assert np.array_equal(np.isfinite(tb), fin), f"textbook {what}: non-finite where the reference is not"
+        tb_err = float(np.max(np.abs(tb[fin] - e[fin]), initial=0.0))
         device = tb_err / max(1.0, float(np.abs(e[fin]).max(initial=0.0))) if by_max else tb_err
         assert_close(actual, expected, Tol(tol.atol + 2 * device, tol.rtol), what=what, scale_atol_by_max=by_max)
 

@@ -21,8 +21,8 @@ def fallback_gradients(
     run: Fallback, config: AttentionConfig, inputs: AttentionInputs, d_out: jax.Array, d_lse: jax.Array | None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`(dquery, dkey, dvalue)` of a call whose fused kernel has no backward: the VJP of `run` (dispatch's fallback,
-    recomputing the call from `inputs`) with the cotangents of `out` and of `lse` (None: zero; entries of rows whose
-    `lse` is -inf are ignored)."""
+    recomputing the call from `inputs`) with the cotangents of `out` and of `lse` (None: zero; its non-finite entries
+    count as zero)."""
 
     def recompute(query, key, value):
         out, lse = run(config, dataclasses.replace(inputs, query=query, key=key, value=value))[:2]
