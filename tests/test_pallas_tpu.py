@@ -257,6 +257,7 @@ def test_forward_with_lse_dropped(name, monkeypatch):
     kw = _kwargs(case)
     out = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation=INTERPRET, **kw))(q, k, v)
     assert [lay.kernel.lse_needed for lay in layouts] == [lse_needed]
+    assert [lay.kernel.empty_rows for lay in layouts] == [lse_needed]  # the call drops `lse`: only rows decide
     args, kw64 = _case_kwargs_f64(case)
     assert_out_close(out, reference_attention(*args, **kw64)[0], jnp.float32)
 

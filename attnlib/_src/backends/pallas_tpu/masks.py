@@ -45,6 +45,9 @@ class Kernel:
             finite sink alone gives such a row out 0 in the kernel, but a -inf one does not). Otherwise it runs
             splash's forward without residuals, which writes the log-sum-exp 128 lanes wide (`[N, T', 128]`
             float32: twice the bytes of a bfloat16 output with 128-wide heads).
+        empty_rows: some query row may see no key (sequence structure, or a band that leaves rows empty): the
+            forward and backward then find those rows in the log-sum-exp and mask them; otherwise they skip that
+            elementwise pass over the output and its cotangent.
     """
 
     mask: MaskSpec
@@ -52,6 +55,7 @@ class Kernel:
     soft_cap: float | None
     interpret: bool
     lse_needed: bool = True
+    empty_rows: bool = True
 
 
 def mask_spec(
@@ -83,8 +87,8 @@ def _splash_mask(spec: MaskSpec) -> Any:
 def kernel(spec: Kernel, save_residuals: bool = True) -> Any:
     """The splash kernel of `spec` (its forward saving the log-sum-exp unless `save_residuals` is False; its
     `MaskInfo`s for the backward), built on the first call with these arguments and reused afterwards (whatever
-    `spec.lse_needed` says: it chooses between the kernels, it does not shape them)."""
-    return _kernel(dataclasses.replace(spec, lse_needed=True), save_residuals)
+    `spec.lse_needed` and `spec.empty_rows` say: they choose around the kernels, they do not shape them)."""
+    return _kernel(dataclasses.replace(spec, lse_needed=True, empty_rows=True), save_residuals)
 
 
 @functools.lru_cache(maxsize=128)

@@ -13,10 +13,11 @@ Sinks (per query head, `[N]`) are splash's own operand: its forward starts each 
 its running sum at 1, so the sink is one more logit in every denominator, neither scaled (the scale is folded into the
 query) nor soft-capped (splash caps only `q.k`), as attnlib's contract has it. The kernels' `lse` then includes it.
 
-Rows that see no key: without sinks splash leaves them at its mask value (or NaN where every block of the row was
-skipped). The forward sets their output to 0 and their `lse` to `scores.hidden_score` (`-inf` when returned); the
-backward zeroes their cotangents and gives the kernels `lse = 0` there, so their probabilities are exactly 0. With a
-(finite) sink such a row is exact from the kernel: out 0 (its keys' `exp(mask value - sink)` is 0), `lse = sink`,
+Rows that see no key (only where the call's structure or band can leave one empty: `Kernel.empty_rows`): without
+sinks splash leaves them at its mask value (or NaN where every block of the row was skipped). The forward sets their
+output to 0 and their `lse` to `scores.hidden_score` (`-inf` when returned); the backward zeroes their cotangents
+and gives the kernels `lse = 0` there, so their probabilities are exactly 0. With a (finite) sink such a row is
+exact from the kernel: out 0 (its keys' `exp(mask value - sink)` is 0), `lse = sink`,
 and it counts as seen.
 
 Gradients: attnlib's own `custom_vjp` around splash's forward and its dK/dV and dQ kernels. The `lse` cotangent
@@ -81,6 +82,8 @@ def _out_only(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks) -> jax.Array:
 
 def _forward(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks):
     out, lse = _kernel_call(call, q, k, v, q_ids, kv_ids, sinks)
+    if not call.empty_rows:
+        return out, lse
     seen = _seen(lse)
     out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
     lse = jnp.where(seen, lse, scores.hidden_score(jnp.float32))
@@ -151,11 +154,13 @@ def _sinks_gradient(sinks: jax.Array, lse: jax.Array, seen: jax.Array, di: jax.A
 def _splash_bwd(call, residuals, cotangents):
     q, k, v, q_ids, kv_ids, sinks, out, lse = residuals
     d_out, d_lse = cotangents
-    seen = _seen(lse)
-    d_out = jnp.where(seen[..., None], d_out, jnp.zeros((), d_out.dtype))
-    d_lse = jnp.where(seen, d_lse, 0.0)
+    seen = _seen(lse) if call.empty_rows else jnp.ones(lse.shape, bool)
+    kernel_lse = lse
+    if call.empty_rows:
+        d_out = jnp.where(seen[..., None], d_out, jnp.zeros((), d_out.dtype))
+        d_lse = jnp.where(seen, d_lse, 0.0)
+        kernel_lse = jnp.where(seen, lse, 0.0)  # empty rows: exp(mask value - 0) = 0
     di = jnp.einsum("bnth,bnth->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)) - d_lse
-    kernel_lse = jnp.where(seen, lse, 0.0)  # empty rows: exp(mask value - 0) = 0
     per_row = jax.vmap(functools.partial(_backward_kernels, call), in_axes=(0, 0, 0, 0, 0, None, 0, 0, 0))
     operands = (q, k, v, q_ids, kv_ids, sinks, kernel_lse, d_out, di)
     dq, dk, dv = partitioning.call(per_row, partitioning.BACKWARD, operands)
@@ -190,9 +195,11 @@ def layout(config: AttentionConfig, block_sizes: Any | None, interpret: bool) ->
     keys_hidden = Sp == S or (reach is not None and T - 1 + offset + reach <= S - 1)
     structured = config.has_q_lengths or config.has_kv_lengths or config.has_segments or config.layout == "thd"
     segmented = structured or not keys_hidden
-    lse_needed = config.return_residual or segmented or not Band.of(config).all_rows_valid(T, S)
+    empty_rows = segmented or not Band.of(config).all_rows_valid(T, S)
     return Layout(
-        kernel=masks.Kernel(mask, chosen, config.logits_soft_cap, interpret, lse_needed),
+        kernel=masks.Kernel(
+            mask, chosen, config.logits_soft_cap, interpret, config.return_residual or empty_rows, empty_rows
+        ),
         q_len=Tp, kv_len=Sp,
         head_dim=blocks.round_up(config.head_dim, blocks.LANES),
         value_head_dim=blocks.round_up(config.value_head_dim, blocks.LANES),
