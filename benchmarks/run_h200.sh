@@ -17,7 +17,9 @@
 #                               else $ATTNLIB_BENCH_ARGS)
 # Example: bash benchmarks/run_h200.sh $OUT tests:300 bench:bench_peers:240 bench:bench_decode:120
 #
-# Needs jax with CUDA, the build requirements of the README's GPU install, and tokamax for the peers' columns (a
+# Needs jax with CUDA, the build requirements of the README's GPU install (offline, $ATTNLIB_FIND_LINKS must hold a
+# cmake wheel too: a pip-installed cmake is an entry-point script that pip's isolated build cannot import, so
+# scikit-build-core asks for the wheel; the H200 image's build failed so on 2026-12-06), and tokamax for the peers' columns (a
 # directory .whl/xprof_standin, if present, goes on PYTHONPATH: tokamax imports xprof at import time).
 # Plan autotuning is off for the tests (ATTNLIB_CUDNN_AUTOTUNE=0: each graph builds one plan; its own test turns it
 # on) and on for the benchmarks.
@@ -52,7 +54,7 @@ build() {
 }
 
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root/.whl/xprof_standin"
-export ATTNLIB_CACHE_DIR=${ATTNLIB_CACHE_DIR:-/tmp/attnlib_cache} XLA_PYTHON_CLIENT_PREALLOCATE=false
+export ATTNLIB_CACHE_DIR=${ATTNLIB_CACHE_DIR:-/tmp/attnlib_cache} XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 build 2>&1 | tee -a "$out/build_summary.log" | tail -12
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 

@@ -167,7 +167,7 @@ def _serve_everything(monkeypatch) -> None:
     """Let the cuDNN implementation build graphs for any call: cuDNN itself decides."""
     from attnlib._src.backends.cudnn import support
 
-    monkeypatch.setattr(support, "decline_reason", lambda config: None)
+    monkeypatch.setattr(support, "decline_reason", lambda config, device=None: None)
 
 
 def _bind_batch_args(monkeypatch) -> None:
