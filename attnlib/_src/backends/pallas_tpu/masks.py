@@ -40,12 +40,9 @@ class Kernel:
         block_sizes: splash `BlockSizes` (backward blocks included).
         soft_cap: `logits_soft_cap`, or None.
         interpret: run the Pallas kernels in interpret mode (any backend, CPU included).
-        lse_needed: the forward outside differentiation needs the log-sum-exp: the call returns it, or rows that
-            see no key must be found (sequence structure, or a band that leaves rows empty; with sinks too, where a
-            finite sink alone gives such a row out 0 in the kernel, but a -inf one does not). Otherwise it runs
-            splash's forward without residuals, which writes the log-sum-exp 128 lanes wide (`[N, T', 128]`
-            float32: twice the bytes of a bfloat16 output with 128-wide heads).
-        empty_rows: some query row may see no key (sequence structure, or a band that leaves rows empty): the
+        returns_lse: the call returns the log-sum-exp.
+        empty_rows: some query row may see no key (sequence structure, or a band that leaves rows empty; with sinks
+            too, where a finite sink alone gives such a row out 0 in the kernel, but a -inf one does not): the
             forward and backward then find those rows in the log-sum-exp and mask them; otherwise they skip that
             elementwise pass over the output and its cotangent.
     """
@@ -54,8 +51,15 @@ class Kernel:
     block_sizes: Any
     soft_cap: float | None
     interpret: bool
-    lse_needed: bool = True
+    returns_lse: bool = True
     empty_rows: bool = True
+
+    @property
+    def lse_needed(self) -> bool:
+        """The forward outside differentiation needs the log-sum-exp (the call returns it, or empty rows must be
+        found). Otherwise it runs splash's forward without residuals, which writes the log-sum-exp 128 lanes wide
+        (`[N, T', 128]` float32: twice the bytes of a bfloat16 output with 128-wide heads)."""
+        return self.returns_lse or self.empty_rows
 
 
 def mask_spec(
@@ -87,8 +91,8 @@ def _splash_mask(spec: MaskSpec) -> Any:
 def kernel(spec: Kernel, save_residuals: bool = True) -> Any:
     """The splash kernel of `spec` (its forward saving the log-sum-exp unless `save_residuals` is False; its
     `MaskInfo`s for the backward), built on the first call with these arguments and reused afterwards (whatever
-    `spec.lse_needed` and `spec.empty_rows` say: they choose around the kernels, they do not shape them)."""
-    return _kernel(dataclasses.replace(spec, lse_needed=True, empty_rows=True), save_residuals)
+    `spec.returns_lse` and `spec.empty_rows` say: they choose around the kernels, they do not shape them)."""
+    return _kernel(dataclasses.replace(spec, returns_lse=True, empty_rows=True), save_residuals)
 
 
 @functools.lru_cache(maxsize=128)

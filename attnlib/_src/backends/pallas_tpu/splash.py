@@ -13,12 +13,11 @@ Sinks (per query head, `[N]`) are splash's own operand: its forward starts each 
 its running sum at 1, so the sink is one more logit in every denominator, neither scaled (the scale is folded into the
 query) nor soft-capped (splash caps only `q.k`), as attnlib's contract has it. The kernels' `lse` then includes it.
 
-Rows that see no key (only where the call's structure or band can leave one empty: `Kernel.empty_rows`): without
-sinks splash leaves them at its mask value (or NaN where every block of the row was skipped). The forward sets their
-output to 0 and their `lse` to `scores.hidden_score` (`-inf` when returned); the backward zeroes their cotangents
-and gives the kernels `lse = 0` there, so their probabilities are exactly 0. With a (finite) sink such a row is
-exact from the kernel: out 0 (its keys' `exp(mask value - sink)` is 0), `lse = sink`,
-and it counts as seen.
+Rows that see no key (only where the call's structure or band can leave one empty: `Kernel.empty_rows`): without sinks
+splash leaves them at its mask value (or NaN where every block of the row was skipped). The forward sets their output
+to 0 and their `lse` to `scores.hidden_score` (`-inf` when returned); the backward zeroes their cotangents and gives
+the kernels `lse = 0` there, so their probabilities are exactly 0. With a (finite) sink such a row is exact from the
+kernel: out 0 (its keys' `exp(mask value - sink)` is 0), `lse = sink`, and it counts as seen.
 
 Gradients: attnlib's own `custom_vjp` around splash's forward and its dK/dV and dQ kernels. The `lse` cotangent
 enters exactly through the kernels' row term: `dS = P (dP - D)` with `D = rowsum(dO * O) - dlse`. The sink is a
@@ -143,20 +142,22 @@ def _backward_kernels(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks, lse, d_
     return dq, dk, dv
 
 
-def _sinks_gradient(sinks: jax.Array, lse: jax.Array, seen: jax.Array, di: jax.Array) -> jax.Array:
-    """`dsink [N] = -Σ_{b,t} p_sink D` with `p_sink = exp(sink - lse)` (0 on rows that see nothing) and the row
-    term `D = rowsum(dO * O) - dlse`, `[B, N, T']`: the sink column has no value, so its `dP` is 0."""
+def _sinks_gradient(sinks: jax.Array, lse: jax.Array, seen: jax.Array | None, di: jax.Array) -> jax.Array:
+    """`dsink [N] = -Σ_{b,t} p_sink D` with `p_sink = exp(sink - lse)` (0 on rows that see nothing: `seen` False;
+    None: every row sees a key) and the row term `D = rowsum(dO * O) - dlse`, `[B, N, T']`: the sink column has no
+    value, so its `dP` is 0."""
     sinks32 = sinks.astype(jnp.float32)[None, :, None]
-    p_sink = jnp.exp(jnp.where(seen, sinks32 - lse, scores.hidden_score(jnp.float32)))
+    logit = sinks32 - lse
+    p_sink = jnp.exp(logit if seen is None else jnp.where(seen, logit, scores.hidden_score(jnp.float32)))
     return jnp.sum(-p_sink * di, axis=(0, 2)).astype(sinks.dtype)
 
 
 def _splash_bwd(call, residuals, cotangents):
     q, k, v, q_ids, kv_ids, sinks, out, lse = residuals
     d_out, d_lse = cotangents
-    seen = _seen(lse) if call.empty_rows else jnp.ones(lse.shape, bool)
-    kernel_lse = lse
+    kernel_lse, seen = lse, None
     if call.empty_rows:
+        seen = _seen(lse)
         d_out = jnp.where(seen[..., None], d_out, jnp.zeros((), d_out.dtype))
         d_lse = jnp.where(seen, d_lse, 0.0)
         kernel_lse = jnp.where(seen, lse, 0.0)  # empty rows: exp(mask value - 0) = 0
@@ -197,9 +198,7 @@ def layout(config: AttentionConfig, block_sizes: Any | None, interpret: bool) ->
     segmented = structured or not keys_hidden
     empty_rows = segmented or not Band.of(config).all_rows_valid(T, S)
     return Layout(
-        kernel=masks.Kernel(
-            mask, chosen, config.logits_soft_cap, interpret, config.return_residual or empty_rows, empty_rows
-        ),
+        kernel=masks.Kernel(mask, chosen, config.logits_soft_cap, interpret, config.return_residual, empty_rows),
         q_len=Tp, kv_len=Sp,
         head_dim=blocks.round_up(config.head_dim, blocks.LANES),
         value_head_dim=blocks.round_up(config.value_head_dim, blocks.LANES),
