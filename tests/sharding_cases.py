@@ -247,10 +247,13 @@ def test_sequence_split_is_resharded_with_one_log_line(caplog):
     compare(case, compiled(diff_s, rest), expected)
 
 
-def test_dropout_split_is_logged_once(monkeypatch, caplog):
-    """A cuDNN dropout call split over batch and heads says (once) that its mask is not guaranteed to be the unsharded
-    call's; the same call on one device says nothing."""
+def test_dropout_call_is_kept_whole_with_one_log_line(monkeypatch, caplog):
+    """A cuDNN dropout call is never split (a shard would draw another slice of cuDNN's mask): on the 4 x 2 mesh XLA
+    gathers q, k and v, every graph is built for the global batch and heads, and one warning says why; the same call
+    on one device says nothing."""
     monkeypatch.setattr(logs, "_logged", set())  # logged once per process: forget earlier tests' messages
+    built = []
+    monkeypatch.setattr(cpu_graph, "entry_for", lambda spec, real=cpu_graph.entry_for: built.append(spec) or real(spec))
     dropout = {"is_causal": True, "dropout_rate": 0.25, "dropout_key": jax.random.key(3)}
     case = dataclasses.replace(CASES["causal"], kwargs=dropout)
     fn, diff, rest = program(case)
@@ -259,10 +262,12 @@ def test_dropout_split_is_logged_once(monkeypatch, caplog):
         fn.lower(place(case, diff, one), place(case, rest, one)).compile()
         assert not [r for r in caplog.records if "dropout" in r.getMessage()]
         m = mesh()
-        fn.lower(place(case, diff, m), place(case, rest, m)).compile()
+        compiled = fn.lower(place(case, diff, m), place(case, rest, m)).compile()
+    assert all_gathers(compiled.as_text()) >= 3  # q, k, v at least
+    assert {(s.direction, s.b, s.n, s.k) for s in built} == {("fwd", 4, 6, 2), ("bwd", 4, 6, 2)}, built
     messages = [r.getMessage() for r in caplog.records if "dropout" in r.getMessage()]
     assert len(messages) == 1, messages  # the forward's and the backward's calls: one line
-    assert "over mesh axes ['data', 'model']" in messages[0] and "not guaranteed" in messages[0], messages
+    assert "Q dim 0 (b) over ['data']" in messages[0] and "xla_chunked" in messages[0], messages
 
 
 def test_one_device_mesh_runs_the_unpartitioned_call():

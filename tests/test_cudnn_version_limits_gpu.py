@@ -475,7 +475,7 @@ def test_writes_padding_zeros(monkeypatch):
 
     version = _device().cudnn_version
     relied_on = support.writes_padding_zeros(version)
-    monkeypatch.setattr(dense, "_memset_rows", lambda padded: False)
+    monkeypatch.setattr(dense, "_memset_rows", lambda padded, device=None: False)
 
     def run():
         _rows_written_as_zero()

@@ -193,8 +193,8 @@ def test_graphs_with_and_without_a_workspace_run_replayed_and_directly():
     q, k, v, d_out = _inputs(3)
     entries = []
 
-    def recorded_entry(spec, get=executor.get_entry):
-        entries.append(get(spec))
+    def recorded_entry(self, spec, get=executor.FfiExecutor.get_entry):
+        entries.append(get(self, spec))
         return entries[-1]
 
     def step(q, k, v):
@@ -207,7 +207,7 @@ def test_graphs_with_and_without_a_workspace_run_replayed_and_directly():
         return out, inference, grads
 
     with pytest.MonkeyPatch.context() as patched:
-        patched.setattr(executor, "get_entry", recorded_entry)
+        patched.setattr(executor.FfiExecutor, "get_entry", recorded_entry)
         lowered = jax.jit(step).lower(q, k, v)
     calls = [line for line in lowered.as_text().splitlines() if "custom_call @attnlib_cudnn_graph" in line]
     assert len(calls) == len(entries) == 3, (len(calls), len(entries))

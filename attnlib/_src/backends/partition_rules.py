@@ -138,22 +138,23 @@ def shardings(mesh: Any, split: Split, dims: Sequence[tuple[Dim, ...]]) -> tuple
 
 
 def log_resharded(
-    call: str, kernel: str, names: Sequence[str], dims: Sequence[tuple[Dim, ...]], incoming: Sequence[Any],
+    call: str, why: str, names: Sequence[str], dims: Sequence[tuple[Dim, ...]], incoming: Sequence[Any],
     chosen: Sequence[Any],
 ) -> None:
-    """One warning (once per set of resharded dims and axes) naming what XLA gathers to run `call` (a `kernel` call
-    that splits only batch and head dims) by its rule: `incoming` and `chosen` are the operands' per-dim mesh axes."""
+    """One warning (once per set of resharded dims and axes) naming what XLA gathers to run `call` by its rule, and
+    `why` the rule keeps those dims whole: `incoming` and `chosen` are the operands' per-dim mesh axes."""
     found = []
     for name, operand_dims, have, want in zip(names, dims, incoming, chosen):
         for position, (d, h, w) in enumerate(zip(operand_dims, have, want)):
             if h and h != w:
-                found.append((name, position, d or "unsplittable", h))
+                named = " ".join(d) if isinstance(d, tuple) else d
+                found.append((name, position, named or "unsplittable", h))
     if not found:
         return
-    key = ("resharded", kernel, tuple(sorted({(d, h) for _, _, d, h in found})))
+    key = ("resharded", why, tuple(sorted({(d, h) for _, _, d, h in found})))
     described = ", ".join(f"{name} dim {position} ({d}) over {list(h)}" for name, position, d, h in found)
     logs.log_once(
         key, logging.WARNING,
-        "%s gets operands split along dims it cannot split (%s); XLA gathers them (%s call splits only batch and "
-        "head dims, GQA groups whole). To split the sequence, use attnlib.context_parallel.", call, described, kernel,
+        "%s gets operands split along dims it cannot split (%s); XLA gathers them (%s). To split the sequence, use "
+        "attnlib.context_parallel.", call, described, why,
     )  # fmt: skip

@@ -19,16 +19,15 @@ and dV when the GQA group itself is split, e.g. MQA over a model axis) is summed
 only collectives; none gathers an operand. A modifier that reads the batch or head index keeps that axis whole (a
 shard would see local indices).
 
-Dropout: each shard's Philox `offset` is advanced by the global linear index of its first (batch, head) pair times
-`T * S`, so shards draw different masks. With a generator whose counter is an element's linear position in
-`[B, N, T, S]` that is exactly the unsharded call's mask for a batch split (and a head split with one local batch
-element); cuDNN does not document its indexing, and `tests/gpu_sharding_check.py` measures it on a GPU. Until a
-GPU has shown the masks equal, a split dropout call logs one warning that its mask is not guaranteed to be the
-unsharded call's.
+Dropout: a cuDNN graph with dropout is never split. cuDNN draws an element's keep bit from its index within the
+call, so a shard holding batch elements (or heads) from the second onward draws another slice of the mask than the
+unsharded call does, whatever Philox offset it gets (`tests/gpu_sharding_check.py --only dropout`, measured on an
+H200 with cuDNN 9.27: a batch split with the same or a shifted offset and a head split with a shifted offset all drew
+masks different from the unsharded call's). XLA gathers the operands and each device runs the whole call (the
+unsharded call's mask), logged once (`_log_resharded`); the plain-JAX implementations split dropout exactly.
 """
 
 import dataclasses
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +35,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from ... import logs
 from .. import partition_rules as rules
 from ..partition_rules import BATCH, Dim, GROUP, KV_HEADS, Split
 from . import modifier as modifier_lib
@@ -51,6 +49,8 @@ RawCall = Callable[..., tuple[jax.Array, ...]]
 
 def splittable(spec: GraphSpec) -> frozenset[str]:
     """The factors of `spec`'s rule that may be split over mesh axes."""
+    if spec.dropout > 0:
+        return frozenset()
     factors = {BATCH, KV_HEADS, GROUP}
     if spec.ragged:
         factors.discard(BATCH)
@@ -133,7 +133,13 @@ def local_spec(spec: GraphSpec, mesh: Any, split: Split) -> GraphSpec:
 
 def _log_resharded(spec: GraphSpec, uids: Sequence[int], dims: Sequence[tuple[Dim, ...]], incoming, chosen) -> None:
     names = [Uid(u).name if u < MODIFIER_ARG_UID else f"score_mod_args[{u - MODIFIER_ARG_UID}]" for u in uids]
-    rules.log_resharded(f"attnlib cudnn: the graph call {spec.label}", "a cuDNN", names, dims, incoming, chosen)
+    why = (
+        "a cuDNN call with dropout splits nothing: a shard would draw another slice of the mask than the unsharded "
+        "call (docs/sharding.md); implementation='xla_chunked' splits dropout"
+        if spec.dropout > 0
+        else "a cuDNN call splits only batch and head dims, GQA groups whole"
+    )
+    rules.log_resharded(f"attnlib cudnn: the graph call {spec.label}", why, names, dims, incoming, chosen)
 
 
 def _local_offsets(offsets: jax.Array, parts: int) -> jax.Array:
@@ -142,26 +148,6 @@ def _local_offsets(offsets: jax.Array, parts: int) -> jax.Array:
     if parts == 1:
         return offsets
     return offsets.at[:, 0].set(offsets[:, 0] // parts)
-
-
-def _shift_offset(spec: GraphSpec, split: Split, b_local: int, n_local: int, offset: jax.Array) -> jax.Array:
-    """The Philox offset of one shard: advanced by its first (batch, head) pair's global linear index times `T*S`."""
-    b0 = jax.lax.axis_index(split.batch) * b_local if split.batch else 0
-    h0 = jax.lax.axis_index(split.heads) * n_local if split.heads else 0
-    first = jnp.asarray(b0 * spec.n + h0, jnp.uint32)
-    shift = first * jnp.uint32((spec.t * spec.s) % (1 << 32))
-    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(offset, jnp.uint32) + shift, jnp.int32)
-
-
-def _log_dropout_split(spec: GraphSpec, split: Split) -> None:
-    axes = split.batch + split.heads
-    logs.log_once(
-        ("dropout split", axes), logging.WARNING,
-        "attnlib cudnn: the graph call %s runs dropout split over mesh axes %s: each shard draws its own mask (its "
-        "Philox offset advanced by its first (batch, head) pair's position), with the same keep probability, but "
-        "the shards' masks together are not guaranteed to be the unsharded call's mask (cuDNN does not document how "
-        "its generator indexes elements; docs/sharding.md).", spec.label, list(axes),
-    )  # fmt: skip
 
 
 def call(
@@ -206,8 +192,6 @@ def call(
         chosen = [rules.mesh_axes(s, len(d)) for s, d in zip(arg_shardings, in_dims)]
         _log_resharded(spec, in_uids, in_dims, incoming, chosen)
         local = local_spec(spec, mesh, split)
-        if local.dropout > 0 and (split.batch or split.heads):
-            _log_dropout_split(spec, split)
 
         def lower(*xs: jax.Array) -> tuple[jax.Array, ...]:
             xs = list(xs)
@@ -215,9 +199,6 @@ def call(
                 if uid in _RAGGED_OFFSETS:
                     per = spec.k // local.k if uid in (Uid.OFF_K, Uid.OFF_V) else spec.n // local.n
                     xs[at] = _local_offsets(xs[at], per)
-            if local.dropout > 0 and (split.batch or split.heads):
-                at = in_uids.index(Uid.OFFSET)
-                xs[at] = _shift_offset(spec, split, local.b, local.n, xs[at])
             outs = list(raw(local, entry_of(local), *xs, tokens=tokens))
             for i, (uid, dims) in enumerate(zip(out_uids, out_dims)):
                 if uid == Uid.DBIAS:

@@ -138,7 +138,8 @@ def call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Ar
         incoming = [rules.mesh_axes(a.sharding, len(d)) for a, d in zip(arg_shapes[nc:], in_dims)]
         chosen = [rules.mesh_axes(s, len(d)) for s, d in zip(arg_shardings[nc:], in_dims)]
         rules.log_resharded(
-            f"attnlib pallas_tpu: the {signature.kernel} {signature.name} call", f"a {signature.kernel}", kinds,
+            f"attnlib pallas_tpu: the {signature.kernel} {signature.name} call",
+            f"a {signature.kernel} call splits only batch and head dims, GQA groups whole", kinds,
             in_dims, incoming, chosen,
         )  # fmt: skip
 
