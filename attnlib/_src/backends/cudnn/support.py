@@ -162,8 +162,8 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
             return f"cudnn: a boolean `mask` with {kind} is not supported."
         if modifier_lib.uses_modifier(config):
             return (
-                f"cudnn: `score_mod`/`mask_mod`/`logits_soft_cap` with {kind} is not supported (cuDNN 9.19 refuses "
-                "its padding mask together with a score modifier; without it a packed graph would write each "
+                f"cudnn: `score_mod`/`mask_mod`/`logits_soft_cap` with {kind} is not supported (cuDNN 9.19 and 9.27 "
+                "refuse its padding mask together with a score modifier; without it a packed graph would write each "
                 "sequence's rows over the next one's)."
             )
     if not is_ragged(config):
@@ -244,7 +244,7 @@ def policy_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_ve
             return (
                 "cudnn: a `score_mod`/`mask_mod` that reads `q_idx`/`kv_idx` together with segment ids, or with "
                 "padding lengths and `diagonal_alignment='bottom_right'`, is not supported (the positions restart per "
-                "sequence, and cuDNN 9.19 cannot compare index tensors against per-sequence offsets)."
+                "sequence, and cuDNN 9.19 and 9.27 cannot compare index tensors against per-sequence offsets)."
             )
         config = modifier_lib.without_visibility(config)
     T, S, H, Hv = config.q_len, config.kv_len, config.head_dim, config.value_head_dim
@@ -362,7 +362,8 @@ def fp8_reason(config: AttentionConfig, capability: tuple[int, int]) -> str | No
     if graph_keeps_bottom_right and capability[0] < 10:
         return (
             f"cudnn: FP8 attention with `diagonal_alignment='bottom_right'` and T < S or sequence lengths needs "
-            f"Blackwell (cuDNN 9.19 rejects it on {sm}: 'sdpa fp8 forward operation is only supported on Blackwell')."
+            f"Blackwell (cuDNN 9.19 and 9.27 reject it on {sm}: 'sdpa fp8 forward operation is only supported on "
+            "Blackwell')."
         )
     return None
 
@@ -393,9 +394,9 @@ def _modifier_reason(config: AttentionConfig) -> str | None:
             batch_dims = tuple(shape[:-3])
             if any(d != 1 for d in batch_dims):
                 return (
-                    f"cudnn: `score_mod_args[{i}]` has batch dims {batch_dims}; cuDNN 9.19 reads score_mod tensors "
-                    "with a batch dimension wrongly, so only arrays broadcast over the batch ([N|1, T|1, S|1]) are "
-                    "served."
+                    f"cudnn: `score_mod_args[{i}]` has batch dims {batch_dims}; cuDNN 9.19 and 9.27 read "
+                    "score_mod tensors with a batch dimension wrongly, so only arrays broadcast over the batch "
+                    "([N|1, T|1, S|1]) are served."
                 )
     t, offset = graph_rows(config)
     return modifier_lib.lowering_reason(config, offset, t, config.kv_len)
