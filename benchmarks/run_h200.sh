@@ -19,7 +19,7 @@
 #
 # Needs jax with CUDA, the build requirements of the README's GPU install (offline, $ATTNLIB_FIND_LINKS must hold a
 # cmake wheel too: a pip-installed cmake is an entry-point script that pip's isolated build cannot import, so
-# scikit-build-core asks for the wheel; the H200 image's build failed so on 2026-12-06), and tokamax for the peers'
+# scikit-build-core asks for the wheel; with one there the build took 53 s on 2026-12-06), and tokamax for the peers'
 # columns (a directory .whl/xprof_standin, if present, goes on PYTHONPATH: tokamax imports xprof at import time).
 # Plan autotuning is off for the tests (ATTNLIB_CUDNN_AUTOTUNE=0: each graph builds one plan; its own test turns it
 # on) and on for the benchmarks.
