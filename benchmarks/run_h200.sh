@@ -21,8 +21,8 @@
 # cmake wheel too: a pip-installed cmake is an entry-point script that pip's isolated build cannot import, so
 # scikit-build-core asks for the wheel; with one there the build took 53 s on 2026-12-06), and tokamax for the peers'
 # columns (a directory .whl/xprof_standin, if present, goes on PYTHONPATH: tokamax imports xprof at import time).
-# Plan autotuning is off for the tests (ATTNLIB_CUDNN_AUTOTUNE=0: each graph builds one plan; its own test turns it
-# on) and on for the benchmarks.
+# Plan autotuning is off for the tests and the sharding check (ATTNLIB_CUDNN_AUTOTUNE=0: each graph builds one plan;
+# autotuning's own test turns it on) and on for the benchmarks.
 set -uo pipefail
 out=${1:?output directory}; shift
 mkdir -p "$out"
@@ -71,7 +71,8 @@ for step in "$@"; do
       python3 -c "import attnlib, attnlib._attnlib_ffi as m; print('editable:', attnlib.__file__, m.__file__)" ;;
     sharding)
       # shellcheck disable=SC2086
-      timeout "${name:-400}" python3 tests/gpu_sharding_check.py --timeout 120 \
+      ATTNLIB_CUDNN_AUTOTUNE="${ATTNLIB_CUDNN_AUTOTUNE:-0}" timeout "${name:-400}" python3 tests/gpu_sharding_check.py \
+        --timeout 240 \
         ${ATTNLIB_SHARDING_PARTS:+--only $ATTNLIB_SHARDING_PARTS} 2>&1 | tee "$out/sharding.log" \
         | grep -v "^WARNING:absl" | tail -80 ;;
     stage-cudnn)
