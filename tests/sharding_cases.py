@@ -268,6 +268,7 @@ def test_dropout_call_is_kept_whole_with_one_log_line(monkeypatch, caplog):
     messages = [r.getMessage() for r in caplog.records if "dropout" in r.getMessage()]
     assert len(messages) == 1, messages  # the forward's and the backward's calls: one line
     assert "Q dim 0 (b) over ['data']" in messages[0] and "xla_chunked" in messages[0], messages
+    assert "context_parallel" not in messages[0], messages  # no sequence dim gathered (and it declines dropout)
 
 
 def test_one_device_mesh_runs_the_unpartitioned_call():

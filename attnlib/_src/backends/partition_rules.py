@@ -23,6 +23,9 @@ GROUP = "g"
 HEADS = (KV_HEADS, GROUP)
 """Query heads: key/value head major, GQA group minor."""
 
+SEQUENCE = frozenset({"t", "s", "tq", "tkv"})
+"""The names kernel calls give their query and key token dims (never split: `attnlib.context_parallel` splits them)."""
+
 Dim = str | tuple[str, str] | None
 """One operand dim in a rule: a factor name, the compound query heads `HEADS`, or None (a dim of its own, size 1 or
 never split)."""
@@ -142,7 +145,8 @@ def log_resharded(
     chosen: Sequence[Any],
 ) -> None:
     """One warning (once per set of resharded dims and axes) naming what XLA gathers to run `call` by its rule, and
-    `why` the rule keeps those dims whole: `incoming` and `chosen` are the operands' per-dim mesh axes."""
+    `why` the rule keeps those dims whole (pointing to `attnlib.context_parallel` where a sequence dim is gathered):
+    `incoming` and `chosen` are the operands' per-dim mesh axes."""
     found = []
     for name, operand_dims, have, want in zip(names, dims, incoming, chosen):
         for position, (d, h, w) in enumerate(zip(operand_dims, have, want)):
@@ -153,8 +157,9 @@ def log_resharded(
         return
     key = ("resharded", why, tuple(sorted({(d, h) for _, _, d, h in found})))
     described = ", ".join(f"{name} dim {position} ({d}) over {list(h)}" for name, position, d, h in found)
+    sequence = any(d in SEQUENCE for _, _, d, _ in found)
     logs.log_once(
         key, logging.WARNING,
-        "%s gets operands split along dims it cannot split (%s); XLA gathers them (%s). To split the sequence, use "
-        "attnlib.context_parallel.", call, described, why,
+        "%s gets operands split along dims it cannot split (%s); XLA gathers them (%s).%s", call, described, why,
+        " To split the sequence, use attnlib.context_parallel." if sequence else "",
     )  # fmt: skip
