@@ -82,8 +82,12 @@ for step in "$@"; do
       [ "$(sha256sum /tmp/cudnn.tar.xz | cut -c1-64)" = "$(cut -c1-64 /tmp/cudnn_parts/sha)" ] || { echo "sha mismatch"; exit 4; }
       lib=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))")
       mkdir -p /tmp/cudnn_image /tmp/cudnn_new && tar -C /tmp/cudnn_new -xJf /tmp/cudnn.tar.xz
-      mv "$lib"/* /tmp/cudnn_image/ && cp /tmp/cudnn_new/lib/* "$lib"/
-      python3 -c "import cudnn; print('cuDNN backend now', cudnn.backend_version())" ;;
+      # The installed libraries are kept in /tmp/cudnn_image (`cp /tmp/cudnn_image/* "$lib"/` restores them). With
+      # none there, another cuDNN on the machine loads instead (9.14 once, 2026-12-06): stop rather than test that.
+      ls "$lib"/libcudnn.so* > /dev/null 2>&1 || { echo "no cuDNN libraries in $lib"; exit 5; }
+      mv "$lib"/* /tmp/cudnn_image/ && cp /tmp/cudnn_new/lib/* "$lib"/ || exit 5
+      python3 -c "import cudnn; v = cudnn.backend_version(); print('cuDNN backend now', v); assert v >= 92700" \
+        || exit 5 ;;
     selfcheck)
       (cd /tmp && timeout 120 python3 -P -m attnlib) 2>&1 | tee "$out/selfcheck.log" ;;
     tests)

@@ -14,6 +14,10 @@ import pytest
 # Tiny CPU programs: LLVM's optimisation dominates their compile time and changes nothing a test checks (as in the
 # simulated-device subprocesses, `helpers.run_pytest_on_simulated_devices`). Set before JAX starts a backend.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# On a GPU machine `-n auto` starts one worker per core on one GPU: none may take most of its memory up front
+# (JAX's default), and each cuDNN graph builds the heuristics' first plan (autotuning's own tests turn it on).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("ATTNLIB_CUDNN_AUTOTUNE", "0")
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -30,6 +34,18 @@ def impl(request):
     import attnlib
 
     return attnlib.XlaChunked(block_k=5)
+
+
+@pytest.fixture(autouse=True)
+def _host_tests_run_on_the_cpu(request):
+    """On a GPU or TPU machine the tests without a device marker (the plain-JAX implementations, the CPU emulation of
+    cuDNN, interpret-mode kernels) run on its CPU, as on a CPU-only machine: under `jax.default_device`, which
+    attnlib's dispatch follows (`attnlib/_src/backends/placement.py`)."""
+    if jax.default_backend() == "cpu" or "gpu" in request.keywords or "tpu" in request.keywords:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def _gpu_unavailable_reason() -> str | None:

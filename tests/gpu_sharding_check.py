@@ -2,7 +2,7 @@
 
 Run from the repository root on a GPU machine where the native extension is built:
 
-    python tests/gpu_sharding_check.py            # everything below (mock-2 alone ran past 70 s on an H200)
+    python tests/gpu_sharding_check.py            # everything below (mock-2 and mock-8: 16 s and 5 s on an H200)
     python tests/gpu_sharding_check.py --only mock-2 mock-8 one-device dropout chunked
 
 Each part runs in its own subprocess (a mocked topology must be set before JAX starts its GPU backend; a compile that
@@ -20,7 +20,9 @@ hangs is cut at `--timeout` seconds and reported, not waited for):
   is why `partitioning.py` keeps dropout calls whole).
 - `chunked`: why `attnlib.attention(..., implementation=("xla_chunked", "cudnn"))` did not compile within 200 s
   under a mocked two-device topology: times tracing, lowering and compiling separately, forward and gradients, with
-  XLA's GPU autotuning on and off, for `xla_chunked` and for `cudnn` (each compile cut at 60 s).
+  XLA's GPU autotuning on and off, for `xla_chunked` and for `cudnn` (each compile cut at 60 s). On the H200
+  (2026-12-06) the gradients compiled in 1.0-1.1 s with autotuning off and stalled inside XLA's compiler with it on,
+  as every mocked backward did: the mocked parts above compile with it off (`MOCK_COMPILE_OPTIONS`).
 
 Exit status 0 when every assertion held (the dropout and chunked parts only report).
 """
@@ -42,6 +44,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("mock-2", "mock-8", "one-device", "dropout", "chunked")
+# XLA's GPU autotuner stalls on a mocked topology's backward programs (past 240 s on the H200, 2026-12-06; the same
+# program compiles in 0.1 s with it off, 0.2 s on one real device): the mocked compiles check partitioning, not speed.
+MOCK_COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0}
 
 
 def all_gathers(text: str) -> int:
@@ -154,7 +159,7 @@ def child_mock(topology: str) -> dict:
             try:
                 lowered = fn.trace(*qkv, extra_s).lower()
                 t1 = time.perf_counter()
-                text = lowered.compile().as_text()
+                text = lowered.compile(compiler_options=MOCK_COMPILE_OPTIONS).as_text()
             except Exception as e:  # a combo cuDNN declines here is reported, not hidden
                 failures.append(f"{name}/{direction}: {type(e).__name__}: {str(e)[:300]}")
                 print(f"  {name:20s} {direction}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)

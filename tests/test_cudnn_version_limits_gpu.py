@@ -36,7 +36,7 @@ Limits probed (id: where, what):
 - `fp8_bottom_right_hopper`: support.py `fp8_reason` ("cuDNN 9.19 rejects it on sm_90: 'sdpa fp8 forward operation
   is only supported on Blackwell'"). Probe: an `fp8="current"` bottom-right causal call with T < S (Hopper or newer),
   judged as tests/test_fp8_gpu.py judges FP8 results.
-- `writes_padding_zeros`: support.py `writes_padding_zeros` (`91900 <= v < 92000`: padded dense top-left graphs need
+- `writes_padding_zeros`: support.py `writes_padding_zeros` (9.19.x and 9.27.x: padded dense top-left graphs need
   no memset because cuDNN writes zeros past the lengths). Probe: attnlib's padded graphs run on result buffers
   pre-filled with NaN (aliased into the FFI call), then a padded call end to end with the memset off.
 

@@ -190,7 +190,9 @@ def test_graphs_with_and_without_a_workspace_run_replayed_and_directly():
     import attnlib
     from attnlib._src.backends.cudnn import executor
 
-    q, k, v, d_out = _inputs(3)
+    # Shapes no other test traces: a graph call already traced in this worker process is reused from JAX's trace
+    # caches without asking the executor for its entry (the README's test command on the H200, 2026-12-06).
+    q, k, v, d_out = _inputs(3, t=29, s=59)
     entries = []
 
     def recorded_entry(self, spec, get=executor.FfiExecutor.get_entry):

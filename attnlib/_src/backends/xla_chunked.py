@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from .. import canonical, fp8 as fp8_lib, varying
 from ..band import Band
 from ..config import AttentionConfig, AttentionInputs
-from . import one_block, scores
+from . import one_block, placement, scores
 from .base import Context, Implementation
 from .tiles import add_at, pad_keys, pad_queries, plan_tiles, query_rows, rows_of, set_rows, slice_keys, Tiles
 
@@ -44,7 +44,7 @@ On a CPU and a TPU `xla_chunked` is chosen at every size: 1.1–2.0x faster than
 
 def auto_min_score_bytes() -> int:
     """The score size from which automatic dispatch picks `xla_chunked` over `xla` on this process's backend."""
-    return 0 if jax.default_backend() in ("cpu", "tpu") else AUTO_MIN_SCORE_BYTES
+    return 0 if placement.placement_platform() in ("cpu", "tpu") else AUTO_MIN_SCORE_BYTES
 
 
 def _is_float(x) -> bool:
@@ -587,7 +587,7 @@ class XlaChunked(Implementation):
             return (
                 f"the materialised scores take only {score_bytes / 2**20:.1f} MiB "
                 f"(< {threshold // 2**20} MiB), below which automatic dispatch uses `xla` on this "
-                f"{jax.default_backend().upper()}; name it to force it"
+                f"{placement.placement_platform().upper()}; name it to force it"
             )
         return None
 

@@ -8,6 +8,7 @@ import jax
 
 from ... import fp8 as fp8_lib, logs
 from ...config import AttentionConfig, AttentionInputs
+from .. import placement
 from ..base import Context, Implementation
 from . import autotune as autotune_lib, cache, executor as executor_lib, graphs, support, varlen
 
@@ -85,6 +86,8 @@ class Cudnn(Implementation):
         # A GPU machine falling back from cuDNN loses most of its speed: say so loudly. Elsewhere it is expected.
         if self.device is not None:
             return True
+        if placement.elsewhere_reason("gpu") is not None:
+            return False
         try:
             return any(d.platform == "gpu" for d in jax.devices())
         except RuntimeError:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from ... import logs
+from .. import placement
 
 
 ROWS_PER_WORD = 32  # rows per mask word
@@ -347,7 +348,7 @@ def set_rows_many(fills: Sequence[Fill]) -> list[jax.Array]:
     fills = list(fills)
     out = [x for x, _, _ in fills]
     # `jax.lax.platform_dependent` would choose at lowering, but leaves a `case` in the lowered module.
-    if jax.default_backend() != "gpu":  # the CPU emulation of cuDNN in tests
+    if placement.placement_platform() != "gpu":  # the CPU emulation of cuDNN in tests
         return [set_rows_scatter(*fill) for fill in fills]
     share = kernel_share(out)
     for i, (x, zero, nan) in enumerate(fills):

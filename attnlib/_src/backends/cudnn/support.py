@@ -15,6 +15,7 @@ import numpy as np
 
 from ...band import Band
 from ...config import AttentionConfig
+from .. import placement
 from . import ffi, modifier as modifier_lib
 
 
@@ -99,10 +100,11 @@ def device() -> Device:
 
 def writes_padding_zeros(cudnn_version: int) -> bool:
     """Whether this cuDNN is known to write zeros in the rows past each query and key length of a padded dense graph
-    (O, dQ, dK, dV), which its documentation does not promise: checked on 9.19 on the H200 and by the GPU tests'
-    exact-zero checks. Elsewhere attnlib zero-fills those results itself (a memset before the graph, 5-8 % of a padded
+    (O, dQ, dK, dV), which its documentation does not promise: checked on 9.19 and 9.27 on the H200 (2026-12-06,
+    `tests/test_cudnn_version_limits_gpu.py`) and by the GPU tests' exact-zero checks. On the versions between and
+    after them, not measured, attnlib zero-fills those results itself (a memset before the graph, 5-8 % of a padded
     call; docs/performance.md, "How attnlib's choices were measured")."""
-    return 91900 <= cudnn_version < 92000
+    return cudnn_version // 100 in (919, 927)
 
 
 def _bottom_right(config: AttentionConfig) -> bool:
@@ -404,8 +406,11 @@ def _modifier_reason(config: AttentionConfig) -> str | None:
 
 def decline_reason(config: AttentionConfig, device: Device | None = None) -> str | None:
     """Why the cuDNN implementation cannot serve `config` on `device` (default: this process's GPU), or None if it
-    can. Without a GPU that is the reason, before anything about the native extension."""
+    can. Without a GPU that is the reason, before anything about the native extension; with one, a call that
+    `jax.default_device` places on another platform is declined next (`placement.py`)."""
     dev, reason = (device, None) if device is not None else _device()
     if dev is None:
         return f"cudnn: {reason}"
+    if device is None and (elsewhere := placement.elsewhere_reason("gpu")) is not None:
+        return f"cudnn: {elsewhere}"
     return policy_reason(config, dev.compute_capability, dev.cudnn_version)

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from ...config import AttentionConfig, AttentionInputs
+from .. import placement
 from ..base import Context, Implementation
 from . import blocks, paged
 
@@ -129,6 +130,8 @@ class PallasTpu(Implementation):
     def decline_reason(self, config: AttentionConfig, context: Context) -> str | None:
         if not self.interpret and not tpu_visible():
             return "no TPU visible to JAX"
+        if not self.interpret and (elsewhere := placement.elsewhere_reason("tpu")) is not None:
+            return elsewhere
         if not self.interpret and config.dtype == np.dtype("float32") and config.fp8 is None:
             return FLOAT32_ON_TPU
         if context.automatic and max(config.q_len, config.kv_len) <= AUTO_MIN_LENGTH:
@@ -142,7 +145,7 @@ class PallasTpu(Implementation):
 
     def declines_loudly(self) -> bool:
         # A TPU machine falling back to plain JAX loses most of its speed: say so loudly. Elsewhere it is expected.
-        return tpu_visible()
+        return tpu_visible() and placement.elsewhere_reason("tpu") is None
 
     def attention(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
         from . import splash  # the kernels load when a call is traced, not at import
