@@ -13,6 +13,8 @@
 #   selfcheck                   python -P -m attnlib (the installed package, from /tmp)
 #   tests[:SECONDS]             pytest -m gpu over tests/ (or the node ids / files in $ATTNLIB_TESTS, or listed one
 #                               per line in the file $ATTNLIB_TESTS_FILE), in parallel (ATTNLIB_WORKERS, default 12)
+#   readme-tests[:SECONDS]      the README's test command, verbatim (its failures listed at the end, also when the time
+#                               limit interrupts it: SIGINT, so pytest reports what ran)
 #   bench:SCRIPT[:SECONDS]      benchmarks/SCRIPT.py --json OUT_DIR/SCRIPT.json (extra args in $ATTNLIB_ARGS_SCRIPT,
 #                               else $ATTNLIB_BENCH_ARGS)
 # Example: bash benchmarks/run_h200.sh $OUT tests:300 bench:bench_peers:240 bench:bench_decode:120
@@ -99,6 +101,10 @@ for step in "$@"; do
         python3 -m pytest "${targets[@]}" -p no:benchmark -p no:cacheprovider -n "${ATTNLIB_WORKERS:-12}" \
         --dist load -v -rfE --tb=short 2>&1 | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -60
       echo "PASSED: $(grep -c ' PASSED ' "$out/gpu_tests.log") (a run cut by its time limit lists no summary line)" ;;
+    readme-tests)
+      (unset XLA_PYTHON_CLIENT_PREALLOCATE ATTNLIB_CACHE_DIR  # as a user's shell has them: tests/conftest.py's defaults
+       PYTEST_ADDOPTS="-rfE" timeout -s INT "${name:-540}" python3 -m pytest -q -n auto -m "not full" tests) 2>&1 \
+        | tee "$out/readme_tests.log" | grep -v "^\[gw\|^WARNING:absl" | tail -80 ;;
     bench)
       seconds=${seconds:-300}
       args=(--json "$out/$name.json")
