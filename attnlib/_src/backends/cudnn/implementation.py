@@ -83,15 +83,9 @@ class Cudnn(Implementation):
         return self._fp8_downgrade(config, context)
 
     def declines_loudly(self) -> bool:
-        # A GPU machine falling back from cuDNN loses most of its speed: say so loudly. Elsewhere it is expected.
-        if self.device is not None:
-            return True
-        if placement.elsewhere_reason("gpu") is not None:
-            return False
-        try:
-            return any(d.platform == "gpu" for d in jax.devices())
-        except RuntimeError:
-            return False
+        # A call placed on a GPU that falls back from cuDNN loses most of its speed: say so loudly. Elsewhere (a CPU,
+        # or a CPU `jax.default_device` on a GPU machine) it is expected.
+        return self.device is not None or placement.placement_platform() == "gpu"
 
     def attention(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
         """Runs the call (in 16 bits when `caveat` says so, logged); when cuDNN refuses to build a graph the policy

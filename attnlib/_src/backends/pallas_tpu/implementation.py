@@ -144,8 +144,9 @@ class PallasTpu(Implementation):
         return feature_reason(config) or _backward_kernels_reason()
 
     def declines_loudly(self) -> bool:
-        # A TPU machine falling back to plain JAX loses most of its speed: say so loudly. Elsewhere it is expected.
-        return tpu_visible() and placement.elsewhere_reason("tpu") is None
+        # A call placed on a TPU that falls back to plain JAX loses most of its speed: say so loudly. Elsewhere it is
+        # expected.
+        return placement.placement_platform() == "tpu"
 
     def attention(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
         from . import splash  # the kernels load when a call is traced, not at import
