@@ -182,6 +182,38 @@ def num_rows(x) -> int:
     return int(math.prod(np.shape(x)[:-1]))
 
 
+def place_calls_on(monkeypatch, platform: str) -> None:
+    """Make attnlib's dispatch see the calls of this test placed on `platform` ("cpu", "gpu" or "tpu"), whatever this
+    machine has: JAX's default backend and `jax.default_device`'s platform as attnlib reads them
+    (`attnlib/_src/backends/placement.py`). The arrays stay where they are (on a GPU or TPU machine: on its CPU, by
+    `conftest._host_tests_run_on_the_cpu`)."""
+    from attnlib._src.backends import placement
+
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    monkeypatch.setattr(placement, "default_device_platform", lambda: platform)
+
+
+def on_a_simulated_tpu(monkeypatch) -> None:
+    """Make attnlib see a TPU, with the calls of this test placed on it: `attnlib.PallasTpu()` (not in interpret
+    mode) then takes calls as on a TPU, and automatic dispatch chooses as there."""
+    from attnlib._src.backends.pallas_tpu import implementation
+
+    monkeypatch.setattr(implementation, "tpu_visible", lambda: True)
+    place_calls_on(monkeypatch, "tpu")
+
+
+def simulate_a_machine_without_a_gpu(monkeypatch, *, nvidia_driver: bool) -> None:
+    """Make attnlib see a machine whose JAX has CPU devices only (`nvidia_driver`: whether it has an NVIDIA driver
+    anyway, as with a JAX installed without its CUDA plugin), whatever this machine has."""
+    from attnlib._src.backends.cudnn import support
+
+    cpus = jax.devices("cpu")
+    place_calls_on(monkeypatch, "cpu")
+    monkeypatch.setattr(jax, "devices", lambda backend=None: cpus if backend in (None, "cpu") else [])
+    monkeypatch.setattr(support, "nvidia_driver_present", lambda: nvidia_driver)
+    monkeypatch.setattr(support, "_device", support._device.__wrapped__)
+
+
 def run_pytest_on_simulated_devices(test_file: str, num_devices: int, tier: str = "fast") -> None:
     """Run `tests/<test_file>` in a subprocess whose CPU backend has `num_devices` devices (the count is fixed when
     JAX starts, and the main pytest process has started it); fail with its report unless every test passed. `tier`

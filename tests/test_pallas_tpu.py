@@ -24,6 +24,7 @@ from helpers import (
     GRAD_TOL,
     LSE_TOL,
     normal,
+    on_a_simulated_tpu,
     OUT_TOL,
     rng,
     segment_ids_from_runs,
@@ -33,7 +34,7 @@ from helpers import (
 from reference import reference_attention, reference_attention_vjp, visibility
 
 import attnlib
-from attnlib._src.backends.pallas_tpu import blocks, implementation as implementation_lib
+from attnlib._src.backends.pallas_tpu import blocks
 from attnlib._src.backends.pallas_tpu.implementation import FLOAT32_ON_TPU, TYPED_VARYING
 
 
@@ -372,7 +373,8 @@ def test_inside_shard_map(check_vma, caplog):
     implementation serves."""
     import logging
 
-    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    # On the CPU, as the other host tests (a GPU's float32 products would miss the tolerance).
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("cpu")[:1])
     q, k, v = _qkv()
     spec = jax.P("x")
 
@@ -481,7 +483,7 @@ def test_tpu_float32_falls_back_to_full_precision_matmuls(name):
 
 
 def test_float32_declines_on_a_tpu_but_not_in_interpret_mode(monkeypatch):
-    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    on_a_simulated_tpu(monkeypatch)
     q, k, v = _arrays(CASES["dense"], jnp.float32)
     explanation = attnlib.explain(q, k, v, implementation=(attnlib.PallasTpu(), "xla"))
     assert explanation.implementation == "xla" and explanation.declined["pallas_tpu"] == FLOAT32_ON_TPU
@@ -513,7 +515,7 @@ def test_tpu_head_dim_64_long_sequence(implementation):
 
 
 def test_automatic_dispatch_on_a_tpu_leaves_short_sequences_to_xla_chunked(monkeypatch):
-    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    on_a_simulated_tpu(monkeypatch)
     for case, automatic in ((Case(t=513, s=600), "pallas_tpu"), (CASES["dense"], "xla_chunked")):
         q, k, v = _arrays(case, jnp.bfloat16)
         explanation = attnlib.explain(q, k, v)

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import pytest
 import test_pallas_tpu as dense_cases
 import test_pallas_tpu_paged as paged_cases
+from helpers import on_a_simulated_tpu
 
 import attnlib
-from attnlib._src.backends.pallas_tpu import implementation as implementation_lib
 
 
 pytestmark = pytest.mark.tpu_compile  # skipped without libtpu and on a TPU machine (conftest.py)
@@ -41,7 +41,7 @@ def v5e_chip() -> jax.sharding.Sharding:
 @pytest.fixture(autouse=True)
 def compile_for_a_tpu(monkeypatch):
     """`PallasTpu()` serves when a TPU is visible; here the program is lowered for one that is not attached."""
-    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    on_a_simulated_tpu(monkeypatch)
 
 
 def _abstract(x: jax.Array, sharding) -> jax.ShapeDtypeStruct:

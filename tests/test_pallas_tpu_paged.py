@@ -13,11 +13,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_grad_close, assert_out_close, normal, paged_decode_stand_in, rng, to_f64
+from helpers import (
+    assert_grad_close,
+    assert_out_close,
+    normal,
+    on_a_simulated_tpu,
+    paged_decode_stand_in,
+    rng,
+    to_f64,
+)  # fmt: skip
 from reference import reference_attention, reference_attention_vjp
 
 import attnlib
-from attnlib._src.backends.pallas_tpu import implementation as implementation_lib, paged
+from attnlib._src.backends.pallas_tpu import paged
 
 
 INTERPRET = attnlib.PallasTpu(interpret=True)
@@ -195,7 +203,7 @@ def test_pages_per_block():
 
 
 def test_automatic_dispatch_on_a_tpu_picks_it_for_long_caches(monkeypatch):
-    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    on_a_simulated_tpu(monkeypatch)
     for case, automatic in ((CASES["long_pages"], "pallas_tpu"), (CASES["gqa_causal_bottom_right"], "xla_chunked")):
         q, k, v, table, lengths = _arrays(case)
         assert attnlib.explain(q, k, v, **_kwargs(case, table, lengths)).implementation == automatic
@@ -221,7 +229,7 @@ def test_stand_in_matches_the_kernel():
 @pytest.fixture
 def tpu_with_stand_in(monkeypatch):
     """A "TPU" whose paged kernel is the stand-in: `PallasTpu()` then runs the partitionable call."""
-    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    on_a_simulated_tpu(monkeypatch)
     monkeypatch.setattr(paged, "decode_kernel", paged_decode_stand_in())
 
 
@@ -253,7 +261,7 @@ def test_vmap_of_a_decode(tpu_with_stand_in, pool_mapped):
 
 def test_on_a_tpu_page_sizes_are_multiples_of_16(monkeypatch):
     """On a TPU the kernel gets the page sizes JAX tests it with (multiples of 16); interpret mode takes any."""
-    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    on_a_simulated_tpu(monkeypatch)
     case = CASES["gqa_causal_bottom_right"]  # pages of 8 tokens
     q, k, v, table, lengths = _arrays(case)
     kw = _kwargs(case, table, lengths)
@@ -302,7 +310,7 @@ def test_kernel_on_attnlib_operands_has_no_data_race():
         # `interpret=False`: the kernel is traced under this context's parameters, not attnlib's default ones.
         run = attnlib.PallasTpu(interpret=False)
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(implementation_lib, "tpu_visible", lambda: True)
+            on_a_simulated_tpu(m)
             m.setattr(paged, "partitioning", _Unpartitioned())
             out = attnlib.attention(q, k, v, implementation=run, **kw)
     assert interpreter.races is not None, "the race detector did not run"

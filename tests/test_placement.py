@@ -14,14 +14,16 @@ from attnlib._src.backends.cudnn import support
 
 
 def test_default_device_platform_follows_the_context():
-    assert placement.default_device_platform() is None
-    assert placement.placement_platform() == jax.default_backend()
+    with jax.default_device(None):  # the host tests of a GPU or TPU machine run under a CPU one (conftest.py)
+        assert placement.default_device_platform() is None
+        assert placement.placement_platform() == jax.default_backend()
     with jax.default_device(jax.devices("cpu")[0]):
         assert placement.default_device_platform() == "cpu"
         assert placement.placement_platform() == "cpu"
-    with jax.default_device("cpu"):
-        assert placement.default_device_platform() == "cpu"
-    assert placement.default_device_platform() is None
+    with jax.default_device(None):
+        with jax.default_device("cpu"):
+            assert placement.default_device_platform() == "cpu"
+        assert placement.default_device_platform() is None
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"], ids=["for_cudnn", "for_pallas_tpu"])
@@ -30,7 +32,8 @@ def test_an_accelerator_declines_a_call_placed_on_the_cpu(platform):
         reason = placement.elsewhere_reason(platform)
         assert reason == f"`jax.default_device` places this call on the CPU, not a {platform.upper()}"
         assert placement.elsewhere_reason("cpu") is None
-    assert placement.elsewhere_reason(platform) is None
+    with jax.default_device(None):
+        assert placement.elsewhere_reason(platform) is None
 
 
 def test_cudnn_declines_a_cpu_placed_call_on_a_gpu_machine(monkeypatch):
@@ -51,6 +54,7 @@ def test_cudnn_declines_a_cpu_placed_call_on_a_gpu_machine(monkeypatch):
 
 def test_automatic_chunking_threshold_follows_the_placement(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert xla_chunked.auto_min_score_bytes() == xla_chunked.AUTO_MIN_SCORE_BYTES
+    with jax.default_device(None):
+        assert xla_chunked.auto_min_score_bytes() == xla_chunked.AUTO_MIN_SCORE_BYTES
     with jax.default_device(jax.devices("cpu")[0]):
         assert xla_chunked.auto_min_score_bytes() == 0

@@ -7,8 +7,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import place_calls_on
 
 import attnlib
+from attnlib._src.backends import xla_chunked
 
 
 def test_import_attnlib_imports_no_framework():
@@ -41,7 +43,7 @@ def test_explain_accepts_shape_dtype_structs_and_reports_reasons():
     q, k, v = _shapes()
     explanation = attnlib.explain(q, k, v, is_causal=True)
     # Small scores: a CPU picks xla_chunked at every size, an accelerator leaves them to xla.
-    on_cpu = jax.default_backend() == "cpu"
+    on_cpu = xla_chunked.auto_min_score_bytes() == 0
     assert explanation.implementation == ("xla_chunked" if on_cpu else "xla")
     assert set(explanation.declined) == ({"cudnn", "pallas_tpu"} if on_cpu else {"cudnn", "pallas_tpu", "xla_chunked"})
     assert all(isinstance(r, str) and r for r in explanation.declined.values())
@@ -109,9 +111,9 @@ def test_automatic_choice_between_the_plain_implementations_is_per_platform(monk
         max_seqlen_kv=None, page_table=None, logits_soft_cap=None, sinks=None, dropout_rate=0.0, dropout_key=None,
         deterministic_backward=False,
     )[0]  # fmt: skip
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    place_calls_on(monkeypatch, "cpu")
     assert chunked.decline_reason(config, automatic) is None
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    place_calls_on(monkeypatch, "gpu")
     reason = chunked.decline_reason(config, automatic)
     assert reason is not None and "materialised scores" in reason and "GPU" in reason
     assert chunked.decline_reason(config, requested) is None

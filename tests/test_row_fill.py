@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import place_calls_on
 
 from attnlib._src.backends.cudnn import row_fill
 
@@ -145,7 +146,7 @@ def test_set_rows_many_lowers_to_one_kernel_per_dtype(shape, monkeypatch):
     """Lowered for CUDA (as JAX on a GPU traces it): one Mosaic GPU call for the results of a dtype over the limit
     together (8 MB alone, or 2 MB each: three together), XLA's scatter for the unaligned one, each result aliased."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    place_calls_on(monkeypatch, "gpu")
     x, zero, nan = _case(shape, jnp.bfloat16)
     y = _case(shape[:1] + (3,), jnp.bfloat16, seed=1)[0]
     fills = lambda x, y, zero, nan: row_fill.set_rows_many([(x, zero, nan), (-x, zero, nan), (y, zero, nan),  # noqa: E731
@@ -167,7 +168,7 @@ def test_scatter_and_default(shape):
 @pytest.mark.parametrize("backend", ["cpu", "gpu"], ids=["scatter_path", "kernel_path"])
 def test_empty_arrays(backend, monkeypatch):
     """Nothing to fill: `x` back as it is, on the CPU's path (the scatter) and the GPU's (no kernel)."""
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    place_calls_on(monkeypatch, backend)
     for shape in [(0, 4, 8), (5, 0, 8)]:
         x = jnp.ones(shape, jnp.bfloat16)
         flags = jnp.ones(shape[:1], bool)
@@ -223,7 +224,7 @@ def test_set_rows_lowers_to_the_kernel_exactly_where_chosen(shape, monkeypatch):
     """Lowered for CUDA on this machine (as JAX on a GPU traces it): the Mosaic GPU kernel where `runs_kernel`, XLA's
     scatter elsewhere, never both."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    place_calls_on(monkeypatch, "gpu")
     x, zero, nan = _case(shape, jnp.float32)
     lowered = jax.jit(row_fill.set_rows).trace(x, zero, nan).lower(lowering_platforms=("cuda",)).as_text()
     kernel = "custom_call @mosaic_gpu" in lowered
@@ -316,7 +317,7 @@ def test_falls_back_to_the_scatter_without_pallas_mosaic_gpu(monkeypatch, caplog
     monkeypatch.setitem(sys.modules, "jax.experimental.pallas.mosaic_gpu", None)  # import fails
     monkeypatch.delattr(pallas, "mosaic_gpu", raising=False)
     monkeypatch.setattr(logs, "_logged", set())
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    place_calls_on(monkeypatch, "gpu")
     x, zero, nan = _case((2053, 64, 32), jnp.float32)  # over SCATTER_MAX_BYTES: the kernel's
     assert row_fill.runs_kernel(x)
     with caplog.at_level("WARNING", logger="attnlib"):

@@ -2,6 +2,7 @@
 the cuDNN path cannot run."""
 
 import pytest
+from helpers import simulate_a_machine_without_a_gpu
 
 import attnlib.__main__ as self_check
 from attnlib._src.backends.cudnn import ffi, support
@@ -11,7 +12,7 @@ ARGS = ["--length", "16", "--batch", "1", "--heads", "2", "--kv-heads", "1", "--
 
 
 def test_without_a_gpu_it_passes_and_asks_for_nothing(monkeypatch, capsys):
-    monkeypatch.setattr(support, "nvidia_driver_present", lambda: False)
+    simulate_a_machine_without_a_gpu(monkeypatch, nvidia_driver=False)
     assert self_check.main(ARGS) == 0
     out = capsys.readouterr().out
     assert "self-check passed" in out
@@ -20,8 +21,7 @@ def test_without_a_gpu_it_passes_and_asks_for_nothing(monkeypatch, capsys):
 
 
 def test_a_gpu_without_jax_cuda_fails_with_the_install_command(monkeypatch, capsys):
-    monkeypatch.setattr(support, "nvidia_driver_present", lambda: True)
-    monkeypatch.setattr(support, "_device", support._device.__wrapped__)
+    simulate_a_machine_without_a_gpu(monkeypatch, nvidia_driver=True)
     assert self_check.main(ARGS) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("self-check FAILED: this machine has an NVIDIA GPU but attnlib's cuDNN path cannot run:")

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_grad_close, assert_lse_close, assert_out_close
+from helpers import assert_grad_close, assert_lse_close, assert_out_close, on_a_simulated_tpu
 
 import attnlib
 from attnlib._src.backends.pallas_tpu import partitioning
@@ -183,10 +183,10 @@ def _paged_decode(monkeypatch) -> tuple[jax.Array, jax.Array, list]:
     with batch over `data`, query heads and the pools' key/value heads over `model`; asserts no all-gather."""
     from helpers import paged_decode_stand_in
 
-    from attnlib._src.backends.pallas_tpu import implementation as implementation_lib, paged
+    from attnlib._src.backends.pallas_tpu import paged
 
     traced: list = []
-    monkeypatch.setattr(implementation_lib, "tpu_visible", lambda: True)
+    on_a_simulated_tpu(monkeypatch)
     monkeypatch.setattr(paged, "decode_kernel", paged_decode_stand_in(traced))
     r = np.random.default_rng(3)
     B, N, K, H, pages, page_size, per_seq = 4, 8, 2, 24, 19, 16, 2

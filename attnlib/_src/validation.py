@@ -234,6 +234,10 @@ def validate(
             "`scale` as an array (traced or learned) together with FP8 attention (`fp8=`) is not supported; pass a "
             "Python float."
         )
+    if fp8_mode is not None and dropout_rate > 0:
+        raise NotImplementedError(
+            f"dropout together with FP8 attention (`fp8=`) is not supported. Got dropout_rate={dropout_rate}."
+        )
 
     if band.causal_mask_is_a_no_op(is_causal, diagonal_alignment, g.T, g.layout, q_segment_ids):
         is_causal = False

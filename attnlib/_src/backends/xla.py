@@ -94,8 +94,6 @@ class Xla(Implementation):
     name: ClassVar[str] = "xla"
 
     def decline_reason(self, config: AttentionConfig, context: Context) -> str | None:
-        if config.fp8 is not None and config.dropout_rate > 0:
-            return "dropout together with FP8 attention (`fp8=`) is not supported"
         return None
 
     def attention(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:

@@ -572,8 +572,6 @@ class XlaChunked(Implementation):
             raise ValueError(f"`block_k` must be a positive int. Got block_k={self.block_k!r}.")
 
     def decline_reason(self, config: AttentionConfig, context: Context) -> str | None:
-        if config.fp8 is not None and config.dropout_rate > 0:
-            return "dropout together with FP8 attention (`fp8=`) is not supported"
         if config.modifiers is not None and config.modifiers.score_mod is not None and config.dtype == jnp.float64:
             return (
                 "a `score_mod` with float64 inputs is not supported (it runs traced at float32); `xla` "
