@@ -86,6 +86,22 @@ def _task_call(opts: _Options, task: _Task, qt, kt, vt, aux, q_pos, k_pos):
     return _attention(qt, kt, vt, return_residual=True, **kwargs)
 
 
+def _set_rows(x, start: int, update):
+    """`x` with `update` written at `start` along axis 1: `x.at[:, start : start + n].set(update)`.
+
+    `dynamic_update_slice`, not a scatter: a scatter over a static slice carries an empty int32 indices constant,
+    which `shard_map` hoists into an operand of `sdy.manual_computation`; Shardy's canonicalizer
+    (ManualComputationUnusedInputsPattern) segfaults on such zero-size operands (jaxlib 0.11.2, XLA:CPU).
+    """
+    return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=1)
+
+
+def _add_rows(x, start: int, update):
+    """`x.at[:, start : start + n].add(update)` without a scatter (see `_set_rows`)."""
+    n = update.shape[1]
+    return _set_rows(x, start, x[:, start : start + n] + update.astype(x.dtype))
+
+
 def _slices(task, q, k, v):
     qt = q[:, task.q_start : task.q_start + task.q_size]
     kt = k[:, task.k_start : task.k_start + task.k_size]
@@ -123,8 +139,8 @@ def _step_forward(opts: _Options, sp: _StepPlan, index, q, k, v, aux, o, lse):
             o_i, lse_i = _task_call(opts, task, *_slices(task, q, k, v), aux, q_pos, k_pos)
             rows = slice(task.q_start, task.q_start + task.q_size)
             o_r, lse_r = _merge(o[:, rows], lse[:, rows], o_i.astype(jnp.float32), lse_i)
-            o = o.at[:, rows].set(o_r)
-            lse = lse.at[:, rows].set(lse_r)
+            o = _set_rows(o, task.q_start, o_r)
+            lse = _set_rows(lse, task.q_start, lse_r)
         return o, lse
 
     if len(sp.branches) == 1:
@@ -144,7 +160,6 @@ def _step_backward(opts: _Options, sp: _StepPlan, index, q, k, v, aux, O, L, dO,
         for i, task in enumerate(sp.branches[b]):
             q_pos, k_pos = _task_positions(sp, b, i, index)
             rows = slice(task.q_start, task.q_start + task.q_size)
-            cols = slice(task.k_start, task.k_start + task.k_size)
             fn = lambda qt, kt, vt: _task_call(opts, task, qt, kt, vt, aux, q_pos, k_pos)  # noqa: B023
             (o_i, lse_i), vjp = jax.vjp(fn, *_slices(task, q, k, v))
             L_r = L[:, rows]
@@ -153,9 +168,9 @@ def _step_backward(opts: _Options, sp: _StepPlan, index, q, k, v, aux, O, L, dO,
             d_o = (w[..., None] * dO_r).astype(o_i.dtype)
             d_lse = w * (jnp.sum(dO_r * (o_i.astype(jnp.float32) - O[:, rows]), axis=-1) + dL[:, rows])
             dqt, dkt, dvt = vjp(match((d_o, d_lse), (o_i, lse_i)))
-            dq = dq.at[:, rows].add(dqt.astype(jnp.float32))
-            dk = dk.at[:, cols].add(dkt.astype(jnp.float32))
-            dv = dv.at[:, cols].add(dvt.astype(jnp.float32))
+            dq = _add_rows(dq, task.q_start, dqt)
+            dk = _add_rows(dk, task.k_start, dkt)
+            dv = _add_rows(dv, task.k_start, dvt)
         return dq, dk, dv
 
     operands = (q, k, v, aux, O, L, dO, dL, dq, dk, dv)
