@@ -49,6 +49,8 @@ def test_cudnn_declines_a_cpu_placed_call_on_a_gpu_machine(monkeypatch):
         text = str(attnlib.explain(q, k, v, is_causal=True))
         assert "cudnn declined: `jax.default_device` places this call on the CPU, not a GPU" in text, text
         out = attnlib.attention(q, k, v, is_causal=True)
+        named = attnlib.explain(q, k, v, is_causal=True, implementation=attnlib.Cudnn(device=gpu))
+        assert named.implementation == "cudnn" and not named.declined, named
     assert_out_close(out, reference_attention(q, k, v, is_causal=True)[0], jnp.bfloat16)
 
 
