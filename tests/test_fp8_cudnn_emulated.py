@@ -184,6 +184,14 @@ def test_policy_serves_fp8_on_hopper_and_names_each_limit():
         assert reason is not None and needle in reason, (needle, reason)
 
 
+def test_an_fp8_graph_spec_with_dropout_cannot_be_built():
+    """The graph builder never emits cuDNN's FP8 graph with dropout (it faulted on an H200), even past validation."""
+    with pytest.raises(NotImplementedError, match="FP8 graph with dropout"):
+        GraphSpec("fwd", "bfloat16", 1, 32, 32, 4, 4, 64, 64, 0.125, dropout=0.1, fp8=True)
+    GraphSpec("fwd", "bfloat16", 1, 32, 32, 4, 4, 64, 64, 0.125, fp8=True)
+    GraphSpec("fwd", "bfloat16", 1, 32, 32, 4, 4, 64, 64, 0.125, dropout=0.1)
+
+
 @pytest.mark.parametrize("mode", ["current", "prequantized"])
 def test_automatic_dispatch_on_a_gpu_without_fp8_runs_cudnn_in_16_bits_and_warns(monkeypatch, caplog, mode):
     """On a GPU whose cuDNN cannot run the call in FP8 (here: no FP8 tensor cores, sm_80), `implementation=None`

@@ -171,6 +171,14 @@ class GraphSpec:
     fp8: bool = False
     row_max: bool = False
 
+    def __post_init__(self) -> None:
+        if self.fp8 and self.dropout > 0:
+            # validation.py refuses the combination first; this keeps the graph builder from ever emitting it.
+            raise NotImplementedError(
+                "cudnn: an FP8 graph with dropout is not supported (cuDNN's sdpa_fp8 with dropout faulted with an "
+                f"illegal memory access on an H200, cuDNN 9.19 and 9.27). Got dropout={self.dropout}."
+            )
+
     @property
     def label(self) -> str:
         kind = "thd_" if self.ragged else "paged_" if self.pages else ""
