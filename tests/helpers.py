@@ -275,3 +275,36 @@ def paged_decode_stand_in(traced_shapes: list | None = None):
         return out.reshape(B, N, H).astype(query.dtype)
 
     return decode
+
+
+def ragged_paged_stand_in():
+    """A plain-JAX function with the contract of `pallas_tpu.ragged.ragged_kernel` (JAX's ragged paged-attention
+    kernel), for tests of what attnlib does around the kernel on CPU: TPU interpret mode cannot run that kernel in
+    JAX 0.10.2 (it reshapes a VMEM ref, which the interpreter does not implement). `[T, N, D']` from queries
+    `[T, N, D']`, the combined pool `[P, page_size, 2K, D']` (keys at even, values at odd slots), kv lengths `[B]`,
+    page table `[B, pages_per_seq]`, `cu_q_lens` `[B + 1]`: each sequence causal bottom-right, `window_left` keys
+    before the diagonal, soft cap; rows that see nothing are left as NaN (attnlib must replace them)."""
+
+    def ragged(q, pool, kv_lens, page_table, cu_q_lens, *, scale, window_left, soft_cap, interpret):
+        del interpret
+        B, pages_per_seq = page_table.shape
+        _, page, combined, D = pool.shape
+        K = combined // 2
+        T, N, _ = q.shape
+        rows = pool[page_table].reshape(B, pages_per_seq * page, combined, D).astype(jnp.float32)
+        k, v = rows[:, :, 0::2], rows[:, :, 1::2]  # [B, S, K, D]
+        token = jnp.arange(T)
+        seq = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, B - 1)
+        position = token - cu_q_lens[seq] + kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq])
+        s = jnp.einsum("tkgd,tskd->tkgs", q.astype(jnp.float32).reshape(T, K, N // K, D) * scale, k[seq])
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        j = jnp.arange(k.shape[1])[None, :]
+        seen = (j < kv_lens[seq][:, None]) & (j <= position[:, None])
+        if window_left is not None:
+            seen = seen & (j >= position[:, None] - window_left)
+        p = jax.nn.softmax(jnp.where(seen[:, None, None, :], s, -jnp.inf), axis=-1)
+        out = jnp.einsum("tkgs,tskd->tkgd", p, v[seq])
+        return out.reshape(T, N, D).astype(q.dtype)
+
+    return ragged

@@ -55,15 +55,16 @@ def _concise_type_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-def _unpack_cache(key: Any, value: Any, page_table: Any, key_value_seq_lengths: Any) -> tuple[Any, Any, Any, Any]:
-    """`(key, value, page_table, key_value_seq_lengths)`: a `PagedKVCache` passed as `key` unpacked into its pools,
-    page table and lengths (docs/semantics.md, `page_table`)."""
+def _unpack_cache(key: Any, value: Any, page_table: Any, key_value_seq_lengths: Any) -> tuple[Any, ...]:
+    """`(key, value, page_table, key_value_seq_lengths, pool_layout)`: a `PagedKVCache` passed as `key` unpacked
+    into its pools (the combined pool as both for `"combined"`), page table, lengths and layout
+    (docs/semantics.md, `page_table`); bare arrays as given, `pool_layout` None (token-major pools)."""
     if not isinstance(key, PagedKVCache):
         if isinstance(value, PagedKVCache):
             raise TypeError("Pass a PagedKVCache as `key` with value=None: attnlib.attention(q, cache, None, ...).")
         if value is None:
             raise TypeError("`value` is required (None only with a PagedKVCache as `key`). Got value=None.")
-        return key, value, page_table, key_value_seq_lengths
+        return key, value, page_table, key_value_seq_lengths, None
     if value is not None and value is not key:
         raise TypeError(
             "With a PagedKVCache as `key`, pass value=None (the cache holds both pools): "
@@ -72,7 +73,8 @@ def _unpack_cache(key: Any, value: Any, page_table: Any, key_value_seq_lengths: 
     for name, given in (("page_table", page_table), ("key_value_seq_lengths", key_value_seq_lengths)):
         if given is not None:
             raise ValueError(f"With a PagedKVCache as `key`, `{name}` comes from the cache; do not pass it. Got both.")
-    return key.k_pages, key.v_pages, key.page_table, key.lengths
+    v_pages = key.k_pages if key.v_pages is None else key.v_pages
+    return key.k_pages, v_pages, key.page_table, key.lengths, key.pool_layout
 
 
 @jax.named_scope("attnlib.attention")
@@ -289,9 +291,10 @@ def _validate(arguments: dict[str, Any], as_array: Callable[[Any], Any]) -> tupl
     for name in ("is_causal", "return_residual", "deterministic_backward", "return_max_logit"):
         if isinstance(arguments[name], np.bool_):
             arguments[name] = bool(arguments[name])  # NumPy bools are accepted, as jax.nn does
-    arguments["key"], arguments["value"], arguments["page_table"], arguments["key_value_seq_lengths"] = (
-        _unpack_cache(arguments["key"], arguments["value"], arguments["page_table"], arguments["key_value_seq_lengths"])
-    )
+    (
+        arguments["key"], arguments["value"], arguments["page_table"], arguments["key_value_seq_lengths"],
+        arguments["pool_layout"],
+    ) = _unpack_cache(arguments["key"], arguments["value"], arguments["page_table"], arguments["key_value_seq_lengths"])
     for name in ARRAY_ARGUMENTS:
         if arguments[name] is not None:
             arguments[name] = as_array(arguments[name])

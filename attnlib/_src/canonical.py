@@ -1,7 +1,9 @@
 """Every layout as one dense problem for the plain-JAX implementations.
 
-`*B` is flattened to `B`; THD becomes one row of packed tokens (`B = 1`); paged key/value pools are gathered into
-dense `[B, S, K, H]` rows. Bias, mask and `score_mod_args` become rank 4 `[B|1, N|1, T|1, S|1]`. Sequence
+`*B` is flattened to `B`; THD becomes one row of packed tokens (`B = 1`); paged key/value pools (in any layout,
+`kv_layouts.py`) are gathered into dense `[B, S, K, H]` rows, and ragged queries against them (`cu_seqlens_q` with
+`page_table`) into rows `[B, max_seqlen_q + 1, N, H]` padded with `query_seq_lengths` (the last row of each is always
+padding: where tokens past `cu_seqlens_q[-1]` read their zero output from). Bias, mask and `score_mod_args` become rank 4 `[B|1, N|1, T|1, S|1]`. Sequence
 structure travels as `TokenPositions`.
 """
 
@@ -11,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import dropout as dropout_lib, paged, positions as positions_lib
+from . import dropout as dropout_lib, positions as positions_lib
 from .config import AttentionConfig, AttentionInputs
 
 
@@ -30,6 +32,8 @@ class Problem(NamedTuple):
         score_mod_args: the arrays `score_mod` / `mask_mod` see one element of, each `[B|1, N|1, T|1, S|1]` in
             its own dtype; empty without them.
         scale: the 0-d float array of a runtime scale (`config.scale` is None), else None.
+        ragged_rows: ragged paged queries only: int32 `[T]`, the flat `[B * T']` row of each packed query token
+            (`restore` reads its result there), else None.
     """
 
     query: jax.Array
@@ -42,6 +46,7 @@ class Problem(NamedTuple):
     positions: positions_lib.TokenPositions
     score_mod_args: tuple[jax.Array, ...] = ()
     scale: jax.Array | None = None
+    ragged_rows: jax.Array | None = None
 
 
 def _to_rank4(x: jax.Array, batch_shape: tuple[int, ...]) -> jax.Array:
@@ -87,11 +92,18 @@ def canonicalize(config: AttentionConfig, inputs: AttentionInputs) -> Problem:
         positions = positions_lib.thd_positions(
             inputs.cu_seqlens_q, cu_kv, config.q_len, config.kv_len, bottom_right=bottom_right
         )
+    elif config.ragged_queries:
+        key, value = config.pool_layout.gather(inputs.key, inputs.value, inputs.page_table)
+        query, ragged_rows, q_lengths = _ragged_rows(config, inputs.query, inputs.cu_seqlens_q)
+        kv_lengths = jnp.clip(inputs.key_value_seq_lengths.astype(jnp.int32), 0, config.kv_len)
+        positions = positions_lib.dense_positions(
+            config.num_sequences, query.shape[1], config.kv_len, bottom_right=bottom_right,
+            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, q_segment_ids=None, kv_segment_ids=None,
+        )  # fmt: skip
     else:
         query = jnp.reshape(inputs.query, (B,) + inputs.query.shape[-3:])
         if config.layout == "paged":
-            key = paged.gather_pages(inputs.key, inputs.page_table)
-            value = paged.gather_pages(inputs.value, inputs.page_table)
+            key, value = config.pool_layout.gather(inputs.key, inputs.value, inputs.page_table)
         else:
             key = jnp.reshape(inputs.key, (B,) + inputs.key.shape[-3:])
             value = jnp.reshape(inputs.value, (B,) + inputs.value.shape[-3:])
@@ -103,11 +115,39 @@ def canonicalize(config: AttentionConfig, inputs: AttentionInputs) -> Problem:
     if config.dropout_rate > 0:
         seeds = dropout_lib.dropout_seeds(inputs.dropout_key)
     score_mod_args = tuple(_to_rank4(a, bs) for a in inputs.score_mod_args)
-    return Problem(query, key, value, bias, mask, inputs.sinks, seeds, positions, score_mod_args, inputs.scale)
+    return Problem(
+        query, key, value, bias, mask, inputs.sinks, seeds, positions, score_mod_args, inputs.scale,
+        ragged_rows if config.ragged_queries else None,
+    )  # fmt: skip
 
 
-def restore(config: AttentionConfig, out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Canonical `[B, T, N, Hv]` / `[B, T, N]` back to the caller's layout (`*B`, unbatched, THD)."""
+def _ragged_rows(config: AttentionConfig, query: jax.Array, cu_seqlens_q: jax.Array):
+    """Packed queries `[T, N, H]` as rows `[B, T', N, H]` (`T' = max_seqlen_q + 1`), each token's flat row `[T]`
+    and the query count per sequence `[B]` (a sequence longer than `max_seqlen_q` keeps its first rows)."""
+    B, T, rows = config.num_sequences, config.q_len, config.max_seqlen_q + 1
+    cu = cu_seqlens_q.astype(jnp.int32)
+    q_lengths = jnp.clip(cu[1:] - cu[:-1], 0, rows - 1)
+    token = jnp.arange(rows, dtype=jnp.int32)[None, :]
+    source = jnp.where(token < q_lengths[:, None], cu[:-1, None] + token, T)  # T: out of range, reads zeros
+    padded = jnp.concatenate([query, jnp.zeros((1,) + query.shape[1:], query.dtype)])
+    dense = padded[jnp.clip(source, 0, T)]
+    t = jnp.arange(T, dtype=jnp.int32)
+    sequence = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, B - 1)
+    within = t - cu[sequence]
+    inside = (t >= cu[0]) & (t < cu[-1]) & (within < rows - 1)
+    flat = jnp.where(inside, sequence * rows + within, rows - 1)  # row `rows - 1` of sequence 0: always padding
+    return dense, flat, q_lengths
+
+
+def restore(
+    config: AttentionConfig, out: jax.Array, lse: jax.Array, problem: Problem | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Canonical `[B, T, N, Hv]` / `[B, T, N]` back to the caller's layout (`*B`, unbatched, THD; ragged paged
+    queries need their `problem`)."""
+    if config.ragged_queries:
+        rows = problem.ragged_rows
+        flat = lambda x: jnp.reshape(x, (-1,) + x.shape[2:])[rows]
+        return flat(out), flat(lse)
     if config.layout == "thd" or config.unbatched:
         return out[0], lse[0]
     return (

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from .kv_layouts import PoolLayout
 from .modifiers import Modifiers
 
 
@@ -58,6 +59,12 @@ class AttentionConfig:
             results (cuDNN's dense graphs do, `Implementation.attention`); it never changes which one serves.
         typed_varying: the arrays carry the manual mesh axes they vary over: the call is traced inside
             `jax.shard_map` with `check_vma=True` (kernels must then type their outputs' variation).
+        ragged_queries: paged only: the queries are packed tokens `[T, N, H]` with `cu_seqlens_q` (one range per
+            page-table row: a mixed batch of prefill chunks and decodes); `batch_shape` is then `()` and
+            `num_sequences` the page table's rows.
+        kv_layout: paged only: the pools' memory layout (`kv_layouts.py`): `"token_major"` for bare arrays, a
+            `PagedKVCache`'s layout otherwise (`key` and `value` are then its pools, the same array for
+            `"combined"`).
     """
 
     layout: Layout
@@ -97,6 +104,8 @@ class AttentionConfig:
     max_logit: bool = False
     separate_kv_structure: bool = False
     typed_varying: bool = False
+    ragged_queries: bool = False
+    kv_layout: str = "token_major"
 
     @property
     def output_dtype(self) -> np.dtype:
@@ -116,6 +125,11 @@ class AttentionConfig:
     @property
     def has_bias(self) -> bool:
         return self.bias_shape is not None
+
+    @property
+    def pool_layout(self) -> PoolLayout:
+        """Paged calls: the pools' layout with the true head dims."""
+        return PoolLayout(self.kv_layout, self.head_dim, self.value_head_dim)
 
     @property
     def has_mask(self) -> bool:

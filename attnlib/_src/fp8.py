@@ -175,7 +175,7 @@ def emulate(
         query=dequantize(problem.query, 0), key=dequantize(problem.key, 1), value=dequantize(problem.value, 2)
     )
     out, lse = attend(problem)
-    out, lse = canonical.restore(config, rounding.output(out), lse)
+    out, lse = canonical.restore(config, rounding.output(out), lse, problem)
     return out.astype(rounding.output_dtype), lse
 
 

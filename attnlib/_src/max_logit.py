@@ -16,7 +16,7 @@ from .config import AttentionConfig, AttentionInputs
 
 
 def max_logit(config: AttentionConfig, inputs: AttentionInputs) -> jax.Array:
-    """float32 `[*B, N]` (THD: `[B, N]` with `B = len(cu_seqlens_q) - 1`; float64 for float64 inputs): the largest
+    """float32 `[*B, N]` (THD and ragged paged queries: `[B, N]` with `B = len(cu_seqlens_q) - 1`; float64 for float64 inputs): the largest
     logit (after bias, `score_mod` and soft cap, before softmax) of any kept pair of the row and head; -inf where
     nothing is kept."""
     problem = canonical.canonicalize(config, inputs)
@@ -43,5 +43,8 @@ def from_implementation(config: AttentionConfig, maxima: jax.Array) -> jax.Array
 
 def _per_head(config: AttentionConfig, out: jax.Array) -> jax.Array:
     """`[B, N]` maxima -> `[*B, N]` (`[N]` unbatched), not differentiable."""
-    out = out[0] if config.unbatched else jnp.reshape(out, config.batch_shape + (config.num_q_heads,))
+    if config.unbatched:
+        out = out[0]
+    elif not config.ragged_queries:  # ragged paged queries: one row per sequence already
+        out = jnp.reshape(out, config.batch_shape + (config.num_q_heads,))
     return jax.lax.stop_gradient(out.astype(scores.accumulator(config.dtype)))

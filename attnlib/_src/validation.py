@@ -175,6 +175,8 @@ class _Geometry:
     pages_per_seq: int | None
     num_pages: int | None
     num_sequences: int | None
+    ragged_queries: bool = False
+    kv_layout: str = "token_major"
 
 
 def validate(
@@ -209,14 +211,16 @@ def validate(
     score_mod_args: Any = (),
     fp8: Any = None,
     return_max_logit: bool = False,
+    pool_layout: Any = None,
 ) -> tuple[AttentionConfig, AttentionInputs]:
     """Check every argument of `attention` and describe the call statically.
 
-    Array arguments may be arrays or `jax.ShapeDtypeStruct`s. Returns the static configuration and the arrays. Each
-    group of arguments has its own check below; a new option goes into the group it belongs to (or a new one).
+    Array arguments may be arrays or `jax.ShapeDtypeStruct`s; `pool_layout` is a `PagedKVCache`'s layout (None:
+    token-major page pools, or no cache). Returns the static configuration and the arrays. Each group of arguments
+    has its own check below; a new option goes into the group it belongs to (or a new one).
     """
     fp8_mode, fp8_scales = _qkv_dtypes(query, key, value, fp8)
-    g = _geometry(query, key, value, cu_seqlens_q, cu_seqlens_kv, page_table, key_value_seq_lengths)
+    g = _geometry(query, key, value, cu_seqlens_q, cu_seqlens_kv, page_table, key_value_seq_lengths, pool_layout)
     num_sequences, max_q, max_kv = _packed_layout(
         g, key, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
         query_seq_lengths, key_value_seq_lengths, q_segment_ids, kv_segment_ids,
@@ -239,11 +243,13 @@ def validate(
             f"dropout together with FP8 attention (`fp8=`) is not supported. Got dropout_rate={dropout_rate}."
         )
 
-    if band.causal_mask_is_a_no_op(is_causal, diagonal_alignment, g.T, g.layout, q_segment_ids):
+    if g.ragged_queries:
+        _ragged_paged_limits(bias, mask, score_mod_args, dropout_rate)
+    if not g.ragged_queries and band.causal_mask_is_a_no_op(is_causal, diagonal_alignment, g.T, g.layout, q_segment_ids):
         is_causal = False
     config = AttentionConfig(
         layout=g.layout,
-        batch_shape=g.batch_shape,
+        batch_shape=() if g.ragged_queries else g.batch_shape,
         unbatched=g.unbatched,
         q_len=g.T,
         kv_len=g.S,
@@ -279,6 +285,8 @@ def validate(
         fp8_output_dtype=None if fp8_scales is None else np.dtype(fp8_scales.output_dtype),
         max_logit=bool(return_max_logit),
         typed_varying=bool(varying.union_axes(query, key, value)),
+        ragged_queries=g.ragged_queries,
+        kv_layout=g.kv_layout,
     )
     inputs = AttentionInputs(
         query=query,
@@ -327,19 +335,25 @@ def _qkv_dtypes(query: Any, key: Any, value: Any, fp8: Any) -> tuple[str | None,
 
 def _geometry(
     query: Any, key: Any, value: Any, cu_seqlens_q: Any, cu_seqlens_kv: Any, page_table: Any,
-    key_value_seq_lengths: Any,
+    key_value_seq_lengths: Any, pool_layout: Any,
 ) -> _Geometry:  # fmt: skip
-    """The layout (dense, THD with `cu_seqlens_q`, paged with `page_table`), the shapes it requires of query / key /
-    value, and the paged cache's geometry."""
+    """The layout (dense, THD with `cu_seqlens_q`, paged with `page_table`, its queries ragged with both), the shapes
+    it requires of query / key / value, and the paged cache's geometry."""
     got_qkv = f"Got query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}."
     if cu_seqlens_kv is not None and cu_seqlens_q is None:
         raise ValueError("`cu_seqlens_kv` requires `cu_seqlens_q` (THD layout). Got cu_seqlens_q=None.")
-    if cu_seqlens_q is not None:
-        layout = "thd"
-    elif page_table is not None:
+    ragged_queries = page_table is not None and cu_seqlens_q is not None
+    if page_table is not None:
         layout = "paged"
+    elif cu_seqlens_q is not None:
+        layout = "thd"
     else:
         layout = "dense"
+    if ragged_queries and cu_seqlens_kv is not None:
+        raise ValueError(
+            "`cu_seqlens_kv` cannot be combined with `page_table`: the cache's keys per sequence are "
+            "`key_value_seq_lengths`. Got both."
+        )
 
     if layout == "thd":
         for name, x in (("query", query), ("key", key), ("value", value)):
@@ -350,7 +364,12 @@ def _geometry(
                 )
         batch_shape: tuple[int, ...] = ()
     elif layout == "paged":
-        if query.ndim != 4:
+        if ragged_queries and query.ndim != 3:
+            raise ValueError(
+                "With `page_table` and `cu_seqlens_q` (ragged queries) `query` must be packed tokens of rank 3 "
+                f"[T, N, H]. Got query.shape={tuple(query.shape)}."
+            )
+        if not ragged_queries and query.ndim != 4:
             raise ValueError(
                 f"With `page_table` `query` must have rank 4 [B, T, N, H]. Got query.shape={tuple(query.shape)}."
             )
@@ -359,11 +378,11 @@ def _geometry(
                 raise ValueError(
                     f"With `page_table` `{name}` must be a page pool of rank 4 [P, page_size, K, H|Hv]. {got_qkv}"
                 )
-        if key.shape[:2] != value.shape[:2]:
+        if pool_layout is None and key.shape[:2] != value.shape[:2]:
             raise ValueError(
                 "With `page_table` `key` and `value` pools must have the same [P, page_size]. " + got_qkv
             )
-        batch_shape = tuple(query.shape[:1])
+        batch_shape = () if ragged_queries else tuple(query.shape[:1])
     else:
         if query.ndim < 3:
             raise ValueError(
@@ -379,9 +398,14 @@ def _geometry(
     T, N, H = (int(d) for d in query.shape[-3:])
     K, Hk = int(key.shape[-2]), int(key.shape[-1])
     Hv = int(value.shape[-1])
+    kv_layout = "token_major"
+    if pool_layout is not None:  # a PagedKVCache's pools: shapes from its layout, true head dims from its metadata
+        kv_layout = pool_layout.name
+        _, _, K = pool_layout.geometry(key)
+        Hk, Hv = pool_layout.head_dim, pool_layout.value_head_dim
     if Hk != H:
         raise ValueError(f"`query` and `key` must have the same head dim H. Got H={H} and {Hk}. {got_qkv}")
-    if value.shape[-2] != K:
+    if pool_layout is None and value.shape[-2] != K:
         raise ValueError(f"`key` and `value` must have the same number of heads K. {got_qkv}")
     if layout != "paged" and key.shape[-3] != value.shape[-3]:
         raise ValueError(f"`key` and `value` must have the same length S. {got_qkv}")
@@ -397,12 +421,23 @@ def _geometry(
     num_sequences = None
     if layout == "paged":
         _require_int_array("page_table", page_table)
-        if page_table.ndim != 2 or page_table.shape[0] != query.shape[0]:
+        if ragged_queries:
+            _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, T, "query")
+            if page_table.ndim != 2 or page_table.shape[0] + 1 != cu_seqlens_q.shape[0]:
+                raise ValueError(
+                    "With ragged queries `page_table` must have shape [B, pages_per_seq] with one row per sequence "
+                    f"of `cu_seqlens_q` (B={cu_seqlens_q.shape[0] - 1}). Got page_table.shape={tuple(page_table.shape)}."
+                )
+            batch_shape = tuple(page_table.shape[:1])  # for `key_value_seq_lengths` [B]
+        elif page_table.ndim != 2 or page_table.shape[0] != query.shape[0]:
             raise ValueError(
                 f"`page_table` must have shape [B, pages_per_seq] with B={query.shape[0]} rows (query's batch). "
                 f"Got page_table.shape={tuple(page_table.shape)}."
             )
-        num_pages, page_size = int(key.shape[0]), int(key.shape[1])
+        if pool_layout is None:
+            num_pages, page_size = int(key.shape[0]), int(key.shape[1])
+        else:
+            num_pages, page_size, _ = pool_layout.geometry(key)
         pages_per_seq = int(page_table.shape[1])
         num_sequences = int(page_table.shape[0])
         if key_value_seq_lengths is None:
@@ -421,7 +456,8 @@ def _geometry(
     else:
         S = int(key.shape[-3])
     return _Geometry(
-        layout, batch_shape, unbatched, T, N, H, K, Hv, S, page_size, pages_per_seq, num_pages, num_sequences
+        layout, batch_shape, unbatched, T, N, H, K, Hv, S, page_size, pages_per_seq, num_pages, num_sequences,
+        ragged_queries, kv_layout,
     )
 
 
@@ -454,14 +490,35 @@ def _packed_layout(
                     f"`{name}` cannot be combined with `cu_seqlens_q` (THD): sequence boundaries come from the "
                     "cumulative lengths. Got both."
                 )
+    if g.ragged_queries and query_seq_lengths is not None:
+        raise ValueError(
+            "`query_seq_lengths` cannot be combined with `cu_seqlens_q`: each sequence's queries are its rows of the "
+            "cumulative lengths. Got both."
+        )
     max_q = None if max_seqlen_q is None else require_positive_int("max_seqlen_q", max_seqlen_q)
     max_kv = None if max_seqlen_kv is None else require_positive_int("max_seqlen_kv", max_seqlen_kv)
-    if (max_q is not None or max_kv is not None) and layout != "thd":
+    if (max_q is not None or max_kv is not None) and layout != "thd" and not g.ragged_queries:
         raise ValueError("`max_seqlen_q` / `max_seqlen_kv` apply only to the THD layout (with `cu_seqlens_q`).")
+    if g.ragged_queries:
+        if max_kv is not None:
+            raise ValueError("`max_seqlen_kv` does not apply to a paged cache (its bound is the page table's width).")
+        return num_sequences, T if max_q is None else max_q, None
     if layout == "thd":
         max_q = T if max_q is None else max_q
         max_kv = S if max_kv is None else max_kv
     return num_sequences, max_q, max_kv
+
+
+def _ragged_paged_limits(bias: Any, mask: Any, score_mod_args: Any, dropout_rate: Any) -> None:
+    """What ragged queries against a paged cache (`cu_seqlens_q` with `page_table`) do not take: a
+    `NotImplementedError` naming it."""
+    for name, given in (("`bias`", bias is not None), ("`mask`", mask is not None),
+                        ("`score_mod_args`", bool(score_mod_args)), ("dropout", dropout_rate > 0)):  # fmt: skip
+        if given:
+            raise NotImplementedError(
+                f"{name} with ragged queries against a paged KV cache (`cu_seqlens_q` with `page_table`) is not "
+                "supported: pass the queries as [B, T, N, H] with `query_seq_lengths` for it."
+            )
 
 
 def _padding_lengths(g: _Geometry, query_seq_lengths: Any, key_value_seq_lengths: Any) -> None:

@@ -100,4 +100,5 @@ class Xla(Implementation):
         # Serves every call it accepts by itself: nothing in `context` changes how.
         if config.fp8 is not None:
             return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem))
-        return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs)))
+        problem = canonical.canonicalize(config, inputs)
+        return canonical.restore(config, *attend(config, problem), problem)

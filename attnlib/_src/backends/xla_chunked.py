@@ -594,5 +594,6 @@ class XlaChunked(Implementation):
         band = Band.on_indices(config, inputs)
         if config.fp8 is not None:
             return fp8_lib.emulate(config, inputs, lambda problem: attend(config, problem, self.block_k, band))
-        return canonical.restore(config, *attend(config, canonical.canonicalize(config, inputs), self.block_k, band))
+        problem = canonical.canonicalize(config, inputs)
+        return canonical.restore(config, *attend(config, problem, self.block_k, band), problem)
 

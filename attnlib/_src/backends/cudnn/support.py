@@ -134,6 +134,17 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
     right = effective_right(config)
     masked = left is not None or right is not None
     if config.layout == "paged":
+        if config.kv_layout != "token_major":
+            return (
+                f"cudnn: a PagedKVCache in the {config.kv_layout!r} layout is not read by cuDNN's paged graphs (they "
+                "read token-major pools): create it with layout=\"token_major\" (the default on a GPU) or convert it "
+                "once with cache.to_layout(\"token_major\")."
+            )
+        if config.ragged_queries:
+            return (
+                "cudnn: ragged queries (`cu_seqlens_q`) against a paged KV cache are not supported: attnlib's cuDNN "
+                "paged graphs take dense [B, T, N, H] queries (pass them with `query_seq_lengths`)."
+            )
         if config.page_size is None or config.pages_per_seq is None or config.num_pages is None:
             return "cudnn: a paged call needs `page_table` geometry (page size, pages per sequence, pool size)."
         if not config.has_kv_lengths:

@@ -9,7 +9,7 @@ import numpy as np
 from ...config import AttentionConfig, AttentionInputs
 from .. import placement
 from ..base import Context, Implementation
-from . import blocks, paged
+from . import blocks, paged, ragged
 
 
 MAX_HEAD_DIM = 256
@@ -106,8 +106,10 @@ class PallasTpu(Implementation):
     lengths, packed segment ids, GQA / MQA, `logits_soft_cap`, float or array `scale`, attention `sinks`, the
     returned `lse` and gradients of query, key, value and sinks (through `lse` too), in bfloat16 (float32 in
     interpret mode only: on a TPU it declines, `FLOAT32_ON_TPU`); and
-    decoding from a paged KV cache (`page_table`, one bfloat16 query per sequence) through JAX's paged-attention
-    kernel (`paged.py`). What it declines, and why, `attnlib.explain` says (docs/implementations.md).
+    paged KV caches: one bfloat16 decode query per sequence through JAX's paged-attention kernel on token-major or
+    `"head_major"` pools (`paged.py`), and any number of queries per sequence (dense, or ragged with
+    `cu_seqlens_q`: mixed prefill and decode) through JAX's ragged paged-attention kernel on a `"combined"`
+    `PagedKVCache` (`ragged.py`). What it declines, and why, `attnlib.explain` says (docs/implementations.md).
 
     Attributes:
         block_sizes: splash's tiles: None (the default) for attnlib's table by shape (`blocks.py`), or a
@@ -154,6 +156,8 @@ class PallasTpu(Implementation):
         reason = self.decline_reason(config, context)
         if reason is not None:
             raise NotImplementedError(f"pallas_tpu: {reason}")
+        if config.layout == "paged" and config.kv_layout == "combined":
+            return ragged.attention(config, inputs, interpret=self.interpret, fallback=context.fallback)
         if config.layout == "paged":
             return paged.attention(config, inputs, interpret=self.interpret, fallback=context.fallback)
         return splash.attention(config, inputs, splash.layout(config, self.block_sizes, self.interpret))

@@ -1,10 +1,13 @@
 """Paged key/value decode on TPU: JAX's bundled Pallas paged-attention kernel, one query per sequence.
 
-`jax.experimental.pallas.ops.tpu.paged_attention` reads head-major pools `[K, P, page_size, H]`, takes the query
-already scaled, applies the soft cap, and returns the output only (no log-sum-exp). attnlib's pools are
-`[P, page_size, K, H]` (`PagedKVCache`), so each call lays them out head-major, padding the head dim to 128 lanes in
-the same copy (zero columns change no score); page-table entries are clamped into the pool, as on every path
-(`paged.gather_pages`). Rows that see no key (a sequence of length 0, a padding query) get `out = 0`.
+`jax.experimental.pallas.ops.tpu.paged_attention` reads head-major pools `[K, P, page_size, H']`, takes the query
+already scaled, applies the soft cap, and returns the output only (no log-sum-exp). A `PagedKVCache` created with
+`layout="head_major"` holds its pools so (head dims padded to 128 lanes at `create`): the call reads them as they
+are. Token-major pools (bare arrays, or a `"token_major"` cache) are laid out head-major by each call, padding the
+head dim in the same copy (zero columns change no score): a copy of the whole pool per step, which `explain` names.
+A `"combined"` cache goes to JAX's ragged paged-attention kernel instead (`ragged.py`). Page-table entries are
+clamped into the pool, as on every path (`kv_layouts.PoolLayout.gather`). Rows that see no key (a sequence of length
+0, a padding query) get `out = 0`.
 
 The kernel is forward only. As on cuDNN's paged path, a gradient differentiates the `fallback` that dispatch
 passes (`xla`, recomputing the attention in plain JAX); with `implementation="pallas_tpu"` named alone there is none
@@ -20,8 +23,9 @@ import numpy as np
 
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
+from .. import kernel_settings
 from ..base import Fallback, fallback_gradients
-from . import blocks, partitioning
+from . import blocks, partitioning, ragged
 
 
 BLOCK_TOKENS = 512
@@ -36,13 +40,18 @@ risk a kernel that does not compile. Interpret mode takes any size."""
 
 
 def decline_reason(config: AttentionConfig, *, on_tpu: bool) -> str | None:
-    """Why the paged kernel cannot serve the paged call `config` (a sentence naming the feature and the limit), or
+    """Why the paged kernels cannot serve the paged call `config` (a sentence naming the feature and the limit), or
     None; `on_tpu`: for a real TPU (not interpret mode). Pure Python; the features splash declines for every layout
-    are `implementation.feature_reason`'s."""
-    if config.q_len != 1:
+    are `implementation.feature_reason`'s. A `"combined"` cache is the ragged kernel's (`ragged.decline_reason`)."""
+    if config.kv_layout == "combined":
+        return ragged.decline_reason(config, on_tpu=on_tpu)
+    if config.ragged_queries or config.q_len != 1:
+        queries = "ragged queries (`cu_seqlens_q`)" if config.ragged_queries else f"T={config.q_len} queries"
         return (
-            f"paged KV caches (`page_table`) with T={config.q_len} queries per sequence are not supported: JAX's "
-            "paged-attention kernel decodes one query per sequence (T=1)"
+            f"paged KV caches with {queries} per sequence need the cache's \"combined\" layout (JAX's ragged "
+            f"paged-attention kernel); this one is {config.kv_layout!r}, whose kernel decodes one query per "
+            "sequence: create it with PagedKVCache.create(..., layout=\"combined\") or convert it once with "
+            "cache.to_layout(\"combined\")"
         )
     if config.dtype != np.dtype("bfloat16"):
         return (
@@ -103,8 +112,11 @@ class PagedPlan:
         return blocks.round_up(self.config.head_dim, blocks.LANES)
 
 
-def _head_major_pool(pool: jax.Array, head_dim: int) -> jax.Array:
-    """`[P, page_size, K, H]` -> `[K, P, page_size, head_dim]`, zero-padded."""
+def _head_major_pool(pool: jax.Array, head_dim: int, kv_layout: str) -> jax.Array:
+    """A pool as `[K, P, page_size, head_dim]`: as it is when head-major (padded at `create`), else the
+    token-major `[P, page_size, K, H]` transposed and zero-padded (a copy)."""
+    if kv_layout == "head_major":
+        return pool
     pool = jnp.pad(pool, ((0, 0), (0, 0), (0, 0), (0, head_dim - pool.shape[3])))
     return jnp.transpose(pool, (2, 0, 1, 3))
 
@@ -119,8 +131,8 @@ def decode_kernel(query, k_pool, v_pool, lengths, table, *, soft_cap, pages_per_
         paged_attention, query, k_pool, v_pool, lengths, table,
         attn_logits_soft_cap=soft_cap, pages_per_compute_block=pages_per_block,
     )  # fmt: skip
-    # The kernel mixes a float32 query with bfloat16 pages: traced under standard promotion whatever the caller's.
-    with jax.numpy_dtype_promotion("standard"):
+    # The kernel mixes a float32 query with bfloat16 pages, and indexes in int32: traced under JAX's defaults.
+    with kernel_settings.as_written():
         if not interpret:
             return kernel()
         with pltpu.force_tpu_interpret_mode():
@@ -134,7 +146,7 @@ def _kernel(plan: PagedPlan, query, k_pages, v_pages, page_table, seq_kv):
         decode_kernel, soft_cap=config.logits_soft_cap,
         pages_per_block=pages_per_block(config.page_size, config.pages_per_seq), interpret=plan.interpret,
     )  # fmt: skip
-    pools = (_head_major_pool(k_pages, plan.head_dim), _head_major_pool(v_pages, plan.head_dim))
+    pools = tuple(_head_major_pool(x, plan.head_dim, config.kv_layout) for x in (k_pages, v_pages))
     # A sequence of length 0 reads one key, so that the kernel writes finite values there (masked after it).
     operands = (query, *pools, jnp.maximum(seq_kv, 1), jnp.clip(page_table, 0, config.num_pages - 1))
     if plan.interpret:  # TPU interpret mode simulates the chip through callbacks, which `custom_partitioning` refuses

@@ -1,0 +1,207 @@
+"""Paged key/value attention on TPU for any number of queries per sequence: JAX's bundled Pallas
+`ragged_paged_attention` kernel (the kernel TPU serving engines use) on a `PagedKVCache` in the `"combined"` layout.
+
+The kernel reads one pool `[P, page_size, 2K, D']` (keys at even, values at odd head slots; `D'` a multiple of 128,
+padded at `PagedKVCache.create`), packed queries `[T, N, D']` with `cu_q_lens` (one range per sequence: prefill
+chunks and single-token decodes mixed in one launch), causal bottom-right per sequence, an optional sliding window
+and soft cap; it returns the output only (no log-sum-exp). Dense `[B, T, N, H]` queries are packed as `B` ranges of
+`T`. Rows that see no key (past `cu_seqlens_q[-1]`, a sequence with more queries than cached keys, a padding
+decode row) get `out = 0`.
+
+Forward only, as `paged.py`: a gradient differentiates the `fallback` dispatch passes (`xla`). The call is not
+partitioned: under `jit` with sharded operands XLA gathers them onto each device.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...band import Band
+from ...config import AttentionConfig, AttentionInputs
+from .. import kernel_settings
+from ..base import Fallback, fallback_gradients
+
+
+TPU_PAGE_SIZE_MULTIPLE = 16
+"""On a TPU, page sizes given to the kernel are multiples of this (a bfloat16 tile holds 16 rows)."""
+
+
+def _kv_heads_tile(num_kv_heads: int, dtype: np.dtype) -> bool:
+    """Whether the kernel can tile `2K` combined heads of `dtype` (its `get_min_heads_per_blk` rule)."""
+    packing = 4 // np.dtype(dtype).itemsize
+    combined = 2 * num_kv_heads
+    if combined % packing:
+        return False
+    combined //= packing
+    return combined in (1, 2, 4, 8) or combined % 8 == 0
+
+
+def decline_reason(config: AttentionConfig, *, on_tpu: bool) -> str | None:
+    """Why the ragged paged kernel cannot serve the paged call `config` on a `"combined"` cache (a sentence naming
+    the feature and the limit), or None. The features splash declines for every layout are
+    `implementation.feature_reason`'s."""
+    if config.dtype not in (np.dtype("bfloat16"), np.dtype("float32")):
+        return f"{config.dtype} inputs with a paged KV cache are not supported: bfloat16 and float32"
+    unsupported = [
+        (config.return_residual, "the log-sum-exp (`return_residual=True`) with a paged KV cache is not supported: "
+                                 "JAX's ragged paged-attention kernel returns the output only"),
+        (config.has_sinks, "`sinks` with a paged KV cache are not supported: JAX's ragged paged-attention kernel has "
+                           "no sink term"),
+        (config.scale is None, "an array `scale` with a paged KV cache is not supported: the kernel takes a static "
+                               "scale"),
+        (not config.ragged_queries and config.q_len > 1 and config.has_q_lengths,
+         "`query_seq_lengths` with T > 1 queries per sequence on a paged KV cache are not supported: pass the "
+         "queries packed, with `cu_seqlens_q`"),
+    ]  # fmt: skip
+    for declined, reason in unsupported:
+        if declined:
+            return reason
+    if not _kv_heads_tile(config.num_kv_heads, config.dtype):
+        return (
+            f"K={config.num_kv_heads} key/value heads are not supported by JAX's ragged paged-attention kernel in "
+            f"{config.dtype} (it tiles 2K combined heads: K of 1, 2, 4 or a multiple of 8 in bfloat16; 1, 2 or a "
+            "multiple of 4 in float32)"
+        )
+    if on_tpu and config.page_size % TPU_PAGE_SIZE_MULTIPLE:
+        return (
+            f"paged KV caches with pages of {config.page_size} tokens are not served on a TPU: attnlib gives JAX's "
+            f"ragged paged-attention kernel multiples of {TPU_PAGE_SIZE_MULTIPLE}"
+        )
+    band = Band.of(config)
+    decode_rows = not config.ragged_queries and config.q_len == 1
+    if decode_rows:
+        sees_to_the_end = band.right is None or (band.bottom_right and band.right >= 0)
+    else:
+        sees_to_the_end = band.bottom_right and band.right == 0
+    if not sees_to_the_end or (band.left is not None and not band.bottom_right):
+        return (
+            "with a paged KV cache only causal attention aligned bottom-right (or one decode query that sees every "
+            "key), optionally with a window to the left, is supported; got "
+            f"is_causal={config.is_causal}, local_window_size={config.window}, "
+            f"diagonal_alignment={config.diagonal_alignment!r}"
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedPlan:
+    """Static description of one ragged paged call.
+
+    Attributes:
+        config: the call's configuration (also what the fallback backward recomputes).
+        interpret: run the kernel in Pallas TPU interpret mode.
+        fallback: what a gradient differentiates, or None (a gradient then raises).
+    """
+
+    config: AttentionConfig
+    interpret: bool
+    fallback: Fallback | None
+
+
+def ragged_kernel(q, pool, kv_lens, page_table, cu_q_lens, *, scale, window_left, soft_cap, interpret):
+    """JAX's ragged paged-attention kernel: `[T, N, D']` from queries `[T, N, D']`, the combined pool, kv lengths
+    `[B]`, the page table `[B, pages_per_seq]` (entries inside the pool) and `cu_q_lens` `[B + 1]`."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    num_seqs = jnp.array([page_table.shape[0]], jnp.int32)
+    # On a TPU the kernel takes its blocks from its table tuned per TPU generation; interpret mode has no table.
+    blocks = dict(num_kv_pages_per_block=min(page_table.shape[1], 8), num_queries_per_block=32) if interpret else {}
+    kernel = functools.partial(
+        ragged_paged_attention, q, pool, kv_lens, page_table, cu_q_lens, num_seqs, sm_scale=scale,
+        sliding_window=None if window_left is None else window_left + 1, soft_cap=soft_cap, **blocks,
+    )  # fmt: skip
+    with kernel_settings.as_written():
+        if not interpret:
+            return kernel()
+        with pltpu.force_tpu_interpret_mode():
+            return kernel()
+
+
+def _forward(plan: RaggedPlan, q, pool, page_table, cu_q, kv_lens, q_valid):
+    config = plan.config
+    D = pool.shape[-1]
+    P = config.num_pages
+    query = jnp.pad(q, ((0, 0), (0, 0), (0, D - config.head_dim)))
+    out = ragged_kernel(
+        query, pool, kv_lens, jnp.clip(page_table, 0, P - 1), cu_q,
+        scale=config.scale, window_left=Band.of(config).left, soft_cap=config.logits_soft_cap,
+        interpret=plan.interpret,
+    )  # fmt: skip
+    out = jnp.where(q_valid[:, None, None], out[:, :, : config.value_head_dim], jnp.zeros((), out.dtype))
+    return out, jnp.full(out.shape[:-1], -jnp.inf, jnp.float32)  # no lse: `decline_reason` keeps it dropped
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged(plan: RaggedPlan, q, pool, page_table, cu_q, kv_lens, q_valid, lengths):
+    return _forward(plan, q, pool, page_table, cu_q, kv_lens, q_valid)
+
+
+def _ragged_fwd(plan: RaggedPlan, q, pool, page_table, cu_q, kv_lens, q_valid, lengths):
+    return _forward(plan, q, pool, page_table, cu_q, kv_lens, q_valid), (q, pool, page_table, lengths)
+
+
+def _ragged_bwd(plan: RaggedPlan, residuals, cotangents):
+    q, pool, page_table, lengths = residuals
+    if plan.fallback is None:
+        raise NotImplementedError(
+            "pallas_tpu: gradients of paged key/value attention are not supported: JAX's ragged paged-attention "
+            "kernel is forward only. Use implementation=None (the kernel forward, `xla` backward) or "
+            "implementation='xla' to differentiate it."
+        )
+    config = plan.config
+    query = q if config.ragged_queries else jnp.reshape(q, config.batch_shape + (config.q_len,) + q.shape[1:])
+    out_cotangent = jnp.reshape(cotangents[0], query.shape[:-1] + (config.value_head_dim,))
+    inputs = AttentionInputs(query=query, key=pool, value=pool, page_table=page_table, **lengths)
+    dq, dk, dv = fallback_gradients(plan.fallback, config, inputs, out_cotangent, None)
+    # `key` and `value` are the one combined pool: its cotangent is the sum of both.
+    return jnp.reshape(dq, q.shape), dk + dv, None, None, None, None, jax.tree.map(lambda _: None, lengths)
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def _packed_queries(config: AttentionConfig, inputs: AttentionInputs, kv_lens: jax.Array):
+    """Queries `[T, N, H]`, `cu_q_lens` `[B + 1]` and whether each query row sees a key `[T]`."""
+    B, N, H = config.num_sequences, config.num_q_heads, config.head_dim
+    if config.ragged_queries:
+        q = inputs.query
+        T = config.q_len
+        cu = inputs.cu_seqlens_q.astype(jnp.int32)
+        token = jnp.arange(T, dtype=jnp.int32)
+        sequence = jnp.clip(jnp.searchsorted(cu, token, side="right").astype(jnp.int32) - 1, 0, B - 1)
+        q_count = cu[sequence + 1] - cu[sequence]
+        inside = (token >= cu[0]) & (token < cu[-1])
+        position = token - cu[sequence] + kv_lens[sequence] - q_count  # bottom-right aligned
+        return q, cu, inside & (position >= 0)
+    T = config.q_len
+    q = jnp.reshape(inputs.query, (B * T, N, H))
+    cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+    rows = jnp.arange(T, dtype=jnp.int32)[None, :]
+    valid = (rows + kv_lens[:, None] - T >= 0) & (kv_lens[:, None] > 0)
+    if inputs.query_seq_lengths is not None:  # T == 1 (`decline_reason`): padding decode rows
+        valid = valid & (rows < jnp.reshape(inputs.query_seq_lengths, (B, 1)))
+    return q, cu, jnp.reshape(valid, (B * T,))
+
+
+def attention(
+    config: AttentionConfig, inputs: AttentionInputs, *, interpret: bool, fallback: Fallback | None
+) -> tuple[jax.Array, jax.Array]:
+    """`(out, lse)` of a paged call on a `"combined"` cache (`decline_reason(config)` is None) in the caller's
+    layout; `lse` is -inf (the call does not return it)."""
+    B = config.num_sequences
+    kv_lens = jnp.clip(jnp.reshape(inputs.key_value_seq_lengths, (B,)).astype(jnp.int32), 0, config.kv_len)
+    q, cu, q_valid = _packed_queries(config, inputs, kv_lens)
+    table = inputs.page_table.astype(jnp.int32)
+    lengths = {name: getattr(inputs, name) for name in ("key_value_seq_lengths", "query_seq_lengths", "cu_seqlens_q")}
+    out, lse = _ragged(RaggedPlan(config, interpret, fallback), q, inputs.key, table, cu, kv_lens, q_valid, lengths)
+    if config.ragged_queries:
+        return out, lse
+    T, N = config.q_len, config.num_q_heads
+    return (
+        jnp.reshape(out, config.batch_shape + (T, N, config.value_head_dim)),
+        jnp.reshape(lse, config.batch_shape + (T, N)),
+    )
