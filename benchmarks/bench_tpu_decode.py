@@ -1,23 +1,28 @@
-"""TPU paged-decode benchmark: attnlib's paged decode against JAX's raw paged-attention kernel, one process.
+"""TPU paged-serving benchmark: attnlib on a `PagedKVCache` against JAX's raw paged kernels, one process.
 
 Usage: python benchmarks/bench_tpu_decode.py [--json out.json] [--only CASE ...] [--smoke]
 
-One decode step (one query per sequence, bf16) over a paged KV cache whose sequences are all `length` tokens long,
-pages of `page_size` tokens in a pool of exactly the pages they use, shuffled. Variants, side by side on the same
+Decode cases: one decode step (one query per sequence, bf16) over a paged KV cache whose sequences are all `length`
+tokens long, pages of `page_size` tokens in a pool of exactly the pages they use, shuffled. Mixed cases: one serving
+step of `prompts` prefill chunks (each a whole prompt: its keys are its own tokens) and `decodes` single-token
+decodes over caches of `decode_length` tokens, packed (THD, `cu_seqlens_q`). Variants, side by side on the same
 inputs:
-- `attnlib`: `attnlib.attention(q [B, 1, N, H], k_pages, v_pages [P, page_size, K, H], page_table=...,
-  key_value_seq_lengths=..., is_causal=True, diagonal_alignment="bottom_right")`, `implementation=None`; the pick
-  (`attnlib.explain`) is recorded as `attnlib_pick`. attnlib's pools are token-major, so its call includes the
-  head-major copy the kernel needs (docs/implementations.md).
-- `attnlib_xla`: the same with `implementation="xla"` (pages gathered, plain JAX).
-- `paged_attention`: raw `jax.experimental.pallas.ops.tpu.paged_attention` on pools already head-major
-  (`[K, P, page_size, H]`, what a user of the raw kernel keeps), `q` pre-scaled, `pages_per_compute_block` as
-  attnlib picks it.
+- `attnlib`: `cache.attend(q)` (`implementation=None`) on a cache in the layout `PagedKVCache.create` picks on a TPU
+  (`"combined"`); the pick (`attnlib.explain`) is recorded as `attnlib_pick`.
+- `attnlib_head_major`: the same on a `"head_major"` cache (decode only).
+- `attnlib_token_major`: the bare-array form on token-major pools: each call lays the pools out head-major (decode).
+- `attnlib_xla`: the token-major cache with `implementation="xla"` (pages gathered, plain JAX; decode).
+- `paged_attention`: raw `jax.experimental.pallas.ops.tpu.paged_attention` on its own head-major pools
+  (`[K, P, page_size, H]`), `q` pre-scaled, `pages_per_compute_block` as attnlib picks it (decode).
+- `ragged_paged_attention`: raw `jax.experimental.pallas.ops.tpu.ragged_paged_attention` on its own combined pool
+  (`[P, page_size, 2K, H]`) with the blocks attnlib picks (`ragged.kernel_blocks`: the kernel's tuned table where it
+  has the shape; its default for long caches overflows a v5e's scoped VMEM).
 
 Each output is checked against a float32 reference of the gathered sequences first (a variant beyond
 `4 eps(bf16) max|ref|` is marked wrong and not timed), then timed as `bench_tpu.py` does (`time_calls`: median ms
-per call). Bandwidth counts the key and value bytes of the visible tokens once: `2 B length K H * 2 bytes`.
-`--smoke` runs a tiny case in TPU interpret mode on any backend: a check that the script works, not a measurement.
+per call). Bandwidth counts the key and value bytes of the visible tokens once. `--smoke` runs a tiny decode in TPU
+interpret mode on any backend (the variants of the ragged kernel, which interpret mode cannot run in JAX 0.10.2,
+are skipped): a check that the script works, not a measurement.
 """
 
 import argparse
@@ -33,26 +38,50 @@ import jax.numpy as jnp
 import numpy as np
 
 import attnlib
-from attnlib._src.backends.pallas_tpu import paged
+from attnlib._src.backends.pallas_tpu import paged, ragged
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
+    """Decode: `b` sequences of `length` cached tokens, one query each. Mixed: `prompts` prefill chunks of the
+    given lengths plus `decodes` decode queries over `decode_length` tokens (then `b`, `length` are unused)."""
+
     b: int
     length: int
     n: int
     k: int
     h: int
     page_size: int
+    prompts: tuple[int, ...] = ()
+    decodes: int = 0
+    decode_length: int = 0
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.prompts)
+
+    @property
+    def kv_lengths(self) -> tuple[int, ...]:
+        return self.prompts + (self.decode_length,) * self.decodes if self.mixed else (self.length,) * self.b
+
+    @property
+    def q_lengths(self) -> tuple[int, ...]:
+        return self.prompts + (1,) * self.decodes if self.mixed else (1,) * self.b
 
 
 CASES = {
     "gqa_b32_len4k": Case(32, 4096, 32, 8, 128, 16),
     "gqa_b8_len32k": Case(8, 32768, 32, 8, 128, 64),
     "mha_b64_len2k_d64": Case(64, 2048, 16, 16, 64, 32),
+    "gqa_b32_len1k": Case(32, 1024, 32, 8, 128, 32),
+    "gqa_b32_len512": Case(32, 512, 32, 8, 128, 32),
+    "mixed_8x512to2k_56x2k": Case(0, 0, 32, 8, 128, 32, (512, 768, 1024, 1280, 1536, 1792, 2048, 1024), 56, 2048),
+    "mixed_4x1k_60x4k_p64": Case(0, 0, 32, 8, 128, 64, (1024, 1024, 1024, 1024), 60, 4096),
 }
 SMOKE_CASES = {"smoke_gqa": Case(3, 40, 4, 2, 64, 8)}
-VARIANTS = ("attnlib", "attnlib_xla", "paged_attention")
+DECODE_ONLY = ("attnlib_head_major", "attnlib_token_major", "attnlib_xla", "paged_attention")
+RAGGED_KERNEL = ("attnlib", "ragged_paged_attention")
+"""The variants that run JAX's ragged paged-attention kernel (on a TPU; skipped by `--smoke`)."""
 
 
 def _bench_tpu_helpers():
@@ -65,59 +94,113 @@ def _bench_tpu_helpers():
 
 
 def inputs(case: Case):
-    pages_per_seq = -(-case.length // case.page_size)
-    num_pages = case.b * pages_per_seq
+    """Packed queries `[T, N, H]`, token-major pools, the shuffled page table, kv lengths and `cu_seqlens_q`."""
+    kv_lengths, q_lengths = np.asarray(case.kv_lengths), np.asarray(case.q_lengths)
+    B = len(kv_lengths)
+    pages_per_seq = -(-int(kv_lengths.max()) // case.page_size)
+    num_pages = B * pages_per_seq
     keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (case.b, 1, case.n, case.h), jnp.bfloat16)
+    q = jax.random.normal(keys[0], (int(q_lengths.sum()), case.n, case.h), jnp.bfloat16)
     k = jax.random.normal(keys[1], (num_pages, case.page_size, case.k, case.h), jnp.bfloat16)
     v = jax.random.normal(keys[2], (num_pages, case.page_size, case.k, case.h), jnp.bfloat16)
-    table = np.random.default_rng(0).permutation(num_pages).reshape(case.b, pages_per_seq)
-    return q, k, v, jnp.asarray(table, jnp.int32), jnp.full((case.b,), case.length, jnp.int32)
+    table = np.random.default_rng(0).permutation(num_pages).reshape(B, pages_per_seq)
+    cu = np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)
+    return q, k, v, jnp.asarray(table, jnp.int32), jnp.asarray(kv_lengths, jnp.int32), jnp.asarray(cu)
 
 
 def reference(q, k, v, table, case: Case) -> np.ndarray:
-    gather = lambda pool: pool[table].reshape(case.b, -1, case.k, case.h)[:, : case.length].astype(jnp.float32)
-    keys, values = gather(k), gather(v)
-    g = case.n // case.k
-    qf = q[:, 0].astype(jnp.float32).reshape(case.b, case.k, g, case.h) / np.sqrt(case.h)
-    s = jnp.einsum("bkgh,bskh->bkgs", qf, keys, precision=jax.lax.Precision.HIGHEST)
-    out = jnp.einsum("bkgs,bskh->bkgh", jax.nn.softmax(s, -1), values, precision=jax.lax.Precision.HIGHEST)
-    return np.asarray(out.reshape(case.b, 1, case.n, case.h))
+    """float32 bottom-right causal attention of each sequence's queries over its gathered keys, packed."""
+    out = []
+    cu = np.concatenate([[0], np.cumsum(case.q_lengths)])
+    for b, (t, s) in enumerate(zip(case.q_lengths, case.kv_lengths)):
+        gather = lambda pool: pool[table[b]].reshape(-1, case.k, case.h)[:s].astype(jnp.float32)  # noqa: E731
+        keys, values = gather(k), gather(v)
+        qf = q[cu[b] : cu[b] + t].astype(jnp.float32).reshape(t, case.k, -1, case.h) / np.sqrt(case.h)
+        scores = jnp.einsum("tkgh,skh->kgts", qf, keys, precision=jax.lax.Precision.HIGHEST)
+        visible = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + (s - t)
+        p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), -1)
+        o = jnp.einsum("kgts,skh->tkgh", p, values, precision=jax.lax.Precision.HIGHEST)
+        out.append(np.asarray(o.reshape(t, case.n, case.h)))
+    return np.concatenate(out)
 
 
-def variant_fns(case: Case, interpret: bool) -> dict:
+def cache_of(k, v, table, lengths, layout: str) -> attnlib.PagedKVCache:
+    """A `PagedKVCache` holding the benchmark's token-major pools, in `layout` (converted once, untimed)."""
+    P, page, K, H = k.shape
+    cache = attnlib.PagedKVCache.create(table.shape[0], P, page, K, H, max_pages_per_seq=table.shape[1],
+                                        layout="token_major")  # fmt: skip
+    cache = dataclasses.replace(
+        cache, k_pages=k, v_pages=v, page_table=table, lengths=lengths, num_used_pages=jnp.asarray(P, jnp.int32)
+    )
+    return cache.to_layout(layout)
+
+
+def combined_pool(k, v):
+    """The raw ragged kernel's own layout: `[P, page_size, 2K, H]`, keys at even and values at odd slots."""
+    P, page, K, H = k.shape
+    return jnp.reshape(jnp.stack([k, v], axis=3), (P, page, 2 * K, H))
+
+
+def variant_fns(case: Case, interpret: bool, q, k, v, table, lengths, cu) -> dict:
+    """name -> (jitted fn, args)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
     impl = attnlib.PallasTpu(interpret=True) if interpret else None
-    kw = dict(is_causal=True, diagonal_alignment="bottom_right")
-    block = paged.pages_per_block(case.page_size, -(-case.length // case.page_size))
+    B = table.shape[0]
+    packed = {"cu_seqlens_q": cu} if case.mixed else {}
+    dense_q = q if case.mixed else q[:, None]  # decode: [B, 1, N, H]
+    unpack = (lambda out: out) if case.mixed else (lambda out: out[:, 0])
+    attend = lambda impl: jax.jit(lambda q, c: unpack(c.attend(q, implementation=impl, **packed)))  # noqa: E731
+    fns = {"attnlib": (attend(impl), (dense_q, cache_of(k, v, table, lengths, "combined")))}
+    pool = combined_pool(k, v)
+    raw_blocks = ragged.kernel_blocks(q, pool, table, interpret=interpret)
 
-    def attn(implementation):
-        return lambda q, k, v, t, n: attnlib.attention(
-            q, k, v, page_table=t, key_value_seq_lengths=n, implementation=implementation, **kw
-        )
+    def raw_ragged(q, pool, lengths, table, cu):
+        return ragged_paged_attention(q, pool, lengths, table, cu, jnp.array([B], jnp.int32),
+                                      sm_scale=case.h**-0.5, **raw_blocks)  # fmt: skip
 
-    def raw(q, k, v, t, n):  # pools arrive head-major: laid out once, outside the timed call
-        out = paged.decode_kernel(
-            (q[:, 0].astype(jnp.float32) * np.float32(case.h**-0.5)).astype(q.dtype), k, v, n, t,
+    fns["ragged_paged_attention"] = (jax.jit(raw_ragged), (q, pool, lengths, table, cu))
+    if case.mixed:
+        return fns
+    block = paged.pages_per_block(case.page_size, table.shape[1])
+
+    def raw_paged(q, k, v, t, n):  # pools arrive head-major: laid out once, outside the timed call
+        return paged.decode_kernel(
+            (q.astype(jnp.float32) * np.float32(case.h**-0.5)).astype(q.dtype), k, v, n, t,
             soft_cap=None, pages_per_block=block, interpret=interpret,
         )  # fmt: skip
-        return out[:, None]
 
-    return {"attnlib": jax.jit(attn(impl)), "attnlib_xla": jax.jit(attn("xla")), "paged_attention": jax.jit(raw)}
+    head_major = tuple(jnp.transpose(x, (2, 0, 1, 3)) for x in (k, v))
+    fns["attnlib_head_major"] = (attend(impl), (dense_q, cache_of(k, v, table, lengths, "head_major")))
+    token_major = cache_of(k, v, table, lengths, "token_major")
+    bare = lambda q, k, v, t, n: attnlib.attention(  # noqa: E731
+        q, k, v, page_table=t, key_value_seq_lengths=n, implementation=impl, is_causal=True,
+        diagonal_alignment="bottom_right",
+    )[:, 0]  # fmt: skip
+    fns["attnlib_token_major"] = (jax.jit(bare), (dense_q, k, v, table, lengths))
+    fns["attnlib_xla"] = (attend("xla"), (dense_q, token_major))
+    fns["paged_attention"] = (jax.jit(raw_paged), (q, *head_major, table, lengths))
+    return fns
 
 
 def run_case(case: Case, interpret: bool) -> dict:
     time_calls, error = _bench_tpu_helpers()
-    q, k, v, table, lengths = inputs(case)
+    q, k, v, table, lengths, cu = inputs(case)
     ref = reference(q, k, v, table, case)
     tol = 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(ref)))
-    head_major = tuple(jnp.transpose(x, (2, 0, 1, 3)) for x in (k, v))
     row = {"shape": dataclasses.asdict(case), "tolerance": tol, "variants": {}}
+    fns = variant_fns(case, interpret, q, k, v, table, lengths, cu)
+    cache = fns["attnlib"][1][1]
     row["attnlib_pick"] = attnlib.explain(
-        q, k, v, page_table=table, key_value_seq_lengths=lengths, is_causal=True, diagonal_alignment="bottom_right"
-    ).implementation
-    kv_bytes = 2 * case.b * case.length * case.k * case.h * 2
-    for name, fn in variant_fns(case, interpret).items():
-        args = (q, *head_major, table, lengths) if name == "paged_attention" else (q, k, v, table, lengths)
+        fns["attnlib"][1][0], cache, None, is_causal=True, diagonal_alignment="bottom_right",
+        **({"cu_seqlens_q": cu} if case.mixed else {}),
+    ).implementation  # fmt: skip
+    row["attnlib_layout"] = cache.layout
+    kv_bytes = 2 * sum(case.kv_lengths) * case.k * case.h * 2
+    for name, (fn, args) in fns.items():
+        if interpret and name in RAGGED_KERNEL:
+            row["variants"][name] = {"skipped": "TPU interpret mode cannot run JAX's ragged paged-attention kernel"}
+            continue
         try:
             err = float(np.max(np.abs(np.asarray(fn(*args), np.float32) - ref)))
             result = {"max_err": err}
@@ -130,8 +213,10 @@ def run_case(case: Case, interpret: bool) -> dict:
         except Exception as e:  # noqa: BLE001 - a variant's failure is reported, not fatal
             result = {"error": error(e)}
         row["variants"][name] = result
-    raw, ours = row["variants"]["paged_attention"].get("ms"), row["variants"]["attnlib"].get("ms")
-    row["speedup_vs_paged_attention"] = raw / ours if raw and ours else None
+    ours = row["variants"]["attnlib"].get("ms")
+    for raw in ("paged_attention", "ragged_paged_attention", "attnlib_xla"):
+        theirs = row["variants"].get(raw, {}).get("ms")
+        row[f"speedup_vs_{raw}"] = theirs / ours if theirs and ours else None
     return row
 
 
@@ -139,7 +224,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json")
     parser.add_argument("--only", nargs="*", default=None)
-    parser.add_argument("--smoke", action="store_true", help="a tiny case in TPU interpret mode")
+    parser.add_argument("--smoke", action="store_true", help="tiny cases in TPU interpret mode")
     args = parser.parse_args(argv)
     cases = SMOKE_CASES if args.smoke else CASES
     unknown = set(args.only or ()) - set(cases)

@@ -10,6 +10,9 @@ tests' job. Skipped without libtpu and on a machine with a TPU (the `tpu` tests 
 libtpu in a venv of its own and runs this file there with `ATTNLIB_REQUIRE_LIBTPU=1` (a skip fails).
 """
 
+import contextlib
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -150,3 +153,40 @@ def test_benchmark_shapes_pick_pallas_tpu_and_fit_a_v5e(name, v5e_chip):
 def test_the_topology_is_a_v5e(v5e_chip):
     (device,) = v5e_chip.device_set
     assert device.platform == "tpu" and "v5" in device.device_kind.lower(), device.device_kind
+
+
+SETTINGS = {
+    "default": lambda: contextlib.nullcontext(),
+    "x64": lambda: jax.enable_x64(True),
+    "highest": lambda: jax.default_matmul_precision("highest"),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("layout", ["combined", "head_major"])
+def test_cache_layouts_compile_for_a_v5e(layout, setting, v5e_chip, monkeypatch):
+    """A mixed prefill + decode batch on a `"combined"` cache (JAX's ragged paged-attention kernel) and a decode on a
+    `"head_major"` one (its paged-attention kernel, the pools as they are: no copy of them in the program), under a
+    user's global settings. The ragged kernel reads its tuned blocks by the attached TPU's generation: here none is
+    attached, so it is told a v5e's."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
+
+    monkeypatch.setattr(tuned_block_sizes, "get_tpu_version", lambda: 5)
+    monkeypatch.setattr(tuned_block_sizes, "get_device_name", lambda num_devices=None: "TPU v5")
+    B, pages_per_seq, page, K, H = 6, 64, 32, 8, 64
+    cache = attnlib.PagedKVCache.create(B, B * pages_per_seq, page, K, H, max_pages_per_seq=pages_per_seq,
+                                        layout=layout)  # fmt: skip
+    decode = layout == "head_major"
+    q = jnp.zeros((B, 1, 32, H) if decode else (1500, 32, H), jnp.bfloat16)
+    cu = jnp.asarray([0, 1000, 1200, 1201, 1202, 1203, 1204], jnp.int32)
+
+    def attend(q, pool, table, lengths):
+        full = dataclasses.replace(cache, k_pages=pool, v_pages=pool if decode else None, page_table=table,
+                                   lengths=lengths)  # fmt: skip
+        return full.attend(q, implementation=attnlib.PallasTpu(), **({} if decode else {"cu_seqlens_q": cu}))
+
+    # Mosaic lowers the ragged kernel's `sign` by the default device's TPU generation: the deviceless v5e chip's.
+    with SETTINGS[setting](), jax.default_device(next(iter(v5e_chip.device_set))):
+        text, _ = _compile(attend, (q, cache.k_pages, cache.page_table, cache.lengths), v5e_chip)
+    assert text.count(MOSAIC) == 1, text.count(MOSAIC)
+    assert "transpose" not in text  # the pools are read in the layout they are held in

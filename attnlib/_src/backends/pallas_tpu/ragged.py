@@ -101,6 +101,35 @@ class RaggedPlan:
     fallback: Fallback | None
 
 
+KV_BLOCK_TOKENS = 512
+"""Key tokens per kernel step where JAX's tuned table has no entry (it covers caches of at most 1280 tokens per
+sequence; its default of 128 pages per step overflows the 16 MiB of scoped VMEM on a v5e for 32-token pages and
+16 combined heads): the most pages that hold at most this many tokens (one page when a page is larger)."""
+
+QUERIES_PER_BLOCK = 32
+"""Query tokens per kernel step where the table has no entry (the kernel's own default)."""
+
+
+def kernel_blocks(q, pool, page_table, *, interpret: bool) -> dict:
+    """`num_kv_pages_per_block` and `num_queries_per_block` for the kernel: its table tuned per TPU generation
+    where that has the shape, else `KV_BLOCK_TOKENS` / `QUERIES_PER_BLOCK`."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel, tuned_block_sizes as tuned
+
+    _, page_size, combined, head_dim = pool.shape
+    pages_per_seq = page_table.shape[1]
+    if not interpret:
+        q_heads, kv_heads = kernel.get_min_heads_per_blk(q.shape[1], combined, q.dtype, pool.dtype)
+        key = tuned.simplify_key(
+            (q.dtype, pool.dtype, q_heads, kv_heads // 2, head_dim, page_size, q.shape[0], pages_per_seq)
+        )
+        table = tuned.TUNED_BLOCK_SIZES.get(tuned.get_device_name(), {})
+        if tuned.get_tpu_version() >= 5 and key in table:
+            pages, queries = table[key]
+            return dict(num_kv_pages_per_block=min(pages_per_seq, pages), num_queries_per_block=min(q.shape[0], queries))
+    pages = max(1, min(pages_per_seq, KV_BLOCK_TOKENS // page_size))
+    return dict(num_kv_pages_per_block=pages, num_queries_per_block=min(q.shape[0], QUERIES_PER_BLOCK))
+
+
 def ragged_kernel(q, pool, kv_lens, page_table, cu_q_lens, *, scale, window_left, soft_cap, interpret):
     """JAX's ragged paged-attention kernel: `[T, N, D']` from queries `[T, N, D']`, the combined pool, kv lengths
     `[B]`, the page table `[B, pages_per_seq]` (entries inside the pool) and `cu_q_lens` `[B + 1]`."""
@@ -108,8 +137,7 @@ def ragged_kernel(q, pool, kv_lens, page_table, cu_q_lens, *, scale, window_left
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     num_seqs = jnp.array([page_table.shape[0]], jnp.int32)
-    # On a TPU the kernel takes its blocks from its table tuned per TPU generation; interpret mode has no table.
-    blocks = dict(num_kv_pages_per_block=min(page_table.shape[1], 8), num_queries_per_block=32) if interpret else {}
+    blocks = kernel_blocks(q, pool, page_table, interpret=interpret)
     kernel = functools.partial(
         ragged_paged_attention, q, pool, kv_lens, page_table, cu_q_lens, num_seqs, sm_scale=scale,
         sliding_window=None if window_left is None else window_left + 1, soft_cap=soft_cap, **blocks,
