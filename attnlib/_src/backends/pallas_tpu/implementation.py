@@ -21,7 +21,11 @@ AUTO_MIN_LENGTH = 512
 """With `implementation=None`, calls whose T and S are both at most this are left to `xla_chunked` (one key block:
 its forward keeps the probabilities for the backward). Measured on a TPU v5e, b8 T=S=512 N16 H64 causal bf16
 (`benchmarks/bench_tpu.py`, small_512): xla_chunked 0.15 / 0.77 ms forward / forward + backward, splash 0.27 / 0.83
-with its best blocks, attnlib's splash call 0.33 / 0.89."""
+with its best blocks, attnlib's splash call 0.33 / 0.89. Paged decode measured likewise (`bench_tpu_decode.py`,
+b32 N32 K8 H128, S = 512, 2026-12-07): on token-major or head-major pools xla_chunked 0.18 ms beats JAX's
+paged-attention kernel (0.23 ms), so the rule holds there too; on a `"combined"` cache the ragged kernel (0.15 ms)
+beats every other path (xla_chunked reads that layout at 0.52 ms), so a combined cache is never left to
+xla_chunked."""
 
 FLOAT32_ON_TPU = (
     "float32 inputs are not served on a TPU: splash's matrix products run at the TPU's default precision there "
@@ -136,7 +140,8 @@ class PallasTpu(Implementation):
             return elsewhere
         if not self.interpret and config.dtype == np.dtype("float32") and config.fp8 is None:
             return FLOAT32_ON_TPU
-        if context.automatic and max(config.q_len, config.kv_len) <= AUTO_MIN_LENGTH:
+        ragged_kernel = config.layout == "paged" and config.kv_layout == "combined"
+        if context.automatic and not ragged_kernel and max(config.q_len, config.kv_len) <= AUTO_MIN_LENGTH:
             return (
                 f"automatic dispatch leaves sequences of at most {AUTO_MIN_LENGTH} tokens (T={config.q_len}, "
                 f"S={config.kv_len}) to xla_chunked, faster there on a TPU v5e; name pallas_tpu to force it"
