@@ -261,7 +261,10 @@ class PagedKVCache:
         page_index = jnp.where(valid, page_index, P)  # out of range: dropped by the scatter
         pools = self.pool_layout.write(self.pools, page_index, position % page, k_tokens, v_tokens)
         return self._with_pools(
-            pools, page_table=page_table, lengths=self.lengths + count, num_used_pages=self.num_used_pages + jnp.sum(need)
+            pools,
+            page_table=page_table,
+            lengths=self.lengths + count,
+            num_used_pages=self.num_used_pages + jnp.sum(need, dtype=jnp.int32),  # int32 under x64 too
         )
 
     def release(self, done: jax.Array) -> "PagedKVCache":
@@ -281,7 +284,7 @@ class PagedKVCache:
         if done.shape != (B,) or done.dtype != jnp.bool_:
             raise ValueError(f"`done` must be bool [B]=({B},). Got shape {done.shape}, dtype {done.dtype}.")
         held = jnp.where(done, _ceil_div(self.lengths, self.page_size), 0)  # [B]
-        released = jnp.sum(held)
+        released = jnp.sum(held, dtype=jnp.int32)
         first = jnp.cumsum(held) - held
         slot = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
         # The free list is a stack: `free_pages[num_used_pages:]` are free. Released pages go just below its top.

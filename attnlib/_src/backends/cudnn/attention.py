@@ -192,10 +192,10 @@ def _forward(
 def _visible(plan: Plan, seq_q: jax.Array | None, seq_kv: jax.Array | None) -> jax.Array:
     """Bool `[B, t, S]`: the keys each query row of the graphs sees by the lengths and the built-in band."""
     spec = plan.fwd
-    i = jnp.arange(spec.t)[None, :, None]
-    j = jnp.arange(spec.s)[None, None, :]
-    q_len = jnp.full((spec.b,), spec.t) if seq_q is None else seq_q
-    kv_len = jnp.full((spec.b,), spec.s) if seq_kv is None else seq_kv
+    i = jnp.arange(spec.t, dtype=jnp.int32)[None, :, None]  # int32 under `jax_enable_x64` too, as the lengths
+    j = jnp.arange(spec.s, dtype=jnp.int32)[None, None, :]
+    q_len = jnp.full((spec.b,), spec.t, jnp.int32) if seq_q is None else seq_q
+    kv_len = jnp.full((spec.b,), spec.s, jnp.int32) if seq_kv is None else seq_kv
     diagonal = plan.band.diagonal(i, q_len[:, None, None], kv_len[:, None, None])
     return (i < q_len[:, None, None]) & (j < kv_len[:, None, None]) & plan.band.allows(j - diagonal)
 
@@ -337,7 +337,7 @@ def _graph_gradients(plan: Plan, q, k, v, bias, sinks, seq_q, seq_kv, seeds, arg
     if valid_rows is not None:
         dq = jnp.where(valid_rows[..., None], dq, zero(dq))
     if seq_kv is not None and not plan.rows_by_length:
-        key_valid = jnp.arange(plan.fwd.s)[None, :] < seq_kv[:, None]
+        key_valid = jnp.arange(plan.fwd.s, dtype=jnp.int32)[None, :] < seq_kv[:, None]
         dk = jnp.where(key_valid[:, :, None, None], dk, zero(dk))
         dv = jnp.where(key_valid[:, :, None, None], dv, zero(dv))
     return dq, dk, dv, dbias

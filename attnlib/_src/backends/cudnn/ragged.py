@@ -174,7 +174,7 @@ def _run_starts(ids: jax.Array) -> jax.Array:
 
 def runs_per_row(ids: jax.Array) -> jax.Array:
     """int32 `[B]`: the number of contiguous runs of non-zero ids in each row of `[B, L]` ids."""
-    return jnp.sum(_run_starts(ids).astype(jnp.int32), axis=1)
+    return jnp.sum(_run_starts(ids), axis=1, dtype=jnp.int32)  # int32 under `jax_enable_x64` too
 
 
 def _runs(ids: jax.Array, max_runs: int) -> _Runs:
@@ -183,7 +183,7 @@ def _runs(ids: jax.Array, max_runs: int) -> _Runs:
     position = jnp.arange(L, dtype=jnp.int32)[None, :]
     starts = _run_starts(ids)
     index = jnp.where(ids != 0, jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1, -1)
-    count = jnp.sum(starts.astype(jnp.int32), axis=1)
+    count = jnp.sum(starts, axis=1, dtype=jnp.int32)
     rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, L))
     slot = jnp.where((index >= 0) & (index < max_runs), index, max_runs)  # max_runs: dropped
     start = jnp.full((B, max_runs), L, jnp.int32).at[rows, slot].min(jnp.broadcast_to(position, (B, L)), mode="drop")
@@ -227,7 +227,7 @@ def segment_batch(
 
     match = (q_runs.ident[:, :, None] == kv_runs.ident[:, None, :]) & (q_runs.ident[:, :, None] != 0)  # [B, M, M]
     found = jnp.any(match, axis=2)
-    which = jnp.argmax(match, axis=2)
+    which = jnp.argmax(match, axis=2).astype(jnp.int32)
     kv_start = jnp.where(found, jnp.take_along_axis(kv_runs.start, which, axis=1), S)
     kv_len = jnp.where(found, jnp.take_along_axis(kv_runs.length, which, axis=1), 0)
     q_len = jnp.where(overflow[:, None], 0, q_runs.length)

@@ -477,10 +477,10 @@ def _segment_ids(config: AttentionConfig, inputs: AttentionInputs) -> tuple[jax.
     kv_ids = q_ids if inputs.kv_segment_ids is None else flat(inputs.kv_segment_ids, S)
     if inputs.query_seq_lengths is not None:
         lengths = jnp.reshape(inputs.query_seq_lengths, (B,)).astype(jnp.int32)
-        q_ids = jnp.where(jnp.arange(T)[None, :] < lengths[:, None], q_ids, 0)
+        q_ids = jnp.where(jnp.arange(T, dtype=jnp.int32)[None, :] < lengths[:, None], q_ids, 0)
     if inputs.key_value_seq_lengths is not None:
         lengths = jnp.reshape(inputs.key_value_seq_lengths, (B,)).astype(jnp.int32)
-        kv_ids = jnp.where(jnp.arange(S)[None, :] < lengths[:, None], kv_ids, 0)
+        kv_ids = jnp.where(jnp.arange(S, dtype=jnp.int32)[None, :] < lengths[:, None], kv_ids, 0)
     return q_ids, kv_ids
 
 

@@ -100,7 +100,10 @@ def _kernel(spec: Kernel, save_residuals: bool) -> Any:
     import jax
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    with jax.ensure_compile_time_eval():  # concrete tables even when first built inside a trace
+    from .. import kernel_settings
+
+    # Concrete tables even when first built inside a trace, and the same whatever the settings of the first call.
+    with jax.ensure_compile_time_eval(), kernel_settings.as_written():
         return splash.make_splash_mha(
             _splash_mask(spec.mask),
             block_sizes=spec.block_sizes,

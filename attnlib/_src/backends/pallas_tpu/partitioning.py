@@ -18,6 +18,10 @@ only) is a `custom_partitioning` whose rule (`partition_rules`) names its operan
 Each shard runs the same splash call on its local batch and heads: the mask is shared by every head and batch row,
 so the kernel object (`masks.kernel`) is the one the unsharded call uses. A `vmap` of a call folds the mapped axis
 into the batch (one bigger call).
+
+Every trace of a kernel runs under `kernel_settings.as_written()`, whatever the caller's JAX settings: the call
+(`call`), and what XLA's partitioner traces later (`lower`). 64-bit operands (attnlib's arrays under
+`jax_enable_x64`) are narrowed to 32 bits where they enter.
 """
 
 import dataclasses
@@ -29,7 +33,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from .. import partition_rules as rules
+from .. import kernel_settings, partition_rules as rules
 from ..partition_rules import BATCH, Dim, GROUP, KV_HEADS
 
 
@@ -93,7 +97,14 @@ def _fold(x: jax.Array, batched: bool, axis_size: int, kind: str) -> jax.Array:
 
 def call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Array | None]) -> Any:
     """`fn(*operands)` (a kernel call over the batch; segment ids may be None) as a partitionable call: its results
-    (one array, or a tuple as `signature.outputs` has several)."""
+    (one array, or a tuple as `signature.outputs` has several), traced under JAX's default settings
+    (`kernel_settings.as_written`) with 64-bit operands narrowed to 32 bits."""
+    operands = [None if x is None else kernel_settings.narrowed(x) for x in operands]
+    with kernel_settings.as_written():
+        return _call(fn, signature, operands)
+
+
+def _call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Array | None]) -> Any:
     present = [i for i, x in enumerate(operands) if x is not None]
     arrays = [operands[i] for i in present]
     assert all(x is not None for x in arrays)
@@ -144,7 +155,8 @@ def call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Ar
         )  # fmt: skip
 
         def lower(*xs: jax.Array) -> tuple[jax.Array, ...]:
-            outs = run(*xs[nc:])
+            with kernel_settings.as_written():  # traced by XLA's partitioner, outside `call`
+                outs = run(*xs[nc:])
             if not split.group_axes:
                 return outs
             # The GQA groups were split (fewer kv heads than shards): each shard's dK, dV cover its query heads.

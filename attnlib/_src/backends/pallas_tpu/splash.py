@@ -22,6 +22,11 @@ kernel: out 0 (its keys' `exp(mask value - sink)` is 0), `lse = sink`, and it co
 Gradients: attnlib's own `custom_vjp` around splash's forward and its dK/dV and dQ kernels. The `lse` cotangent
 enters exactly through the kernels' row term: `dS = P (dP - D)` with `D = rowsum(dO * O) - dlse`. The sink is a
 column with no value (`dP = 0`), so `dsink[n] = -Σ_{b,t} p_sink D` with `p_sink = exp(sink - lse)`.
+
+The caller's JAX settings (`jax_enable_x64`, `jax_default_matmul_precision`, dtype and rank promotion) do not reach
+the kernels: every kernel call, the backward's included (traced after the forward, under the settings in force then),
+goes through `partitioning.call`, which traces it under `kernel_settings.as_written()`. Around the kernels, the
+arithmetic is elementwise in float32 (no matrix product a precision setting would change).
 """
 
 import dataclasses
@@ -161,7 +166,8 @@ def _splash_bwd(call, residuals, cotangents):
         d_out = jnp.where(seen[..., None], d_out, jnp.zeros((), d_out.dtype))
         d_lse = jnp.where(seen, d_lse, 0.0)
         kernel_lse = jnp.where(seen, lse, 0.0)  # empty rows: exp(mask value - 0) = 0
-    di = jnp.einsum("bnth,bnth->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)) - d_lse
+    # A float32 sum of products, not an einsum: no matmul precision setting (the caller's) applies to it.
+    di = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1) - d_lse
     per_row = jax.vmap(functools.partial(_backward_kernels, call), in_axes=(0, 0, 0, 0, 0, None, 0, 0, 0))
     operands = (q, k, v, q_ids, kv_ids, sinks, kernel_lse, d_out, di)
     dq, dk, dv = partitioning.call(per_row, partitioning.BACKWARD, operands)
