@@ -132,8 +132,9 @@ def attention(
 
     Args:
         query: `[*B, T, N, H]`; `[T, N, H]` when unbatched or THD.
-        key: `[*B, S, K, H]`; a page pool `[P, page_size, K, H]` with `page_table`; or an `attnlib.PagedKVCache`
-            (then `value` is None and the page table and lengths come from the cache).
+        key: `[*B, S, K, H]`; a token-major page pool `[P, page_size, K, H]` with `page_table`; or an
+            `attnlib.PagedKVCache` in any of its layouts (then `value` is None and the page table and lengths come
+            from the cache).
         value: `[*B, S, K, Hv]`; a page pool `[P, page_size, K, Hv]` with `page_table`. Same dtype as `query`
             and `key` (float16, bfloat16, float32, or float64 under `jax_enable_x64` on `xla` / `xla_chunked`;
             float8_e4m3fn with `fp8=Fp8Scales(...)`).
@@ -164,9 +165,10 @@ def attention(
             there). Without it cuDNN takes the bound from concrete ids, or under `jit` uses 16 and runs a call
             whose rows hold more on `xla_chunked`.
         cu_seqlens_q: int `[B + 1]`: THD layout; sequence `b` is query rows `cu[b]:cu[b+1]`; rows past `cu[-1]`
-            are padding.
+            are padding. With `page_table` (or a `PagedKVCache`): ragged queries `[T, N, H]` against the cache,
+            one range per page-table row (mixed prefill chunks and decodes).
         cu_seqlens_kv: int `[B + 1]`. Defaults to `cu_seqlens_q`.
-        max_seqlen_q: THD static bound of one sequence's query length. Defaults to `T`.
+        max_seqlen_q: THD (and ragged paged) static bound of one sequence's query length. Defaults to `T`.
         max_seqlen_kv: THD static bound of one sequence's key length. Defaults to `S`.
         page_table: int `[B, pages_per_seq]`: key token `j` of sequence `b` lives at
             `pool[page_table[b, j // page_size], j % page_size]`.
