@@ -50,6 +50,8 @@ class LlamaConfig:
         dtype: compute dtype (activations, the KV cache). Parameters are `param_dtype`.
         param_dtype: parameter dtype.
         implementation: `attnlib.attention`'s `implementation`. None picks the best available.
+        sliding_window: Mistral-style local attention: each token sees itself and the `sliding_window` tokens before
+            it (`local_window_size=(sliding_window, 0)`). None: full causal attention.
     """
 
     vocab_size: int = 97
@@ -66,6 +68,7 @@ class LlamaConfig:
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
     implementation: Any = None
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads != 0:
@@ -133,7 +136,10 @@ class Attention(eqx.Module):
         self.wk = _normal(kk, (c.dim, c.num_kv_heads, c.head_dim), c.dim, c.param_dtype)
         self.wv = _normal(kv, (c.dim, c.num_kv_heads, c.head_dim), c.dim, c.param_dtype)
         self.wo = _normal(ko, (c.num_heads, c.head_dim, c.dim), c.num_heads * c.head_dim, c.param_dtype)
-        self.core = attnlib.equinox.DotProductAttention(c.num_heads, is_causal=True, implementation=c.implementation)
+        window = None if c.sliding_window is None else (c.sliding_window, 0)
+        self.core = attnlib.equinox.DotProductAttention(
+            c.num_heads, is_causal=True, local_window_size=window, implementation=c.implementation
+        )
         self.theta = c.rope_theta
 
     def __call__(
@@ -154,7 +160,12 @@ class Attention(eqx.Module):
             out = self.core(q, k, v, q_segment_ids=segment_ids)
         else:  # serving: the new tokens join the cache first, so each query sees itself
             cache = cache.append(k, v, cu_seqlens=cu_seqlens)
-            out = cache.attend(q, cu_seqlens_q=cu_seqlens, implementation=self.core.implementation)
+            out = cache.attend(
+                q,
+                cu_seqlens_q=cu_seqlens,
+                local_window_size=self.core.local_window_size,
+                implementation=self.core.implementation,
+            )
         return jnp.einsum("...nh,nhd->...d", out, self.wo.astype(x.dtype)), cache
 
 
