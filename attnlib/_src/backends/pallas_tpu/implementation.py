@@ -147,7 +147,8 @@ class PallasTpu(Implementation):
                 f"S={config.kv_len}) to xla_chunked, faster there on a TPU v5e; name pallas_tpu to force it"
             )
         if config.layout == "paged":
-            return feature_reason(config) or paged.decline_reason(config, on_tpu=not self.interpret)
+            kernel = ragged if config.kv_layout == "combined" else paged
+            return feature_reason(config) or kernel.decline_reason(config, on_tpu=not self.interpret)
         return feature_reason(config) or _backward_kernels_reason()
 
     def declines_loudly(self) -> bool:

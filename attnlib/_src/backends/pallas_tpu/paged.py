@@ -25,7 +25,7 @@ from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import kernel_settings
 from ..base import Fallback, fallback_gradients
-from . import blocks, partitioning, ragged
+from . import blocks, partitioning
 
 
 BLOCK_TOKENS = 512
@@ -43,8 +43,6 @@ def decline_reason(config: AttentionConfig, *, on_tpu: bool) -> str | None:
     """Why the paged kernels cannot serve the paged call `config` (a sentence naming the feature and the limit), or
     None; `on_tpu`: for a real TPU (not interpret mode). Pure Python; the features splash declines for every layout
     are `implementation.feature_reason`'s. A `"combined"` cache is the ragged kernel's (`ragged.decline_reason`)."""
-    if config.kv_layout == "combined":
-        return ragged.decline_reason(config, on_tpu=on_tpu)
     if config.ragged_queries or config.q_len != 1:
         queries = "ragged queries (`cu_seqlens_q`)" if config.ragged_queries else f"T={config.q_len} queries"
         return (
@@ -94,7 +92,7 @@ def pages_per_block(page_size: int, pages_per_seq: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PagedPlan:
-    """Static description of one paged decode.
+    """Static description of one paged call (decode here, or the ragged kernel's: `ragged.py`).
 
     Attributes:
         config: the call's configuration (also what the fallback backward recomputes).

@@ -12,7 +12,6 @@ Forward only, as `paged.py`: a gradient differentiates the `fallback` dispatch p
 partitioned: under `jit` with sharded operands XLA gathers them onto each device.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -23,6 +22,7 @@ from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import kernel_settings
 from ..base import Fallback, fallback_gradients
+from .paged import PagedPlan
 
 
 TPU_PAGE_SIZE_MULTIPLE = 16
@@ -86,21 +86,6 @@ def decline_reason(config: AttentionConfig, *, on_tpu: bool) -> str | None:
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class RaggedPlan:
-    """Static description of one ragged paged call.
-
-    Attributes:
-        config: the call's configuration (also what the fallback backward recomputes).
-        interpret: run the kernel in Pallas TPU interpret mode.
-        fallback: what a gradient differentiates, or None (a gradient then raises).
-    """
-
-    config: AttentionConfig
-    interpret: bool
-    fallback: Fallback | None
-
-
 KV_BLOCK_TOKENS = 512
 """Key tokens per kernel step where JAX's tuned table has no entry (it covers caches of at most 1280 tokens per
 sequence; its default of 128 pages per step overflows the 16 MiB of scoped VMEM on a v5e for 32-token pages and
@@ -149,7 +134,7 @@ def ragged_kernel(q, pool, kv_lens, page_table, cu_q_lens, *, scale, window_left
             return kernel()
 
 
-def _forward(plan: RaggedPlan, q, pool, page_table, cu_q, kv_lens, q_valid):
+def _forward(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens, q_valid):
     config = plan.config
     D = pool.shape[-1]
     P = config.num_pages
@@ -164,15 +149,15 @@ def _forward(plan: RaggedPlan, q, pool, page_table, cu_q, kv_lens, q_valid):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged(plan: RaggedPlan, q, pool, page_table, cu_q, kv_lens, q_valid, lengths):
+def _ragged(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens, q_valid, lengths):
     return _forward(plan, q, pool, page_table, cu_q, kv_lens, q_valid)
 
 
-def _ragged_fwd(plan: RaggedPlan, q, pool, page_table, cu_q, kv_lens, q_valid, lengths):
+def _ragged_fwd(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens, q_valid, lengths):
     return _forward(plan, q, pool, page_table, cu_q, kv_lens, q_valid), (q, pool, page_table, lengths)
 
 
-def _ragged_bwd(plan: RaggedPlan, residuals, cotangents):
+def _ragged_bwd(plan: PagedPlan, residuals, cotangents):
     q, pool, page_table, lengths = residuals
     if plan.fallback is None:
         raise NotImplementedError(
@@ -225,7 +210,7 @@ def attention(
     q, cu, q_valid = _packed_queries(config, inputs, kv_lens)
     table = inputs.page_table.astype(jnp.int32)
     lengths = {name: getattr(inputs, name) for name in ("key_value_seq_lengths", "query_seq_lengths", "cu_seqlens_q")}
-    out, lse = _ragged(RaggedPlan(config, interpret, fallback), q, inputs.key, table, cu, kv_lens, q_valid, lengths)
+    out, lse = _ragged(PagedPlan(config, interpret, fallback), q, inputs.key, table, cu, kv_lens, q_valid, lengths)
     if config.ragged_queries:
         return out, lse
     T, N = config.q_len, config.num_q_heads
