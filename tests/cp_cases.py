@@ -82,9 +82,11 @@ PARAMS = [(4, s, lb, name) for name in CASES for s in ("ring", "all_gather") for
 PARAMS += [(d, s, lb, name) for d in (2, 8) for name in ("causal", "everything")
            for s in ("ring", "all_gather") for lb in (False, True)]  # fmt: skip
 # The fast tier: every case once on 4 devices, alternating ring (load-balanced) and all-gather (contiguous), and the
-# two other device counts once each; the rest of the matrix is `full`.
+# two other device counts once each on the cheapest case ("causal": 8 devices is the longest ring, 8 steps; the
+# "everything" case already runs on 4 devices here, ring and load-balanced in `test_bfloat16`); the rest of the
+# matrix is `full`.
 FAST = {(4, "ring", True, n) if i % 2 == 0 else (4, "all_gather", False, n) for i, n in enumerate(CASES)}
-FAST |= {(8, "ring", True, "everything"), (2, "all_gather", True, "causal")}
+FAST |= {(8, "ring", True, "causal"), (2, "all_gather", True, "causal")}
 
 
 def make_inputs(case: Case, seed: int = 0) -> dict:
@@ -223,7 +225,9 @@ def test_matches_single_device(num_devices, strategy, load_balanced, name):
         assert np.all(np.asarray(grads["query"][1]) == 0.0)
 
 
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+# Fast tier: all_gather (the ring strategy runs the same "everything" case load-balanced in `test_bfloat16`, and on
+# a data-parallel mesh in the full tier).
+@pytest.mark.parametrize("strategy", [pytest.param("ring", marks=pytest.mark.full), "all_gather"])
 def test_batch_and_sequence_sharded(strategy):
     """A 2 x 4 mesh: batch over "dp", sequence over "sp" (load-balanced); sinks replicated over both."""
     case = CASES["everything"]
@@ -235,7 +239,8 @@ def test_batch_and_sequence_sharded(strategy):
         assert_grad_close(grads[k], grads_ref[k], jnp.float32, what=f"d{k}")
 
 
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+# Fast tier: ring (all_gather runs in float32 on every case above; bfloat16 with all_gather is `full`).
+@pytest.mark.parametrize("strategy", ["ring", pytest.param("all_gather", marks=pytest.mark.full)])
 def test_bfloat16(strategy):
     """bfloat16 inputs: output in bfloat16, float32 `lse`, within the project's bfloat16 tolerances."""
     case = CASES["everything"]
@@ -250,12 +255,16 @@ def test_bfloat16(strategy):
         assert_grad_close(grads[k], grads_ref[k], jnp.bfloat16, what=f"d{k}")
 
 
+# Fast tier: "causal" on the ring with `check_vma=False` (splash serves the steps). `check_vma=True` (pallas_tpu
+# declines inside `shard_map`, `xla` serves) is `full` here; the fast tier checks that decline in
+# `test_pallas_tpu.py::test_inside_shard_map`.
+@pytest.mark.parametrize("check_vma", [False, pytest.param(True, marks=pytest.mark.full)], ids=["no_vma", "vma"])
 @pytest.mark.parametrize(
     "name,strategy",
     [pytest.param(n, s, marks=() if (n, s) == ("causal", "ring") else (pytest.mark.full,))
      for n in ("causal", "window_causal", "lengths", "bottom_right_cross") for s in ("ring", "all_gather")],
 )  # fmt: skip
-def test_pallas_tpu_serves_the_steps(name, strategy, monkeypatch):
+def test_pallas_tpu_serves_the_steps(name, strategy, check_vma, monkeypatch):
     """`implementation=(PallasTpu(interpret=True), "xla")` composes per step inside `shard_map(check_vma=False)`:
     splash (in interpret mode) serves the steps it can (the others are logged and run on `xla`), and the result
     equals single-device attention. With `check_vma=True` pallas_tpu declines every step (its kernels cannot type
@@ -273,15 +282,13 @@ def test_pallas_tpu_serves_the_steps(name, strategy, monkeypatch):
     implementation = (attnlib.PallasTpu(interpret=True), "xla")
     case = dataclasses.replace(base, kwargs=base.kwargs | {"implementation": implementation})
     out_ref, lse_ref, grads_ref = reference_of(name)
-    for check_vma in (False, True):
-        served.clear()
-        out, lse, grads = context_parallel(case, make_inputs(case), 4, strategy, True, check_vma=check_vma)
-        assert bool(served) == (not check_vma), (check_vma, served)
-        assert_out_close(out, out_ref, jnp.float32)
-        if case.return_residual:
-            assert_lse_close(lse, lse_ref, jnp.float32)
-        for k in grads_ref:
-            assert_grad_close(grads[k], grads_ref[k], jnp.float32, what=f"d{k}")
+    out, lse, grads = context_parallel(case, make_inputs(case), 4, strategy, True, check_vma=check_vma)
+    assert bool(served) == (not check_vma), (check_vma, served)
+    assert_out_close(out, out_ref, jnp.float32)
+    if case.return_residual:
+        assert_lse_close(lse, lse_ref, jnp.float32)
+    for k in grads_ref:
+        assert_grad_close(grads[k], grads_ref[k], jnp.float32, what=f"d{k}")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -314,7 +321,10 @@ def _full_sequence_buffers(text: str, S: int, full_kv_elements: int) -> list[tup
     return [s for s in _buffers(text) if S in s or int(np.prod(s, dtype=np.int64)) >= full_kv_elements]
 
 
-@pytest.mark.parametrize("load_balanced", [False, True], ids=["contiguous", "lb"])
+# Fast tier: the contiguous layout (ring vs all_gather buffers and collectives); the load-balanced layout is `full`.
+@pytest.mark.parametrize(
+    "load_balanced", [False, pytest.param(True, marks=pytest.mark.full)], ids=["contiguous", "lb"]
+)
 def test_ring_never_materialises_the_full_sequence(load_balanced):
     """Forward + backward per-device programs on 4 devices: ring buffers are O(S / D), all_gather's are not."""
     D, S = 4, 48  # no other dim of the problem (2, 4, 2, 8, local 12, chunks 6) equals S

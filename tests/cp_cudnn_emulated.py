@@ -65,11 +65,12 @@ def _inputs(options):
 
 
 def _params():
-    """Every option with every strategy and layout; the fast tier runs each option once, alternating ring
-    (load-balanced) and all-gather (contiguous)."""
+    """Every option with every strategy and layout. The fast tier runs "causal" ring (load-balanced) and
+    "window_lengths_sinks" (window, padding lengths and sinks together) all-gather (contiguous): every option, both
+    strategies and both layouts once; "window" and "lengths" on their own are `full`."""
     params = []
-    for i, name in enumerate(OPTIONS):
-        fast = ("ring", True) if i % 2 == 0 else ("all_gather", False)
+    for name in OPTIONS:
+        fast = {"causal": ("ring", True), "window_lengths_sinks": ("all_gather", False)}.get(name)
         for strategy in ("ring", "all_gather"):
             for balanced in (True, False):
                 marks = () if (strategy, balanced) == fast else (pytest.mark.full,)

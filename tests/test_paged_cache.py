@@ -36,6 +36,9 @@ def test_token_by_token_decoding_matches_dense(implementation):
     np.testing.assert_array_equal(cache.lengths, prompt_lengths)
 
     append = jax.jit(lambda c, k, v: c.append(k, v), donate_argnums=0)
+    # compiled once each: the paged call has the same shapes at every step, the dense one once per history length
+    paged = jax.jit(_paged, static_argnums=2)
+    dense_causal = jax.jit(_dense_causal)
     for step in range(steps):
         # Each sequence's next token is the one after its own prompt.
         index = jnp.asarray(prompt_lengths + step)[:, None, None, None]
@@ -43,10 +46,10 @@ def test_token_by_token_decoding_matches_dense(implementation):
         v_tok = jnp.take_along_axis(v_all, index, axis=1)
         cache = append(cache, k_tok, v_tok)
         q = q_all[:, step : step + 1]
-        out = _paged(cache, q, implementation)
+        out = paged(cache, q, implementation)
         for b in range(B):
             n = int(prompt_lengths[b]) + step + 1
-            expected = _dense_causal(q[b : b + 1], k_all[b : b + 1, :n], v_all[b : b + 1, :n])
+            expected = dense_causal(q[b : b + 1], k_all[b : b + 1, :n], v_all[b : b + 1, :n])
             np.testing.assert_allclose(out[b : b + 1], expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(cache.lengths, prompt_lengths + steps)
 
@@ -59,8 +62,8 @@ def test_chunked_prefill_matches_dense():
     cache = attnlib.PagedKVCache.create(B, 12, PAGE, K, H, value_head_dim=HV, dtype=jnp.float32)
     cache = cache.append(k[:, :6], v[:, :6])
     cache = cache.append(k[:, 6:], v[:, 6:])  # a 5-token chunk after a 6-token prefix
-    out = _paged(cache, q, "xla")
-    expected = _dense_causal(q, k, v)
+    out = jax.jit(_paged, static_argnums=2)(cache, q, "xla")
+    expected = jax.jit(_dense_causal)(q, k, v)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
