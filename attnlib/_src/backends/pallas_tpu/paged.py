@@ -39,6 +39,20 @@ pages of 16, 32 and 64 tokens (a bfloat16 tile holds 16 rows); other sizes are l
 risk a kernel that does not compile. Interpret mode takes any size."""
 
 
+def output_only_reason(config: AttentionConfig, kernel: str) -> str | None:
+    """What both paged kernels (`kernel` names one) decline alike: they return the output only, have no sink term
+    and take a static scale."""
+    unsupported = [
+        (config.return_residual, f"the log-sum-exp (`return_residual=True`) with a paged KV cache is not supported: "
+                                 f"{kernel} returns the output only"),
+        (config.has_sinks, f"`sinks` with a paged KV cache are not supported: {kernel} has no sink term and "
+                           "returns no log-sum-exp to add one"),
+        (config.scale is None, f"an array `scale` with a paged KV cache is not supported: {kernel} takes a static "
+                               "scale"),
+    ]  # fmt: skip
+    return next((reason for declined, reason in unsupported if declined), None)
+
+
 def decline_reason(config: AttentionConfig, *, on_tpu: bool) -> str | None:
     """Why the paged kernels cannot serve the paged call `config` (a sentence naming the feature and the limit), or
     None; `on_tpu`: for a real TPU (not interpret mode). Pure Python; the features splash declines for every layout
@@ -56,17 +70,9 @@ def decline_reason(config: AttentionConfig, *, on_tpu: bool) -> str | None:
             f"paged KV caches (`page_table`) with {config.dtype} inputs are not supported: JAX's paged-attention "
             "kernel rounds keys and values to bfloat16"
         )
-    unsupported = [
-        (config.return_residual, "the log-sum-exp (`return_residual=True`) with a paged KV cache is not supported: "
-                                 "JAX's paged-attention kernel returns the output only"),
-        (config.has_sinks, "`sinks` with a paged KV cache are not supported: JAX's paged-attention kernel has no "
-                           "sink term and returns no log-sum-exp to add one"),
-        (config.scale is None, "an array `scale` with a paged KV cache is not supported: the paged path folds a "
-                               "static scale into the query"),
-    ]  # fmt: skip
-    for declined, reason in unsupported:
-        if declined:
-            return reason
+    reason = output_only_reason(config, "JAX's paged-attention kernel")
+    if reason is not None:
+        return reason
     if on_tpu and config.page_size % TPU_PAGE_SIZE_MULTIPLE:
         return (
             f"paged KV caches with pages of {config.page_size} tokens are not served on a TPU: JAX's paged-attention "

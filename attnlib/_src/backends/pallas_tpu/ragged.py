@@ -22,11 +22,7 @@ from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import kernel_settings
 from ..base import Fallback, fallback_gradients
-from .paged import PagedPlan
-
-
-TPU_PAGE_SIZE_MULTIPLE = 16
-"""On a TPU, page sizes given to the kernel are multiples of this (a bfloat16 tile holds 16 rows)."""
+from .paged import output_only_reason, PagedPlan, TPU_PAGE_SIZE_MULTIPLE
 
 
 def _kv_heads_tile(num_kv_heads: int, dtype: np.dtype) -> bool:
@@ -45,20 +41,14 @@ def decline_reason(config: AttentionConfig, *, on_tpu: bool) -> str | None:
     `implementation.feature_reason`'s."""
     if config.dtype not in (np.dtype("bfloat16"), np.dtype("float32")):
         return f"{config.dtype} inputs with a paged KV cache are not supported: bfloat16 and float32"
-    unsupported = [
-        (config.return_residual, "the log-sum-exp (`return_residual=True`) with a paged KV cache is not supported: "
-                                 "JAX's ragged paged-attention kernel returns the output only"),
-        (config.has_sinks, "`sinks` with a paged KV cache are not supported: JAX's ragged paged-attention kernel has "
-                           "no sink term"),
-        (config.scale is None, "an array `scale` with a paged KV cache is not supported: the kernel takes a static "
-                               "scale"),
-        (not config.ragged_queries and config.q_len > 1 and config.has_q_lengths,
-         "`query_seq_lengths` with T > 1 queries per sequence on a paged KV cache are not supported: pass the "
-         "queries packed, with `cu_seqlens_q`"),
-    ]  # fmt: skip
-    for declined, reason in unsupported:
-        if declined:
-            return reason
+    reason = output_only_reason(config, "JAX's ragged paged-attention kernel")
+    if reason is not None:
+        return reason
+    if not config.ragged_queries and config.q_len > 1 and config.has_q_lengths:
+        return (
+            "`query_seq_lengths` with T > 1 queries per sequence on a paged KV cache are not supported: pass the "
+            "queries packed, with `cu_seqlens_q`"
+        )
     if not _kv_heads_tile(config.num_kv_heads, config.dtype):
         return (
             f"K={config.num_kv_heads} key/value heads are not supported by JAX's ragged paged-attention kernel in "
