@@ -135,6 +135,23 @@ def test_mixed_batch_on_the_ragged_kernel_wiring(stand_in, name):
     assert_out_close(out, _expected(batch, keys, values, queries, **kwargs), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "kernel"])
+def test_rows_beyond_a_sequences_cached_keys_are_zero(stand_in, implementation):
+    """A sequence queried with more rows than it has cached keys: bottom-right aligned, its first rows see no key and
+    are 0 (the kernel leaves them as garbage; attnlib zeroes them only on such a step)."""
+    batch = Batch()
+    keys, values, queries = _tokens(batch, jnp.bfloat16)
+    cache = _filled_cache(batch, "combined", jnp.bfloat16, keys, values)
+    counts = (3, 1, 8, 0)  # sequence 2 holds 6 keys
+    q = np.concatenate([queries[:4], np.random.default_rng(2).standard_normal((8, batch.n, batch.h), np.float32)])
+    q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
+    impl = INTERPRET if implementation == "kernel" else "xla"
+    out = cache.attend(jnp.asarray(q, jnp.bfloat16), cu_seqlens_q=_cu(counts), implementation=impl)
+    expected = _expected(dataclasses.replace(batch, chunk=counts), keys, values, q)
+    np.testing.assert_array_equal(np.asarray(out[4:6], np.float32), 0.0)
+    assert_out_close(out, expected, jnp.bfloat16)
+
+
 def test_dense_chunked_prefill_and_decode_on_the_ragged_kernel_wiring(stand_in):
     batch = Batch(chunk=(3, 3, 3, 3), padding_rows=0)
     keys, values, queries = _tokens(batch, jnp.bfloat16)

@@ -124,7 +124,7 @@ def ragged_kernel(q, pool, kv_lens, page_table, cu_q_lens, *, scale, window_left
             return kernel()
 
 
-def _forward(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens, q_valid):
+def _forward(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens):
     config = plan.config
     D = pool.shape[-1]
     P = config.num_pages
@@ -134,17 +134,42 @@ def _forward(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens, q_valid):
         scale=config.scale, window_left=Band.of(config).left, soft_cap=config.logits_soft_cap,
         interpret=plan.interpret,
     )  # fmt: skip
-    out = jnp.where(q_valid[:, None, None], out[:, :, : config.value_head_dim], jnp.zeros((), out.dtype))
+    out = _zero_rows_without_keys(config, out[:, :, : config.value_head_dim], cu_q, kv_lens)
     return out, jnp.full(out.shape[:-1], -jnp.inf, jnp.float32)  # no lse: `decline_reason` keeps it dropped
 
 
+def _zero_rows_without_keys(config: AttentionConfig, out, cu_q, kv_lens):
+    """`out` `[T, N, Hv]` with the rows that see no key set to 0 (the kernel leaves rows past `cu_q[-1]` unwritten
+    and averages masked keys in a row whose keys are all masked). Such rows are rare in serving, so the per-token
+    test and the pass over `out` run only when a sequence has them."""
+    q_count = cu_q[1:] - cu_q[:-1]
+    every_row_sees_a_key = (cu_q[0] == 0) & (cu_q[-1] == out.shape[0]) & jnp.all((q_count <= kv_lens) | (q_count == 0))
+
+    def zero_them(out):
+        valid = _rows_with_keys(cu_q, kv_lens, out.shape[0])
+        return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))
+
+    return jax.lax.cond(every_row_sees_a_key, lambda out: out, zero_them, out)
+
+
+def _rows_with_keys(cu_q, kv_lens, T: int):
+    """Whether each of `T` packed query rows sees a key: inside `cu_q` and at a bottom-right aligned position >= 0."""
+    B = kv_lens.shape[0]
+    token = jnp.arange(T, dtype=jnp.int32)
+    sequence = jnp.clip(jnp.searchsorted(cu_q, token, side="right").astype(jnp.int32) - 1, 0, B - 1)
+    q_count = cu_q[sequence + 1] - cu_q[sequence]
+    inside = (token >= cu_q[0]) & (token < cu_q[-1])
+    position = token - cu_q[sequence] + kv_lens[sequence] - q_count
+    return inside & (position >= 0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens, q_valid, lengths):
-    return _forward(plan, q, pool, page_table, cu_q, kv_lens, q_valid)
+def _ragged(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens, lengths):
+    return _forward(plan, q, pool, page_table, cu_q, kv_lens)
 
 
-def _ragged_fwd(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens, q_valid, lengths):
-    return _forward(plan, q, pool, page_table, cu_q, kv_lens, q_valid), (q, pool, page_table, lengths)
+def _ragged_fwd(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens, lengths):
+    return _forward(plan, q, pool, page_table, cu_q, kv_lens), (q, pool, page_table, lengths)
 
 
 def _ragged_bwd(plan: PagedPlan, residuals, cotangents):
@@ -161,33 +186,24 @@ def _ragged_bwd(plan: PagedPlan, residuals, cotangents):
     inputs = AttentionInputs(query=query, key=pool, value=pool, page_table=page_table, **lengths)
     dq, dk, dv = fallback_gradients(plan.fallback, config, inputs, out_cotangent, None)
     # `key` and `value` are the one combined pool: its cotangent is the sum of both.
-    return jnp.reshape(dq, q.shape), dk + dv, None, None, None, None, jax.tree.map(lambda _: None, lengths)
+    return jnp.reshape(dq, q.shape), dk + dv, None, None, None, jax.tree.map(lambda _: None, lengths)
 
 
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)
 
 
 def _packed_queries(config: AttentionConfig, inputs: AttentionInputs, kv_lens: jax.Array):
-    """Queries `[T, N, H]`, `cu_q_lens` `[B + 1]` and whether each query row sees a key `[T]`."""
-    B, N, H = config.num_sequences, config.num_q_heads, config.head_dim
+    """Queries `[T, N, H]`, `cu_q_lens` `[B + 1]` and the kv lengths `[B]` the kernel reads: a dense call's `T`
+    queries per sequence are `B` ranges of `T`; a padding decode row (`query_seq_lengths` 0, `T == 1` by
+    `decline_reason`) is an empty range."""
     if config.ragged_queries:
-        q = inputs.query
-        T = config.q_len
-        cu = inputs.cu_seqlens_q.astype(jnp.int32)
-        token = jnp.arange(T, dtype=jnp.int32)
-        sequence = jnp.clip(jnp.searchsorted(cu, token, side="right").astype(jnp.int32) - 1, 0, B - 1)
-        q_count = cu[sequence + 1] - cu[sequence]
-        inside = (token >= cu[0]) & (token < cu[-1])
-        position = token - cu[sequence] + kv_lens[sequence] - q_count  # bottom-right aligned
-        return q, cu, inside & (position >= 0)
-    T = config.q_len
+        return inputs.query, inputs.cu_seqlens_q.astype(jnp.int32), kv_lens
+    B, T, N, H = config.num_sequences, config.q_len, config.num_q_heads, config.head_dim
     q = jnp.reshape(inputs.query, (B * T, N, H))
     cu = jnp.arange(B + 1, dtype=jnp.int32) * T
-    rows = jnp.arange(T, dtype=jnp.int32)[None, :]
-    valid = (rows + kv_lens[:, None] - T >= 0) & (kv_lens[:, None] > 0)
-    if inputs.query_seq_lengths is not None:  # T == 1 (`decline_reason`): padding decode rows
-        valid = valid & (rows < jnp.reshape(inputs.query_seq_lengths, (B, 1)))
-    return q, cu, jnp.reshape(valid, (B * T,))
+    if inputs.query_seq_lengths is not None:
+        kv_lens = jnp.where(jnp.reshape(inputs.query_seq_lengths, (B,)) > 0, kv_lens, 0)
+    return q, cu, kv_lens
 
 
 def attention(
@@ -197,10 +213,10 @@ def attention(
     layout; `lse` is -inf (the call does not return it)."""
     B = config.num_sequences
     kv_lens = jnp.clip(jnp.reshape(inputs.key_value_seq_lengths, (B,)).astype(jnp.int32), 0, config.kv_len)
-    q, cu, q_valid = _packed_queries(config, inputs, kv_lens)
+    q, cu, kv_lens = _packed_queries(config, inputs, kv_lens)
     table = inputs.page_table.astype(jnp.int32)
     lengths = {name: getattr(inputs, name) for name in ("key_value_seq_lengths", "query_seq_lengths", "cu_seqlens_q")}
-    out, lse = _ragged(PagedPlan(config, interpret, fallback), q, inputs.key, table, cu, kv_lens, q_valid, lengths)
+    out, lse = _ragged(PagedPlan(config, interpret, fallback), q, inputs.key, table, cu, kv_lens, lengths)
     if config.ragged_queries:
         return out, lse
     T, N = config.q_len, config.num_q_heads
