@@ -134,22 +134,26 @@ def _forward(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens):
         scale=config.scale, window_left=Band.of(config).left, soft_cap=config.logits_soft_cap,
         interpret=plan.interpret,
     )  # fmt: skip
-    out = _zero_rows_without_keys(config, out[:, :, : config.value_head_dim], cu_q, kv_lens)
+    out = _zero_rows_without_keys(out[:, :, : config.value_head_dim], cu_q, kv_lens)
     return out, jnp.full(out.shape[:-1], -jnp.inf, jnp.float32)  # no lse: `decline_reason` keeps it dropped
 
 
-def _zero_rows_without_keys(config: AttentionConfig, out, cu_q, kv_lens):
-    """`out` `[T, N, Hv]` with the rows that see no key set to 0 (the kernel leaves rows past `cu_q[-1]` unwritten
-    and averages masked keys in a row whose keys are all masked). Such rows are rare in serving, so the per-token
-    test and the pass over `out` run only when a sequence has them."""
+def _zero_rows_without_keys(out, cu_q, kv_lens):
+    """`out` `[T, N, Hv]` with the rows that see no key set to 0 (the kernel leaves rows outside `cu_q` unwritten
+    and averages masked keys in a row whose keys are all masked). Serving steps rarely have the second kind, and
+    unpadded ones neither: the per-token search and the pass over `out` run only on a step that needs them."""
+    T = out.shape[0]
     q_count = cu_q[1:] - cu_q[:-1]
-    every_row_sees_a_key = (cu_q[0] == 0) & (cu_q[-1] == out.shape[0]) & jnp.all((q_count <= kv_lens) | (q_count == 0))
-
-    def zero_them(out):
-        valid = _rows_with_keys(cu_q, kv_lens, out.shape[0])
-        return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))
-
-    return jax.lax.cond(every_row_sees_a_key, lambda out: out, zero_them, out)
+    padded = (cu_q[0] > 0) | (cu_q[-1] < T)
+    short = jnp.any((q_count > kv_lens) & (q_count > 0))  # a sequence with more queries than cached keys
+    zero = lambda valid: jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))  # noqa: E731
+    token = jnp.arange(T, dtype=jnp.int32)
+    branches = (
+        lambda: out,
+        lambda: zero((token >= cu_q[0]) & (token < cu_q[-1])),
+        lambda: zero(_rows_with_keys(cu_q, kv_lens, T)),
+    )
+    return jax.lax.switch(jnp.where(short, 2, padded.astype(jnp.int32)), branches)
 
 
 def _rows_with_keys(cu_q, kv_lens, T: int):
