@@ -2,9 +2,10 @@
 
 `*B` is flattened to `B`; THD becomes one row of packed tokens (`B = 1`); paged key/value pools (in any layout,
 `kv_layouts.py`) are gathered into dense `[B, S, K, H]` rows, and ragged queries against them (`cu_seqlens_q` with
-`page_table`) into rows `[B, max_seqlen_q + 1, N, H]` padded with `query_seq_lengths` (the last row of each is always
-padding: where tokens past `cu_seqlens_q[-1]` read their zero output from). Bias, mask and `score_mod_args` become rank 4 `[B|1, N|1, T|1, S|1]`. Sequence
-structure travels as `TokenPositions`.
+`page_table`) into rows `[B, max_seqlen_q + 1, N, H]` padded with `query_seq_lengths` (`ragged_rows`; the last row of
+each is always padding: where tokens past `cu_seqlens_q[-1]` read their zero output from; cuDNN's paged graph takes
+the same rows). Bias, mask and `score_mod_args` become rank 4 `[B|1, N|1, T|1, S|1]`. Sequence structure travels as
+`TokenPositions`.
 """
 
 import math
@@ -33,7 +34,7 @@ class Problem(NamedTuple):
             its own dtype; empty without them.
         scale: the 0-d float array of a runtime scale (`config.scale` is None), else None.
         ragged_rows: ragged paged queries only: int32 `[T]`, the flat `[B * T']` row of each packed query token
-            (`restore` reads its result there), else None.
+            (`RaggedRows.rows`: `restore` reads its result there), else None.
     """
 
     query: jax.Array
@@ -94,11 +95,13 @@ def canonicalize(config: AttentionConfig, inputs: AttentionInputs) -> Problem:
         )
     elif config.ragged_queries:
         key, value = config.pool_layout.gather(inputs.key, inputs.value, inputs.page_table)
-        query, ragged_rows, q_lengths = _ragged_rows(config, inputs.query, inputs.cu_seqlens_q)
+        laid_out = ragged_rows(config, inputs.query, inputs.cu_seqlens_q)
+        query = laid_out.query
         kv_lengths = jnp.clip(inputs.key_value_seq_lengths.astype(jnp.int32), 0, config.kv_len)
         positions = positions_lib.dense_positions(
             config.num_sequences, query.shape[1], config.kv_len, bottom_right=bottom_right,
-            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, q_segment_ids=None, kv_segment_ids=None,
+            query_seq_lengths=laid_out.lengths, key_value_seq_lengths=kv_lengths, q_segment_ids=None,
+            kv_segment_ids=None,
         )  # fmt: skip
     else:
         query = jnp.reshape(inputs.query, (B,) + inputs.query.shape[-3:])
@@ -117,13 +120,30 @@ def canonicalize(config: AttentionConfig, inputs: AttentionInputs) -> Problem:
     score_mod_args = tuple(_to_rank4(a, bs) for a in inputs.score_mod_args)
     return Problem(
         query, key, value, bias, mask, inputs.sinks, seeds, positions, score_mod_args, inputs.scale,
-        ragged_rows if config.ragged_queries else None,
+        laid_out.rows if config.ragged_queries else None,
     )  # fmt: skip
 
 
-def _ragged_rows(config: AttentionConfig, query: jax.Array, cu_seqlens_q: jax.Array):
-    """Packed queries `[T, N, H]` as rows `[B, T', N, H]` (`T' = max_seqlen_q + 1`), each token's flat row `[T]`
-    and the query count per sequence `[B]` (a sequence longer than `max_seqlen_q` keeps its first rows)."""
+class RaggedRows(NamedTuple):
+    """Ragged queries against a paged cache (`cu_seqlens_q` with `page_table`) laid out as dense rows.
+
+    Attributes:
+        query: `[B, T', N, H]` with `T' = max_seqlen_q + 1`: sequence `b`'s queries in its first `lengths[b]` rows,
+            zeros after them (the last row of every sequence is padding).
+        rows: int32 `[T]`: the flat `[B * T']` row of each packed query token (`gather_rows` reads the token's
+            result there); tokens past `cu_seqlens_q[-1]`, or past a sequence's first `max_seqlen_q`, point at a
+            padding row.
+        lengths: int32 `[B]`: the query rows of each sequence (at most `max_seqlen_q`).
+    """
+
+    query: jax.Array
+    rows: jax.Array
+    lengths: jax.Array
+
+
+def ragged_rows(config: AttentionConfig, query: jax.Array, cu_seqlens_q: jax.Array) -> RaggedRows:
+    """Packed queries `[T, N, H]` as padded rows `[B, max_seqlen_q + 1, N, H]` (a sequence longer than
+    `max_seqlen_q` keeps its first rows): what every implementation of ragged paged queries attends with."""
     B, T, rows = config.num_sequences, config.q_len, config.max_seqlen_q + 1
     cu = cu_seqlens_q.astype(jnp.int32)
     q_lengths = jnp.clip(cu[1:] - cu[:-1], 0, rows - 1)
@@ -136,7 +156,13 @@ def _ragged_rows(config: AttentionConfig, query: jax.Array, cu_seqlens_q: jax.Ar
     within = t - cu[sequence]
     inside = (t >= cu[0]) & (t < cu[-1]) & (within < rows - 1)
     flat = jnp.where(inside, sequence * rows + within, rows - 1)  # row `rows - 1` of sequence 0: always padding
-    return dense, flat, q_lengths
+    return RaggedRows(dense, flat, q_lengths)
+
+
+def gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """Results `[B, T', ...]` of the rows of `ragged_rows` back at the packed query tokens: `[T, ...]` (`rows`:
+    `RaggedRows.rows`)."""
+    return jnp.reshape(x, (-1,) + x.shape[2:])[rows]
 
 
 def restore(
@@ -145,9 +171,7 @@ def restore(
     """Canonical `[B, T, N, Hv]` / `[B, T, N]` back to the caller's layout (`*B`, unbatched, THD; ragged paged
     queries need their `problem`)."""
     if config.ragged_queries:
-        rows = problem.ragged_rows
-        flat = lambda x: jnp.reshape(x, (-1,) + x.shape[2:])[rows]
-        return flat(out), flat(lse)
+        return gather_rows(out, problem.ragged_rows), gather_rows(lse, problem.ragged_rows)
     if config.layout == "thd" or config.unbatched:
         return out[0], lse[0]
     return (

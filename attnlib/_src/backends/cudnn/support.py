@@ -134,53 +134,12 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
     right = effective_right(config)
     masked = left is not None or right is not None
     if config.layout == "paged":
-        if config.kv_layout != "token_major":
-            return (
-                f"cudnn: a PagedKVCache in the {config.kv_layout!r} layout is not read by cuDNN's paged graphs (they "
-                "read token-major pools): create it with layout=\"token_major\" (the default on a GPU) or convert it "
-                "once with cache.to_layout(\"token_major\")."
-            )
-        if config.ragged_queries:
-            return (
-                "cudnn: ragged queries (`cu_seqlens_q`) against a paged KV cache are not supported: attnlib's cuDNN "
-                "paged graphs take dense [B, T, N, H] queries (pass them with `query_seq_lengths`)."
-            )
-        if config.page_size is None or config.pages_per_seq is None or config.num_pages is None:
-            return "cudnn: a paged call needs `page_table` geometry (page size, pages per sequence, pool size)."
-        if not config.has_kv_lengths:
-            return "cudnn: `page_table` needs `key_value_seq_lengths` (cuDNN's paged attention uses a padding mask)."
-        if cudnn_version < 90500:
-            return f"cudnn: paged key/value caches need cuDNN 9.5 or newer; found {version_string(cudnn_version)}."
-        if max(config.head_dim, config.value_head_dim) > 128 and cudnn_version < 91000:
-            return "cudnn: paged key/value caches with head dims above 128 need cuDNN 9.10 or newer."
-        if config.has_bias:
-            return "cudnn: a `bias` with a paged key/value cache (`page_table`) is not supported."
-        if config.dropout_rate > 0:
-            return "cudnn: dropout with a paged key/value cache (`page_table`) is not supported (inference only)."
-        if config.has_sinks:
-            return (
-                "cudnn: `sinks` with a paged key/value cache (`page_table`) are not supported (cuDNN rejects sinks "
-                "for single-query decode, and attnlib does not wire them for paged prefill)."
-            )
-        if config.q_len > config.kv_len:
-            return (
-                f"cudnn: a paged call needs T <= pages_per_seq * page_size (cuDNN's max query length <= max key "
-                f"length); got T={config.q_len}, pages_per_seq * page_size={config.kv_len}."
-            )
-        return None
-    if config.layout != "dense" or config.has_segments:
-        kind = "a paged key/value cache" if config.layout == "paged" else (
-            "THD (`cu_seqlens_q`)" if config.layout == "thd" else "packed rows (segment ids)")
-        if config.has_mask:
-            return f"cudnn: a boolean `mask` with {kind} is not supported."
-        if modifier_lib.uses_modifier(config):
-            return (
-                f"cudnn: `score_mod`/`mask_mod`/`logits_soft_cap` with {kind} is not supported (cuDNN 9.19 and 9.27 "
-                "refuse its padding mask together with a score modifier; without it a packed graph would write each "
-                "sequence's rows over the next one's)."
-            )
+        return _paged_reason(config, cudnn_version)
     if not is_ragged(config):
         return None
+    reason = _mask_or_modifier_reason(config)
+    if reason is not None:
+        return reason
     what = "THD (`cu_seqlens_q`)" if config.layout == "thd" else "packed rows (`q_segment_ids`/`kv_segment_ids`)"
     if config.layout == "thd" and config.num_sequences is None:
         return "cudnn: a THD call needs `cu_seqlens_q` (the number of sequences is unknown)."
@@ -209,6 +168,71 @@ def _layout_reason(config: AttentionConfig, capability: tuple[int, int], cudnn_v
         return (
             f"cudnn: {what} with more than 2**31 elements per packed tensor is not supported (attnlib computes "
             f"ragged offsets in int32); got {q_tokens} query and {kv_tokens} key tokens."
+        )
+    return None
+
+
+def _mask_or_modifier_reason(config: AttentionConfig) -> str | None:
+    """Why THD or packed rows cannot take the call's boolean `mask` or score modifier, or None."""
+    kind = "THD (`cu_seqlens_q`)" if config.layout == "thd" else "packed rows (segment ids)"
+    if config.has_mask:
+        return f"cudnn: a boolean `mask` with {kind} is not supported."
+    if modifier_lib.uses_modifier(config):
+        return (
+            f"cudnn: `score_mod`/`mask_mod`/`logits_soft_cap` with {kind} is not supported (cuDNN 9.19 and 9.27 "
+            "refuse its padding mask together with a score modifier; without it a packed graph would write each "
+            "sequence's rows over the next one's)."
+        )
+    return None
+
+
+def _paged_reason(config: AttentionConfig, cudnn_version: int) -> str | None:
+    """The limits of cuDNN's paged forward graph (`paged.py`), dense or ragged queries."""
+    if config.kv_layout != "token_major":
+        return (
+            f"cudnn: a PagedKVCache in the {config.kv_layout!r} layout is not read by cuDNN's paged graphs (they "
+            "read token-major pools): create it with layout=\"token_major\" (the default on a GPU) or convert it "
+            "once with cache.to_layout(\"token_major\")."
+        )
+    if config.page_size is None or config.pages_per_seq is None or config.num_pages is None:
+        return "cudnn: a paged call needs `page_table` geometry (page size, pages per sequence, pool size)."
+    if not config.has_kv_lengths:
+        return "cudnn: `page_table` needs `key_value_seq_lengths` (cuDNN's paged attention uses a padding mask)."
+    if cudnn_version < 90500:
+        return f"cudnn: paged key/value caches need cuDNN 9.5 or newer; found {version_string(cudnn_version)}."
+    if max(config.head_dim, config.value_head_dim) > 128 and cudnn_version < 91000:
+        return "cudnn: paged key/value caches with head dims above 128 need cuDNN 9.10 or newer."
+    if config.has_bias:
+        return "cudnn: a `bias` with a paged key/value cache (`page_table`) is not supported."
+    if config.has_mask:
+        return "cudnn: a boolean `mask` with a paged key/value cache (`page_table`) is not supported."
+    if modifier_lib.uses_modifier(config):
+        return (
+            "cudnn: `score_mod`/`mask_mod`/`logits_soft_cap` with a paged key/value cache (`page_table`) is not "
+            "supported (attnlib's cuDNN paged graph has no score modifier)."
+        )
+    if config.dropout_rate > 0:
+        return "cudnn: dropout with a paged key/value cache (`page_table`) is not supported (inference only)."
+    if config.has_sinks:
+        return (
+            "cudnn: `sinks` with a paged key/value cache (`page_table`) are not supported (cuDNN rejects sinks "
+            "for single-query decode, and attnlib does not wire them for paged prefill)."
+        )
+    if config.ragged_queries:
+        if config.num_sequences is None or config.max_seqlen_q is None:
+            return "cudnn: ragged paged queries need `cu_seqlens_q` (the number of sequences is unknown)."
+        rows = config.max_seqlen_q + 1
+        if rows > config.kv_len:
+            return (
+                "cudnn: ragged queries (`cu_seqlens_q`) against a paged cache run as rows of max_seqlen_q + 1 queries "
+                "per sequence, which cuDNN's paged graph needs <= pages_per_seq * page_size (max query length <= max "
+                f"key length); got max_seqlen_q={config.max_seqlen_q}, pages_per_seq * page_size={config.kv_len}. "
+                "Pass `max_seqlen_q` (the longest chunk of the step; it defaults to all the packed tokens)."
+            )
+    elif config.q_len > config.kv_len:
+        return (
+            f"cudnn: a paged call needs T <= pages_per_seq * page_size (cuDNN's max query length <= max key "
+            f"length); got T={config.q_len}, pages_per_seq * page_size={config.kv_len}."
         )
     return None
 
