@@ -4,7 +4,7 @@ Not collected by a plain `pytest` run: `test_cudnn_paged_ragged.py::test_the_ffi
 file in a subprocess, because the CPU model of a graph runs JAX inside the native extension's CPU handler and needs
 asynchronous CPU dispatch off before JAX starts its backend. `implementation="cudnn"` then traces as on an H200 and
 calls attnlib's `attnlib_cudnn_graph` FFI target (`cpu_graph.py`): the paged graph's operands as the GPU gets them
-(rows `[B, max_seqlen_q + 1, N, H]`, pools, page table, lengths) go to the emulated graph of its spec. Run it directly
+(rows `[B, max_seqlen_q, N, H]`, pools, page table, lengths) go to the emulated graph of its spec. Run it directly
 with `python -m pytest tests/cudnn_paged_ragged_ffi_cases.py` (needs the native extension).
 """
 

@@ -2,7 +2,7 @@
 
 One serving step mixes prefill chunks, single-token decodes, an idle sequence, an empty slot and padding rows past
 `cu_seqlens_q[-1]` on a token-major `PagedKVCache`. attnlib lays the packed queries out as rows
-`[B, max_seqlen_q + 1, N, H]` for the graph and reads each token's result back. Every expected value is the float64
+`[B, max_seqlen_q, N, H]` for the graph and reads each token's result back. Every expected value is the float64
 reference (`tests/reference.py`) run sequence by sequence, each as a dense paged call with its own queries, its
 page-table row and its key count (bottom-right causal unless a case says otherwise); the gradient goes through the
 `xla` fallback, since cuDNN's paged graph has no backward.
@@ -173,7 +173,8 @@ CASES = {
     "window": (Step(), {"local_window_size": (4, 0)}),
     "not_causal": (Step(), {"is_causal": False}),
     "top_left_causal": (Step(), {"diagonal_alignment": "top_left"}),
-    "max_seqlen_q_default": (Step(max_seqlen_q=None), {}),  # rows of all the packed tokens (23 + 1 <= 24 keys)
+    # Rows of all the packed tokens, padding included: as many rows as the cache holds keys (24).
+    "max_seqlen_q_default": (Step(max_seqlen_q=None, padding_rows=4), {}),
     "mqa_page_16": (Step(n=5, k=1, h=48, hv=48, page_size=16, pages_per_seq=2, num_pages=9), {}),
 }
 
@@ -241,14 +242,14 @@ def test_gradient_differentiates_the_xla_fallback(emulated):
 
 
 def test_the_graph_is_the_paged_forward_over_padded_rows(monkeypatch):
-    """One paged forward graph: `b` = page-table rows, `t` = max_seqlen_q + 1, the pools' geometry, bottom-right."""
+    """One paged forward graph: `b` = page-table rows, `t` = max_seqlen_q, the pools' geometry, bottom-right."""
     specs = []
     install(monkeypatch, emulate_graph, entry=lambda spec: specs.append(spec) or entry_for(spec))
     step = Step()
     cache, queries = _mixed_step(step)
     _attend(step, cache, queries, "cudnn", return_residual=True)
     [spec] = specs
-    assert (spec.direction, spec.b, spec.t, spec.s, spec.n, spec.k, spec.h, spec.hv) == ("fwd", 6, 12, 24, 6, 2, 40, 24)
+    assert (spec.direction, spec.b, spec.t, spec.s, spec.n, spec.k, spec.h, spec.hv) == ("fwd", 6, 11, 24, 6, 2, 40, 24)
     assert spec.pages == (13, 8, 3) and spec.padding and spec.stats and not spec.ragged
     assert (spec.alignment, spec.left_bound, spec.right_bound) == ("bottom_right", None, 0)
 
@@ -273,8 +274,8 @@ def test_explain_names_cudnn_on_a_gpu(on_a_gpu):
 
 
 DECLINED = {
-    "rows_longer_than_the_cache": (Step(max_seqlen_q=24), {}, {}, "max_seqlen_q + 1"),
-    "rows_of_all_packed_tokens": (Step(max_seqlen_q=None, padding_rows=4), {}, {}, "Pass `max_seqlen_q`"),
+    "rows_longer_than_the_cache": (Step(max_seqlen_q=25), {}, {}, "max_seqlen_q=25, pages_per_seq * page_size=24"),
+    "rows_of_all_packed_tokens": (Step(max_seqlen_q=None, padding_rows=5), {}, {}, "Pass `max_seqlen_q`"),
     "soft_cap": (Step(), {"logits_soft_cap": 2.5}, {}, "`logits_soft_cap` with a paged key/value cache"),
     "score_mod": (Step(), {"score_mod": lambda s, b, h, i, j: s * 0.5}, {}, "`score_mod`/`mask_mod`"),
     "sinks": (Step(), {"sinks": jnp.zeros((6,), jnp.bfloat16)}, {}, "`sinks` with a paged"),
@@ -328,8 +329,8 @@ def test_policy_of_ragged_paged_queries():
     """Served on Hopper from cuDNN 9.5 (paged graphs); the rows must fit the cache; the paged limits still hold."""
     reason = lambda config, version=91900: support.policy_reason(config, (9, 0), version)  # noqa: E731
     assert reason(_config()) is None
-    assert reason(_config(max_seqlen_q=23)) is None  # 24 rows, 24 keys
-    assert "max_seqlen_q=24, pages_per_seq * page_size=24" in reason(_config(max_seqlen_q=24))
+    assert reason(_config(max_seqlen_q=24)) is None  # 24 rows, 24 keys
+    assert "max_seqlen_q=25, pages_per_seq * page_size=24" in reason(_config(max_seqlen_q=25))
     assert "9.5 or newer" in reason(_config(), 90400)
     assert "`bias` with a paged" in reason(_config(bias_shape=(6, 26, 24)))
     assert "dropout with a paged" in reason(_config(dropout_rate=0.1))
@@ -369,8 +370,8 @@ def test_a_mixed_step_lowers_to_one_paged_graph_call(monkeypatch):
     )
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @attnlib_cudnn_graph" in line]
     assert len(calls) == 1, text
-    assert 'label = "sdpa_paged_fwd_nostats_b6_t12_s24_n6_k2_h40_hv24"' in calls[0], calls[0]
-    assert "(tensor<6x12x6x40xbf16>" in calls[0] and "-> (tensor<6x12x6x24xbf16>" in calls[0], calls[0]
+    assert 'label = "sdpa_paged_fwd_nostats_b6_t11_s24_n6_k2_h40_hv24"' in calls[0], calls[0]
+    assert "(tensor<6x11x6x40xbf16>" in calls[0] and "-> (tensor<6x11x6x24xbf16>" in calls[0], calls[0]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -386,6 +387,9 @@ GPU_CASES = {
     "window": (GPU_STEP, {"local_window_size": (40, 0)}),
     "mla_page_32": (dataclasses.replace(GPU_STEP, h=128, hv=64, page_size=32, pages_per_seq=10, num_pages=24), {}),
     "rows_that_see_no_key": (dataclasses.replace(GPU_STEP, queries=(29, 1, 90, 0, 1, 3, 1), max_seqlen_q=90), {}),
+    # A whole prompt as long as the cache: as many graph rows as keys.
+    "prompt_fills_the_cache": (dataclasses.replace(GPU_STEP, chunk=(29, 1, 256, 0, 1, 0, 1), pages_per_seq=16,
+                                                   num_pages=50, max_seqlen_q=256), {}),
 }
 
 

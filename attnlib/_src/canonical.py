@@ -128,11 +128,10 @@ class RaggedRows(NamedTuple):
     """Ragged queries against a paged cache (`cu_seqlens_q` with `page_table`) laid out as dense rows.
 
     Attributes:
-        query: `[B, T', N, H]` with `T' = max_seqlen_q + 1`: sequence `b`'s queries in its first `lengths[b]` rows,
-            zeros after them (the last row of every sequence is padding).
+        query: `[B, T', N, H]`: sequence `b`'s queries in its first `lengths[b]` rows, zeros after them.
         rows: int32 `[T]`: the flat `[B * T']` row of each packed query token (`gather_rows` reads the token's
             result there); tokens past `cu_seqlens_q[-1]`, or past a sequence's first `max_seqlen_q`, point at a
-            padding row.
+            padding row (with a spare row) or past every row (`gather_rows` fills them).
         lengths: int32 `[B]`: the query rows of each sequence (at most `max_seqlen_q`).
     """
 
@@ -141,12 +140,20 @@ class RaggedRows(NamedTuple):
     lengths: jax.Array
 
 
-def ragged_rows(config: AttentionConfig, query: jax.Array, cu_seqlens_q: jax.Array) -> RaggedRows:
-    """Packed queries `[T, N, H]` as padded rows `[B, max_seqlen_q + 1, N, H]` (a sequence longer than
-    `max_seqlen_q` keeps its first rows): what every implementation of ragged paged queries attends with."""
-    B, T, rows = config.num_sequences, config.q_len, config.max_seqlen_q + 1
+def ragged_rows(
+    config: AttentionConfig, query: jax.Array, cu_seqlens_q: jax.Array, *, spare_row: bool = True
+) -> RaggedRows:
+    """Packed queries `[T, N, H]` as padded rows `[B, T', N, H]` (a sequence longer than `max_seqlen_q` keeps its
+    first rows): what every implementation of ragged paged queries attends with.
+
+    `T' = max_seqlen_q + 1` with `spare_row` (the last row of every sequence is padding, and the tokens outside every
+    sequence read their result from the last row of sequence 0), else `T' = max_seqlen_q` (cuDNN's paged graph, whose
+    rows may not outnumber the cache's keys: those tokens point past every row).
+    """
+    B, T, bound = config.num_sequences, config.q_len, config.max_seqlen_q
+    rows = bound + 1 if spare_row else bound
     cu = cu_seqlens_q.astype(jnp.int32)
-    q_lengths = jnp.clip(cu[1:] - cu[:-1], 0, rows - 1)
+    q_lengths = jnp.clip(cu[1:] - cu[:-1], 0, bound)
     token = jnp.arange(rows, dtype=jnp.int32)[None, :]
     source = jnp.where(token < q_lengths[:, None], cu[:-1, None] + token, T)  # T: out of range, reads zeros
     padded = jnp.concatenate([query, jnp.zeros((1,) + query.shape[1:], query.dtype)])
@@ -154,15 +161,16 @@ def ragged_rows(config: AttentionConfig, query: jax.Array, cu_seqlens_q: jax.Arr
     t = jnp.arange(T, dtype=jnp.int32)
     sequence = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, B - 1)
     within = t - cu[sequence]
-    inside = (t >= cu[0]) & (t < cu[-1]) & (within < rows - 1)
-    flat = jnp.where(inside, sequence * rows + within, rows - 1)  # row `rows - 1` of sequence 0: always padding
+    inside = (t >= cu[0]) & (t < cu[-1]) & (within < bound)
+    flat = jnp.where(inside, sequence * rows + within, rows - 1 if spare_row else B * rows)
     return RaggedRows(dense, flat, q_lengths)
 
 
-def gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+def gather_rows(x: jax.Array, rows: jax.Array, fill_value: float = 0.0) -> jax.Array:
     """Results `[B, T', ...]` of the rows of `ragged_rows` back at the packed query tokens: `[T, ...]` (`rows`:
-    `RaggedRows.rows`)."""
-    return jnp.reshape(x, (-1,) + x.shape[2:])[rows]
+    `RaggedRows.rows`); a token past every row gets `fill_value` (0 for outputs, -inf for `lse`)."""
+    flat = jnp.reshape(x, (-1,) + x.shape[2:])
+    return jnp.take(flat, rows, axis=0, mode="fill", fill_value=fill_value)
 
 
 def restore(
@@ -171,7 +179,7 @@ def restore(
     """Canonical `[B, T, N, Hv]` / `[B, T, N]` back to the caller's layout (`*B`, unbatched, THD; ragged paged
     queries need their `problem`)."""
     if config.ragged_queries:
-        return gather_rows(out, problem.ragged_rows), gather_rows(lse, problem.ragged_rows)
+        return gather_rows(out, problem.ragged_rows), gather_rows(lse, problem.ragged_rows, -jnp.inf)
     if config.layout == "thd" or config.unbatched:
         return out[0], lse[0]
     return (

@@ -1,9 +1,9 @@
 """cuDNN attention over paged key/value caches (`page_table`): cuDNN's paged forward (decode and chunked prefill).
 
 Ragged queries (`cu_seqlens_q` with `page_table`: a step mixing prefill chunks and decodes) run on the same graph:
-the packed tokens are copied into rows `[B, max_seqlen_q + 1, N, H]` with each sequence's query count as its padding
-length (`canonical.ragged_rows`, the rows the plain-JAX implementations attend with), and each token's result is read
-back from its row.
+the packed tokens are copied into rows `[B, max_seqlen_q, N, H]` with each sequence's query count as its padding
+length (`canonical.ragged_rows`, the rows the plain-JAX implementations attend with, without their spare row: the
+graph's rows may not outnumber the cache's keys), and each token's result is read back from its row.
 
 cuDNN has no paged backward, so the backward rule differentiates the `fallback` implementation that dispatch passes
 (`xla`, which recomputes the attention in plain JAX) and `jax.grad` works as on every other path; without one
@@ -52,7 +52,7 @@ def _query_rows(plan: PagedPlan, q, reference) -> tuple[jax.Array, jax.Array, ja
     ragged ones laid out as rows (`token_rows` `[Tq]`: where each token's result is read back; None when dense)."""
     config, T = plan.config, plan.fwd.t
     if config.ragged_queries:
-        laid_out = canonical.ragged_rows(config, q, reference["cu_seqlens_q"])
+        laid_out = canonical.ragged_rows(config, q, reference["cu_seqlens_q"], spare_row=False)
         return laid_out.query, laid_out.lengths, laid_out.rows
     lengths = reference["query_seq_lengths"]
     if lengths is None:
@@ -76,7 +76,7 @@ def _paged_forward(plan: PagedPlan, q, k_pages, v_pages, page_table, seq_kv, ref
         lse = jnp.full((spec.b, spec.t, spec.n), -jnp.inf, jnp.float32)
     if token_rows is None:
         return out, lse
-    return canonical.gather_rows(out, token_rows), canonical.gather_rows(lse, token_rows)
+    return canonical.gather_rows(out, token_rows), canonical.gather_rows(lse, token_rows, -jnp.inf)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -124,7 +124,7 @@ def attention(
         `out` `[B, T, N, Hv]` and float32 `lse` `[B, T, N]`; ragged queries: `[Tq, N, Hv]` and `[Tq, N]`.
     """
     if config.ragged_queries:
-        B, T, q = config.num_sequences, config.max_seqlen_q + 1, inputs.query
+        B, T, q = config.num_sequences, config.max_seqlen_q, inputs.query
     else:
         B, T = config.batch_size, config.q_len
         q = jnp.reshape(inputs.query, (B, T, config.num_q_heads, config.head_dim))

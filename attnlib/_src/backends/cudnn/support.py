@@ -221,13 +221,12 @@ def _paged_reason(config: AttentionConfig, cudnn_version: int) -> str | None:
     if config.ragged_queries:
         if config.num_sequences is None or config.max_seqlen_q is None:
             return "cudnn: ragged paged queries need `cu_seqlens_q` (the number of sequences is unknown)."
-        rows = config.max_seqlen_q + 1
-        if rows > config.kv_len:
+        if config.max_seqlen_q > config.kv_len:
             return (
-                "cudnn: ragged queries (`cu_seqlens_q`) against a paged cache run as rows of max_seqlen_q + 1 queries "
-                "per sequence, which cuDNN's paged graph needs <= pages_per_seq * page_size (max query length <= max "
-                f"key length); got max_seqlen_q={config.max_seqlen_q}, pages_per_seq * page_size={config.kv_len}. "
-                "Pass `max_seqlen_q` (the longest chunk of the step; it defaults to all the packed tokens)."
+                "cudnn: ragged queries (`cu_seqlens_q`) against a paged cache run as rows of max_seqlen_q queries per "
+                "sequence, which cuDNN's paged graph needs <= pages_per_seq * page_size (max query length <= max key "
+                f"length); got max_seqlen_q={config.max_seqlen_q}, pages_per_seq * page_size={config.kv_len}. Pass "
+                "`max_seqlen_q` (the longest chunk of the step; it defaults to all the packed tokens)."
             )
     elif config.q_len > config.kv_len:
         return (
