@@ -382,14 +382,15 @@ GPU_STEP = Step(
     prefix=(37, 100, 0, 61, 250, 0, 5), chunk=(29, 1, 77, 0, 1, 0, 1), n=8, k=2, h=64, hv=64, page_size=16,
     pages_per_seq=20, num_pages=40, padding_rows=5, max_seqlen_q=77,
 )  # fmt: skip
+FILLS_THE_CACHE = dataclasses.replace(
+    GPU_STEP, chunk=(29, 1, 256, 0, 1, 0, 1), pages_per_seq=16, num_pages=50, max_seqlen_q=256
+)  # a whole prompt as long as the cache: as many graph rows as keys
 GPU_CASES = {
     "gqa": (GPU_STEP, {}),
     "window": (GPU_STEP, {"local_window_size": (40, 0)}),
     "mla_page_32": (dataclasses.replace(GPU_STEP, h=128, hv=64, page_size=32, pages_per_seq=10, num_pages=24), {}),
     "rows_that_see_no_key": (dataclasses.replace(GPU_STEP, queries=(29, 1, 90, 0, 1, 3, 1), max_seqlen_q=90), {}),
-    # A whole prompt as long as the cache: as many graph rows as keys.
-    "prompt_fills_the_cache": (dataclasses.replace(GPU_STEP, chunk=(29, 1, 256, 0, 1, 0, 1), pages_per_seq=16,
-                                                   num_pages=50, max_seqlen_q=256), {}),
+    "prompt_fills_the_cache": (FILLS_THE_CACHE, {}),
 }
 
 
