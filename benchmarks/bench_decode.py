@@ -8,6 +8,7 @@ peers on the page pool (`speed_vs_paged_peer`). Where attnlib trails the best pe
 kernel costs against its dense one.
 
 Usage: python benchmarks/bench_decode.py [--json out.json] [--only NAME ...] [--rounds 3] [--layers 32]
+                                        [--mixed-layers 8] [--smoke]
 
 Each layer reads the same cache (one cache per variant: 32 real caches of the larger shapes would not fit; the cache
 is far larger than L2, so every layer still streams it from HBM) and feeds its output to the next layer's query.
@@ -19,9 +20,25 @@ body (the attention call and the layer's two fusions, fewer commands than XLA's 
 buffer (CUDA graph). The `_direct` variants are attnlib's calls with the native executor's CUDA-graph replay off,
 the `_always` ones with replay for every call whatever its size (not peers); `executor_per_step` counts what the
 native executor did per step.
+
+Mixed cases (`MIXED`, JSON key `mixed`): one serving step of `prompts` prefill chunks (each a whole prompt: its keys
+are its own tokens) and `decodes` single-token decodes over `decode_length` cached tokens, `--mixed-layers` layers
+per step (default 8). `attnlib` is `cache.attend(q, cu_seqlens_q=..., max_seqlen_q=longest prompt)` on a token-major
+`PagedKVCache` (packed queries `[T_total, N, H]`, automatic implementation; `attnlib_pick` records what ran);
+`attnlib_dense` (not a peer) is attnlib on the peers' dense layout. The peers are `jax.nn.dot_product_attention` on
+the same tokens as one dense call: each sequence's queries padded to `[B, T_max, N, H]` against a dense cache
+`[B, S, K, H]` with `query_seq_lengths` / `key_value_seq_lengths`; jax.nn has no bottom-right alignment, so each
+sequence's causal diagonal (its last query on its last key) is a boolean `mask` (`jax_nn_cudnn`:
+`implementation="cudnn"`, `jax_nn`: `implementation=None`, XLA). `jax_nn_cudnn_two_calls` is what a jax.nn user who
+knows the step's structure writes instead: the prompts (top-left causal, right here since each chunk is a whole
+prompt) and the decodes (no mask) as two dense cuDNN calls. Each variant's first layer is checked against a float32
+reference of the packed tokens, then timed as above (fewer repetitions: a step takes milliseconds);
+`speed_vs_<peer>` is the peer's step time over attnlib's. `--smoke` runs a tiny mixed step on any backend (the
+variants that name cuDNN report their error off a GPU): a check that the script works, not a measurement.
 """
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -32,7 +49,6 @@ from bench_peers import graph_replay, replay_mode
 from kernel_profile import kernel_profile
 
 import attnlib
-from attnlib._src.paged import gather_pages
 
 
 N, K, H, PAGE = 32, 8, 128, 64
@@ -55,6 +71,12 @@ def _inputs(b: int, context: int):
     pool = lambda x: jnp.zeros((b * pages_per_seq, PAGE, K, H), x.dtype).at[page_table.reshape(-1)].set(  # noqa: E731
         x.reshape(b * pages_per_seq, PAGE, K, H))
     return x, k, v, lengths, pool(k), pool(v), page_table
+
+
+def gather_pages(pool, page_table):
+    """A sequence's pages as a dense cache, as a jax.nn user gathers them: `[P, page, K, H]` -> `[B, S, K, H]`."""
+    pages = jnp.take(pool, page_table, axis=0)  # [B, pages_per_seq, page, K, H]
+    return jnp.reshape(pages, (page_table.shape[0], -1) + pool.shape[2:])
 
 
 def reference_and_tolerance(x, k, v, lengths) -> tuple[np.ndarray, float]:
@@ -158,15 +180,191 @@ def executor_counts_per_step(step, call_args, steps: int = 4) -> dict[str, float
     return {name: (after[name] - before[name]) / steps for name in after}
 
 
-def main():
-    parser = argparse.ArgumentParser()
+@dataclasses.dataclass(frozen=True)
+class MixedCase:
+    """One serving step: `prompts` prefill chunks (whole prompts) and `decodes` decodes over `decode_length` tokens,
+    GQA `n`/`k` heads of `h`, pages of `page_size` tokens."""
+
+    prompts: tuple[int, ...]
+    decodes: int
+    decode_length: int
+    page_size: int
+    n: int = N
+    k: int = K
+    h: int = H
+
+    @property
+    def q_lengths(self) -> tuple[int, ...]:
+        return self.prompts + (1,) * self.decodes
+
+    @property
+    def kv_lengths(self) -> tuple[int, ...]:
+        return self.prompts + (self.decode_length,) * self.decodes
+
+
+MIXED = {
+    "mixed_8x512to2k_56x2k_p32": MixedCase((512, 768, 1024, 1280, 1536, 1792, 2048, 1024), 56, 2048, 32),
+    "mixed_8x512to2k_56x2k_p64": MixedCase((512, 768, 1024, 1280, 1536, 1792, 2048, 1024), 56, 2048, 64),
+}
+SMOKE_MIXED = {"smoke_mixed": MixedCase((7, 12, 5), 4, 19, 8, n=4, k=2, h=16)}
+MIXED_PEERS = ("jax_nn_cudnn", "jax_nn_cudnn_two_calls", "jax_nn")
+
+
+def mixed_inputs(case: MixedCase):
+    """Packed queries `[T, N, H]`, the token-major `PagedKVCache` of the step (pages shuffled), `cu_seqlens_q`, and
+    the same tokens dense: queries `[B, T_max, N, H]`, keys and values `[B, S, K, H]`, `S` = the longest cache."""
+    q_lengths, kv_lengths = np.asarray(case.q_lengths), np.asarray(case.kv_lengths)
+    B, T_max, S = len(q_lengths), int(q_lengths.max()), int(kv_lengths.max())
+    pages_per_seq = -(-S // case.page_size)
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (int(q_lengths.sum()), case.n, case.h), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, pages_per_seq * case.page_size, case.k, case.h), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, pages_per_seq * case.page_size, case.k, case.h), jnp.bfloat16)
+    order = np.random.default_rng(0).permutation(B * pages_per_seq)
+    page_table = jnp.asarray(order.reshape(B, pages_per_seq), jnp.int32)
+
+    def pool(x):  # each sequence's pages at its page-table entries
+        pages = x.reshape(B * pages_per_seq, case.page_size, case.k, case.h)
+        return jnp.zeros_like(pages).at[page_table.reshape(-1)].set(pages)
+
+    cache = attnlib.PagedKVCache.create(B, B * pages_per_seq, case.page_size, case.k, case.h,
+                                        max_pages_per_seq=pages_per_seq, layout="token_major")  # fmt: skip
+    cache = dataclasses.replace(cache, k_pages=pool(k), v_pages=pool(v), page_table=page_table,
+                                lengths=jnp.asarray(kv_lengths, jnp.int32),
+                                num_used_pages=jnp.asarray(B * pages_per_seq, jnp.int32))  # fmt: skip
+    cu = np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)
+    token_rows = np.concatenate([b * T_max + np.arange(t) for b, t in enumerate(q_lengths)])  # packed -> dense rows
+    dense_q = jnp.zeros((B * T_max, case.n, case.h), q.dtype).at[token_rows].set(q).reshape(B, T_max, case.n, case.h)
+    return q, cache, jnp.asarray(cu), dense_q, k[:, :S], v[:, :S], token_rows
+
+
+def mixed_reference(q, k, v, case: MixedCase) -> np.ndarray:
+    """float32 attention of each sequence's queries over its keys, bottom-right causal, packed `[T, N, H]`."""
+    out, start = [], 0
+    for b, (t, s) in enumerate(zip(case.q_lengths, case.kv_lengths)):
+        qf = q[start : start + t].astype(jnp.float32).reshape(t, case.k, -1, case.h) / np.sqrt(case.h)
+        keys, values = k[b, :s].astype(jnp.float32), v[b, :s].astype(jnp.float32)
+        scores = jnp.einsum("tkgh,skh->kgts", qf, keys, precision=jax.lax.Precision.HIGHEST)
+        visible = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + (s - t)
+        p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), -1)
+        o = jnp.einsum("kgts,skh->tkgh", p, values, precision=jax.lax.Precision.HIGHEST)
+        out.append(np.asarray(o.reshape(t, case.n, case.h)))
+        start += t
+    return np.concatenate(out)
+
+
+def mixed_fns(case: MixedCase, cache, cu):
+    """name -> (attention(x, k, v) of one layer, reads the packed queries and the page pools). The others read the
+    dense queries and caches."""
+    T_max = max(case.q_lengths)
+    q_lengths = jnp.asarray(case.q_lengths, jnp.int32)
+    kv_lengths = jnp.asarray(case.kv_lengths, jnp.int32)
+    P = len(case.prompts)
+
+    def attnlib_paged(x, k_pages, v_pages):
+        c = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+        return c.attend(x, cu_seqlens_q=cu, max_seqlen_q=T_max)
+
+    def bottom_right_mask(t: int, s: int):  # [B, 1, t, s]: each sequence's last query on its last key
+        i, j = jnp.arange(t)[None, :, None], jnp.arange(s)[None, None, :]
+        return (j <= i + (kv_lengths - q_lengths)[:, None, None])[:, None]
+
+    def jax_nn(implementation):
+        return lambda x, k, v: jax.nn.dot_product_attention(
+            x, k, v, mask=bottom_right_mask(x.shape[1], k.shape[1]), query_seq_lengths=q_lengths,
+            key_value_seq_lengths=kv_lengths, implementation=implementation)  # fmt: skip
+
+    def two_calls(x, k, v):
+        prompts = jax.nn.dot_product_attention(
+            x[:P], k[:P], v[:P], is_causal=True, query_seq_lengths=q_lengths[:P],
+            key_value_seq_lengths=kv_lengths[:P], implementation="cudnn")  # fmt: skip
+        decodes = jax.nn.dot_product_attention(
+            x[P:, :1], k[P:], v[P:], key_value_seq_lengths=kv_lengths[P:], implementation="cudnn")  # fmt: skip
+        return jnp.concatenate([prompts, jnp.pad(decodes, ((0, 0), (0, T_max - 1), (0, 0), (0, 0)))])
+
+    return {
+        "attnlib": (attnlib_paged, True),
+        "attnlib_dense": (lambda x, k, v: attnlib.attention(
+            x, k, v, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, is_causal=True,
+            diagonal_alignment="bottom_right"), False),
+        "jax_nn_cudnn": (jax_nn("cudnn"), False),
+        "jax_nn_cudnn_two_calls": (two_calls, False),
+        "jax_nn": (jax_nn(None), False),
+    }  # fmt: skip
+
+
+def run_mixed(case: MixedCase, args) -> dict:
+    q, cache, cu, dense_q, k, v, token_rows = mixed_inputs(case)
+    reference = mixed_reference(q, k, v, case)
+    tol = 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(reference)))
+    T_max = max(case.q_lengths)
+    row = {"case": dataclasses.asdict(case), "tolerance": tol, "variants": {}}
+    row["attnlib_pick"] = attnlib.explain(q, cache, None, cu_seqlens_q=cu, max_seqlen_q=T_max, is_causal=True,
+                                          diagonal_alignment="bottom_right").implementation  # fmt: skip
+    steps = {}
+    for label, (attend, packed) in mixed_fns(case, cache, cu).items():
+        call_args = (q, cache.k_pages, cache.v_pages) if packed else (dense_q, k, v)
+        to_packed = (lambda out: out) if packed else (lambda out: out.reshape((-1,) + out.shape[2:])[token_rows])
+        try:
+            out = jax.jit(attend)(*call_args)
+            err = float(np.max(np.abs(np.asarray(to_packed(out), np.float32) - reference)))
+            row["variants"][label] = {"max_err": err}
+            if not err <= tol:
+                row["variants"][label]["wrong"] = f"max |err| {err:.3g} > {tol:.3g}"
+                continue
+            for suffix, options in CONFIGS.items():
+                steps[(label, suffix)] = (decode_step(attend, args.mixed_layers, options).lower(*call_args).compile(),
+                                          call_args)  # fmt: skip
+        except Exception as e:  # noqa: BLE001  (reported, not fatal)
+            row["variants"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    for _ in range(args.rounds):
+        for (label, suffix), (step, call_args) in steps.items():
+            ms = best_per_call(step, call_args, loop=5, reps=3) * 1e3
+            result = row["variants"][label]
+            result[f"step_ms{suffix}"] = min(result.get(f"step_ms{suffix}", float("inf")), ms)
+    if row["attnlib_pick"] == "cudnn":
+        for suffix in CONFIGS:
+            if ("attnlib", suffix) in steps:
+                step, call_args = steps[("attnlib", suffix)]
+                row["variants"]["attnlib"][f"executor_per_step{suffix}"] = executor_counts_per_step(step, call_args)
+    for suffix in CONFIGS:
+        ours = row["variants"].get("attnlib", {}).get(f"step_ms{suffix}")
+        peers = {p: row["variants"].get(p, {}).get(f"step_ms{suffix}") for p in MIXED_PEERS}
+        peers = {p: ms for p, ms in peers.items() if ms is not None}
+        if ours is None or not peers:
+            continue
+        for peer, ms in peers.items():
+            row[f"speed_vs_{peer}{suffix}"] = ms / ours
+        row[f"speed_vs_best_peer{suffix}"] = min(peers.values()) / ours
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="GPU benchmark of paged decode steps and mixed prefill + decode steps (the module docstring "
+        "says what runs and how it is timed)."
+    )
     parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--only", nargs="*", default=None, help=f"cases: {[*SHAPES, *MIXED]}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=32)
-    args = parser.parse_args()
-    results = {}
-    for name, (b, context) in SHAPES.items():
+    parser.add_argument("--mixed-layers", type=int, default=8, help="layers per step of the mixed cases")
+    parser.add_argument("--smoke", action="store_true", help="a tiny mixed step only, on any backend")
+    args = parser.parse_args(argv)
+    shapes, mixed = ({}, SMOKE_MIXED) if args.smoke else (SHAPES, MIXED)
+    unknown = set(args.only or ()) - set(shapes) - set(mixed)
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; known: {[*shapes, *mixed]}")
+    results, mixed_results = {}, {}
+
+    def write():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": args.layers,
+                           "shapes": results, "mixed_layers": args.mixed_layers, "mixed": mixed_results,
+                           "smoke": args.smoke}, f, indent=1)  # fmt: skip
+
+    for name, (b, context) in shapes.items():
         if args.only is not None and name not in args.only:
             continue
         x, k, v, lengths, k_pool, v_pool, page_table = _inputs(b, context)
@@ -199,10 +397,14 @@ def main():
             compare(row, steps, suffix)
         results[name] = row
         print(name, json.dumps(row), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": args.layers,
-                           "shapes": results}, f, indent=1)  # fmt: skip
+        write()
+    for name, case in mixed.items():
+        if args.only is not None and name not in args.only:
+            continue
+        mixed_results[name] = run_mixed(case, args)
+        print(name, json.dumps(mixed_results[name]), flush=True)
+        write()
+    return {"shapes": results, "mixed": mixed_results}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""CPU checks of benchmark helpers whose results feed a decision (the per-kernel profile of `kernel_profile.py`) and
-of `bench_tpu.py` (its case table, FLOP convention and `--smoke` mode)."""
+"""CPU checks of benchmark helpers whose results feed a decision (the per-kernel profile of `kernel_profile.py`), of
+`bench_tpu.py` (its case table, FLOP convention and `--smoke` mode) and of the `--smoke` modes of `bench_tpu_decode.py`
+and `bench_decode.py`."""
 
 import importlib.util
 import json
@@ -98,3 +99,29 @@ def test_bench_tpu_decode_smoke_runs_on_the_cpu(tmp_path):
             assert "interpret mode cannot run" in r["skipped"]
             continue
         assert r["max_err"] <= row["tolerance"] and r["ms"] > 0, (name, r)
+
+
+def test_bench_decode_smoke_runs_a_mixed_step_on_the_cpu(tmp_path, monkeypatch):
+    """`bench_decode.py --smoke`: a tiny mixed prefill + decode step, attnlib on a token-major cache and jax.nn on the
+    same tokens as one dense call, each checked against the reference before it is timed; the variants that name
+    cuDNN report their error off a GPU."""
+    benchmarks = pathlib.Path(__file__).parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))  # its imports of sibling scripts, as when run as a script
+    spec = importlib.util.spec_from_file_location("bench_decode", benchmarks / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "decode.json"
+    with jax.numpy_dtype_promotion("standard"):  # as the script runs (jax.nn's XLA path mixes bfloat16 and float32)
+        bench.main(["--smoke", "--rounds", "1", "--mixed-layers", "2", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["smoke"] and result["shapes"] == {}
+    row = result["mixed"]["smoke_mixed"]
+    assert set(row["variants"]) == {"attnlib", "attnlib_dense", *bench.MIXED_PEERS}
+    on_gpu = jax.default_backend() == "gpu"
+    assert row["attnlib_pick"] == ("cudnn" if on_gpu else "xla_chunked")
+    for name, r in row["variants"].items():
+        if "cudnn" in name and not on_gpu:
+            assert "error" in r, (name, r)
+            continue
+        assert r["max_err"] <= row["tolerance"] and r["step_ms"] > 0 and r["step_ms_min_graph_1"] > 0, (name, r)
+    assert row["speed_vs_best_peer"] > 0 and row["speed_vs_jax_nn"] > 0
