@@ -8,7 +8,9 @@ A sequence ends at `eos_id` or after `max_new_tokens`; its slot's pages go back 
 of the next step, inside the same jitted call) and the next waiting prompt takes the slot.
 
 The flat token count is padded to a power-of-two bucket (padding rows lie past `cu_seqlens[-1]`, which the cache and
-the attention ignore), so the step compiles once per bucket, a handful of times in all.
+the attention ignore), and so is the longest sequence's token count (`max_seqlen_q`: 1 on a step of decodes
+only; cuDNN lays queries out as `[B, max_seqlen_q]` rows), so the step compiles once per pair of buckets, a handful
+of times in all.
 
 Pages: a prompt is admitted once its slot is free and the pool has the pages for its longest possible sequence
 (prompt + `max_new_tokens`), which are reserved until it ends. Simple, and never out of pages mid-sequence; a
@@ -58,7 +60,8 @@ class Stats:
         timed_tokens, timed_seconds: the tokens sampled by all steps, and their time (prefill included; the first
             step of each bucket left out).
         seconds: wall time of the whole call, compilation included.
-        buckets: the padded token counts used (each compiles the step once).
+        buckets: the `(padded token count, bound of one sequence's tokens)` pairs used (each compiles the step
+            once).
         peak_pages: most pages reserved at once.
         num_pages: pages in each layer's pool.
         layout: the caches' pool layout.
@@ -73,7 +76,7 @@ class Stats:
     timed_tokens: int = 0
     timed_seconds: float = 0.0
     seconds: float = 0.0
-    buckets: tuple[int, ...] = ()
+    buckets: tuple[tuple[int, int], ...] = ()
     peak_pages: int = 0
     num_pages: int = 0
     layout: str = ""
@@ -92,9 +95,9 @@ class Stats:
 def _step(inputs, caches):
     """One serving step: release finished slots, run the ragged batch through every layer (appending to its cache and
     attending), sample each slot's next token. Returns `(caches, next_tokens [B], lengths [B], logits [B, V])`."""
-    model, tokens, positions, cu_seqlens, release, key, step, temperature = inputs
+    model, tokens, positions, cu_seqlens, longest, release, key, step, temperature = inputs
     caches = [cache.release(release) for cache in caches]  # finished sequences' pages go back to the pool first
-    hidden, caches = model.paged_forward(tokens, positions, caches, cu_seqlens)
+    hidden, caches = model.paged_forward(tokens, positions, caches, cu_seqlens, max_seqlen_q=longest)
     last = jnp.maximum(cu_seqlens[1:] - 1, 0)  # each slot's last new token (meaningless for an empty slot)
     logits = model.logits(hidden[last])  # [B, V]
     if temperature == 0.0:
@@ -212,14 +215,15 @@ def generate(
                 positions[lo:hi] = np.arange(s.cached, s.cached + counts[b])
                 prefill += max(0, min(s.prompt_len, s.cached + counts[b]) - s.cached)
 
-        compiles = bucket not in stats.buckets
+        longest = _bucket(int(counts.max()), 1, bucket)  # static: 1 on a step of decodes only
+        compiles = (bucket, longest) not in stats.buckets
         tick = time.perf_counter()
-        inputs = (model, tokens, positions, cu_seqlens, release, key, np.int32(stats.steps), temperature)
+        inputs = (model, tokens, positions, cu_seqlens, longest, release, key, np.int32(stats.steps), temperature)
         caches, next_tokens, lengths, _ = _step(inputs, caches)
         next_tokens, lengths = np.asarray(next_tokens), np.asarray(lengths)
         elapsed = time.perf_counter() - tick
         stats.steps += 1
-        stats.buckets = tuple(sorted({*stats.buckets, bucket}))
+        stats.buckets = tuple(sorted({*stats.buckets, (bucket, longest)}))
         stats.prefill_tokens += prefill
         release = np.zeros(max_batch, bool)
 

@@ -150,8 +150,10 @@ class Attention(eqx.Module):
         segment_ids: Int[Array, "B T"] | None = None,
         cache: attnlib.PagedKVCache | None = None,
         cu_seqlens: Int[Array, " num_seqs_plus_1"] | None = None,
+        max_seqlen_q: int | None = None,
     ) -> tuple[Float[Array, "... D"], attnlib.PagedKVCache | None]:
-        """Dense rows `x` `[B, T, D]` (no `cache`), or THD tokens `x` `[T, D]` with a `cache` and `cu_seqlens`."""
+        """Dense rows `x` `[B, T, D]` (no `cache`), or THD tokens `x` `[T, D]` with a `cache` and `cu_seqlens` (and
+        the static bound `max_seqlen_q` of one sequence's new tokens)."""
         proj = lambda w: jnp.einsum("...d,dnh->...nh", x, w.astype(x.dtype))
         q = rope(proj(self.wq), positions, self.theta)  # [B, T, N, H] (THD: [T, N, H])
         k = rope(proj(self.wk), positions, self.theta)  # [B, T, K, H]
@@ -163,6 +165,7 @@ class Attention(eqx.Module):
             out = cache.attend(
                 q,
                 cu_seqlens_q=cu_seqlens,
+                max_seqlen_q=max_seqlen_q,
                 local_window_size=self.core.local_window_size,
                 implementation=self.core.implementation,
             )
@@ -284,6 +287,7 @@ class Llama(eqx.Module):
         positions: Int[Array, " T"],
         caches: list[attnlib.PagedKVCache],
         cu_seqlens: Int[Array, " B_plus_1"],
+        max_seqlen_q: int | None = None,
     ) -> tuple[Float[Array, "T D"], list[attnlib.PagedKVCache]]:
         """New tokens of the cached sequences, as one ragged (THD) batch: the serving forward.
 
@@ -295,13 +299,15 @@ class Llama(eqx.Module):
             positions: `[T]` each token's position in its sequence (its cache length before this call, counting up).
             caches: one `attnlib.PagedKVCache` per layer, `B` sequences each.
             cu_seqlens: int32 `[B + 1]`.
+            max_seqlen_q: static bound of one sequence's new tokens (default `T`): 1 for a step of decodes only.
+                cuDNN lays the queries out as `[B, max_seqlen_q]` rows, so a tight bound saves it work.
 
         Returns:
             `(hidden, caches)`: final-normed hidden states `[T, D]` (`model.logits(hidden[i])` is the next-token
             prediction after token `i`) and the caches with the new tokens appended.
         """
         x = self.embed[tokens].astype(self.config.dtype)
-        return self._blocks(x, positions, caches, cu_seqlens=cu_seqlens)
+        return self._blocks(x, positions, caches, cu_seqlens=cu_seqlens, max_seqlen_q=max_seqlen_q)
 
     def make_caches(
         self, batch_size: int, num_pages: int, page_size: int, max_pages_per_seq: int | None = None, layout=None

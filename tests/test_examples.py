@@ -149,7 +149,9 @@ def test_continuous_batching_matches_greedy_without_cache(greedy_case, layout, m
     reserved = sum(math.ceil((n + max_new - 1) / page_size) for n in lengths)
     assert len(prompts) > slots and reserved > num_pages >= stats.peak_pages
     assert stats.generated_tokens == sum(map(len, expected)) and stats.prefill_tokens == sum(lengths)
-    assert set(stats.buckets) <= {8, max_tokens_per_step}
+    assert {bucket for bucket, _ in stats.buckets} <= {8, max_tokens_per_step}
+    assert (8, 1) in stats.buckets  # steps of decodes only attend with max_seqlen_q=1
+    assert all(longest <= bucket for bucket, longest in stats.buckets)
     assert stats.layout == (layout or attnlib.PagedKVCache.create(1, 1, 1, 1, 2).layout)
 
 
