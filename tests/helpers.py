@@ -218,7 +218,8 @@ def run_pytest_on_simulated_devices(test_file: str, num_devices: int, tier: str 
     """Run `tests/<test_file>` in a subprocess whose CPU backend has `num_devices` devices (the count is fixed when
     JAX starts, and the main pytest process has started it); fail with its report unless every test passed. `tier`
     picks the file's tests: `"fast"` those not marked `full`, `"full"` the others."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # No third-party pytest plugins (hypothesis, xdist): these files use none, and loading them costs each run ~2 s.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={num_devices}"
         # tiny programs: LLVM optimisation time dominates and does not change what is tested
