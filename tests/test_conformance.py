@@ -595,18 +595,20 @@ def test_hand_computed(impl_name):
     k = jnp.asarray([[[0.0]], [[1.0]]], jnp.float32)  # [S=2, K=1, H=1]
     v = jnp.asarray([[[1.0, 0.0]], [[0.0, 1.0]]], jnp.float32)  # [S=2, K=1, Hv=2]
     e = math.e
-    out, lse = attnlib.attention(q, k, v, scale=1.0, implementation=impl_name, return_residual=True)
+    # jitted: one compile per call instead of one per operation
+    attention = jax.jit(attnlib.attention, static_argnames=("scale", "implementation", "return_residual"))
+    out, lse = attention(q, k, v, scale=1.0, implementation=impl_name, return_residual=True)
     np.testing.assert_allclose(np.asarray(out)[0, 0], [1 / (1 + e), e / (1 + e)], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(lse)[0, 0], math.log(1 + e), rtol=1e-6)
     # off-by-one softmax (sink 0): p = [1, e] / (1 + 1 + e)
-    out, lse = attnlib.attention(
+    out, lse = attention(
         q, k, v, scale=1.0, sinks=jnp.zeros((1,), jnp.float32), implementation=impl_name, return_residual=True
     )
     np.testing.assert_allclose(np.asarray(out)[0, 0], [1 / (2 + e), e / (2 + e)], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(lse)[0, 0], math.log(2 + e), rtol=1e-6)
     # sinks + a fully masked row: out = 0, lse = the sink alone
     sink = jnp.asarray([0.75], jnp.float32)
-    out, lse = attnlib.attention(
+    out, lse = attention(
         q, k, v, jnp.zeros((1, 1, 2), jnp.float32), jnp.zeros((1, 1, 2), bool), scale=1.0, sinks=sink,
         implementation=impl_name, return_residual=True,
     )  # fmt: skip
@@ -617,12 +619,13 @@ def test_hand_computed(impl_name):
 @pytest.mark.parametrize("impl_name", ["xla", "xla_chunked"])
 def test_return_residual_false_and_default_implementation(impl_name):
     q, k, v = qkv(np.random.default_rng(1))
-    out = attnlib.attention(q, k, v, implementation=impl_name)
+    attention = jax.jit(attnlib.attention, static_argnames="implementation")  # one compile, not one per operation
+    out = attention(q, k, v, implementation=impl_name)
     assert isinstance(out, jax.Array) and out.shape == (B, T, N, 8) and out.dtype == jnp.float32
     ref, _ = reference_attention(to_f64(q), to_f64(k), to_f64(v))
     assert_out_close(out, ref, jnp.float32)
     # the default implementation (None) serves the same call with the same semantics
-    assert_out_close(attnlib.attention(q, k, v), ref, jnp.float32)
+    assert_out_close(attention(q, k, v), ref, jnp.float32)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -678,11 +681,13 @@ def test_reference_vjp_matches_finite_differences(options):
 def test_zero_length_sequences(impl, t, s):
     q, k, v = qkv(np.random.default_rng(0), t=t, s=s, hv=HV)
     try:
-        out, lse = call_attention(impl, dict(query=q, key=k, value=v), dict(is_causal=True))
-        grads = jax.grad(
+        out, lse = jax.jit(lambda q, k, v: call_attention(impl, dict(query=q, key=k, value=v), dict(is_causal=True)))(
+            q, k, v
+        )
+        grads = jax.jit(jax.grad(
             lambda q, k, v: jnp.sum(call_attention(impl, dict(query=q, key=k, value=v), {}, False)),
             argnums=(0, 1, 2),
-        )(q, k, v)
+        ))(q, k, v)  # fmt: skip
     except ValueError as e:
         assert "`query`" in str(e) or "`key`" in str(e), f"unclear error for T={t}, S={s}: {e}"
         return
