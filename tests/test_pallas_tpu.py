@@ -206,12 +206,29 @@ def _key_empty_rows(args, kw):
 INTERPRET = attnlib.PallasTpu(interpret=True)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# `full` (CPU time: interpret mode traces every kernel), with what the fast tier still runs: "causal_top_left" in
+# `test_user_block_sizes_pad_to_their_blocks` (the same case and check, with a caller's blocks), "segments_causal" in
+# `test_max_segments_bound_is_served_exactly` (the same case, kernels and check), "sinks_dense" as sinks on every
+# other feature group here (dense: "sinks_gqa_window"; every key visible: `test_forward_with_lse_dropped`).
+FULL_FLOAT32 = ("causal_top_left", "segments_causal", "sinks_dense")
+
+
+def _params(names, full):
+    return [pytest.param(n, marks=(pytest.mark.full,) if n in full else ()) for n in names]
+
+
+@pytest.mark.parametrize("name", _params(CASES, FULL_FLOAT32))
 def test_interpret_matches_reference_float32(name):
     _check(CASES[name], jnp.float32, INTERPRET)
 
 
-@pytest.mark.parametrize("name", ["causal_bottom_right", "segments_cross", "soft_cap_gqa", "sinks_causal_bottom_right"])
+# Fast tier: bfloat16 with sinks, causal bottom-right (rows that see only the sink), and with segments; bfloat16 on
+# "causal_bottom_right" (the same masks without sinks) and "soft_cap_gqa" (float32 in the fast tier) are `full`.
+@pytest.mark.parametrize(
+    "name",
+    _params(["causal_bottom_right", "segments_cross", "soft_cap_gqa", "sinks_causal_bottom_right"],
+            ("causal_bottom_right", "soft_cap_gqa")),
+)  # fmt: skip
 def test_interpret_matches_reference_bfloat16(name):
     _check(CASES[name], jnp.bfloat16, INTERPRET)
 
@@ -342,8 +359,8 @@ def test_declines_with_a_reason(name):
     assert match in explanation.declined["pallas_tpu"]
     with pytest.raises(NotImplementedError, match=r"pallas_tpu: .*" + _escape(match)):
         attnlib.attention(q, k, v, implementation=INTERPRET, **kw)
-    # a sequence falls back to the next implementation
-    out = attnlib.attention(q, k, v, implementation=(INTERPRET, "xla"), **kw)
+    # a sequence falls back to the next implementation (jitted: one compile, not one per operation)
+    out = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation=(INTERPRET, "xla"), **kw))(q, k, v)
     assert out.shape == q.shape[:-1] + (v.shape[-1],)
 
 
@@ -459,7 +476,8 @@ def _assert_tpu_float32_close(case: Case, implementation):
         check(g, tb, ref_grads[name], GRAD_TOL[np.dtype(jnp.float32)], f"d{name}", by_max=True)
 
 
-@pytest.mark.parametrize("name", ["causal_bottom_right", "soft_cap_gqa"])
+# Fast tier: "soft_cap_gqa" (the device's `tanh` too); "causal_bottom_right" is `full`.
+@pytest.mark.parametrize("name", _params(["causal_bottom_right", "soft_cap_gqa"], ("causal_bottom_right",)))
 def test_float32_device_bound_on_cpu_is_the_host_tolerance(name):
     """On a CPU the textbook formula is float32-exact, so `_assert_tpu_float32_close` is the host tolerance: interpret
     mode (float32 kept) passes it."""
@@ -537,12 +555,12 @@ def test_equinox_layer_runs_pallas_tpu():
     eqx = pytest.importorskip("equinox")
     import attnlib.equinox as aeqx
 
-    del eqx
     x = normal(rng(5), (29, 24))
     layer = lambda impl: aeqx.MultiheadAttention(3, 24, is_causal=True, implementation=impl, key=jax.random.key(0))
     fused, plain = layer(INTERPRET), layer("xla")
     assert fused.implementation is INTERPRET
-    assert_out_close(fused(x, x, x), np.asarray(plain(x, x, x), np.float64), jnp.float32)
+    call = eqx.filter_jit(lambda m: m(x, x, x))  # one compile per layer, not one per operation
+    assert_out_close(call(fused), np.asarray(call(plain), np.float64), jnp.float32)
 
 
 def test_haiku_layer_runs_pallas_tpu():
@@ -555,7 +573,7 @@ def test_haiku_layer_runs_pallas_tpu():
         init = hk.initializers.VarianceScaling(1.0)
         layer = lambda: ahk.MultiHeadAttention(3, 8, model_size=24, is_causal=True, implementation=impl, w_init=init)
         f = hk.transform(lambda x: layer()(x, x, x))
-        params = f.init(jax.random.key(0), x)
-        return f.apply(params, None, x)
+        params = jax.jit(f.init)(jax.random.key(0), x)  # jitted: one compile each, not one per operation
+        return jax.jit(f.apply)(params, None, x)
 
     assert_out_close(apply(INTERPRET), np.asarray(apply("xla"), np.float64), jnp.float32)
