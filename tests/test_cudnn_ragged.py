@@ -192,6 +192,13 @@ def test_paged_graph_spec_layouts():
 # ------------------------------------------------------------------------------------------------------------------
 # metadata vs the positions rule
 
+# Jitted, as under attnlib's call: one compile per shape instead of one per operation (CPU time).
+_BOUNDS = ("num_buckets", "t_bound", "s_bound", "slice_right")
+thd_batch = jax.jit(ragged.thd_batch, static_argnums=(2, 3), static_argnames=_BOUNDS)
+segment_batch = jax.jit(ragged.segment_batch, static_argnames=("max_segments",) + _BOUNDS)
+thd_positions = jax.jit(positions.thd_positions, static_argnums=(2, 3), static_argnames="bottom_right")
+dense_positions = jax.jit(positions.dense_positions, static_argnums=(0, 1, 2), static_argnames="bottom_right")
+
 
 def _visible_through_batch(batch, Tq, Tkv, left, right, bottom_right, t_bound):
     """bool [Tq, Tkv]: which key tokens each query token sees through cuDNN's ragged batch (numpy)."""
@@ -238,10 +245,10 @@ def test_thd_batch_matches_positions(seed, left, right, bottom_right):
     cu_kv = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
     Tq, Tkv = int(cu_q[-1]) + 3, int(cu_kv[-1]) + 2  # padding rows past cu[-1]
     slice_right = right if bottom_right and right is not None and right <= 0 else None
-    batch = ragged.thd_batch(jnp.asarray(cu_q), jnp.asarray(cu_kv), Tq, Tkv, num_buckets=8, t_bound=64, s_bound=64,
-                             slice_right=slice_right)  # fmt: skip
+    batch = thd_batch(jnp.asarray(cu_q), jnp.asarray(cu_kv), Tq, Tkv, num_buckets=8, t_bound=64, s_bound=64,
+                      slice_right=slice_right)  # fmt: skip
     seen = _visible_through_batch(batch, Tq, Tkv, left, right, bottom_right, 64)
-    ref = _visible_reference(positions.thd_positions(cu_q, cu_kv, Tq, Tkv, bottom_right=bottom_right), left, right)[0]
+    ref = _visible_reference(thd_positions(cu_q, cu_kv, Tq, Tkv, bottom_right=bottom_right), left, right)[0]
     np.testing.assert_array_equal(seen, ref)
     assert not np.asarray(batch.q_nan).any()
     # Key tokens count as run when their sequence has a visible (query, key) pair: cuDNN's backward writes no rows
@@ -280,12 +287,11 @@ def test_segment_batch_matches_positions(seed, left, right, bottom_right):
         kv_ids[0] = np.where(kv_ids[0] == 2, 0, kv_ids[0])
         kv_ids[1] = np.where(kv_ids[1] > 0, 5 - kv_ids[1], 0)
     slice_right = right if bottom_right and right is not None and right <= 0 else None
-    batch = ragged.segment_batch(jnp.asarray(q_ids), jnp.asarray(kv_ids), max_segments=4, num_buckets=16,
-                                 t_bound=64, s_bound=64, slice_right=slice_right)  # fmt: skip
+    batch = segment_batch(jnp.asarray(q_ids), jnp.asarray(kv_ids), max_segments=4, num_buckets=16,
+                          t_bound=64, s_bound=64, slice_right=slice_right)  # fmt: skip
     seen = _visible_through_batch(batch, B * T, B * S, left, right, bottom_right, 64)
-    pos = positions.dense_positions(B, T, S, bottom_right=bottom_right, query_seq_lengths=None,
-                                    key_value_seq_lengths=None, q_segment_ids=jnp.asarray(q_ids),
-                                    kv_segment_ids=jnp.asarray(kv_ids))  # fmt: skip
+    pos = dense_positions(B, T, S, bottom_right=bottom_right, query_seq_lengths=None, key_value_seq_lengths=None,
+                          q_segment_ids=jnp.asarray(q_ids), kv_segment_ids=jnp.asarray(kv_ids))  # fmt: skip
     ref = _visible_reference(pos, left, right)  # [B, T, S]
     block = np.zeros((B * T, B * S), bool)
     for r in range(B):
@@ -295,8 +301,8 @@ def test_segment_batch_matches_positions(seed, left, right, bottom_right):
 
 def test_segment_overflow_marks_whole_row_nan():
     q_ids = np.array([[1, 1, 2, 3, 3, 4, 0, 0], [1, 1, 1, 2, 2, 0, 0, 0]], np.int32)
-    batch = ragged.segment_batch(jnp.asarray(q_ids), jnp.asarray(q_ids), max_segments=3, num_buckets=8,
-                                 t_bound=64, s_bound=64, slice_right=None)  # fmt: skip
+    batch = segment_batch(jnp.asarray(q_ids), jnp.asarray(q_ids), max_segments=3, num_buckets=8,
+                          t_bound=64, s_bound=64, slice_right=None)  # fmt: skip
     np.testing.assert_array_equal(np.asarray(batch.q_nan), np.repeat([True, False], 8))
     np.testing.assert_array_equal(np.asarray(batch.kv_nan), np.repeat([True, False], 8))
     assert np.asarray(batch.seq_q)[:3].tolist() == [0, 0, 0]  # the overflowing row does not run
@@ -305,7 +311,7 @@ def test_segment_overflow_marks_whole_row_nan():
 
 def test_thd_sequence_longer_than_bound_is_nan():
     cu = jnp.asarray([0, 10, 90, 100], jnp.int32)
-    batch = ragged.thd_batch(cu, cu, 100, 100, num_buckets=8, t_bound=64, s_bound=64, slice_right=None)
+    batch = thd_batch(cu, cu, 100, 100, num_buckets=8, t_bound=64, s_bound=64, slice_right=None)
     nan = np.asarray(batch.q_nan)
     assert not nan[:10].any() and nan[10:90].all() and not nan[90:].any()
     assert np.asarray(batch.seq_q)[:3].tolist() == [10, 0, 10]
