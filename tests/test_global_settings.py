@@ -447,6 +447,7 @@ def test_paged_kv_cache_bookkeeping_stays_int32(setting):
         cache = cache.release(jnp.asarray([True, False]))
         return [cache.page_table, cache.lengths, cache.free_pages, cache.num_used_pages]
 
+    steps = jax.jit(steps)  # traced under the settings in force (as eagerly), compiled once, not op by op
     with suite_settings():
         expected = steps()
     for name, x, e in zip(("page_table", "lengths", "free_pages", "num_used_pages"), steps(), expected):
