@@ -15,7 +15,7 @@ from jaxtyping import Array, ArrayLike, Float, jaxtyped, PRNGKeyArray, Shaped, T
 
 from . import dispatch, fp8 as fp8_lib, max_logit as max_logit_lib, validation
 from .config import ARRAY_ARGUMENTS, AttentionConfig, AttentionInputs
-from .paged import PagedKVCache
+from .paged_pools import PagedPools
 
 
 # Array shapes and dtypes are checked by `validation` (with attnlib's messages: shapes are documented in the
@@ -28,6 +28,7 @@ def _readable_type(annotation: str) -> str:
     `attnlib._src.fp8.Fp8Scales` -> `attnlib.Fp8Scales`, `collections.abc.Sequence[Any]` -> `a sequence`."""
     text = re.sub(r"<class '([\w.]+)'>", r"\1", annotation)
     text = re.sub(r"\bbool \| numpy\.bool_?\b", "bool", text)  # NumPy bools are accepted quietly
+    text = text.replace("attnlib._src.paged_pools.PagedPools", "attnlib.PagedKVCache")  # the cache's base class
     text = re.sub(r"attnlib\._src(?:\.\w+)*\.(\w+)", r"attnlib.\1", text)
     text = re.sub(r"collections\.abc\.Sequence\[[^\]]*\]", "a sequence (tuple or list)", text)
     text = re.sub(r"collections\.abc\.Callable(\[[^\]]*\])?", "a callable", text)
@@ -59,8 +60,8 @@ def _unpack_cache(key: Any, value: Any, page_table: Any, key_value_seq_lengths: 
     """`(key, value, page_table, key_value_seq_lengths, pool_layout)`: a `PagedKVCache` passed as `key` unpacked
     into its pools (the combined pool as both for `"combined"`), page table, lengths and layout
     (docs/semantics.md, `page_table`); bare arrays as given, `pool_layout` None (token-major pools)."""
-    if not isinstance(key, PagedKVCache):
-        if isinstance(value, PagedKVCache):
+    if not isinstance(key, PagedPools):
+        if isinstance(value, PagedPools):
             raise TypeError("Pass a PagedKVCache as `key` with value=None: attnlib.attention(q, cache, None, ...).")
         if value is None:
             raise TypeError("`value` is required (None only with a PagedKVCache as `key`). Got value=None.")
@@ -82,8 +83,8 @@ def _unpack_cache(key: Any, value: Any, page_table: Any, key_value_seq_lengths: 
 @jaxtyped(typechecker=_typechecker)
 def attention(
     query: Shaped[ArrayLike, "..."],
-    key: Shaped[ArrayLike, "..."] | PagedKVCache,
-    value: Shaped[ArrayLike, "..."] | PagedKVCache | None,
+    key: Shaped[ArrayLike, "..."] | PagedPools,
+    value: Shaped[ArrayLike, "..."] | PagedPools | None,
     bias: Shaped[ArrayLike, "..."] | None = None,
     mask: Shaped[ArrayLike, "..."] | None = None,
     *,
@@ -243,8 +244,8 @@ Shaped = ArrayLike | jax.ShapeDtypeStruct
 @_typechecker
 def explain(
     query: Shaped,
-    key: Shaped | PagedKVCache,
-    value: Shaped | PagedKVCache | None,
+    key: Shaped | PagedPools,
+    value: Shaped | PagedPools | None,
     bias: Shaped | None = None,
     mask: Shaped | None = None,
     *,

@@ -7,7 +7,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .attention import attention
 from .kv_layouts import default_layout, LayoutName, PoolLayout
+from .paged_pools import PagedPools
 
 
 def _ceil_div(a: jax.Array, b: int) -> jax.Array:
@@ -24,7 +26,7 @@ def _is_concrete(*xs) -> bool:
     meta_fields=["pool_layout"],
 )
 @dataclasses.dataclass(frozen=True)
-class PagedKVCache:
+class PagedKVCache(PagedPools):
     """A paged key/value cache: a pytree, so it works under `jit` and can be donated.
 
     Pages are handed out from a free list (`free_pages[num_used_pages:]` are still free) as sequences grow and go
@@ -155,8 +157,6 @@ class PagedKVCache:
         Returns:
             What `attnlib.attention` returns: `[B, T, N, Hv]` (THD `[T_total, N, Hv]`) by default.
         """
-        from .attention import attention  # a method of the cache that the attention module itself imports
-
         attention_kwargs.setdefault("is_causal", True)
         attention_kwargs.setdefault("diagonal_alignment", "bottom_right")
         return attention(query, self, None, **attention_kwargs)
