@@ -2,10 +2,9 @@
 
 `*B` is flattened to `B`; THD becomes one row of packed tokens (`B = 1`); paged key/value pools (in any layout,
 `kv_layouts.py`) are gathered into dense `[B, S, K, H]` rows, and ragged queries against them (`cu_seqlens_q` with
-`page_table`) into rows `[B, max_seqlen_q + 1, N, H]` padded with `query_seq_lengths` (`ragged_rows`; the last row of
-each is always padding: where tokens past `cu_seqlens_q[-1]` read their zero output from; cuDNN's paged graph takes
-the same rows). Bias, mask and `score_mod_args` become rank 4 `[B|1, N|1, T|1, S|1]`. Sequence structure travels as
-`TokenPositions`.
+`page_table`) into rows `[B, max_seqlen_q, N, H]` padded with `query_seq_lengths` (`ragged_rows`, the rows cuDNN's paged
+graph takes too; tokens past `cu_seqlens_q[-1]` get out 0 and lse -inf where `gather_rows` reads them back). Bias, mask
+and `score_mod_args` become rank 4 `[B|1, N|1, T|1, S|1]`. Sequence structure travels as `TokenPositions`.
 """
 
 import math
@@ -130,8 +129,8 @@ class RaggedRows(NamedTuple):
     Attributes:
         query: `[B, T', N, H]`: sequence `b`'s queries in its first `lengths[b]` rows, zeros after them.
         rows: int32 `[T]`: the flat `[B * T']` row of each packed query token (`gather_rows` reads the token's
-            result there); tokens past `cu_seqlens_q[-1]`, or past a sequence's first `max_seqlen_q`, point at a
-            padding row (with a spare row) or past every row (`gather_rows` fills them).
+            result there); tokens past `cu_seqlens_q[-1]`, or past a sequence's first `max_seqlen_q`, point past every
+            row (`gather_rows` fills them).
         lengths: int32 `[B]`: the query rows of each sequence (at most `max_seqlen_q`).
     """
 
@@ -140,29 +139,21 @@ class RaggedRows(NamedTuple):
     lengths: jax.Array
 
 
-def ragged_rows(
-    config: AttentionConfig, query: jax.Array, cu_seqlens_q: jax.Array, *, spare_row: bool = True
-) -> RaggedRows:
-    """Packed queries `[T, N, H]` as padded rows `[B, T', N, H]` (a sequence longer than `max_seqlen_q` keeps its
-    first rows): what every implementation of ragged paged queries attends with.
-
-    `T' = max_seqlen_q + 1` with `spare_row` (the last row of every sequence is padding, and the tokens outside every
-    sequence read their result from the last row of sequence 0), else `T' = max_seqlen_q` (cuDNN's paged graph, whose
-    rows may not outnumber the cache's keys: those tokens point past every row).
-    """
+def ragged_rows(config: AttentionConfig, query: jax.Array, cu_seqlens_q: jax.Array) -> RaggedRows:
+    """Packed queries `[T, N, H]` as padded rows `[B, max_seqlen_q, N, H]` (a sequence longer than `max_seqlen_q`
+    keeps its first rows): what every implementation of ragged paged queries attends with (cuDNN's paged graph
+    included, whose rows may not outnumber the cache's keys)."""
     B, T, bound = config.num_sequences, config.q_len, config.max_seqlen_q
-    rows = bound + 1 if spare_row else bound
     cu = cu_seqlens_q.astype(jnp.int32)
     q_lengths = jnp.clip(cu[1:] - cu[:-1], 0, bound)
-    token = jnp.arange(rows, dtype=jnp.int32)[None, :]
+    token = jnp.arange(bound, dtype=jnp.int32)[None, :]
     source = jnp.where(token < q_lengths[:, None], cu[:-1, None] + token, T)  # T: out of range, reads zeros
-    padded = jnp.concatenate([query, jnp.zeros((1,) + query.shape[1:], query.dtype)])
-    dense = padded[jnp.clip(source, 0, T)]
+    dense = jnp.take(query, source, axis=0, mode="fill", fill_value=0)
     t = jnp.arange(T, dtype=jnp.int32)
     sequence = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, B - 1)
     within = t - cu[sequence]
     inside = (t >= cu[0]) & (t < cu[-1]) & (within < bound)
-    flat = jnp.where(inside, sequence * rows + within, rows - 1 if spare_row else B * rows)
+    flat = jnp.where(inside, sequence * bound + within, B * bound)  # past every row: `gather_rows` fills it
     return RaggedRows(dense, flat, q_lengths)
 
 

@@ -2,8 +2,8 @@
 
 Ragged queries (`cu_seqlens_q` with `page_table`: a step mixing prefill chunks and decodes) run on the same graph:
 the packed tokens are copied into rows `[B, max_seqlen_q, N, H]` with each sequence's query count as its padding
-length (`canonical.ragged_rows`, the rows the plain-JAX implementations attend with, without their spare row: the
-graph's rows may not outnumber the cache's keys), and each token's result is read back from its row.
+length (`canonical.ragged_rows`, the rows the plain-JAX implementations attend with), and each token's result is
+read back from its row.
 
 cuDNN has no paged backward, so the backward rule differentiates the `fallback` implementation that dispatch passes
 (`xla`, which recomputes the attention in plain JAX) and `jax.grad` works as on every other path; without one
@@ -52,7 +52,7 @@ def _query_rows(plan: PagedPlan, q, reference) -> tuple[jax.Array, jax.Array, ja
     ragged ones laid out as rows (`token_rows` `[Tq]`: where each token's result is read back; None when dense)."""
     config, T = plan.config, plan.fwd.t
     if config.ragged_queries:
-        laid_out = canonical.ragged_rows(config, q, reference["cu_seqlens_q"], spare_row=False)
+        laid_out = canonical.ragged_rows(config, q, reference["cu_seqlens_q"])
         return laid_out.query, laid_out.lengths, laid_out.rows
     lengths = reference["query_seq_lengths"]
     if lengths is None:
