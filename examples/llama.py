@@ -221,6 +221,19 @@ def segment_positions(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
     return index - start
 
 
+def training_inputs(tokens, segment_ids=None, positions=None) -> tuple[Array, Array | None, Array]:
+    """`(tokens, segment_ids, positions)` of the training forward as arrays, positions defaulting to `0, 1, ...`
+    restarting at each document (`segment_positions`), or along each row without segment ids."""
+    tokens = jnp.asarray(tokens)
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
+    if positions is None:
+        if segment_ids is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+        else:
+            positions = segment_positions(segment_ids)
+    return tokens, segment_ids, jnp.asarray(positions)
+
+
 class Llama(eqx.Module):
     embed: Float[Array, "V D"]
     layers: tuple[Block, ...]
@@ -269,16 +282,9 @@ class Llama(eqx.Module):
                 Defaults to None (each row one sequence).
             positions: `[B, T]` rotary positions. Defaults to `0, 1, ...` restarting at each document.
         """
-        tokens = jnp.asarray(tokens)
-        if segment_ids is not None:
-            segment_ids = jnp.asarray(segment_ids)
-        if positions is None:
-            if segment_ids is None:
-                positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
-            else:
-                positions = segment_positions(segment_ids)
+        tokens, segment_ids, positions = training_inputs(tokens, segment_ids, positions)
         x = self.embed[tokens].astype(self.config.dtype)
-        hidden, _ = self._blocks(x, jnp.asarray(positions), segment_ids=segment_ids)
+        hidden, _ = self._blocks(x, positions, segment_ids=segment_ids)
         return self.logits(hidden)
 
     def paged_forward(

@@ -3,7 +3,7 @@
 The same model, layer for layer: pre-norm blocks of RMSNorm, grouped-query attention with rotary positions
 (`attnlib.haiku.DotProductAttention` on `[B, T, N, H]` projections, no transposes), a SwiGLU MLP, optional per-block
 remat (`hk.remat`), optional Mistral-style sliding window; float32 parameters, bfloat16 compute (by default). It takes
-`llama.py`'s `LlamaConfig` and uses its `rope` and `segment_positions`, and `params_from_equinox` turns an Equinox
+`llama.py`'s `LlamaConfig` and uses its `rope` and `training_inputs`, and `params_from_equinox` turns an Equinox
 `llama.Llama` into this model's parameters (the same weights give the same logits).
 
     import haiku as hk, jax
@@ -29,7 +29,7 @@ from typing import Any
 import haiku as hk
 import jax
 import jax.numpy as jnp
-from llama import LlamaConfig, rope, segment_positions  # examples/ is on sys.path when these files run as scripts
+from llama import LlamaConfig, rope, training_inputs  # examples/ is on sys.path when these files run as scripts
 
 import attnlib.haiku
 
@@ -134,14 +134,7 @@ class Llama(hk.Module):
             positions: `[B, T]` rotary positions. Defaults to `0, 1, ...` restarting at each document.
         """
         c = self.config
-        tokens = jnp.asarray(tokens)
-        if segment_ids is not None:
-            segment_ids = jnp.asarray(segment_ids)
-        if positions is None:
-            if segment_ids is None:
-                positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
-            else:
-                positions = segment_positions(segment_ids)
+        tokens, segment_ids, positions = training_inputs(tokens, segment_ids, positions)
         embed = _weight("embed", (c.vocab_size, c.dim), c.dim, c.param_dtype)
         x = embed[tokens].astype(c.dtype)
         for i in range(c.num_layers):
