@@ -149,11 +149,10 @@ def ragged_rows(config: AttentionConfig, query: jax.Array, cu_seqlens_q: jax.Arr
     token = jnp.arange(bound, dtype=jnp.int32)[None, :]
     source = jnp.where(token < q_lengths[:, None], cu[:-1, None] + token, T)  # T: out of range, reads zeros
     dense = jnp.take(query, source, axis=0, mode="fill", fill_value=0)
-    t = jnp.arange(T, dtype=jnp.int32)
-    sequence = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, B - 1)
-    within = t - cu[sequence]
-    inside = (t >= cu[0]) & (t < cu[-1]) & (within < bound)
-    flat = jnp.where(inside, sequence * bound + within, B * bound)  # past every row: `gather_rows` fills it
+    tokens = positions_lib.packed_tokens(cu, T)
+    inside = tokens.inside & (tokens.offset < bound)
+    # Tokens outside every row point past them all: `gather_rows` fills their results.
+    flat = jnp.where(inside, tokens.sequence * bound + tokens.offset, B * bound)
     return RaggedRows(dense, flat, q_lengths)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import positions
 from .attention import attention
 from .kv_layouts import default_layout, LayoutName, PoolLayout
 from .paged_pools import PagedPools
@@ -316,8 +317,5 @@ def _ragged_tokens(cu_seqlens: Any, batch: int, num_tokens: int) -> tuple[jax.Ar
             raise ValueError(
                 f"`cu_seqlens` must be non-decreasing from >= 0 to at most the {num_tokens} tokens given. Got {values}."
             )
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    sequence = jnp.searchsorted(cu, token, side="right").astype(jnp.int32) - 1
-    sequence = jnp.where((token >= cu[0]) & (token < cu[-1]), sequence, -1)
-    offset = token - cu[jnp.clip(sequence, 0, batch)]
-    return sequence, offset, jnp.maximum(cu[1:] - cu[:-1], 0)
+    tokens = positions.packed_tokens(cu, num_tokens)
+    return jnp.where(tokens.inside, tokens.sequence, -1), tokens.offset, jnp.maximum(cu[1:] - cu[:-1], 0)

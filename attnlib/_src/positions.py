@@ -16,6 +16,30 @@ import jax.numpy as jnp
 from . import varying
 
 
+class PackedTokens(NamedTuple):
+    """Where each of `T` packed tokens lies in the ranges of `cu_seqlens` `[B + 1]`.
+
+    Attributes:
+        sequence: int32 `[T]`: the range holding the token (clipped to `[0, B - 1]` for tokens outside every range).
+        offset: int32 `[T]`: the token's index in that range.
+        inside: bool `[T]`: whether the token lies in a range (`cu[0] <= t < cu[-1]`).
+    """
+
+    sequence: jax.Array
+    offset: jax.Array
+    inside: jax.Array
+
+
+def packed_tokens(cu_seqlens: jax.Array, num_tokens: int) -> PackedTokens:
+    """The sequence, offset and membership of each packed token: an unrolled binary search of plain fused ops
+    (`jnp.searchsorted`'s default `while` loop reads its condition back to the host at every step on a GPU)."""
+    cu = cu_seqlens.astype(jnp.int32)
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    found = jnp.searchsorted(cu, token, side="right", method="scan_unrolled").astype(jnp.int32) - 1
+    sequence = jnp.clip(found, 0, cu.shape[0] - 2)
+    return PackedTokens(sequence, token - cu[sequence], (token >= cu[0]) & (token < cu[-1]))
+
+
 class TokenPositions(NamedTuple):
     """Sequence ids and positions of query and key tokens.
 

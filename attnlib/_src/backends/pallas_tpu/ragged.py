@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ... import positions
 from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import kernel_settings
@@ -158,13 +159,9 @@ def _zero_rows_without_keys(out, cu_q, kv_lens):
 
 def _rows_with_keys(cu_q, kv_lens, T: int):
     """Whether each of `T` packed query rows sees a key: inside `cu_q` and at a bottom-right aligned position >= 0."""
-    B = kv_lens.shape[0]
-    token = jnp.arange(T, dtype=jnp.int32)
-    sequence = jnp.clip(jnp.searchsorted(cu_q, token, side="right").astype(jnp.int32) - 1, 0, B - 1)
-    q_count = cu_q[sequence + 1] - cu_q[sequence]
-    inside = (token >= cu_q[0]) & (token < cu_q[-1])
-    position = token - cu_q[sequence] + kv_lens[sequence] - q_count
-    return inside & (position >= 0)
+    tokens = positions.packed_tokens(cu_q, T)
+    q_count = cu_q[tokens.sequence + 1] - cu_q[tokens.sequence]
+    return tokens.inside & (tokens.offset + kv_lens[tokens.sequence] - q_count >= 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -199,7 +196,7 @@ _ragged.defvjp(_ragged_fwd, _ragged_bwd)
 def _packed_queries(config: AttentionConfig, inputs: AttentionInputs, kv_lens: jax.Array):
     """Queries `[T, N, H]`, `cu_q_lens` `[B + 1]` and the kv lengths `[B]` the kernel reads: a dense call's `T`
     queries per sequence are `B` ranges of `T`; a padding decode row (`query_seq_lengths` 0, `T == 1` by
-    `decline_reason`) is an empty range."""
+    `decline_reason`) is given no keys, so it is zeroed as a row that sees none."""
     if config.ragged_queries:
         return inputs.query, inputs.cu_seqlens_q.astype(jnp.int32), kv_lens
     B, T, N, H = config.num_sequences, config.q_len, config.num_q_heads, config.head_dim
