@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from . import context_parallel as context_parallel
+from . import checkpoint_policies as checkpoint_policies, context_parallel as context_parallel
 from ._src.attention import attention as attention, explain as explain
 from ._src.backends.cudnn.implementation import Cudnn as Cudnn
 from ._src.backends.pallas_tpu.implementation import PallasTpu as PallasTpu

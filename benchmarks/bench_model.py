@@ -1,14 +1,16 @@
 """Model benchmark: the training step of the Llama-shaped model of `examples/`, with only the attention core swapped.
 
 Usage: python benchmarks/bench_model.py [--json out.json] [--only CONFIG ...] [--framework equinox haiku]
-       [--variants NAME ...] [--warmup 2] [--steps 5] [--smoke]
+       [--variants NAME ...] [--warmup 2] [--steps 5] [--remat save_attention] [--smoke]
 
 The step is `examples/train.py`'s (`make_step`, `make_optimizer`): forward, backward and the optax update (AdamW,
 float32 master weights, gradient clipping) of `examples/llama.py` (Equinox) or `examples/llama_haiku.py` (Haiku),
-per-layer remat, bfloat16 compute, donated parameters and optimizer state. Both frameworks start from the same
-weights (`llama_haiku.params_from_equinox`) and see the same batch (random tokens; packed configs add segment ids of
-several documents per row). Variants, one attention core each, everything else equal (`q` `[B, T, N, H]`, `k`, `v`
-`[B, T, K, H]`, causal, the config's window and documents):
+per-layer remat, bfloat16 compute, donated parameters and optimizer state. The remat (`--remat`) is by default
+`save_attention`: each block is recomputed in the backward pass except its attention kernel, whose results are kept
+(`attnlib.checkpoint_policies.save_attention`; the peers' kernels are kept alike); `full` recomputes everything.
+Both frameworks start from the same weights (`llama_haiku.params_from_equinox`) and see the same batch (random tokens;
+packed configs add segment ids of several documents per row). Variants, one attention core each, everything else equal
+(`q` `[B, T, N, H]`, `k`, `v` `[B, T, K, H]`, causal, the config's window and documents):
 
 - `attnlib`: the model as written: `attnlib.equinox` / `attnlib.haiku.DotProductAttention`, `implementation=None`
   (what it picks: `attnlib_pick`, from `attnlib.explain`, and the custom calls in the step's HLO).
@@ -41,8 +43,8 @@ the same step: same weights, same batch; bfloat16 noise), and the layer overhead
   write `[B, T, N, H]`: the target is zero standalone copies around attnlib's call.
 - `attention_core`: the core alone on the model's shapes: forward and forward + backward (the gradient of
   `sum(out * dout)` wrt q, k, v) timed as `bench_tpu.py` does (`time_calls`), and `share_of_step` =
-  `num_layers (fwd + fwd_bwd) / step` (per-layer remat runs each layer's forward twice): the attention share of the
-  step, an estimate from isolated calls.
+  `num_layers (fwd_bwd + fwd) / step` under `--remat full` (which runs each layer's forward twice), `num_layers
+  fwd_bwd / step` otherwise: the attention share of the step, an estimate from isolated calls.
 
 MFU counts model FLOPs (the PaLM convention: forward + backward = 3x forward, remat recomputation not counted):
 `6 P tokens + 12 L N H E`, with `P` the parameters of the matrix multiplies (all but the input embedding and the
@@ -128,6 +130,23 @@ SMOKE_CONFIGS = {
     "smoke_window": Config(dataclasses.replace(_TINY, sliding_window=16), 1, 64),
 }
 
+
+def _peer_kernels(primitive, *_, **__) -> bool:
+    """The peers' attention kernels, kept as attnlib's are: raw splash and tokamax run Pallas calls, jax.nn's cuDNN
+    path its `dot_product_attention_fwd` primitive."""
+    return primitive.name in ("pallas_call", "dot_product_attention_fwd")
+
+
+REMAT_CHOICES = {
+    "none": False,
+    "full": True,
+    **{
+        name: jax.checkpoint_policies.save_from_both_policies(policy, _peer_kernels)
+        for name, policy in llama.REMAT_POLICIES.items()
+        if name != "full"
+    },
+}  # llama.LlamaConfig.remat by name; the policies that keep attnlib's kernels keep every peer's too
+DEFAULT_REMAT = "save_attention"
 VARIANTS = ("attnlib", "jax_nn", "jax_nn_cudnn", "splash", "tokamax")
 FRAMEWORKS = ("equinox", "haiku")
 LEARNING_RATE = 3e-4
@@ -649,7 +668,8 @@ def run_variant(
     result["peak_bytes_in_use"] = None if not stats else stats.get("peak_bytes_in_use")
     core = time_attention_core(core_fn, config, segment_ids, loops=2 if smoke else 5, target_s=0.005 if smoke else 0.05)
     if "fwd_ms" in core and "fwd_bwd_ms" in core:
-        core["share_of_step"] = config.model.num_layers * (core["fwd_ms"] + core["fwd_bwd_ms"]) / result["step_ms"]
+        recomputed_forward = core["fwd_ms"] if config.model.remat is True else 0.0  # --remat full
+        core["share_of_step"] = config.model.num_layers * (core["fwd_bwd_ms"] + recomputed_forward) / result["step_ms"]
     result["attention_core"] = core
     return result
 
@@ -703,7 +723,9 @@ def run_config(
     peak = None if tflops is None else {"flops": flops["total"], "tflops": tflops}
     row = {
         "model": {
-            k: (jnp.dtype(v).name if k.endswith("dtype") else v) for k, v in dataclasses.asdict(config.model).items()
+            k: (jnp.dtype(v).name if k.endswith("dtype") else v)
+            for k, v in dataclasses.asdict(config.model).items()
+            if k != "remat"  # the header's name
         },
         "batch": config.batch,
         "seq": config.seq,
@@ -804,8 +826,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on any backend: the script works")
+    parser.add_argument(
+        "--remat",
+        choices=REMAT_CHOICES,
+        default=DEFAULT_REMAT,
+        help="per-block remat of every config (llama.LlamaConfig.remat: none, full, or a policy that keeps the "
+        "attention kernels' results)",
+    )
     args = parser.parse_args(argv)
-    configs = SMOKE_CONFIGS if args.smoke else CONFIGS
+    configs = {
+        name: dataclasses.replace(c, model=dataclasses.replace(c.model, remat=REMAT_CHOICES[args.remat]))
+        for name, c in (SMOKE_CONFIGS if args.smoke else CONFIGS).items()
+    }
     unknown = set(args.only or ()) - set(configs)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}; known: {list(configs)}")
@@ -825,6 +857,7 @@ def main(argv=None) -> dict:
         "warmup": warmup,
         "steps": steps,
         "learning_rate": LEARNING_RATE,
+        "remat": args.remat,
         "peak_tflops": peak_tflops(device),
         "flops": FLOPS_CONVENTION,
     }

@@ -19,6 +19,7 @@ transpose sits between a projection and the attention call.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -45,8 +46,11 @@ class LlamaConfig:
         rope_theta: rotary base.
         norm_eps: RMSNorm epsilon.
         tie_embeddings: the output head is the transposed input embedding.
-        remat: recompute each block in the backward pass (`equinox.filter_checkpoint`, i.e. `jax.checkpoint`) instead
-            of storing its activations.
+        remat: per-block rematerialization (`jax.checkpoint` of each block). False stores every activation; True
+            (or "full") recomputes the whole block in the backward pass; "save_attention" recomputes all but the
+            fused attention kernel's results (`attnlib.checkpoint_policies.save_attention`: no second attention
+            forward); "save_dots_and_attention" also keeps the matrix products of the projections and the MLP. A
+            callable is a `jax.checkpoint` policy of your own. See `REMAT_POLICIES`.
         dtype: compute dtype (activations, the KV cache). Parameters are `param_dtype`.
         param_dtype: parameter dtype.
         implementation: `attnlib.attention`'s `implementation`. None picks the best available.
@@ -64,7 +68,7 @@ class LlamaConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    remat: bool = False
+    remat: bool | str | Callable = False
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
     implementation: Any = None
@@ -76,8 +80,32 @@ class LlamaConfig:
                 f"`num_heads` must be a multiple of `num_kv_heads`. Got num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}."
             )
+        if isinstance(self.remat, str) and self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"`remat` must be a bool, a policy or one of {sorted(REMAT_POLICIES)}. Got {self.remat!r}."
+            )
+        if not isinstance(self.remat, (bool, str)) and not callable(self.remat):
+            raise TypeError(f"`remat` must be a bool, a name or a `jax.checkpoint` policy. Got {self.remat!r}.")
         if self.head_dim % 2 != 0:
             raise ValueError(f"`head_dim` must be even (rotary positions rotate pairs). Got {self.head_dim}.")
+
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_attention": attnlib.checkpoint_policies.save_attention,
+    "save_dots_and_attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, attnlib.checkpoint_policies.save_attention
+    ),
+}  # per-block remat by name: recompute everything; all but attnlib's kernels; all but those and the matrix products
+
+
+def remat_policy(config: LlamaConfig):
+    """`config.remat` as `(checkpoint each block?, its jax.checkpoint policy)`."""
+    if config.remat is False:
+        return False, None
+    if callable(config.remat):
+        return True, config.remat
+    return True, REMAT_POLICIES["full" if config.remat is True else config.remat]
 
 
 def _normal(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int, dtype: Any) -> Array:
@@ -260,8 +288,9 @@ class Llama(eqx.Module):
 
     def _blocks(self, x, positions, caches=None, **attention_args):
         call = lambda block, x, positions, cache: block(x, positions, cache=cache, **attention_args)
-        if self.config.remat:
-            call = eqx.filter_checkpoint(call)
+        checkpoint, policy = remat_policy(self.config)
+        if checkpoint:
+            call = eqx.filter_checkpoint(call, policy=policy)
         new_caches = []
         for i, block in enumerate(self.layers):
             x, cache = call(block, x, positions, None if caches is None else caches[i])

@@ -29,7 +29,9 @@ from typing import Any
 import haiku as hk
 import jax
 import jax.numpy as jnp
-from llama import LlamaConfig, rope, training_inputs  # examples/ is on sys.path when these files run as scripts
+
+# examples/ is on sys.path when these files run as scripts
+from llama import LlamaConfig, remat_policy, rope, training_inputs
 
 import attnlib.haiku
 
@@ -137,9 +139,10 @@ class Llama(hk.Module):
         tokens, segment_ids, positions = training_inputs(tokens, segment_ids, positions)
         embed = _weight("embed", (c.vocab_size, c.dim), c.dim, c.param_dtype)
         x = embed[tokens].astype(c.dtype)
+        checkpoint, policy = remat_policy(c)
         for i in range(c.num_layers):
             block = Block(c, self.core, name=f"layer_{i}")
-            x = (hk.remat(block) if c.remat else block)(x, positions, segment_ids)
+            x = (hk.remat(block, policy=policy) if checkpoint else block)(x, positions, segment_ids)
         x = RMSNorm(c, name="norm")(x)
         head = embed.T if c.tie_embeddings else _weight("head", (c.dim, c.vocab_size), c.dim, c.param_dtype)
         return jnp.einsum("btd,dv->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)

@@ -29,7 +29,7 @@ from llama import LlamaConfig  # examples/ is on sys.path when this file runs as
 
 PRESETS = {
     # model, batch size, sequence length, steps, peak learning rate
-    "tiny": (LlamaConfig(vocab_size=data.VOCAB_SIZE, remat=True), 4, 128, 20, 3e-3),
+    "tiny": (LlamaConfig(vocab_size=data.VOCAB_SIZE, remat="save_attention"), 4, 128, 20, 3e-3),
     "small": (
         LlamaConfig(
             vocab_size=data.VOCAB_SIZE,
@@ -39,7 +39,7 @@ PRESETS = {
             num_kv_heads=2,
             head_dim=32,
             hidden_dim=688,
-            remat=True,
+            remat="save_attention",
         ),
         8,
         256,

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import attnlib
+
 
 eqx = pytest.importorskip("equinox")
 hk = pytest.importorskip("haiku")
@@ -71,6 +73,20 @@ def test_haiku_equals_equinox_on_the_same_weights():
     expected = llama_haiku.params_from_equinox(grads_eqx)
     for (path, g), e in zip(jax.tree.leaves_with_path(grads_hk), jax.tree.leaves(expected)):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_remat_takes_a_name_or_a_policy():
+    """`LlamaConfig.remat`: False, True ("full"), a name of `REMAT_POLICIES` or a `jax.checkpoint` policy; anything
+    else is refused at construction, naming the argument."""
+    assert llama.remat_policy(llama.LlamaConfig()) == (False, None)
+    assert llama.remat_policy(llama.LlamaConfig(remat=True)) == (True, jax.checkpoint_policies.nothing_saveable)
+    keep = attnlib.checkpoint_policies.save_attention
+    assert llama.remat_policy(llama.LlamaConfig(remat="save_attention")) == (True, keep)
+    assert llama.remat_policy(llama.LlamaConfig(remat=keep)) == (True, keep)
+    with pytest.raises(ValueError, match="`remat` must be.*'save_attention'.*Got 'attention'"):
+        llama.LlamaConfig(remat="attention")
+    with pytest.raises(TypeError, match="`remat` must be.*Got 3"):
+        llama.LlamaConfig(remat=3)
 
 
 def test_tied_head_has_no_head_parameter():
@@ -205,6 +221,7 @@ def test_bench_model_smoke_writes_json(tmp_path):
         _bench_model().main(["--smoke", "--only", "smoke_packed", "--framework", "haiku", "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["smoke"] and "6 P tokens" in result["flops"] and "versions" in result
+    assert result["remat"] == "save_attention"
     row = result["configs"]["smoke_packed"]
     assert {"model", "batch", "seq", "flops", "attnlib_pick", "frameworks", "documents_per_row"} <= set(row)
     assert row["attnlib_pick"] in ("xla", "xla_chunked")
