@@ -73,7 +73,8 @@ def main(argv=None) -> pathlib.Path:
     fig, axes = plt.subplots(1, len(files), figsize=(6 * len(files), 4.2), squeeze=False)
     for ax, path in zip(axes[0], files):
         result = json.loads(path.read_text())
-        title = f"{result.get('device_kind', result.get('device'))}: {path.name} (MFU of attnlib over its bar)"
+        device = result.get("device_kind", result.get("device"))
+        title = f"{device}, remat {result.get('remat', 'full')}: {path.name} (attnlib's MFU over its bar)"
         _panel(ax, title, _groups(result))
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
