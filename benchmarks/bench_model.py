@@ -1,7 +1,7 @@
 """Model benchmark: the training step of the Llama-shaped model of `examples/`, with only the attention core swapped.
 
 Usage: python benchmarks/bench_model.py [--json out.json] [--only CONFIG ...] [--framework equinox haiku]
-       [--variants NAME ...] [--warmup 2] [--steps 5] [--remat save_attention] [--smoke]
+       [--variants NAME ...] [--warmup 2] [--steps 5] [--remat save_attention] [--profile] [--smoke]
 
 The step is `examples/train.py`'s (`make_step`, `make_optimizer`): forward, backward and the optax update (AdamW,
 float32 master weights, gradient clipping) of `examples/llama.py` (Equinox) or `examples/llama_haiku.py` (Haiku),
@@ -45,6 +45,9 @@ the same step: same weights, same batch; bfloat16 noise), and the layer overhead
   `sum(out * dout)` wrt q, k, v) timed as `bench_tpu.py` does (`time_calls`), and `share_of_step` =
   `num_layers (fwd_bwd + fwd) / step` under `--remat full` (which runs each layer's forward twice), `num_layers
   fwd_bwd / step` otherwise: the attention share of the step, an estimate from isolated calls.
+- `profile` (`--profile`): 2 more steps under the JAX profiler; per step, `device_ms` (the device's XLA ops summed),
+  `attention_ms` (the attention custom calls among them) and `attention_share`: the measured share, where the
+  backend's trace has an "XLA Ops" line (the TPU's; elsewhere `skipped`).
 
 MFU counts model FLOPs (the PaLM convention: forward + backward = 3x forward, remat recomputation not counted):
 `6 P tokens + 12 L N H E`, with `P` the parameters of the matrix multiplies (all but the input embedding and the
@@ -571,6 +574,58 @@ def layout_ops(text: str, targets: str = ATTENTION_TARGETS, max_examples: int = 
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Profiling
+
+
+def device_op_times(planes, hlo_text: str, steps: int, targets: str = ATTENTION_TARGETS) -> dict:
+    """Per step, the device time of a profiler trace's XLA ops (`jax.profiler.ProfileData` planes of `steps` calls)
+    and the attention kernels' part: the custom calls whose target matches `targets`, looked up by instruction name
+    in the compiled HLO (`hlo_text`; a TPU trace names each op by its HLO line). A trace without a device "XLA Ops"
+    line (the CPU's) gives `skipped`."""
+    instructions = {i.name: i for comp in parse_hlo(hlo_text).values() for i in comp}
+    total = attention = 0.0
+    kernels: collections.Counter = collections.Counter()
+    lines = 0
+    for plane in planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            if line.name != "XLA Ops":
+                continue
+            lines += 1
+            for event in line.events:
+                ms = event.duration_ns / 1e6 / steps
+                total += ms
+                name = event.name.split(" = ")[0].split()[-1].lstrip("%")
+                instr = instructions.get(name)
+                if instr is not None and instr.op == "custom-call" and re.search(targets, instr.target or ""):
+                    attention += ms
+                    kernels[re.sub(r"\.\d+$", "", name)] += ms
+    if not lines:
+        return {"skipped": "the trace has no device 'XLA Ops' line on this backend"}
+    return {
+        "device_ms": total,
+        "attention_ms": attention,
+        "attention_share": attention / total if total else None,
+        "attention_kernels_ms": dict(kernels),
+    }
+
+
+def profile_device_time(run_step: Callable[[], None], hlo_text: str, steps: int = 2) -> dict:
+    """`device_op_times` of `steps` calls of `run_step` under the JAX profiler (`jax.profiler.trace`)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        with jax.profiler.trace(directory):
+            for _ in range(steps):
+                run_step()
+        paths = sorted(pathlib.Path(directory).rglob("*.xplane.pb"))
+        if not paths:
+            return {"skipped": "the profiler wrote no trace"}
+        data = jax.profiler.ProfileData.from_file(str(paths[0]))
+        return device_op_times(data.planes, hlo_text, steps)
+
+
 # Running
 
 
@@ -617,7 +672,16 @@ def time_attention_core(core: Callable, config: Config, segment_ids, loops: int,
 
 
 def run_variant(
-    framework: str, variant: str, config: Config, batch, *, warmup: int, steps: int, peak, smoke: bool = False
+    framework: str,
+    variant: str,
+    config: Config,
+    batch,
+    *,
+    warmup: int,
+    steps: int,
+    peak,
+    smoke: bool = False,
+    profile: bool = False,
 ) -> dict:
     result: dict = {}
     try:
@@ -650,6 +714,14 @@ def run_variant(
             losses.append(float(loss))
             if i >= warmup:
                 times.append(elapsed)
+        if profile:
+            state = [params, opt_state]
+
+            def run_step():
+                state[0], state[1], _ = jax.block_until_ready(compiled(state[0], state[1], *args))
+
+            result["profile"] = profile_device_time(run_step, compiled.as_text())
+            params, opt_state = state
         del params, opt_state
     except Exception as e:  # noqa: BLE001  (reported, not fatal)
         result["error"] = bench_tpu._error(e)
@@ -711,6 +783,7 @@ def run_config(
     warmup: int,
     steps: int,
     smoke: bool = False,
+    profile: bool = False,
     on_result: Callable[[dict], None] = lambda row: None,
 ) -> dict:
     """One config: every framework and variant; `on_result(row)` after each variant (the row so far)."""
@@ -737,7 +810,9 @@ def run_config(
     for framework in frameworks:
         out = row["frameworks"][framework] = {"variants": {}}
         for variant in variants:
-            result = run_variant(framework, variant, config, batch, warmup=warmup, steps=steps, peak=peak, smoke=smoke)
+            result = run_variant(
+                framework, variant, config, batch, warmup=warmup, steps=steps, peak=peak, smoke=smoke, profile=profile
+            )
             out["variants"][variant] = result
             print(f"{name} {framework} {variant}: {_summary(result)}", flush=True)
             on_result(row)
@@ -833,6 +908,11 @@ def main(argv=None) -> dict:
         help="per-block remat of every config (llama.LlamaConfig.remat: none, full, or a policy that keeps the "
         "attention kernels' results)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace 2 steps of each variant: device time and the attention kernels' share (TPU traces)",
+    )
     args = parser.parse_args(argv)
     configs = {
         name: dataclasses.replace(c, model=dataclasses.replace(c.model, remat=REMAT_CHOICES[args.remat]))
@@ -880,6 +960,7 @@ def main(argv=None) -> dict:
             warmup=warmup,
             steps=steps,
             smoke=args.smoke,
+            profile=args.profile,
             on_result=lambda row, name=name: save(name, row),
         )
         save(name, row)

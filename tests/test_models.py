@@ -213,12 +213,54 @@ def test_bench_model_swaps_only_the_attention_core():
     assert sorted(x.size for x in jax.tree.leaves(eqx_params)) == sorted(x.size for x in jax.tree.leaves(hk_params))
 
 
+_HLO = """HloModule step
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %splash_mha_fwd_residuals.3 = (f32[8]{0}, f32[8]{0}) custom-call(f32[8]{0} %p), custom_call_target="tpu_custom_call"
+  %get-tuple-element.1 = f32[8]{0} get-tuple-element((f32[8]{0}, f32[8]{0}) %splash_mha_fwd_residuals.3), index=0
+  %sort.4 = f32[8]{0} custom-call(f32[8]{0} %p), custom_call_target="TopK"
+  ROOT %fusion.2 = f32[8]{0} fusion(f32[8]{0} %get-tuple-element.1, f32[8]{0} %sort.4), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_device_op_times_sums_the_device_ops_and_the_attention_kernels():
+    """Events as a TPU trace has them (each named by its HLO line) on the device's "XLA Ops" line, two steps: the
+    per-step device time, and the attention custom calls' part (another custom call is not attention; host planes
+    and other lines do not count)."""
+    from types import SimpleNamespace as NS
+
+    line = lambda name, *events: NS(name=name, events=[NS(name=n, duration_ns=ms * 1e6) for n, ms in events])
+    ops = line(
+        "XLA Ops",
+        ('%splash_mha_fwd_residuals.3 = (f32[8]{0}, f32[8]{0}) custom-call(f32[8]{0} %p), custom_call_target="t"', 3),
+        ('%splash_mha_fwd_residuals.3 = (f32[8]{0}, f32[8]{0}) custom-call(f32[8]{0} %p), custom_call_target="t"', 2),
+        ("%fusion.2 = f32[8]{0} fusion(f32[8]{0} %get-tuple-element.1), kind=kLoop", 4),
+        ('%sort.4 = f32[8]{0} custom-call(f32[8]{0} %p), custom_call_target="TopK"', 1),
+    )
+    planes = [
+        NS(name="/device:TPU:0", lines=[ops, line("XLA Modules", ("jit_step", 100))]),
+        NS(name="/host:CPU", lines=[line("XLA Ops", ("%fusion.2", 50))]),
+    ]
+    times = _bench_model().device_op_times(planes, _HLO, steps=2)
+    assert times == {
+        "device_ms": 5.0,
+        "attention_ms": 2.5,
+        "attention_share": 0.5,
+        "attention_kernels_ms": {"splash_mha_fwd_residuals": 2.5},
+    }
+    assert "skipped" in _bench_model().device_op_times(planes[1:], _HLO, steps=2)
+
+
 def test_bench_model_smoke_writes_json(tmp_path):
     """`--smoke` on the CPU (the Haiku model; the Equinox one takes the same path): attnlib and jax.nn train the tiny
     packed config with equal losses; the GPU and TPU variants are recorded as skipped, with the reason."""
     out = tmp_path / "model.json"
     with jax.numpy_dtype_promotion("standard"):
-        _bench_model().main(["--smoke", "--only", "smoke_packed", "--framework", "haiku", "--json", str(out)])
+        _bench_model().main(
+            ["--smoke", "--only", "smoke_packed", "--framework", "haiku", "--profile", "--json", str(out)]
+        )
     result = json.loads(out.read_text())
     assert result["smoke"] and "6 P tokens" in result["flops"] and "versions" in result
     assert result["remat"] == "save_attention"
@@ -238,6 +280,7 @@ def test_bench_model_smoke_writes_json(tmp_path):
         assert {"transposes", "copies", "attention_calls", "feeding", "consuming"} <= set(r["hlo"])
         assert r["attention_core"]["fwd_ms"] > 0 and 0 < r["attention_core"]["share_of_step"]
         assert r["max_loss_diff_vs_attnlib"] < 0.05  # bfloat16 noise
+        assert r["profile"] == {"skipped": "the trace has no device 'XLA Ops' line on this backend"}  # a CPU trace
     assert variants["attnlib"]["attention_mask"] == "segment ids"
     assert variants["jax_nn"]["attention_mask"].startswith("dense")
     assert row["frameworks"]["haiku"]["max_loss_diff_vs_attnlib"] == variants["jax_nn"]["max_loss_diff_vs_attnlib"]
