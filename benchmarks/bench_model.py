@@ -136,8 +136,8 @@ SMOKE_CONFIGS = {
 
 def _peer_kernels(primitive, *_, **__) -> bool:
     """The peers' attention kernels, kept as attnlib's are: raw splash and tokamax run Pallas calls, jax.nn's cuDNN
-    path its `dot_product_attention_fwd` primitive."""
-    return primitive.name in ("pallas_call", "dot_product_attention_fwd")
+    path binds `dot_product_attention_fwd_wrapper` (JAX 0.10-0.12; `dot_product_attention_fwd` below it)."""
+    return primitive.name in ("pallas_call", "dot_product_attention_fwd_wrapper", "dot_product_attention_fwd")
 
 
 REMAT_CHOICES = {
