@@ -16,7 +16,8 @@
 #   readme-tests[:SECONDS]      the README's test command, verbatim (its failures listed at the end, also when the time
 #                               limit interrupts it: SIGINT, so pytest reports what ran)
 #   bench:SCRIPT[:SECONDS]      benchmarks/SCRIPT.py --json OUT_DIR/SCRIPT.json (extra args in $ATTNLIB_ARGS_SCRIPT,
-#                               else $ATTNLIB_BENCH_ARGS)
+#                               else $ATTNLIB_BENCH_ARGS); SCRIPT@TAG runs SCRIPT again with $ATTNLIB_ARGS_SCRIPT_TAG
+#                               into OUT_DIR/SCRIPT_TAG.json
 # Example: bash benchmarks/run_h200.sh $OUT tests:300 bench:bench_peers:240 bench:bench_decode:120
 #
 # Needs jax with CUDA, the build requirements of the README's GPU install (offline, $ATTNLIB_FIND_LINKS must hold a
@@ -107,14 +108,14 @@ for step in "$@"; do
         | tee "$out/readme_tests.log" | grep -v "^\[gw\|^WARNING:absl" | tail -80 ;;
     bench)
       seconds=${seconds:-300}
-      args=(--json "$out/$name.json")
-      # shellcheck disable=SC2086
-      extra_args="ATTNLIB_ARGS_$name"
+      script=${name%@*}; run=${name/@/_}  # SCRIPT@TAG: SCRIPT's run named SCRIPT_TAG
+      args=(--json "$out/$run.json")
+      extra_args="ATTNLIB_ARGS_$run"
       extra_args=${!extra_args:-${ATTNLIB_BENCH_ARGS:-}}
       # shellcheck disable=SC2086
-      (cd benchmarks && timeout "$seconds" python3 "$name.py" "${args[@]}" $extra_args) \
-        > "$out/$name.log" 2>&1
-      grep -v "^WARNING:absl\|^ *%\|^$" "$out/$name.log" | tail -40 ;;
+      (cd benchmarks && timeout "$seconds" python3 "$script.py" "${args[@]}" $extra_args) \
+        > "$out/$run.log" 2>&1
+      grep -v "^WARNING:absl\|^ *%\|^$" "$out/$run.log" | tail -40 ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac
 done

@@ -5,7 +5,8 @@
 # Usage: bash benchmarks/run_tpu.sh OUT_DIR STEP [STEP ...]     (from the repository root: pyenv picks Python there)
 #   tests[:SECONDS]             pytest -m tpu over the TPU test files (or the node ids / files in $ATTNLIB_TESTS),
 #                               ATTNLIB_REQUIRE_TPU=1: a missing TPU fails them instead of skipping
-#   bench:SCRIPT[:SECONDS]      benchmarks/SCRIPT.py --json OUT_DIR/SCRIPT.json (extra args in $ATTNLIB_ARGS_SCRIPT)
+#   bench:SCRIPT[:SECONDS]      benchmarks/SCRIPT.py --json OUT_DIR/SCRIPT.json (extra args in $ATTNLIB_ARGS_SCRIPT);
+#                               SCRIPT@TAG runs SCRIPT again with $ATTNLIB_ARGS_SCRIPT_TAG into OUT_DIR/SCRIPT_TAG.json
 # Example: bash benchmarks/run_tpu.sh $OUT tests:240 bench:bench_tpu_decode:120 bench:bench_tpu:400
 #
 # The machine has jax/jaxlib and libtpu (on a preset PYTHONPATH: this script appends to it, never replaces it) and
@@ -37,10 +38,11 @@ for step in "$@"; do
         --tb=short 2>&1 | tee "$out/tpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40 ;;
     bench)
       seconds=${seconds:-300}
-      extra_args="ATTNLIB_ARGS_$name"
+      script=${name%@*}; run=${name/@/_}  # SCRIPT@TAG: SCRIPT's run named SCRIPT_TAG
+      extra_args="ATTNLIB_ARGS_$run"
       # shellcheck disable=SC2086
-      timeout "$seconds" python3 "benchmarks/$name.py" --json "$out/$name.json" ${!extra_args:-} > "$out/$name.log" 2>&1
-      grep -v "^WARNING\|^ *%\|^$" "$out/$name.log" | tail -30 ;;
+      timeout "$seconds" python3 "benchmarks/$script.py" --json "$out/$run.json" ${!extra_args:-} > "$out/$run.log" 2>&1
+      grep -v "^WARNING\|^ *%\|^$" "$out/$run.log" | tail -30 ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac
 done
