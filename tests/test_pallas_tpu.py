@@ -280,6 +280,33 @@ def test_forward_with_lse_dropped(name, monkeypatch):
     assert_out_close(out, reference_attention(*args, **kw64)[0], jnp.float32)
 
 
+ROWS_FROM_IDS = {
+    "segments_causal": True,  # self-attention over packed rows: every query with a segment sees itself
+    "thd_causal": True,
+    "segments_cross": False,  # keys with their own segments: a query's segment may have no key
+    "sinks_segments_cross": False,
+    "lengths_with_empty_rows": False,
+    "causal_bottom_right": False,  # no segments: the band decides
+}
+
+
+@pytest.mark.parametrize("name", list(ROWS_FROM_IDS))
+def test_rows_without_keys_come_from_the_ids_where_they_say_it(name, monkeypatch):
+    """Self-attention over one sequence structure, with the diagonal in the band and no sinks: the rows that see no
+    key are the queries without a segment, found from the ids (the log-sum-exp of a forward whose `lse` nothing else
+    reads is then dead: no relayout of it on a TPU under full remat). Other structures find them in the `lse`."""
+    from attnlib._src.backends.pallas_tpu import splash
+
+    layouts = []
+    layout = splash.layout
+    monkeypatch.setattr(splash, "layout", lambda *a: layouts.append(layout(*a)) or layouts[-1])
+    case = CASES[name]
+    q, k, v = _arrays(case, jnp.float32)
+    kw = _kwargs(case)
+    jax.eval_shape(lambda q, k, v: attnlib.attention(q, k, v, implementation=INTERPRET, **kw), q, k, v)
+    assert [lay.kernel.empty_rows_from_ids for lay in layouts] == [ROWS_FROM_IDS[name]]
+
+
 def test_user_block_sizes_pad_to_their_blocks():
     """A caller's `BlockSizes` (backward blocks unset): lengths pad to multiples of its blocks; same numbers."""
     from jax.experimental.pallas.ops.tpu.splash_attention import BlockSizes

@@ -45,6 +45,11 @@ class Kernel:
             too, where a finite sink alone gives such a row out 0 in the kernel, but a -inf one does not): the
             forward and backward then find those rows in the log-sum-exp and mask them; otherwise they skip that
             elementwise pass over the output and its cotangent.
+        empty_rows_from_ids: the empty rows are exactly the queries without a segment (splash id `Q_NONE`): every
+            other query sees at least its own key (self-attention with one structure for queries and keys, `T = S`,
+            no padding lengths, no sinks, a band that keeps the diagonal). The rows are then found from the ids,
+            not from the log-sum-exp, so a forward whose log-sum-exp nothing else reads (the first of two under
+            full remat) does not relay it out.
     """
 
     mask: MaskSpec
@@ -53,6 +58,7 @@ class Kernel:
     interpret: bool
     returns_lse: bool = True
     empty_rows: bool = True
+    empty_rows_from_ids: bool = False
 
     @property
     def lse_needed(self) -> bool:

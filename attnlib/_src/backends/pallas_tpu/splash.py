@@ -49,9 +49,12 @@ KV_NONE = -(2**31) + 1
 """Segment id of a key no query sees (attnlib's id 0, padding, the padded tail): no query carries it."""
 
 
-def _seen(lse: jax.Array) -> jax.Array:
-    """Rows of a raw splash `lse` that saw a key or a sink: above half the mask value (an empty row without a sink
-    sits at the mask value, -inf or NaN)."""
+def _seen(call: masks.Kernel, lse: jax.Array, q_ids: jax.Array | None) -> jax.Array:
+    """bool `[B, N, T']`: the rows that saw a key or a sink. From the segment ids where they say it
+    (`call.empty_rows_from_ids`), else from the raw splash `lse`: above half the mask value (an empty row without a
+    sink sits at the mask value, -inf or NaN)."""
+    if call.empty_rows_from_ids:
+        return jnp.broadcast_to((q_ids != Q_NONE)[:, None, :], lse.shape)
     return lse > 0.5 * scores.hidden_score(jnp.float32)
 
 
@@ -88,7 +91,7 @@ def _forward(call: masks.Kernel, q, k, v, q_ids, kv_ids, sinks):
     out, lse = _kernel_call(call, q, k, v, q_ids, kv_ids, sinks)
     if not call.empty_rows:
         return out, lse
-    seen = _seen(lse)
+    seen = _seen(call, lse, q_ids)
     out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
     lse = jnp.where(seen, lse, scores.hidden_score(jnp.float32))
     return out, lse
@@ -162,7 +165,7 @@ def _splash_bwd(call, residuals, cotangents):
     d_out, d_lse = cotangents
     kernel_lse, seen = lse, None
     if call.empty_rows:
-        seen = _seen(lse)
+        seen = _seen(call, lse, q_ids)
         d_out = jnp.where(seen[..., None], d_out, jnp.zeros((), d_out.dtype))
         d_lse = jnp.where(seen, d_lse, 0.0)
         kernel_lse = jnp.where(seen, lse, 0.0)  # empty rows: exp(mask value - 0) = 0
@@ -202,9 +205,19 @@ def layout(config: AttentionConfig, block_sizes: Any | None, interpret: bool) ->
     keys_hidden = Sp == S or (reach is not None and T - 1 + offset + reach <= S - 1)
     structured = config.has_q_lengths or config.has_kv_lengths or config.has_segments or config.layout == "thd"
     segmented = structured or not keys_hidden
-    empty_rows = segmented or not Band.of(config).all_rows_valid(T, S)
+    band = Band.of(config)
+    empty_rows = segmented or not band.all_rows_valid(T, S)
+    diagonal_kept = (band.left is None or band.left >= 0) and (band.right is None or band.right >= 0)
+    from_ids = (
+        empty_rows
+        and segmented
+        and T == S
+        and diagonal_kept
+        and not (config.separate_kv_structure or config.has_q_lengths or config.has_kv_lengths or config.has_sinks)
+    )
+    kernel = masks.Kernel(mask, chosen, config.logits_soft_cap, interpret, config.return_residual, empty_rows, from_ids)
     return Layout(
-        kernel=masks.Kernel(mask, chosen, config.logits_soft_cap, interpret, config.return_residual, empty_rows),
+        kernel=kernel,
         q_len=Tp, kv_len=Sp,
         head_dim=blocks.round_up(config.head_dim, blocks.LANES),
         value_head_dim=blocks.round_up(config.value_head_dim, blocks.LANES),
