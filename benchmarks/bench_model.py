@@ -70,6 +70,7 @@ import pathlib
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -613,8 +614,6 @@ def device_op_times(planes, hlo_text: str, steps: int, targets: str = ATTENTION_
 
 def profile_device_time(run_step: Callable[[], None], hlo_text: str, steps: int = 2) -> dict:
     """`device_op_times` of `steps` calls of `run_step` under the JAX profiler (`jax.profiler.trace`)."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as directory:
         with jax.profiler.trace(directory):
             for _ in range(steps):

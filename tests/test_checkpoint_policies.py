@@ -22,14 +22,6 @@ from attnlib.checkpoint_policies import save_attention
 B, T, N, K, H, HV = 2, 40, 6, 2, 32, 24
 
 
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            jaxpr = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-            if jaxpr is not None and hasattr(jaxpr, "eqns"):
-                yield jaxpr
-
-
 def _count(jaxpr, counts: collections.Counter) -> collections.Counter:
     """Per kind, the equations of `jaxpr` and every sub-jaxpr: attnlib's kernel calls (those `save_attention`
     keeps) and Pallas calls by kernel name."""
@@ -38,7 +30,7 @@ def _count(jaxpr, counts: collections.Counter) -> collections.Counter:
             counts["attnlib kernel calls"] += 1
         if eqn.primitive.name == "pallas_call":
             counts[str(eqn.params.get("name_and_src_info", eqn.params.get("name"))).split(" ")[0]] += 1
-        for sub in _sub_jaxprs(eqn):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             _count(sub, counts)
     return counts
 

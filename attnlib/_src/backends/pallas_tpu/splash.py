@@ -209,8 +209,7 @@ def layout(config: AttentionConfig, block_sizes: Any | None, interpret: bool) ->
     empty_rows = segmented or not band.all_rows_valid(T, S)
     diagonal_kept = (band.left is None or band.left >= 0) and (band.right is None or band.right >= 0)
     from_ids = (
-        empty_rows
-        and segmented
+        segmented  # (so `empty_rows`)
         and T == S
         and diagonal_kept
         and not (config.separate_kv_structure or config.has_q_lengths or config.has_kv_lengths or config.has_sinks)
