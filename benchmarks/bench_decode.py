@@ -229,7 +229,7 @@ def mixed_inputs(case: MixedCase):
 
     cache = attnlib.PagedKVCache.create(B, B * pages_per_seq, case.page_size, case.k, case.h,
                                         max_pages_per_seq=pages_per_seq, layout="token_major")  # fmt: skip
-    cache = dataclasses.replace(cache, k_pages=pool(k), v_pages=pool(v), page_table=page_table,
+    cache = dataclasses.replace(cache, pools=(pool(k), pool(v)), page_table=page_table,
                                 lengths=jnp.asarray(kv_lengths, jnp.int32),
                                 num_used_pages=jnp.asarray(B * pages_per_seq, jnp.int32))  # fmt: skip
     cu = np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)
@@ -262,7 +262,7 @@ def mixed_fns(case: MixedCase, cache, cu):
     P = len(case.prompts)
 
     def attnlib_paged(x, k_pages, v_pages):
-        c = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+        c = dataclasses.replace(cache, pools=(k_pages, v_pages))
         return c.attend(x, cu_seqlens_q=cu, max_seqlen_q=T_max)
 
     def bottom_right_mask(t: int, s: int):  # [B, 1, t, s]: each sequence's last query on its last key
@@ -303,7 +303,7 @@ def run_mixed(case: MixedCase, args) -> dict:
                                           diagonal_alignment="bottom_right").implementation  # fmt: skip
     steps = {}
     for label, (attend, packed) in mixed_fns(case, cache, cu).items():
-        call_args = (q, cache.k_pages, cache.v_pages) if packed else (dense_q, k, v)
+        call_args = (q, *cache.pools) if packed else (dense_q, k, v)
         to_packed = (lambda out: out) if packed else (lambda out: out.reshape((-1,) + out.shape[2:])[token_rows])
         try:
             out = jax.jit(attend)(*call_args)

@@ -130,7 +130,7 @@ def cache_of(k, v, table, lengths, layout: str) -> attnlib.PagedKVCache:
     cache = attnlib.PagedKVCache.create(table.shape[0], P, page, K, H, max_pages_per_seq=table.shape[1],
                                         layout="token_major")  # fmt: skip
     cache = dataclasses.replace(
-        cache, k_pages=k, v_pages=v, page_table=table, lengths=lengths, num_used_pages=jnp.asarray(P, jnp.int32)
+        cache, pools=(k, v), page_table=table, lengths=lengths, num_used_pages=jnp.asarray(P, jnp.int32)
     )
     return cache.to_layout(layout)
 

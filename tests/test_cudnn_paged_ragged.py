@@ -208,7 +208,7 @@ def test_rows_that_see_no_key_are_zero(emulated):
 
 def _loss(step, cache, implementation, d_out, d_lse):
     def loss(q, k_pages, v_pages):
-        c = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+        c = dataclasses.replace(cache, pools=(k_pages, v_pages))
         out, lse = _attend(step, c, q, implementation, return_residual=True)
         return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse)
 

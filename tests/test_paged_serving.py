@@ -166,7 +166,7 @@ def test_head_major_decode_runs_the_paged_kernel_on_the_pools_as_they_are():
     batch = Batch(chunk=(1, 1, 1, 1), padding_rows=0)
     keys, values, queries = _tokens(batch, jnp.bfloat16)
     cache = _filled_cache(batch, "head_major", jnp.bfloat16, keys, values)
-    assert cache.k_pages.shape == (batch.k, batch.num_pages, batch.page_size, 128)  # padded once, at create
+    assert cache.pools[0].shape == (batch.k, batch.num_pages, batch.page_size, 128)  # padded once, at create
     out = cache.attend(jnp.asarray(queries[:, None], jnp.bfloat16), implementation=INTERPRET)
     assert_out_close(out[:, 0], _expected(batch, keys, values, queries), jnp.bfloat16)
 
@@ -221,7 +221,7 @@ def test_to_layout_keeps_every_token(source):
 def test_the_cache_is_a_pytree_with_its_layout_static():
     cache = attnlib.PagedKVCache.create(2, 4, 16, 2, 64, layout="combined")
     leaves, tree = jax.tree.flatten(cache)
-    assert [x.shape for x in leaves[:1]] == [(4, 16, 4, 128)] and cache.v_pages is None
+    assert [x.shape for x in leaves[:1]] == [(4, 16, 4, 128)] and len(cache.pools) == 1
     assert jax.tree.unflatten(tree, leaves).layout == "combined"
     with pytest.raises(ValueError, match="`layout` must be one of"):
         attnlib.PagedKVCache.create(2, 4, 16, 2, 64, layout="page_major")

@@ -181,12 +181,12 @@ def test_cache_layouts_compile_for_a_v5e(layout, setting, v5e_chip, monkeypatch)
     cu = jnp.asarray([0, 1000, 1200, 1201, 1202, 1203, 1204], jnp.int32)
 
     def attend(q, pool, table, lengths):
-        full = dataclasses.replace(cache, k_pages=pool, v_pages=pool if decode else None, page_table=table,
+        full = dataclasses.replace(cache, pools=(pool, pool) if decode else (pool,), page_table=table,
                                    lengths=lengths)  # fmt: skip
         return full.attend(q, implementation=attnlib.PallasTpu(), **({} if decode else {"cu_seqlens_q": cu}))
 
     # Mosaic lowers the ragged kernel's `sign` by the default device's TPU generation: the deviceless v5e chip's.
     with SETTINGS[setting](), jax.default_device(next(iter(v5e_chip.device_set))):
-        text, _ = _compile(attend, (q, cache.k_pages, cache.page_table, cache.lengths), v5e_chip)
+        text, _ = _compile(attend, (q, cache.pools[0], cache.page_table, cache.lengths), v5e_chip)
     assert text.count(MOSAIC) == 1, text.count(MOSAIC)
     assert "transpose" not in text  # the pools are read in the layout they are held in

@@ -74,8 +74,8 @@ def _unpack_cache(key: Any, value: Any, page_table: Any, key_value_seq_lengths: 
     for name, given in (("page_table", page_table), ("key_value_seq_lengths", key_value_seq_lengths)):
         if given is not None:
             raise ValueError(f"With a PagedKVCache as `key`, `{name}` comes from the cache; do not pass it. Got both.")
-    v_pages = key.k_pages if key.v_pages is None else key.v_pages
-    return key.k_pages, v_pages, key.page_table, key.lengths, key.pool_layout
+    k_pool, v_pool = key.pools if len(key.pools) == 2 else key.pools * 2
+    return k_pool, v_pool, key.page_table, key.lengths, key.pool_layout
 
 
 @jax.named_scope("attnlib.attention")

@@ -2,12 +2,13 @@
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from . import positions
+from . import logs, positions
 from .attention import attention
 from .kv_layouts import default_layout, LayoutName, PoolLayout
 from .paged_pools import PagedPools
@@ -23,7 +24,7 @@ def _is_concrete(*xs) -> bool:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k_pages", "v_pages", "page_table", "lengths", "free_pages", "num_used_pages"],
+    data_fields=["pools", "page_table", "lengths", "free_pages", "num_used_pages"],
     meta_fields=["pool_layout"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,7 @@ class PagedKVCache(PagedPools):
     Pages are handed out from a free list (`free_pages[num_used_pages:]` are still free) as sequences grow and go
     back to it when a sequence is released; a sequence's pages need not be contiguous or ordered. The pools are
     held in the memory layout the paged kernel of the device reads (`layout`, chosen at `create`), so attending
-    never copies them. Attend over it with
+    over the cache never copies them. Attend over it with
 
     ```python
     cache = cache.append(k_new, v_new)                       # the new tokens first: a query sees itself
@@ -41,11 +42,15 @@ class PagedKVCache(PagedPools):
     out = attnlib.attention(q, cache, None, is_causal=True, diagonal_alignment="bottom_right")
     ```
 
+    The bare-array form `attnlib.attention(q, cache.k_pages, cache.v_pages, page_table=cache.page_table,
+    key_value_seq_lengths=cache.lengths, ...)` means the same on every layout: `k_pages` / `v_pages` are token-major
+    on every layout (a copy of the pools where the layout is another one, logged once).
+
     Attributes:
-        k_pages: the key pool: `[P, page_size, K, H]` (`"token_major"`), `[K, P, page_size, H']`
-            (`"head_major"`) or the pool of keys and values `[P, page_size, 2K, D']` (`"combined"`: keys at even,
-            values at odd head slots); `H'`, `D'` padded to a multiple of 128 (docs/api/paged.md).
-        v_pages: the value pool: `[P, page_size, K, Hv]`, `[K, P, page_size, Hv']`, or None (`"combined"`).
+        pools: the pools in the cache's own layout: keys `[P, page_size, K, H]` and values `[P, page_size, K, Hv]`
+            (`"token_major"`), `[K, P, page_size, H']` and `[K, P, page_size, Hv']` (`"head_major"`), or one pool of
+            keys and values `[P, page_size, 2K, D']` (`"combined"`: keys at even, values at odd head slots); `H'`,
+            `D'` padded to a multiple of 128 (docs/api/paged.md).
         page_table: int32 `[B, max_pages_per_seq]`; entries past a sequence's used pages are 0 (never read:
             they lie past its length).
         lengths: int32 `[B]` cached tokens per sequence.
@@ -54,8 +59,7 @@ class PagedKVCache(PagedPools):
         pool_layout: the layout and the true head dims (static metadata).
     """
 
-    k_pages: jax.Array
-    v_pages: jax.Array | None
+    pools: tuple[jax.Array, ...]
     page_table: jax.Array
     lengths: jax.Array
     free_pages: jax.Array
@@ -100,10 +104,9 @@ class PagedKVCache(PagedPools):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"`{name}` must be a positive int. Got {value!r}.")
         pool_layout = PoolLayout(default_layout() if layout is None else layout, head_dim, value_head_dim)
-        pools = [jnp.zeros(shape, dtype) for shape in pool_layout.pool_shapes(num_pages, page_size, num_kv_heads)]
+        pools = tuple(jnp.zeros(shape, dtype) for shape in pool_layout.pool_shapes(num_pages, page_size, num_kv_heads))
         return cls(
-            k_pages=pools[0],
-            v_pages=pools[1] if len(pools) > 1 else None,
+            pools=pools,
             page_table=jnp.zeros((batch_size, max_pages_per_seq), jnp.int32),
             lengths=jnp.zeros((batch_size,), jnp.int32),
             free_pages=jnp.arange(num_pages, dtype=jnp.int32),
@@ -118,23 +121,40 @@ class PagedKVCache(PagedPools):
 
     @property
     def page_size(self) -> int:
-        return self.pool_layout.geometry(self.k_pages)[1]
+        return self.pool_layout.geometry(self.pools[0])[1]
 
     @property
     def num_pages(self) -> int:
-        return self.pool_layout.geometry(self.k_pages)[0]
+        return self.pool_layout.geometry(self.pools[0])[0]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.pool_layout.geometry(self.k_pages)[2]
+        return self.pool_layout.geometry(self.pools[0])[2]
 
     @property
-    def pools(self) -> tuple[jax.Array, ...]:
-        """The pool arrays: `(k_pages, v_pages)`, or `(k_pages,)` for `"combined"`."""
-        return (self.k_pages,) if self.v_pages is None else (self.k_pages, self.v_pages)
+    def k_pages(self) -> jax.Array:
+        """The keys as token-major pages `[P, page_size, K, H]` on every layout (`../shared/API.md`'s bare-array
+        form); a copy where the layout is not `"token_major"`."""
+        return self._token_major()[0]
+
+    @property
+    def v_pages(self) -> jax.Array:
+        """The values as token-major pages `[P, page_size, K, Hv]` on every layout; a copy where the layout is not
+        `"token_major"`."""
+        return self._token_major()[1]
+
+    def _token_major(self) -> tuple[jax.Array, jax.Array]:
+        if self.pool_layout.name != "token_major":
+            logs.log_once(
+                ("PagedKVCache.token_major", self.pool_layout.name), logging.WARNING,
+                "PagedKVCache.k_pages / v_pages of a %r cache are token-major copies of its pools, made on every "
+                "access. Attend with cache.attend(q, ...) or attnlib.attention(q, cache, None, ...) to read the "
+                "pools in place (cache.pools holds them in the cache's own layout).", self.pool_layout.name,
+            )  # fmt: skip
+        return self.pool_layout.to_token_major(self.pools)
 
     def _with_pools(self, pools: tuple[jax.Array, ...], **changes: Any) -> "PagedKVCache":
-        return dataclasses.replace(self, k_pages=pools[0], v_pages=pools[1] if len(pools) > 1 else None, **changes)
+        return dataclasses.replace(self, pools=tuple(pools), **changes)
 
     def to_layout(self, layout: LayoutName) -> "PagedKVCache":
         """The same cache with its pools in `layout` (`"token_major"`, `"head_major"` or `"combined"`): a copy of

@@ -17,15 +17,13 @@ class PagedPools:
     """A paged key/value cache as `attnlib.attention(q, cache, None, ...)` reads it (`attnlib.PagedKVCache`).
 
     Attributes:
-        k_pages: the key pool (or the combined pool of keys and values), in `pool_layout`.
-        v_pages: the value pool, or None where `k_pages` holds both.
+        pools: the pools in `pool_layout`: `(keys, values)`, or `(combined,)` for `"combined"`.
         page_table: int32 `[B, max_pages_per_seq]`.
         lengths: int32 `[B]` cached tokens per sequence.
         pool_layout: the pools' layout and true head dims.
     """
 
-    k_pages: jax.Array
-    v_pages: jax.Array | None
+    pools: tuple[jax.Array, ...]
     page_table: jax.Array
     lengths: jax.Array
     pool_layout: "PoolLayout"
