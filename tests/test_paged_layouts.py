@@ -164,21 +164,23 @@ def test_the_tpu_default_layout_runs_the_api_example(monkeypatch):
 
 
 @pytest.mark.tpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("layout", (None,) + kv_layouts.LAYOUTS)
-def test_tpu_every_pattern_on_every_layout(layout):
-    """On the TPU, bfloat16, automatic dispatch: the bare API.md form, `attend` with T = 1 and T > 1, and a ragged
-    step, on the device's default layout (`None`: `"combined"`) and each forced one."""
-    k_all, v_all = _history(12, 10, jnp.bfloat16)
+def test_tpu_every_pattern_on_every_layout(layout, dtype):
+    """On the TPU, automatic dispatch: the bare API.md form, `attend` with T = 1 and T > 1, and a ragged step, on the
+    device's default layout (`None`: `"combined"`) and each forced one. float32 at the TPU's default matrix-product
+    precision (one bfloat16 pass, JAX's convention there): bfloat16's tolerance."""
+    k_all, v_all = _history(12, 10, dtype)
     cache = _prefilled(layout, k_all, v_all).append(k_all[:, 7:10], v_all[:, 7:10])
     assert cache.layout == (layout or "combined")
     for T in (1, 3):
-        q = normal(rng(13 + T), (B, T, N, H), jnp.bfloat16)
+        q = normal(rng(13 + T), (B, T, N, H), dtype)
         for out in (jax.jit(_bare)(q, cache), jax.jit(lambda q, c: c.attend(q))(q, cache)):
             for b in range(B):
                 expected = _expected(q[b : b + 1], *_tokens_of(k_all, v_all, b), b, int(PROMPTS[b]) + 3)
                 assert_out_close(out[b : b + 1], expected, jnp.bfloat16, what=f"{layout} T={T} sequence {b}")
     cu = np.array([0, 1, 4, 6], np.int32)
-    q = normal(rng(20), (8, N, H), jnp.bfloat16)
+    q = normal(rng(20), (8, N, H), dtype)
     out = jax.jit(lambda q, c: c.attend(q, cu_seqlens_q=jnp.asarray(cu), max_seqlen_q=3))(q, cache)
     for b in range(B):
         expected = _expected(q[None, cu[b] : cu[b + 1]], *_tokens_of(k_all, v_all, b), b, int(PROMPTS[b]) + 3)

@@ -35,7 +35,7 @@ from reference import reference_attention, reference_attention_vjp, visibility
 
 import attnlib
 from attnlib._src.backends.pallas_tpu import blocks
-from attnlib._src.backends.pallas_tpu.implementation import FLOAT32_ON_TPU, TYPED_VARYING
+from attnlib._src.backends.pallas_tpu.implementation import TYPED_VARYING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,23 +175,25 @@ def _reference(case: Case, q, k, v, d_out, d_lse):
     return kw, args, ref_out, ref_lse, ref_grads
 
 
-def _check(case: Case, dtype, implementation):
+def _check(case: Case, dtype, implementation, tolerance_dtype=None):
+    """One case against the float64 reference, with `tolerance_dtype`'s tolerance (default: `dtype`'s)."""
+    tol = dtype if tolerance_dtype is None else tolerance_dtype
     (q, k, v), out, lse, grads, d_out, d_lse = _run(case, dtype, implementation)
     kw, args, ref_out, ref_lse, ref_grads = _reference(case, q, k, v, d_out, d_lse)
-    assert_out_close(out, ref_out, dtype)
-    assert_lse_close(lse, ref_lse, dtype)
+    assert_out_close(out, ref_out, tol)
+    assert_lse_close(lse, ref_lse, tol)
     empty = np.isinf(ref_lse)
     assert len(grads) == (3 if "sinks" not in kw else 4)
     for name, g in zip(("query", "key", "value", "sinks"), grads):
         assert g.dtype == (dtype if name != "sinks" else kw["sinks"].dtype)
-        assert_grad_close(g, ref_grads[name], dtype, what=f"d{name}")
+        assert_grad_close(g, ref_grads[name], tol, what=f"d{name}")
     if empty.any():
         assert (np.asarray(to_f64(out))[empty] == 0).all(), "a row that sees nothing has a non-zero output"
         assert (np.asarray(to_f64(grads[0]))[empty] == 0).all(), "a row that sees nothing has a query gradient"
     if "sinks" in kw:
         # Rows that see no key but the sink: out exactly 0, lse = sink, no query gradient.
         only_sink = _key_empty_rows(args, kw)
-        assert_lse_close(np.where(only_sink, lse, 0.0), np.where(only_sink, kw["sinks"], 0.0), dtype)
+        assert_lse_close(np.where(only_sink, lse, 0.0), np.where(only_sink, kw["sinks"], 0.0), tol)
         assert (np.asarray(to_f64(out))[only_sink] == 0).all(), "a row seeing only the sink has a non-zero output"
         assert (np.asarray(to_f64(grads[0]))[only_sink] == 0).all(), "a row seeing only the sink has a query gradient"
     return empty
@@ -511,30 +513,71 @@ def test_float32_device_bound_on_cpu_is_the_host_tolerance(name):
     _assert_tpu_float32_close(CASES[name], INTERPRET)
 
 
+FLOAT32_CASES = ["dense", "causal_bottom_right", "segments_cross", "soft_cap_gqa"]
+
+
 @pytest.mark.tpu
-@pytest.mark.parametrize("name", ["dense", "causal_bottom_right", "segments_cross", "soft_cap_gqa"])
-def test_tpu_float32_falls_back_to_full_precision_matmuls(name):
-    """Splash's in-kernel matmuls miss float32 by far on a TPU (measured: max |err| 5e-3 on a v5e), so float32
-    declines there with the reason, and automatic dispatch falls back to a plain-JAX implementation with
+@pytest.mark.parametrize("name", FLOAT32_CASES)
+def test_tpu_float32_at_the_default_precision_runs_fused(name):
+    """JAX's convention on TPUs: a float32 matrix product runs at the default precision (one bfloat16 pass) unless
+    the user asks for more, as `jnp.matmul` and jax.nn do. So float32 runs on splash there, with the tolerance of
+    the precision asked (bfloat16's) against float64; jax.nn's float32 call errs as much (docs/semantics.md)."""
+    _check(CASES[name], jnp.float32, attnlib.PallasTpu(), tolerance_dtype=jnp.bfloat16)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("precision", ["highest", "float32"])
+@pytest.mark.parametrize("name", FLOAT32_CASES)
+def test_tpu_float32_under_highest_precision_falls_back_to_full_precision_matmuls(name, precision):
+    """Under `jax.default_matmul_precision("highest")` splash (one bfloat16 pass) cannot give what is asked, so
+    float32 declines there with the reason, and automatic dispatch falls back to a plain-JAX implementation with
     full-precision products. A TPU's float32 `exp` and `log` are not a CPU's (on a v5e the fallback's `lse` was off
     by up to 1.1e-4 against float64, beyond the host tolerance that a CPU meets): the bound adds what float32 costs
     on the device itself, measured by the textbook formula run there (`_assert_tpu_float32_close`)."""
     case = CASES[name]
     q, k, v = _arrays(case, jnp.float32)
-    explanation = attnlib.explain(q, k, v, **_kwargs(case))
-    assert explanation.implementation in ("xla_chunked", "xla")
-    assert explanation.declined["pallas_tpu"] == FLOAT32_ON_TPU
-    _assert_tpu_float32_close(case, None)
+    with jax.default_matmul_precision(precision):
+        explanation = attnlib.explain(q, k, v, **_kwargs(case))
+        assert explanation.implementation in ("xla_chunked", "xla")
+        reason = explanation.declined["pallas_tpu"]
+        assert reason.startswith(f"float32 inputs under jax.default_matmul_precision('{precision}')"), reason
+        _assert_tpu_float32_close(case, None)
 
 
-def test_float32_declines_on_a_tpu_but_not_in_interpret_mode(monkeypatch):
+def test_float32_on_a_tpu_follows_the_precision_asked(monkeypatch):
     on_a_simulated_tpu(monkeypatch)
     q, k, v = _arrays(CASES["dense"], jnp.float32)
-    explanation = attnlib.explain(q, k, v, implementation=(attnlib.PallasTpu(), "xla"))
-    assert explanation.implementation == "xla" and explanation.declined["pallas_tpu"] == FLOAT32_ON_TPU
-    assert attnlib.explain(q, k, v, implementation=INTERPRET).implementation == "pallas_tpu"
+    forced = (attnlib.PallasTpu(), "xla")
+    assert attnlib.explain(q, k, v, implementation=forced).implementation == "pallas_tpu"
+    with jax.default_matmul_precision("bfloat16"):  # the default, named
+        assert attnlib.explain(q, k, v, implementation=forced).implementation == "pallas_tpu"
+    for precision in ("highest", "float32", "high", "tensorfloat32"):
+        with jax.default_matmul_precision(precision):
+            explanation = attnlib.explain(q, k, v, implementation=forced)
+        assert explanation.implementation == "xla"
+        assert f"jax.default_matmul_precision('{precision}')" in explanation.declined["pallas_tpu"]
+    with jax.default_matmul_precision("highest"):  # interpret mode keeps float32 (tests on CPU)
+        assert attnlib.explain(q, k, v, implementation=INTERPRET).implementation == "pallas_tpu"
+    jax.config.update("jax_default_matmul_precision", "highest")  # the config, not only the context manager
+    try:
+        assert attnlib.explain(q, k, v, implementation=forced).implementation == "xla"
+    finally:
+        jax.config.update("jax_default_matmul_precision", None)
     q, k, v = _arrays(CASES["dense"], jnp.bfloat16)
-    assert attnlib.explain(q, k, v, implementation=attnlib.PallasTpu()).implementation == "pallas_tpu"
+    with jax.default_matmul_precision("highest"):  # bfloat16 products are exact in float32: nothing more to ask
+        assert attnlib.explain(q, k, v, implementation=attnlib.PallasTpu()).implementation == "pallas_tpu"
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked"])
+def test_float32_off_a_tpu_is_unchanged_by_the_precision_setting(implementation):
+    """On CPU (and GPU) the plain-JAX implementations run float32 products at full precision whatever is asked."""
+    q, k, v = _arrays(CASES["causal_bottom_right"], jnp.float32)
+    kw = _kwargs(CASES["causal_bottom_right"])
+    f = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation=implementation, **kw))
+    default = f(q, k, v)
+    with jax.default_matmul_precision("highest"):
+        highest = f(q, k, v)
+    np.testing.assert_array_equal(default, highest)
 
 
 @pytest.mark.tpu

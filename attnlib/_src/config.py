@@ -65,6 +65,8 @@ class AttentionConfig:
         kv_layout: paged only: the pools' memory layout (`kv_layouts.py`): `"token_major"` for bare arrays, a
             `PagedKVCache`'s layout otherwise (`key` and `value` are then its pools, the same array for
             `"combined"`).
+        matmul_precision: the caller's `jax_default_matmul_precision` when the call was traced (`precision.py`):
+            None for the device's default, else its name (`"highest"`, `"float32"`, ...).
     """
 
     layout: Layout
@@ -106,6 +108,7 @@ class AttentionConfig:
     typed_varying: bool = False
     ragged_queries: bool = False
     kv_layout: str = "token_major"
+    matmul_precision: str | None = None
 
     @property
     def output_dtype(self) -> np.dtype:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import band, fp8 as fp8_lib, modifiers as modifiers_lib, varying
+from . import band, fp8 as fp8_lib, modifiers as modifiers_lib, precision, varying
 from .config import AttentionConfig, AttentionInputs
 
 
@@ -285,6 +285,7 @@ def validate(
         fp8_output_dtype=None if fp8_scales is None else np.dtype(fp8_scales.output_dtype),
         max_logit=bool(return_max_logit),
         typed_varying=bool(varying.union_axes(query, key, value)),
+        matmul_precision=precision.requested(),
         ragged_queries=g.ragged_queries,
         kv_layout=g.kv_layout,
     )

@@ -27,14 +27,19 @@ paged-attention kernel (0.23 ms), so the rule holds there too; on a `"combined"`
 beats every other path (xla_chunked reads that layout at 0.52 ms), so a combined cache is never left to
 xla_chunked."""
 
-FLOAT32_ON_TPU = (
-    "float32 inputs are not served on a TPU: splash's matrix products run at the TPU's default precision there "
-    "(bfloat16 passes; max |error| 5e-3 against float64 on a v5e), so float32 falls back to a plain-JAX "
-    "implementation with full-precision matrix products (max |error| 1e-4 there, the TPU's float32 exp and log; "
-    "interpret mode keeps float32)"
-)
-"""Measured on a TPU v5e (jax 0.10.2): `tests/test_pallas_tpu.py`'s float32 groups missed float32's tolerance by
-two orders of magnitude with `PallasTpu()`, and passed in interpret mode."""
+def float32_precision_reason(config: AttentionConfig) -> str | None:
+    """Why splash cannot serve a float32 call on a TPU at the precision it asks for (`precision.py`), or None.
+
+    Splash's matrix products run at the TPU's default precision, as `jnp.matmul` on float32 does there unless asked
+    for more: JAX's convention, which attnlib follows. Measured on a TPU v5e (jax 0.10.2, docs/semantics.md): at the
+    default the error against float64 is that of jax.nn's float32 call on the same inputs."""
+    if config.dtype != np.dtype("float32") or config.fp8 is not None or config.matmul_precision is None:
+        return None
+    return (
+        f"float32 inputs under jax.default_matmul_precision({config.matmul_precision!r}) are not served on a TPU: "
+        "splash's matrix products run at the TPU's default precision (one bfloat16 pass), so the call runs a "
+        "plain-JAX implementation with full-precision matrix products"
+    )
 
 
 def tpu_visible() -> bool:
@@ -108,8 +113,9 @@ class PallasTpu(Implementation):
 
     It serves dense and THD layouts with causal masks (both diagonal alignments), two-sided windows, padding
     lengths, packed segment ids, GQA / MQA, `logits_soft_cap`, float or array `scale`, attention `sinks`, the
-    returned `lse` and gradients of query, key, value and sinks (through `lse` too), in bfloat16 (float32 in
-    interpret mode only: on a TPU it declines, `FLOAT32_ON_TPU`); and
+    returned `lse` and gradients of query, key, value and sinks (through `lse` too), in bfloat16 and float32 (float32 at
+    the TPU's default matrix-product precision, as `jnp.matmul`; under `jax.default_matmul_precision("highest")` it
+    declines on a TPU, `float32_precision_reason`); and
     paged KV caches: one bfloat16 decode query per sequence through JAX's paged-attention kernel on token-major or
     `"head_major"` pools (`paged.py`), and any number of queries per sequence (dense, or ragged with
     `cu_seqlens_q`: mixed prefill and decode) through JAX's ragged paged-attention kernel on a `"combined"`
@@ -138,8 +144,8 @@ class PallasTpu(Implementation):
             return "no TPU visible to JAX"
         if not self.interpret and (elsewhere := placement.elsewhere_reason("tpu")) is not None:
             return elsewhere
-        if not self.interpret and config.dtype == np.dtype("float32") and config.fp8 is None:
-            return FLOAT32_ON_TPU
+        if not self.interpret and (reason := float32_precision_reason(config)) is not None:
+            return reason
         ragged_kernel = config.layout == "paged" and config.kv_layout == "combined"
         if context.automatic and not ragged_kernel and max(config.q_len, config.kv_len) <= AUTO_MIN_LENGTH:
             return (
