@@ -6,7 +6,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import validation
+from .. import argument_checks
 from ..attention import ARGUMENT_DEFAULTS
 from ..backends.base import Implementation
 from ..band import Band
@@ -137,11 +137,11 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
         )
     if strategy not in _STRATEGIES:
         raise ValueError(f"`strategy` must be one of {list(_STRATEGIES)}. Got {strategy!r}.")
-    validation.require_bool("load_balanced", load_balanced)
+    argument_checks.require_bool("load_balanced", load_balanced)
     is_causal = kwargs.get("is_causal", False)
-    validation.require_bool("is_causal", is_causal)
+    argument_checks.require_bool("is_causal", is_causal)
     return_residual = kwargs.get("return_residual", False)
-    validation.require_bool("return_residual", return_residual)
+    argument_checks.require_bool("return_residual", return_residual)
     try:
         D = jax.lax.axis_size(axis_name)
     except NameError:
@@ -175,13 +175,13 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
     aux: dict[str, jax.Array] = {}
     for name, meaning in (("query_seq_lengths", "q_len"), ("key_value_seq_lengths", "kv_len")):
         if kwargs.get(name) is not None:
-            aux[meaning] = jnp.reshape(validation.int_array(name, kwargs[name], batch_shape, "[*B]"), (B,))
+            aux[meaning] = jnp.reshape(argument_checks.int_array(name, kwargs[name], batch_shape, "[*B]"), (B,))
     q_seg = kwargs.get("q_segment_ids")
     kv_seg = kwargs.get("kv_segment_ids")
     if kv_seg is not None and q_seg is None:
         raise ValueError("`kv_segment_ids` requires `q_segment_ids`. Got q_segment_ids=None.")
     if q_seg is not None:
-        aux["q_seg"] = flat(validation.int_array("q_segment_ids", q_seg, batch_shape + (T_l,), "[*B, T_l]"))
+        aux["q_seg"] = flat(argument_checks.int_array("q_segment_ids", q_seg, batch_shape + (T_l,), "[*B, T_l]"))
         if kv_seg is None:
             if T_l != S_l:
                 raise ValueError(
@@ -190,15 +190,15 @@ def _attention_impl(query, key, value, axis_name, strategy, load_balanced, kwarg
                 )
             aux["kv_seg"] = aux["q_seg"]
         else:
-            aux["kv_seg"] = flat(validation.int_array("kv_segment_ids", kv_seg, batch_shape + (S_l,), "[*B, S_l]"))
+            aux["kv_seg"] = flat(argument_checks.int_array("kv_segment_ids", kv_seg, batch_shape + (S_l,), "[*B, S_l]"))
     sinks = kwargs.get("sinks")
     if sinks is not None:
         sinks = jnp.asarray(sinks)
-        validation.require_sinks(sinks, query.shape[-2])
+        argument_checks.require_sinks(sinks, query.shape[-2])
 
     alignment = kwargs.get("diagonal_alignment", "top_left")
-    validation.require_alignment(alignment)
-    window = validation.parse_window(kwargs.get("local_window_size"))
+    argument_checks.require_alignment(alignment)
+    window = argument_checks.parse_window(kwargs.get("local_window_size"))
     band = Band.from_flags(is_causal=is_causal, window=window, diagonal_alignment=alignment)
     dynamic_rows = q_seg is not None or "q_len" in aux or "kv_len" in aux
     if band.bottom_right and dynamic_rows:

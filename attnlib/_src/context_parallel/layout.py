@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import validation
+from .. import argument_checks
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -22,7 +22,7 @@ def _chunk_order(num_shards: int) -> np.ndarray:
 
 def _permute_chunks(x: Any, num_shards: Any, axis: int, name: str, inverse: bool) -> jax.Array:
     x = jnp.asarray(x)
-    D = validation.require_positive_int("num_shards", num_shards)
+    D = argument_checks.require_positive_int("num_shards", num_shards)
     if isinstance(axis, bool) or not isinstance(axis, numbers.Integral) or not -x.ndim <= axis < x.ndim:
         raise ValueError(f"`axis` must be an int in [-{x.ndim}, {x.ndim}) for `x` of rank {x.ndim}. Got {axis!r}.")
     ax = axis % x.ndim

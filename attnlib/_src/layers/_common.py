@@ -12,7 +12,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from .. import dispatch, validation
+from .. import argument_checks, dispatch
 from ..attention import attention
 from ..backends.base import Implementation
 
@@ -49,7 +49,7 @@ def num_kv_heads(value: Any, num_heads: int) -> int:
 
 
 def local_window_size(value: Any) -> int | tuple[int, int] | None:
-    validation.parse_window(value)  # raises ValueError naming `local_window_size`
+    argument_checks.parse_window(value)  # raises ValueError naming `local_window_size`
     return tuple(int(v) for v in value) if isinstance(value, (tuple, list)) else value  # type: ignore[return-value]
 
 
