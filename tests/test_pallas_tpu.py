@@ -47,6 +47,7 @@ class Case:
     n: int = 6
     k: int = 2
     h: int = 8
+    hv: int | None = None  # the value head dim: `h` unless given (MLA)
     batch: tuple[int, ...] = (2,)
     thd: bool = False
     kwargs: tuple = ()
@@ -96,6 +97,18 @@ CASES = {
     "soft_cap_gqa": Case(n=6, k=3, kwargs=(("logits_soft_cap", 1.5), ("scale", 0.9))),
     "array_scale": Case(kwargs=(("scale", np.float32(0.41)),)),
     "head_dim_136": Case(h=136, n=2, k=1, kwargs=(("is_causal", True),)),
+    # MLA: the query/key and value head dims pad to different lane counts (256 and 128, as DeepSeek's 192 / 128).
+    "mla_causal_bottom_right": Case(
+        t=41, s=53, n=4, k=2, h=136, hv=40, kwargs=(("is_causal", True), ("diagonal_alignment", "bottom_right"))
+    ),
+    "mla_segments_sinks": Case(
+        t=29, s=43, n=4, k=1, h=24, hv=136,
+        kwargs=(
+            ("q_segment_ids", _seg([[(1, 10), (2, 15)], [(4, 29)]], 29)),
+            ("kv_segment_ids", _seg([[(2, 20), (1, 13)], [(4, 9), (6, 30)]], 43)),
+            ("sinks", _sinks(4)),
+        ),
+    ),
     "sinks_dense": Case(kwargs=(("sinks", _sinks(6)),)),
     # T > S bottom-right: the first T - S rows see only the sink (out 0, lse = sink).
     "sinks_causal_bottom_right": Case(
@@ -131,7 +144,7 @@ def _arrays(case: Case, dtype):
     lead = case.batch
     q = normal(r, lead + (case.t, case.n, case.h), dtype)
     k = normal(r, lead + (case.s, case.k, case.h), dtype)
-    v = normal(r, lead + (case.s, case.k, case.h), dtype)
+    v = normal(r, lead + (case.s, case.k, case.h if case.hv is None else case.hv), dtype)
     return q, k, v
 
 
@@ -212,7 +225,7 @@ INTERPRET = attnlib.PallasTpu(interpret=True)
 # `test_user_block_sizes_pad_to_their_blocks` (the same case and check, with a caller's blocks), "segments_causal" in
 # `test_max_segments_bound_is_served_exactly` (the same case, kernels and check), "sinks_dense" as sinks on every
 # other feature group here (dense: "sinks_gqa_window"; every key visible: `test_forward_with_lse_dropped`).
-FULL_FLOAT32 = ("causal_top_left", "segments_causal", "sinks_dense")
+FULL_FLOAT32 = ("causal_top_left", "segments_causal", "sinks_dense", "mla_segments_sinks")
 
 
 def _params(names, full):
@@ -358,8 +371,8 @@ DECLINES = {
     "score_mod": (dict(score_mod=lambda s, b, h, i, j: s * 0.5), "`score_mod`"),
     "deterministic": (dict(deterministic_backward=True), "deterministic_backward"),
     "float16": (dict(dtype=jnp.float16), "float16 inputs"),
-    "mla": (dict(hv=5), "Hv=5 != H=8"),
     "head_dim": (dict(h=264, hv=264), "H=264"),
+    "value_head_dim": (dict(hv=264), "Hv=264"),
     "fp8": (dict(fp8="current"), "FP8"),
     "causal_separate_kv_segments": (
         dict(t=41, s=41, is_causal=True, q_segment_ids=jnp.ones((2, 41), jnp.int32),

@@ -84,10 +84,9 @@ def feature_reason(config: AttentionConfig) -> str | None:
     for declined, reason in unsupported:
         if declined:
             return reason
-    if config.head_dim != config.value_head_dim:
-        return f"value head dim Hv={config.value_head_dim} != H={config.head_dim} (MLA) is not supported"
-    if blocks.round_up(config.head_dim, blocks.LANES) > MAX_HEAD_DIM:
-        return f"head dim H={config.head_dim} is not supported: at most {MAX_HEAD_DIM}"
+    for name, dim in (("H", config.head_dim), ("Hv", config.value_head_dim)):
+        if blocks.round_up(dim, blocks.LANES) > MAX_HEAD_DIM:
+            return f"head dim {name}={dim} is not supported: at most {MAX_HEAD_DIM}"
     if config.q_len == 0 or config.kv_len == 0:
         return f"empty sequences (T={config.q_len}, S={config.kv_len}) are not supported"
     banded = config.is_causal or config.window is not None
