@@ -739,3 +739,31 @@ def test_public_module_and_signature():
     for name, p in inspect.signature(nnx.dot_product_attention).parameters.items():
         assert name in ours, name  # every keyword flax.nnx's layer may pass
     assert "pip install 'attnlib[flax]'" in pathlib.Path(aflax.__file__).read_text()
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_through_the_linen_layer_matches_xla():
+    """bfloat16 heads of width 64 through linen's layer with a causal window: one cuDNN call per direction, and the
+    attention output matches `implementation="xla"` in float32 on the same bf16-rounded inputs (bf16 tolerances, as
+    tests/test_cudnn_gpu.py)."""
+    eps = 2.0**-7
+    r = np.random.default_rng(0)
+    q = normal(r, (3, 64, 4, 64), jnp.bfloat16)
+    k, v = normal(r, (3, 64, 2, 64), jnp.bfloat16), normal(r, (3, 64, 2, 64), jnp.bfloat16)
+    options = dict(is_causal=True, local_window_size=(16, 0))
+    cudnn = functools.partial(attention_fn, **options, implementation="cudnn")
+    out = jax.jit(cudnn)(q, k, v)
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(functools.partial(attention_fn, **options, implementation="xla"))(
+            *(x.astype(F32) for x in (q, k, v))
+        )
+    out, ref = np.asarray(out, np.float32), np.asarray(ref)
+    assert np.all(np.abs(out - ref) <= 2 * eps + eps * np.abs(ref)), np.abs(out - ref).max()
+
+    layer = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=256, dtype=jnp.bfloat16, attention_fn=cudnn)
+    x = normal(r, (3, 64, 256), jnp.bfloat16)
+    params = layer.init(jr.key(0), x)
+    loss = lambda p: jnp.sum(layer.apply(p, x).astype(F32) ** 2)
+    assert jax.jit(jax.grad(loss)).lower(params).as_text().count("custom_call @attnlib_cudnn_graph") == 2
+    g = jax.jit(jax.grad(loss))(params)
+    assert all(np.isfinite(np.asarray(leaf, np.float32)).all() for leaf in jax.tree.leaves(g))
