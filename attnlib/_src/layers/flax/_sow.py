@@ -47,6 +47,11 @@ def sow_attention_weights(
         NotImplementedError: `attention_kwargs` hold an option that changes the weights (Flax's formula knows only
             `bias`, `mask` and `is_causal`).
     """
+    if not isinstance(module, (linen.Module, nnx.Module)):
+        raise TypeError(
+            "`module` must be None, a flax.linen.Module or a flax.nnx.Module (the module that sows the attention "
+            f"weights). Got module of type {type(module).__name__}."
+        )
     changing = sorted(set(attention_kwargs) - _WEIGHTS_UNCHANGED)
     if changing:
         raise NotImplementedError(
@@ -55,12 +60,14 @@ def sow_attention_weights(
             "dot_product_attention_weights, which know only `bias`, `mask` and `is_causal`. Drop sow_weights, or "
             f"those options. Got module={type(module).__name__}, {', '.join(changing)}."
         )
+    # Causal masking and grouped-query heads are folded in here (as nnx's own function does them since Flax 0.12),
+    # so both APIs' weight functions see plain multi-head attention, in every Flax version the extra allows.
+    if is_causal:
+        mask = _causal(mask, query.shape[-3], key.shape[-3])
+    num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
+    if num_heads != num_kv_heads and num_kv_heads > 0 and num_heads % num_kv_heads == 0:
+        key = jnp.repeat(key, num_heads // num_kv_heads, axis=-2)  # query head n uses key head n // (N // K)
     if isinstance(module, linen.Module):
-        if is_causal:
-            mask = _causal(mask, query.shape[-3], key.shape[-3])
-        num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
-        if num_heads != num_kv_heads and num_kv_heads > 0 and num_heads % num_kv_heads == 0:
-            key = jnp.repeat(key, num_heads // num_kv_heads, axis=-2)  # linen's weights take N heads of keys
         linen.dot_product_attention_weights(
             query,
             key,
@@ -71,12 +78,7 @@ def sow_attention_weights(
             module=module,
             force_fp32_for_softmax=force_fp32_for_softmax,
         )
-    elif isinstance(module, nnx.Module):
-        nnx_attention.dot_product_attention_weights(
-            query, key, bias, mask, deterministic=True, precision=precision, module=module, is_causal=is_causal
-        )
     else:
-        raise TypeError(
-            "`module` must be None, a flax.linen.Module or a flax.nnx.Module (the module that sows the attention "
-            f"weights). Got module of type {type(module).__name__}."
+        nnx_attention.dot_product_attention_weights(
+            query, key, bias, mask, deterministic=True, precision=precision, module=module
         )
