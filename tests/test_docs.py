@@ -51,7 +51,7 @@ def _documented() -> set[str]:
 
 def test_public_modules_found():
     modules = _public_modules()
-    assert {"attnlib", "attnlib.equinox", "attnlib.haiku"} <= set(modules)
+    assert {"attnlib", "attnlib.equinox", "attnlib.haiku", "attnlib.flax"} <= set(modules)
 
 
 @pytest.mark.parametrize("name", _public_names())
