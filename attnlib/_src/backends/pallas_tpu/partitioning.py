@@ -2,9 +2,10 @@
 heads, and the per-shard call.
 
 A Mosaic kernel is one custom call XLA cannot look inside: without a rule it gathers every operand onto every
-device. Each of attnlib's splash calls (`splash._kernel_call`, `splash._out_only` and the backward kernels) and its
+device. Each of attnlib's splash calls (`splash._kernel_call`, `splash._out_only` and the backward kernels), its
 paged decode call (`paged._kernel`, `PAGED`: the page pools have no batch axis and split over their key/value heads
-only) is a `custom_partitioning` whose rule (`partition_rules`) names its operands' dims:
+only) and its ragged paged call (`ragged._kernel`, `RAGGED`: the serving step on a `"combined"` cache) is a
+`custom_partitioning` whose rule (`partition_rules`) names its operands' dims:
 
 - `b`, the batch: axis 0 of every operand and result; partitions with no communication.
 - the heads (axis 1): query heads are the compound `(k g)` of key/value heads `k` (major) and the GQA group `g`
@@ -12,12 +13,25 @@ only) is a `custom_partitioning` whose rule (`partition_rules`) names its operan
   mesh splits the query heads finer than the key/value heads (MQA over a model axis), the groups themselves split:
   each shard reads its whole key/value head, and the backward sums dK and dV over those axes (`psum`, the only
   collective). Heads that neither divide evenly stay whole.
-- the padded lengths `T'`, `S'` and head dims are never split: an operand split along one is resharded by XLA,
-  logged once on the `attnlib` logger.
+- the ragged call has no batch: its queries `[T, N, D']` pack every sequence's tokens, and its combined pool
+  `[P, page_size, 2K, D']` holds key head `k` at slot `2k` and its value head at `2k + 1`. That axis is the compound
+  `(k pair)` (`partition_rules.KV_PAIR`, never split), so a contiguous split of it follows the key/value heads and
+  keeps each key with its value: under tensor parallelism (query heads and the pool's slots over one mesh axis)
+  each device runs the kernel on its own heads and its slice of the pool. Lengths, page table and `cu_q_lens` are
+  replicated. A split that would leave a shard a head count the kernel cannot tile (`call`'s `kv_heads_ok`) keeps
+  the heads whole.
+- the padded lengths `T'`, `S'`, the packed tokens and head dims are never split: an operand split along one is
+  resharded by XLA, logged once on the `attnlib` logger.
 
-Each shard runs the same splash call on its local batch and heads: the mask is shared by every head and batch row,
-so the kernel object (`masks.kernel`) is the one the unsharded call uses. A `vmap` of a call folds the mapped axis
-into the batch (one bigger call).
+Each shard runs the same kernel call on its local batch and heads: splash's mask is shared by every head and batch
+row, so the kernel object (`masks.kernel`) is the one the unsharded call uses. A `vmap` of a call folds the mapped
+axis into the batch (one bigger call); a ragged call's packed tokens cannot fold, so it runs one call per example.
+
+Interpret mode partitions too: splash's `interpret=True` and the paged kernels' `paged.interpret_mode` are Pallas's
+HLO interpreter, a program without effects (TPU interpret mode's callbacks are not: XLA's partitioner cannot split
+them). On TPUs the rule needs libtpu's compiler to call `custom_partitioning`'s callbacks: libtpu 0.0.42 does not
+when compiling for a deviceless v5e slice here, nor, as jax-ml/jax#38196 reports, on multi-chip TPUs
+(docs/sharding.md). On a TPU slice, call attnlib inside `jax.shard_map`, where every call is local and needs no rule.
 
 Every trace of a kernel runs under `kernel_settings.as_written()`, whatever the caller's JAX settings: the call
 (`call`), and what XLA's partitioner traces later (`lower`). 64-bit operands (attnlib's arrays under
