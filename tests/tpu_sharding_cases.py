@@ -1,4 +1,5 @@
-"""Sharded inputs under `jit` on 8 simulated CPU devices: splash's calls (`pallas_tpu`) partitioned by attnlib's rule.
+"""Sharded inputs under `jit` on 8 simulated CPU devices: splash's calls and the paged kernels' calls (`pallas_tpu`)
+partitioned by attnlib's rule.
 
 Not collected by a plain `pytest` run: `tests/test_pallas_tpu_sharding.py` runs this file in a subprocess with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` (the flag must be set before JAX starts). Run it directly with:
@@ -10,6 +11,11 @@ Not collected by a plain `pytest` run: `tests/test_pallas_tpu_sharding.py` runs 
 gradients (through `out` and the returned `lse`) with batch over a `data` axis and heads over a `model` axis (mesh
 4 x 2), counts the all-gathers in the compiled HLO (none), and compares out, lse and every gradient with the
 unsharded call at the dtype's tolerances (`helpers.py`). Sizes are tiny: interpret mode is slow.
+
+Serving on a mesh: the paged decode kernel runs in interpret mode too (Pallas's HLO interpreter, which partitions);
+JAX's ragged paged-attention kernel cannot run in either of JAX 0.10.2's interpreters, so a serving step on a
+`"combined"` cache split over its key/value heads (append, then attend to a mixed prefill + decode batch) runs with a
+plain-JAX stand-in in the kernel's place, which records the shapes each shard's call is traced with.
 """
 
 import dataclasses
@@ -216,9 +222,10 @@ def _paged_decode(monkeypatch) -> tuple[jax.Array, jax.Array, list]:
 
 def test_paged_decode_partitions_over_batch_and_heads(monkeypatch):
     """The paged decode call under `jit`: each shard runs the kernel on its own batch row and its 4 of the 8 query
-    heads (the local shape the kernel is traced with), no all-gather, equal to the unsharded call. TPU interpret mode
-    cannot be partitioned (its callbacks are effects), so a plain-JAX stand-in with the kernel's contract takes the
-    kernel's place (`tests/test_pallas_tpu_paged.py` checks the stand-in against the kernel)."""
+    heads (the local shape the kernel is traced with), no all-gather, equal to the unsharded call. The call as on a
+    TPU (`PallasTpu()`, not interpret mode), with a plain-JAX stand-in with the kernel's contract in the kernel's
+    place (`tests/test_pallas_tpu_paged.py` checks the stand-in against the kernel); the kernel itself, interpreted:
+    `test_paged_decode_in_interpret_mode_partitions`."""
     expected, sharded, traced = _paged_decode(monkeypatch)
     assert (1, 4, 128) in traced, traced
     np.testing.assert_array_equal(np.asarray(sharded, np.float32), np.asarray(expected, np.float32))
@@ -230,3 +237,186 @@ def test_paged_decode_without_the_rule_runs_whole(monkeypatch):
     monkeypatch.setattr(partitioning, "call", lambda fn, signature, operands: fn(*operands))
     _, _, traced = _paged_decode(monkeypatch)
     assert set(traced) == {(4, 8, 128)}, traced
+
+
+def test_paged_decode_in_interpret_mode_partitions(monkeypatch):
+    """JAX's paged-attention kernel itself, in interpret mode (Pallas's HLO interpreter: no callbacks, so the call
+    partitions as on a TPU), under `jit` with batch over `data` and heads over `model`: each shard's kernel runs on
+    its batch rows and heads, no all-gather, the same numbers as the unsharded call."""
+    from attnlib._src.backends.pallas_tpu import paged
+
+    traced: list = []
+    kernel = paged.decode_kernel
+
+    def recorded(query, *args, **kwargs):
+        traced.append(query.shape)
+        return kernel(query, *args, **kwargs)
+
+    monkeypatch.setattr(paged, "decode_kernel", recorded)
+    r = np.random.default_rng(5)
+    B, N, K, H, pages, page_size, per_seq = 4, 4, 2, 24, 13, 8, 3
+    arr = lambda *shape: jnp.asarray(r.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    q, k_pool, v_pool = arr(B, 1, N, H), arr(pages, page_size, K, H), arr(pages, page_size, K, H)
+    table = jnp.asarray(r.permutation(pages)[: B * per_seq].reshape(B, per_seq), jnp.int32)
+    lengths = jnp.asarray([5, 24, 0, 17], jnp.int32)
+    fn = jax.jit(
+        lambda q, k, v, table, lengths: attnlib.attention(
+            q, k, v, page_table=table, key_value_seq_lengths=lengths, is_causal=True,
+            diagonal_alignment="bottom_right", implementation=IMPL,
+        )  # fmt: skip
+    )
+    expected = fn(q, k_pool, v_pool, table, lengths)
+    m = mesh()
+    put = lambda x, *spec: jax.device_put(x, jax.sharding.NamedSharding(m, P(*spec)))  # noqa: E731
+    args = (
+        put(q, "data", None, "model"), put(k_pool, None, None, "model"), put(v_pool, None, None, "model"),
+        put(table, "data"), put(lengths, "data"),
+    )  # fmt: skip
+    traced.clear()
+    compiled = fn.lower(*args).compile()
+    assert all_gathers(compiled.as_text()) == 0, compiled.as_text()
+    assert (1, 2, 128) in traced, traced  # one batch row and 2 of the 4 query heads per shard
+    np.testing.assert_array_equal(np.asarray(compiled(*args), np.float32), np.asarray(expected, np.float32))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# serving on a mesh: a ragged step (prefill chunks and decodes) on a "combined" cache split over its key/value heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """A cache of `prefix` tokens per sequence, then one step: `chunk[b]` new tokens per sequence appended and
+    queried (packed THD, rows past the last sequence are padding)."""
+
+    name: str
+    N: int = 8
+    K: int = 2
+    H: int = 40
+    prefix: tuple[int, ...] = (5, 17, 0, 9)
+    chunk: tuple[int, ...] = (3, 1, 6, 0)
+    padding_rows: int = 2
+    page_size: int = 16
+    num_pages: int = 11
+    pages_per_seq: int = 2
+
+
+SERVING = {
+    s.name: s
+    for s in [
+        Serving("gqa"),  # 2 of the 8 query heads' groups, 1 of the 2 key/value heads (its key and value) per shard
+        Serving("mqa", N=4, K=1),  # one key/value head: the groups split, every shard reads the whole pool
+        Serving("untileable", N=24, K=24, H=8),  # 12 kv heads a shard: the kernel cannot tile them, heads whole
+    ]
+}
+
+
+def serving_inputs(case: Serving):
+    """`(cache, q [T, N, H], k_new, v_new [T, K, H], cu_seqlens [B + 1])`: the cache holds the prefix."""
+    r = np.random.default_rng(11)
+    arr = lambda *shape: jnp.asarray(r.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    B, T = len(case.prefix), sum(case.chunk) + case.padding_rows
+    cache = attnlib.PagedKVCache.create(
+        B, case.num_pages, case.page_size, case.K, case.H, max_pages_per_seq=case.pages_per_seq, layout="combined"
+    )
+    width = max(case.prefix)
+    cache = cache.append(arr(B, width, case.K, case.H), arr(B, width, case.K, case.H),
+                         lengths=jnp.asarray(case.prefix, jnp.int32))  # fmt: skip
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(case.chunk)]), jnp.int32)
+    return cache, arr(T, case.N, case.H), arr(T, case.K, case.H), arr(T, case.K, case.H), cu
+
+
+def serving_step(cache, q, k_new, v_new, cu):
+    """One serving step: append the step's keys and values, then attend (each sequence's new queries see its
+    cache, bottom-right causal)."""
+    cache = cache.append(k_new, v_new, cu_seqlens=cu)
+    return cache.attend(q, cu_seqlens_q=cu, implementation=attnlib.PallasTpu()), cache
+
+
+def shard_cache(cache, m: jax.sharding.Mesh, kv_heads: int):
+    """The cache with its pools split over `model` along their key/value-head axis (axis 2 of a 4-d pool: `2K`
+    combined, or `K`) where the key/value heads divide, everything else replicated; chosen per leaf by its shape,
+    whatever the cache's field names."""
+
+    def sharding(x):
+        split = x.ndim == 4 and kv_heads % MESH_SHAPE[1] == 0
+        return jax.sharding.NamedSharding(m, P(None, None, "model") if split else P())
+
+    return jax.tree.map(lambda x: jax.device_put(x, sharding(x)), cache)
+
+
+def _serving_on_a_mesh(monkeypatch, case: Serving):
+    """`(unsharded out, sharded out and cache, compiled text, the (q, pool) shapes the kernel was traced with: the
+    unsharded call's, and each shard's where the call is partitioned)` of `serving_step` under `jit`, with the query
+    heads, the new keys and values and the pools split over `model`.
+
+    JAX 0.10.2's interpreters cannot run the ragged kernel (TPU interpret mode: it reshapes a VMEM ref; the HLO
+    interpreter fails discharging one of its ref stores: `'TypedInt' object has no attribute 'shape'`), so a plain-JAX stand-in with the kernel's contract
+    (`helpers.ragged_paged_stand_in`, checked against the reference in `tests/test_paged_serving.py`) takes its
+    place, on a simulated TPU (`PallasTpu()`)."""
+    from helpers import ragged_paged_stand_in
+
+    from attnlib._src.backends.pallas_tpu import ragged
+
+    traced: list = []
+    stand_in = ragged_paged_stand_in()
+
+    def recorded(q, pool, *args, **kwargs):
+        traced.append((q.shape, pool.shape))
+        return stand_in(q, pool, *args, **kwargs)
+
+    on_a_simulated_tpu(monkeypatch)
+    monkeypatch.setattr(ragged, "ragged_kernel", recorded)
+    cache, q, k_new, v_new, cu = serving_inputs(case)
+    fn = jax.jit(lambda *args: serving_step(*args))  # a new function: traced again, with this test's patches
+    expected, _ = fn(cache, q, k_new, v_new, cu)
+    m = mesh()
+    heads = jax.sharding.NamedSharding(m, P(None, "model") if case.K % MESH_SHAPE[1] == 0 else P())
+    q_heads = jax.sharding.NamedSharding(m, P(None, "model"))
+    args = (shard_cache(cache, m, case.K), jax.device_put(q, q_heads), jax.device_put(k_new, heads),
+            jax.device_put(v_new, heads), cu)  # fmt: skip
+    compiled = fn.lower(*args).compile()
+    out, new_cache = compiled(*args)
+    return expected, out, new_cache, compiled.as_text(), traced
+
+
+def test_ragged_serving_step_splits_the_heads(monkeypatch):
+    """Tensor parallelism: each shard's kernel call reads its 4 query heads and its key/value head's pair of pool
+    slots (`[P, page, 2, D']`), the step (append included) has no all-gather, the cache stays split, and the output
+    equals the unsharded step's."""
+    expected, out, cache, text, traced = _serving_on_a_mesh(monkeypatch, SERVING["gqa"])
+    T = expected.shape[0]
+    assert ((T, 4, 128), (11, 16, 2, 128)) in traced, traced
+    assert all_gathers(text) == 0, text
+    assert out.sharding.spec == P(None, "model")
+    (pool,) = [x for x in jax.tree.leaves(cache) if x.ndim == 4]
+    assert pool.sharding.spec == P(None, None, "model")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+
+
+@pytest.mark.full
+def test_ragged_serving_step_with_one_kv_head_splits_the_groups(monkeypatch):
+    expected, out, _, text, traced = _serving_on_a_mesh(monkeypatch, SERVING["mqa"])
+    assert ((expected.shape[0], 2, 128), (11, 16, 2, 128)) in traced, traced
+    assert all_gathers(text) == 0, text
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+
+
+def test_ragged_heads_the_kernel_cannot_tile_stay_whole(monkeypatch, caplog):
+    """24 key/value heads over 2 shards would give each 12, which the kernel cannot tile (`ragged._kv_heads_tile`):
+    the call runs on all heads, XLA gathers the split operands, one warning says so, and the output is right."""
+    with caplog.at_level(logging.WARNING, logger="attnlib"):
+        expected, out, _, text, traced = _serving_on_a_mesh(monkeypatch, SERVING["untileable"])
+    assert {shapes[0][1] for shapes in traced} == {24}, traced
+    messages = [r.getMessage() for r in caplog.records if "ragged paged-attention" in r.getMessage()]
+    assert len(messages) == 1 and "combined_pool dim 2 (k pair) over ['model']" in messages[0], messages
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+
+
+def test_ragged_serving_step_without_the_rule_runs_whole(monkeypatch):
+    """With the call unpartitioned, the kernel's stand-in is traced with all heads and the whole pool only: the local
+    shapes above come from attnlib's rule. (XLA splits the plain-JAX stand-in by itself; the Mosaic kernel's call it
+    would gather, as `test_all_gathers_without_the_rule` shows for splash.)"""
+    monkeypatch.setattr(partitioning, "call", lambda fn, signature, operands, kv_heads_ok=None: fn(*operands))
+    expected, out, _, _, traced = _serving_on_a_mesh(monkeypatch, SERVING["gqa"])
+    assert {shapes for shapes in traced} == {((expected.shape[0], 8, 128), (11, 16, 4, 128))}, traced
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))

@@ -2,14 +2,15 @@
 of batch and heads over mesh axes, and the warning when XLA reshards an operand.
 
 A kernel call (a cuDNN graph, a splash call) names each operand dim by a factor: `b` the batch, query heads the
-compound `(k g)` of key/value heads `k` (major) and the GQA group `g` (minor), key/value heads `k`; every other dim
-is never split (`need_replication_factors`), so an operand that arrives split along it is gathered by XLA.
+compound `(k g)` of key/value heads `k` (major) and the GQA group `g` (minor), key/value heads `k` (a combined
+key/value pool's head axis: the compound `(k pair)`, `KV_PAIR`); every other dim is never split
+(`need_replication_factors`), so an operand that arrives split along it is gathered by XLA.
 """
 
 import dataclasses
 import logging
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
@@ -22,6 +23,9 @@ KV_HEADS = "k"
 GROUP = "g"
 HEADS = (KV_HEADS, GROUP)
 """Query heads: key/value head major, GQA group minor."""
+KV_PAIR = "pair"
+"""The key or value slot of a combined pool's head axis `2K` (slot `2k` key head `k`, `2k + 1` its value head): the
+axis is `(k pair)`, so a split of it into contiguous shards keeps each key/value pair whole; never split itself."""
 
 SEQUENCE = frozenset({"t", "s", "tq", "tkv"})
 """The names kernel calls give their query and key token dims (never split: `attnlib.context_parallel` splits them)."""
@@ -39,13 +43,21 @@ def query_heads(n: int, k: int) -> Dim:
     return GROUP if k == 1 else HEADS
 
 
+def combined_kv_heads(k: int) -> Dim:
+    """The head axis `2K` of a pool holding `k` key/value heads as interleaved pairs: `(k pair)`, or the pair alone
+    for one head (Shardy rejects a compound with a factor of size 1)."""
+    return (KV_HEADS, KV_PAIR) if k > 1 else KV_PAIR
+
+
 def rule(
     in_dims: Sequence[tuple[Dim, ...]], out_dims: Sequence[tuple[Dim, ...]], splittable: Collection[str], n: int, k: int
 ) -> tuple[str, tuple[str, ...], dict[str, int]]:
     """`(rule string, need_replication factors, factor sizes)` for `custom_partitioning.def_partition`: the named
-    factors outside `splittable` are replicated; `n // k` sizes the group factor of a compound."""
+    factors outside `splittable` are replicated; a factor that only appears inside compounds is given its size
+    (`g` is `n // k`, `k` is `k`, `pair` is 2), as Shardy asks."""
     unique = iter(range(1 << 20))
     named: list[str] = []  # in order of first appearance: Shardy wants special factors sorted by their index
+    whole: set[str] = set()
 
     def array(dims: tuple[Dim, ...]) -> str:
         words = []
@@ -58,11 +70,13 @@ def rule(
             else:
                 words.append(d)
                 named.extend([d] if d not in named else [])
+                whole.add(d)
         return " ".join(words)
 
     text = ", ".join(map(array, in_dims)) + " -> " + ", ".join(map(array, out_dims))
     replicated = tuple(f for f in named if f not in splittable)
-    return text, replicated, {GROUP: n // k} if "(" in text else {}
+    known = {GROUP: n // k, KV_HEADS: k, KV_PAIR: 2}
+    return text, replicated, {f: known[f] for f in named if f not in whole}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +92,7 @@ class Split:
             return self.batch
         if dim in (HEADS, GROUP):  # a lone group factor is the query heads of a call with one kv head
             return self.heads
-        if dim == KV_HEADS:
+        if dim in (KV_HEADS, (KV_HEADS, KV_PAIR)):  # a combined pool's pairs follow their key/value head
             return self.kv_heads
         return ()
 
@@ -110,11 +124,12 @@ def size(mesh: Any, axes: tuple[str, ...]) -> int:
 
 def choose_split(
     mesh: Any, q_dims: tuple[Dim, ...], q_axes: tuple[tuple[str, ...], ...], b: int, n: int, k: int,
-    allowed: Collection[str], split_groups: bool = True,
+    allowed: Collection[str], split_groups: bool = True, kv_heads_ok: Callable[[int], bool] | None = None,
 ) -> Split:
     """The split of a call whose query (dims `q_dims`) arrives with per-dim mesh axes `q_axes`: its batch and head
     axes where they divide the batch and keep GQA groups whole (the key/value heads take the major axes, the group
-    the rest, unless `split_groups` is False: then the heads split only as far as the key/value heads do)."""
+    the rest, unless `split_groups` is False: then the heads split only as far as the key/value heads do).
+    `kv_heads_ok(local)`: whether the kernel takes a shard of `local` key/value heads (default: any)."""
     batch: tuple[str, ...] = ()
     heads: tuple[str, ...] = ()
     for d, axes in zip(q_dims, q_axes):
@@ -126,7 +141,8 @@ def choose_split(
         batch = ()
     kv: tuple[str, ...] = ()
     for i in range(len(heads) + 1):
-        if k % size(mesh, heads[:i]) == 0:
+        shards = size(mesh, heads[:i])
+        if k % shards == 0 and (kv_heads_ok is None or kv_heads_ok(k // shards)):
             kv = heads[:i]
     group = heads[len(kv) :]
     group_ok = not group or (split_groups and size(mesh, kv) == k and (n // k) % size(mesh, group) == 0)

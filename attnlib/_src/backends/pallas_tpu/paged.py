@@ -125,10 +125,24 @@ def _head_major_pool(pool: jax.Array, head_dim: int, kv_layout: str) -> jax.Arra
     return jnp.transpose(pool, (2, 0, 1, 3))
 
 
+def interpret_mode():
+    """A context in which JAX's bundled paged kernels (which take no `interpret` argument) run in Pallas interpret
+    mode: its HLO interpreter, as `interpret=True` gives splash's kernels. Not TPU interpret mode
+    (`pltpu.force_tpu_interpret_mode()`, which also checks races and bounds): that one simulates the chip through
+    ordered callbacks, which XLA's partitioner cannot split (a `custom_partitioning` of one fails to compile on
+    more than one device), while the HLO interpreter's program has no effects, so an interpreted call partitions
+    as on a TPU (`partitioning`). Tests run TPU interpret mode's race detector around `PallasTpu(interpret=False)`,
+    with the call unpartitioned."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    # The context's value is what every `pallas_call` traced under it takes as `interpret`: True is the HLO
+    # interpreter, an `InterpretParams` TPU interpret mode.
+    return pltpu.force_tpu_interpret_mode(True)  # type: ignore[arg-type]
+
+
 def decode_kernel(query, k_pool, v_pool, lengths, table, *, soft_cap, pages_per_block, interpret):
     """JAX's paged-attention kernel: `[B, N, H']` from the scaled query `[B, N, H']`, head-major pools
     `[K, P, page_size, H']`, lengths `[B]` and the page table `[B, pages_per_seq]` (entries inside the pool)."""
-    from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
     kernel = functools.partial(
@@ -139,7 +153,7 @@ def decode_kernel(query, k_pool, v_pool, lengths, table, *, soft_cap, pages_per_
     with kernel_settings.as_written():
         if not interpret:
             return kernel()
-        with pltpu.force_tpu_interpret_mode():
+        with interpret_mode():
             return kernel()
 
 
@@ -153,8 +167,6 @@ def _kernel(plan: PagedPlan, query, k_pages, v_pages, page_table, seq_kv):
     pools = tuple(_head_major_pool(x, plan.head_dim, config.kv_layout) for x in (k_pages, v_pages))
     # A sequence of length 0 reads one key, so that the kernel writes finite values there (masked after it).
     operands = (query, *pools, jnp.maximum(seq_kv, 1), jnp.clip(page_table, 0, config.num_pages - 1))
-    if plan.interpret:  # TPU interpret mode simulates the chip through callbacks, which `custom_partitioning` refuses
-        return run(*operands)
     return partitioning.call(run, partitioning.PAGED, operands)
 
 

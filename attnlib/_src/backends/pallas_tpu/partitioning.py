@@ -2,9 +2,10 @@
 heads, and the per-shard call.
 
 A Mosaic kernel is one custom call XLA cannot look inside: without a rule it gathers every operand onto every
-device. Each of attnlib's splash calls (`splash._kernel_call`, `splash._out_only` and the backward kernels) and its
+device. Each of attnlib's splash calls (`splash._kernel_call`, `splash._out_only` and the backward kernels), its
 paged decode call (`paged._kernel`, `PAGED`: the page pools have no batch axis and split over their key/value heads
-only) is a `custom_partitioning` whose rule (`partition_rules`) names its operands' dims:
+only) and its ragged paged call (`ragged._kernel`, `RAGGED`: the serving step on a `"combined"` cache) is a
+`custom_partitioning` whose rule (`partition_rules`) names its operands' dims:
 
 - `b`, the batch: axis 0 of every operand and result; partitions with no communication.
 - the heads (axis 1): query heads are the compound `(k g)` of key/value heads `k` (major) and the GQA group `g`
@@ -12,12 +13,25 @@ only) is a `custom_partitioning` whose rule (`partition_rules`) names its operan
   mesh splits the query heads finer than the key/value heads (MQA over a model axis), the groups themselves split:
   each shard reads its whole key/value head, and the backward sums dK and dV over those axes (`psum`, the only
   collective). Heads that neither divide evenly stay whole.
-- the padded lengths `T'`, `S'` and head dims are never split: an operand split along one is resharded by XLA,
-  logged once on the `attnlib` logger.
+- the ragged call has no batch: its queries `[T, N, D']` pack every sequence's tokens, and its combined pool
+  `[P, page_size, 2K, D']` holds key head `k` at slot `2k` and its value head at `2k + 1`. That axis is the compound
+  `(k pair)` (`partition_rules.KV_PAIR`, never split), so a contiguous split of it follows the key/value heads and
+  keeps each key with its value: under tensor parallelism (query heads and the pool's slots over one mesh axis)
+  each device runs the kernel on its own heads and its slice of the pool. Lengths, page table and `cu_q_lens` are
+  replicated. A split that would leave a shard a head count the kernel cannot tile (`call`'s `kv_heads_ok`) keeps
+  the heads whole.
+- the padded lengths `T'`, `S'`, the packed tokens and head dims are never split: an operand split along one is
+  resharded by XLA, logged once on the `attnlib` logger.
 
-Each shard runs the same splash call on its local batch and heads: the mask is shared by every head and batch row,
-so the kernel object (`masks.kernel`) is the one the unsharded call uses. A `vmap` of a call folds the mapped axis
-into the batch (one bigger call).
+Each shard runs the same kernel call on its local batch and heads: splash's mask is shared by every head and batch
+row, so the kernel object (`masks.kernel`) is the one the unsharded call uses. A `vmap` of a call folds the mapped
+axis into the batch (one bigger call); a ragged call's packed tokens cannot fold, so it runs one call per example.
+
+Interpret mode partitions too: splash's `interpret=True` and the paged kernels' `paged.interpret_mode` are Pallas's
+HLO interpreter, a program without effects (TPU interpret mode's callbacks are not: XLA's partitioner cannot split
+them). On TPUs the rule needs libtpu's compiler to call `custom_partitioning`'s callbacks: libtpu 0.0.42 does not
+when compiling for a deviceless v5e slice here, nor, as jax-ml/jax#38196 reports, on multi-chip TPUs
+(docs/sharding.md). On a TPU slice, call attnlib inside `jax.shard_map`, where every call is local and needs no rule.
 
 Every trace of a kernel runs under `kernel_settings.as_written()`, whatever the caller's JAX settings: the call
 (`call`), and what XLA's partitioner traces later (`lower`). 64-bit operands (attnlib's arrays under
@@ -43,13 +57,18 @@ SPLITTABLE = frozenset({BATCH, KV_HEADS, GROUP})
 @dataclasses.dataclass(frozen=True)
 class Signature:
     """The operands and results of one kernel call, each named by its kind (`dims`); the key/value heads are axis
-    `kv_heads_axis` of the second operand."""
+    `kv_heads_axis` of the second operand, `kv_slots` slots per head (2: a combined pool's key and value).
+    `folds`: a `vmap` of the call folds into its batch axis (else: one call per example). `splits`: what the
+    call splits, for the warning when XLA reshards an operand."""
 
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     kernel: str = "splash"
     kv_heads_axis: int = 1
+    kv_slots: int = 1
+    folds: bool = True
+    splits: str = "only batch and head dims, GQA groups whole"
 
 
 _IDS = ("q", "k", "v", "q_ids", "kv_ids", "sinks")
@@ -64,7 +83,18 @@ PAGED = Signature("decode", ("decode_q", "pool", "pool", "lengths", "page_table"
 """`paged._kernel`: `q [B, N, H']`, head-major pools `[K, P, page_size, H']`, lengths `[B]`, page table
 `[B, pages_per_seq]` -> `out [B, N, H']`. The pools have no batch axis: every batch shard reads the whole pool."""
 
-UNBATCHED = frozenset({"sinks", "pool"})
+RAGGED = Signature(
+    "forward", ("packed_q", "combined_pool", "kv_lens", "seq_table", "cu_q_lens"), ("packed_q",),
+    "ragged paged-attention", kv_heads_axis=2, kv_slots=2, folds=False,
+    splits="only head dims, GQA groups whole (its packed tokens mix the sequences, its pool is shared by them)",
+)  # fmt: skip
+"""`ragged.ragged_kernel`: packed queries `[T, N, D']`, the combined pool `[P, page_size, 2K, D']` (slot `2k` key
+head `k`, `2k + 1` its value head: the axis is `(k pair)`, so a contiguous split keeps the pairs whole), kv lengths
+`[B]`, page table `[B, pages_per_seq]`, `cu_q_lens [B + 1]` -> `out [T, N, D']`. No batch axis: the tokens of every
+sequence are one packed axis and the pool is shared, so the call splits its heads only; the per-sequence operands
+are replicated. A `vmap` of it runs one call per example."""
+
+UNBATCHED = frozenset({"sinks", "pool", "combined_pool"})
 """Operands without a batch axis: shared by every batch row (a `vmap` that maps them runs one call per example)."""
 
 
@@ -84,6 +114,11 @@ def dims(kind: str, n: int, k: int) -> tuple[Dim, ...]:
         "pool": (KV_HEADS, "p", "page", "h"),
         "lengths": (BATCH,),
         "page_table": (BATCH, "pages"),
+        "packed_q": ("t", heads, "h"),
+        "combined_pool": ("p", "page", rules.combined_kv_heads(k), "h"),
+        "kv_lens": ("seqs",),
+        "seq_table": ("seqs", "pages"),
+        "cu_q_lens": ("cu",),
     }[kind]
 
 
@@ -95,23 +130,30 @@ def _fold(x: jax.Array, batched: bool, axis_size: int, kind: str) -> jax.Array:
     return x.reshape(axis_size * x.shape[1], *x.shape[2:])
 
 
-def call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Array | None]) -> Any:
+def call(
+    fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Array | None],
+    kv_heads_ok: Callable[[int], bool] | None = None,
+) -> Any:
     """`fn(*operands)` (a kernel call over the batch; segment ids may be None) as a partitionable call: its results
     (one array, or a tuple as `signature.outputs` has several), traced under JAX's default settings
-    (`kernel_settings.as_written`) with 64-bit operands narrowed to 32 bits."""
+    (`kernel_settings.as_written`) with 64-bit operands narrowed to 32 bits. `kv_heads_ok(local)`: whether the
+    kernel takes a shard of `local` key/value heads (a split it does not take keeps the heads whole)."""
     operands = [None if x is None else kernel_settings.narrowed(x) for x in operands]
     with kernel_settings.as_written():
-        return _call(fn, signature, operands)
+        return _call(fn, signature, operands, kv_heads_ok)
 
 
-def _call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Array | None]) -> Any:
+def _call(
+    fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Array | None],
+    kv_heads_ok: Callable[[int], bool] | None,
+) -> Any:
     present = [i for i, x in enumerate(operands) if x is not None]
     arrays = [operands[i] for i in present]
     assert all(x is not None for x in arrays)
     kinds = [signature.inputs[i] for i in present]
     q, kv = operands[0], operands[1]
     assert q is not None and kv is not None
-    b, n, k = q.shape[0], q.shape[1], kv.shape[signature.kv_heads_axis]
+    b, n, k = q.shape[0], q.shape[1], kv.shape[signature.kv_heads_axis] // signature.kv_slots
     in_dims = [dims(kind, n, k) for kind in kinds]
     out_dims = [dims(kind, n, k) for kind in signature.outputs]
 
@@ -136,7 +178,7 @@ def _call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.A
 
     def split_of(mesh: Any, arg_shapes: Any) -> rules.Split:
         q_axes = rules.mesh_axes(arg_shapes[nc].sharding, len(in_dims[0]))
-        return rules.choose_split(mesh, in_dims[0], q_axes, b, n, k, SPLITTABLE)
+        return rules.choose_split(mesh, in_dims[0], q_axes, b, n, k, SPLITTABLE, kv_heads_ok=kv_heads_ok)
 
     def infer(mesh: Any, arg_shapes: Any, result_shape: Any) -> tuple[Any, ...]:
         del result_shape
@@ -150,7 +192,7 @@ def _call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.A
         chosen = [rules.mesh_axes(s, len(d)) for s, d in zip(arg_shardings[nc:], in_dims)]
         rules.log_resharded(
             f"attnlib pallas_tpu: the {signature.kernel} {signature.name} call",
-            f"a {signature.kernel} call splits only batch and head dims, GQA groups whole", kinds,
+            f"a {signature.kernel} call splits {signature.splits}", kinds,
             in_dims, incoming, chosen,
         )  # fmt: skip
 
@@ -179,20 +221,21 @@ def _call(fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.A
 
     @one_call.def_vmap
     def folded(axis_size: int, in_batched: list[bool], *xs: jax.Array) -> tuple[Any, Any]:
-        if any(batched and kind in UNBATCHED for kind, batched in zip(kinds, in_batched[nc:])):
-            # Per-example sinks or pools cannot share one call's operand: one call per example.
+        if not signature.folds or any(batched and kind in UNBATCHED for kind, batched in zip(kinds, in_batched[nc:])):
+            # Per-example sinks or pools cannot share one call's operand (nor packed tokens one call's ranges): one
+            # call per example.
             def each(i: jax.Array) -> tuple[jax.Array, ...]:
                 flat: list[jax.Array | None] = [None] * len(operands)
                 for j, x, batched in zip(present, xs[nc:], in_batched[nc:]):
                     flat[j] = x[i] if batched else x
-                outs = call(fn, signature, flat)
+                outs = call(fn, signature, flat, kv_heads_ok)
                 return outs if isinstance(outs, tuple) else (outs,)
 
             return jax.lax.map(each, jnp.arange(axis_size)), tuple(True for _ in signature.outputs)
         flat: list[jax.Array | None] = [None] * len(operands)
         for i, x, batched in zip(present, xs[nc:], in_batched[nc:]):
             flat[i] = _fold(x, batched, axis_size, signature.inputs[i])
-        outs = call(fn, signature, flat)
+        outs = call(fn, signature, flat, kv_heads_ok)
         outs = outs if isinstance(outs, tuple) else (outs,)
         return tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs), tuple(True for _ in outs)
 

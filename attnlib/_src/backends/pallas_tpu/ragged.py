@@ -8,8 +8,12 @@ and soft cap; it returns the output only (no log-sum-exp). Dense `[B, T, N, H]` 
 `T`. Rows that see no key (past `cu_seqlens_q[-1]`, a sequence with more queries than cached keys, a padding
 decode row) get `out = 0`.
 
-Forward only, as `paged.py`: a gradient differentiates the `fallback` dispatch passes (`xla`). The call is not
-partitioned: under `jit` with sharded operands XLA gathers them onto each device.
+Forward only, as `paged.py`: a gradient differentiates the `fallback` dispatch passes (`xla`).
+
+Under `jit` on a mesh the kernel's call partitions over the heads (`partitioning.RAGGED`): with the query heads and
+the pool's key/value heads split over a mesh axis (tensor parallelism), each device runs the kernel on its own
+heads and its slice of the pool, with no communication; the per-sequence operands are replicated. A split that
+leaves a shard a head count the kernel cannot tile (`_kv_heads_tile`) keeps the heads whole (logged).
 """
 
 import functools
@@ -23,7 +27,8 @@ from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import kernel_settings
 from ..base import Fallback, fallback_gradients
-from .paged import output_only_reason, PagedPlan, TPU_PAGE_SIZE_MULTIPLE
+from . import partitioning
+from .paged import interpret_mode, output_only_reason, PagedPlan, TPU_PAGE_SIZE_MULTIPLE
 
 
 def _kv_heads_tile(num_kv_heads: int, dtype: np.dtype) -> bool:
@@ -109,7 +114,6 @@ def kernel_blocks(q, pool, page_table, *, interpret: bool) -> dict:
 def ragged_kernel(q, pool, kv_lens, page_table, cu_q_lens, *, scale, window_left, soft_cap, interpret):
     """JAX's ragged paged-attention kernel: `[T, N, D']` from queries `[T, N, D']`, the combined pool, kv lengths
     `[B]`, the page table `[B, pages_per_seq]` (entries inside the pool) and `cu_q_lens` `[B + 1]`."""
-    from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     num_seqs = jnp.array([page_table.shape[0]], jnp.int32)
@@ -121,20 +125,28 @@ def ragged_kernel(q, pool, kv_lens, page_table, cu_q_lens, *, scale, window_left
     with kernel_settings.as_written():
         if not interpret:
             return kernel()
-        with pltpu.force_tpu_interpret_mode():
+        with interpret_mode():
             return kernel()
+
+
+def _kernel(plan: PagedPlan, query, pool, kv_lens, page_table, cu_q):
+    """`ragged_kernel` on the call's operands, as one call partitioned over the heads (`partitioning.RAGGED`)."""
+    config = plan.config
+    run = functools.partial(
+        ragged_kernel, scale=config.scale, window_left=Band.of(config).left, soft_cap=config.logits_soft_cap,
+        interpret=plan.interpret,
+    )  # fmt: skip
+    operands = (query, pool, kv_lens, jnp.clip(page_table, 0, config.num_pages - 1), cu_q)
+    return partitioning.call(
+        run, partitioning.RAGGED, operands, kv_heads_ok=lambda k: _kv_heads_tile(k, np.dtype(pool.dtype))
+    )
 
 
 def _forward(plan: PagedPlan, q, pool, page_table, cu_q, kv_lens):
     config = plan.config
     D = pool.shape[-1]
-    P = config.num_pages
     query = jnp.pad(q, ((0, 0), (0, 0), (0, D - config.head_dim)))
-    out = ragged_kernel(
-        query, pool, kv_lens, jnp.clip(page_table, 0, P - 1), cu_q,
-        scale=config.scale, window_left=Band.of(config).left, soft_cap=config.logits_soft_cap,
-        interpret=plan.interpret,
-    )  # fmt: skip
+    out = _kernel(plan, query, pool, kv_lens, page_table, cu_q)
     out = _zero_rows_without_keys(out[:, :, : config.value_head_dim], cu_q, kv_lens)
     return out, jnp.full(out.shape[:-1], -jnp.inf, jnp.float32)  # no lse: `decline_reason` keeps it dropped
 
