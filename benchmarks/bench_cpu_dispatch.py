@@ -8,7 +8,6 @@ missing otherwise).
 Usage: python benchmarks/bench_cpu_dispatch.py [--json out.json] [--repeats 3] [--quick]
 """
 
-import argparse
 import platform
 import statistics
 import time
@@ -89,11 +88,9 @@ def run_shape(b, s, n, k, h, causal, repeats) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=None)
+    parser = harness.parser(__doc__, only="shape names")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", nargs="*", default=None, help="shape names")
     args = parser.parse_args()
     shapes = {n: s for n, s in SHAPES.items() if args.only is None or n in args.only}
     if args.quick:

@@ -20,7 +20,6 @@ ending in one `block_until_ready`; the packed-batch variants are timed round rob
 rounds, each variant's best round), and the default THD call is timed twice, as two variants, to show the noise.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import importlib
@@ -310,8 +309,7 @@ def graph_builds(results: dict, rows: list) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
+    parser = harness.parser(__doc__)
     parser.add_argument("--table")
     parser.add_argument("--dump-hlo", default="", help="write the compiled HLO of the THD call here")
     parser.add_argument("--profile", action="store_true", help="per-kernel device time of the THD call")

@@ -37,7 +37,6 @@ reference of the packed tokens, then timed as above (fewer repetitions: a step t
 variants that name cuDNN report their error off a GPU): a check that the script works, not a measurement.
 """
 
-import argparse
 import dataclasses
 import json
 
@@ -57,16 +56,21 @@ SHAPES = {  # name: (batch, context)
 }  # fmt: skip
 
 
+def paged(k, v, page_size: int):
+    """`(k_pool, v_pool, page_table)` of dense caches `[B, S, K, H]`: the pages of each sequence in a shuffled pool
+    (as a cache that grew by appends would hold them)."""
+    b, pages_per_seq = k.shape[0], k.shape[1] // page_size
+    order = np.random.default_rng(0).permutation(b * pages_per_seq)
+    page_table = jnp.asarray(order.reshape(b, pages_per_seq), jnp.int32)
+    pages = lambda x: x.reshape((b * pages_per_seq, page_size) + x.shape[2:])  # noqa: E731
+    pool = lambda x: jnp.zeros_like(pages(x)).at[page_table.reshape(-1)].set(pages(x))  # noqa: E731
+    return pool(k), pool(v), page_table
+
+
 def _inputs(b: int, context: int):
     x, k, v = harness.normal((b, 1, N, H), (b, context, K, H), (b, context, K, H))
     lengths = jnp.asarray(context - 17 * np.arange(b) % context, jnp.int32)
-    pages_per_seq = context // PAGE
-    # Pages of each sequence in a shuffled pool (as a cache that grew by appends would hold them).
-    order = np.random.default_rng(0).permutation(b * pages_per_seq)
-    page_table = jnp.asarray(order.reshape(b, pages_per_seq), jnp.int32)
-    pool = lambda x: jnp.zeros((b * pages_per_seq, PAGE, K, H), x.dtype).at[page_table.reshape(-1)].set(  # noqa: E731
-        x.reshape(b * pages_per_seq, PAGE, K, H))
-    return x, k, v, lengths, pool(k), pool(v), page_table
+    return x, k, v, lengths, *paged(k, v, PAGE)
 
 
 def gather_pages(pool, page_table):
@@ -210,16 +214,10 @@ def mixed_inputs(case: MixedCase):
     pages_per_seq = -(-S // case.page_size)
     kv_shape = (B, pages_per_seq * case.page_size, case.k, case.h)
     q, k, v = harness.normal((int(q_lengths.sum()), case.n, case.h), kv_shape, kv_shape, seed=1)
-    order = np.random.default_rng(0).permutation(B * pages_per_seq)
-    page_table = jnp.asarray(order.reshape(B, pages_per_seq), jnp.int32)
-
-    def pool(x):  # each sequence's pages at its page-table entries
-        pages = x.reshape(B * pages_per_seq, case.page_size, case.k, case.h)
-        return jnp.zeros_like(pages).at[page_table.reshape(-1)].set(pages)
-
+    k_pool, v_pool, page_table = paged(k, v, case.page_size)
     cache = attnlib.PagedKVCache.create(B, B * pages_per_seq, case.page_size, case.k, case.h,
                                         max_pages_per_seq=pages_per_seq, layout="token_major")  # fmt: skip
-    cache = dataclasses.replace(cache, k_pages=pool(k), v_pages=pool(v), page_table=page_table,
+    cache = dataclasses.replace(cache, k_pages=k_pool, v_pages=v_pool, page_table=page_table,
                                 lengths=jnp.asarray(kv_lengths, jnp.int32),
                                 num_used_pages=jnp.asarray(B * pages_per_seq, jnp.int32))  # fmt: skip
     cu = np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)
@@ -313,13 +311,7 @@ def run_mixed(case: MixedCase, args) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description="GPU benchmark of paged decode steps and mixed prefill + decode steps (the module docstring "
-        "says what runs and how it is timed)."
-    )
-    parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None, help=f"cases: {[*SHAPES, *MIXED]}")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = harness.parser(__doc__, only=f"cases: {[*SHAPES, *MIXED]}", rounds=3)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--mixed-layers", type=int, default=8, help="layers per step of the mixed cases")
     parser.add_argument("--smoke", action="store_true", help="a tiny mixed step only, on any backend")

@@ -11,7 +11,6 @@ Accuracy: rms / max error of each forward against float64 attention on the last 
 both on the unquantized inputs and on the FP8-dequantized ones.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -199,8 +198,7 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=None)
+    parser = harness.parser(__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--profile", action="store_true", help="per-kernel times of the first shape's forwards")
     parser.add_argument("--gradients", action="store_true", help="gradient accuracy against float64")

@@ -8,7 +8,6 @@ separate pass, for comparison) and jax.nn's cuDNN forward; forward + backward wi
 `bench_cudnn.py` (`harness.best_per_call`).
 """
 
-import argparse
 import json
 
 import harness  # run as a script: benchmarks/ is on sys.path
@@ -27,10 +26,7 @@ SHAPES = {  # name: (b, s, n, k, d, causal)
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None, help="shape names")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = harness.parser(__doc__, only="shape names", rounds=3)
     args = parser.parse_args()
     results = {**harness.device_and_jax(), "shapes": {}}
     for name, (b, s, n, kh, d, causal) in SHAPES.items():

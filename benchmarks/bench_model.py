@@ -61,7 +61,6 @@ TFLOP/s; elsewhere `mfu` is null.
 that the script works, not a measurement.
 """
 
-import argparse
 import dataclasses
 import importlib.metadata
 import json
@@ -540,9 +539,7 @@ def _versions() -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None, help="configs, run in that order")
+    parser = harness.parser(__doc__, only="configs, run in that order")
     parser.add_argument("--framework", nargs="*", choices=FRAMEWORKS, default=list(FRAMEWORKS))
     parser.add_argument("--variants", nargs="*", default=None, help=f"a subset of {VARIANTS}")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")

@@ -15,7 +15,6 @@ best peer per case. `--direct` adds attnlib's cuDNN call with the native executo
 "always"); neither is a peer. tokamax is a benchmark-only dependency (`pip install tokamax`).
 """
 
-import argparse
 import dataclasses
 import json
 
@@ -201,10 +200,7 @@ def _kernel_line(name: str, row: dict, kind: str) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = harness.parser(__doc__, only="cases, run in that order", rounds=3)
     parser.add_argument("--direct", action="store_true", help="also attnlib's cuDNN call without graph replay")
     args = parser.parse_args()
     results = {}

@@ -10,7 +10,6 @@ Graph build: the soft-cap graphs are built in a fresh `ATTNLIB_CACHE_DIR` (secon
 then a second process traces the same call on that directory and reports whether it read them from disk.
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -149,8 +148,7 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=None)
+    parser = harness.parser(__doc__)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     import attnlib

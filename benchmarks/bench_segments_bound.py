@@ -10,7 +10,6 @@ xla_chunked), `bound_16/32/64` (given), `concrete` (no bound, ids closed over: b
 of repetitions of a loop).
 """
 
-import argparse
 
 import harness  # run as a script: benchmarks/ is on sys.path
 import jax
@@ -39,8 +38,7 @@ SHAPES = {
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
+    parser = harness.parser(__doc__)
     parser.add_argument("--variants", nargs="*", default=None, help="variant names (default: all; tight always runs)")
     args = parser.parse_args()
     results = {**harness.device_and_jax(), "shapes": {}}

@@ -35,7 +35,6 @@ forward + backward. `--smoke` runs tiny shapes on any backend (splash with `inte
 check that the script works, not a measurement.
 """
 
-import argparse
 import dataclasses
 import json
 import math
@@ -285,10 +284,7 @@ def table(results: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None, help="cases, run in that order")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser = harness.parser(__doc__, only="cases, run in that order", rounds=1)
     parser.add_argument("--variants", nargs="*", default=None, help=f"a subset of {VARIANTS}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, splash interpreted, few repetitions")
     args = parser.parse_args(argv)

@@ -25,7 +25,6 @@ decode in TPU interpret mode on any backend (the variants of the ragged kernel, 
 JAX 0.10.2, are skipped): a check that the script works, not a measurement.
 """
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -199,9 +198,7 @@ def run_case(case: Case, interpret: bool) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None)
+    parser = harness.parser(__doc__, only="cases")
     parser.add_argument("--smoke", action="store_true", help="tiny cases in TPU interpret mode")
     args = parser.parse_args(argv)
     cases = SMOKE_CASES if args.smoke else CASES

@@ -8,6 +8,7 @@ a loop of `loop` calls ending in one `block_until_ready`; the best per-call mean
 warm-up call); every loop's per-call mean.
 """
 
+import argparse
 import contextlib
 import json
 import os
@@ -105,6 +106,18 @@ def error_or_oom(e: Exception) -> str:
     text = f"{type(e).__name__}: {e}".lower()
     oom = "resource_exhausted" in text or "out of memory" in text or "ran out of memory" in text
     return "out of memory" if oom else error(e)
+
+
+def parser(doc: str, *, only: str | None = None, rounds: int | None = None) -> argparse.ArgumentParser:
+    """A script's argument parser, described by its docstring's first paragraph, with `--json FILE`; `--only NAME ...`
+    (`only`: its help) and `--rounds N` (`rounds`: the default) where given."""
+    p = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
+    p.add_argument("--json", help="write the results here")
+    if only is not None:
+        p.add_argument("--only", nargs="*", default=None, help=only)
+    if rounds is not None:
+        p.add_argument("--rounds", type=int, default=rounds)
+    return p
 
 
 def check_names(parser, given, known, what: str = "cases") -> None:
