@@ -234,7 +234,7 @@ def packed_batch(results: dict, rows: list) -> None:
                         f"padded batch (target 2x)")  # fmt: skip
     results["packed"]["targets"] = targets
     if PROFILE:  # where the THD call's time goes, kernel by kernel (JAX's profiler)
-        import kernel_profile
+        from hlo_and_traces import kernel_profile, kernel_table
 
         profiles = {}
         for name, fwd, fwd_bwd, args, _, _ in variants:
@@ -243,8 +243,8 @@ def packed_batch(results: dict, rows: list) -> None:
                 continue
             for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
                 try:
-                    profiles[f"{name} [{mode}]"] = kernel_profile.kernel_profile(fn, args, calls=10)
-                    rows.extend(kernel_profile.table(f"{name} [{mode}]", profiles[f"{name} [{mode}]"]))
+                    profiles[f"{name} [{mode}]"] = kernel_profile(fn, args, calls=10)
+                    rows.extend(kernel_table(f"{name} [{mode}]", profiles[f"{name} [{mode}]"]))
                 except Exception as e:  # reported, never hidden
                     rows.append(f"profile {name} [{mode}]: ERROR {harness.error(e)}")
         results["packed"]["kernel_profile"] = profiles

@@ -126,7 +126,7 @@ def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool
 
 def profile(shape: tuple) -> list[str]:
     """Per-kernel device time of the bf16, `fp8="current"` and pre-quantized forwards at `shape`."""
-    from kernel_profile import kernel_profile, table as profile_table
+    from hlo_and_traces import kernel_profile, kernel_table
 
     import attnlib
 
@@ -143,7 +143,7 @@ def profile(shape: tuple) -> list[str]:
     }  # fmt: skip
     lines = []
     for name, (fn, args) in calls.items():
-        lines += profile_table(name, kernel_profile(jax.jit(fn), args, calls=10))
+        lines += kernel_table(name, kernel_profile(jax.jit(fn), args, calls=10))
     return lines
 
 

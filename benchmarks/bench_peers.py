@@ -22,7 +22,7 @@ import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kernel_profile import kernel_profile
+from hlo_and_traces import kernel_profile
 
 import attnlib
 

@@ -1,7 +1,13 @@
-"""Reading a compiled step: the transposes and copies next to the attention custom calls in its HLO text
-(`layout_ops`), and the device time of its XLA ops in a JAX profiler trace, attention's part apart
-(`device_op_times`, `profile_device_time`). `bench_model.py` reports both; `kernel_profile.py` is the per-kernel view
-of one call.
+"""What a compiled call does, read from its HLO text and from JAX's own profiler (CUPTI on a GPU; no Nsight needed).
+
+- `layout_ops`: the transposes and copies next to the attention custom calls in a compiled module's HLO text.
+- `device_op_times` / `profile_device_time`: per step, the device time of the XLA ops in a profiler trace, the
+  attention kernels' part apart (`bench_model.py`; a TPU trace names each op by its HLO line).
+- `kernel_profile(fn, args, calls)`: runs `fn(*args)` `calls` times under `jax.profiler.trace`, reads the trace back
+  with `jax.profiler.ProfileData`, and returns, per call: the device time of each kernel (summed over its launches),
+  the sum of all kernel time, and the span from the call's first kernel start to its last kernel end. Span minus
+  kernel time is where the device idles inside a call (launch gaps, host round trips); wall time minus span is
+  dispatch.
 """
 
 import collections
@@ -255,14 +261,82 @@ def device_op_times(planes, hlo_text: str, steps: int, targets: str = ATTENTION_
     }
 
 
+def _traced_planes(run: Callable[[], object], calls: int, directory: str, options=None):
+    """The planes of the JAX profiler's trace of `calls` calls of `run()`, written under `directory` (None if the
+    profiler wrote no trace)."""
+    with jax.profiler.trace(directory, profiler_options=options):
+        for _ in range(calls):
+            run()
+    paths = sorted(pathlib.Path(directory).rglob("*.xplane.pb"))
+    return jax.profiler.ProfileData.from_file(str(paths[0])).planes if paths else None
+
+
 def profile_device_time(run_step: Callable[[], None], hlo_text: str, steps: int = 2) -> dict:
     """`device_op_times` of `steps` calls of `run_step` under the JAX profiler (`jax.profiler.trace`)."""
     with tempfile.TemporaryDirectory() as directory:
-        with jax.profiler.trace(directory):
-            for _ in range(steps):
-                run_step()
-        paths = sorted(pathlib.Path(directory).rglob("*.xplane.pb"))
-        if not paths:
-            return {"skipped": "the profiler wrote no trace"}
-        data = jax.profiler.ProfileData.from_file(str(paths[0]))
-        return device_op_times(data.planes, hlo_text, steps)
+        planes = _traced_planes(run_step, steps, directory)
+        return device_op_times(planes, hlo_text, steps) if planes else {"skipped": "the profiler wrote no trace"}
+
+
+def _span_per_call(intervals: list[tuple[float, float]], calls: int) -> float:
+    """Mean time from a call's first kernel start to its last kernel end: the calls are told apart by the
+    `calls - 1` longest idle gaps (each call ends in a host synchronisation)."""
+    intervals = sorted(intervals)
+    ends = [max(end for _, end in intervals[: i + 1]) for i in range(len(intervals))]
+    gaps = sorted(range(1, len(intervals)), key=lambda i: intervals[i][0] - ends[i - 1], reverse=True)[: calls - 1]
+    bounds = [0] + sorted(gaps) + [len(intervals)]
+    spans = [ends[b - 1] - intervals[a][0] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return sum(spans) / len(spans)
+
+
+def kernel_profile(fn, args, calls: int = 10, plane_prefix: str = "/device:GPU:0", top: int = 25) -> dict:
+    """Device time per call of `fn(*args)`, by kernel, from the trace of `calls` calls (compiled and warmed up first),
+    each waited for; the Python tracer is off (its own cost would show as host time).
+
+    Returns:
+        {"kernels": [{"name", "launches", "us"}] (per call, longest first, at most `top`), "kernel_us",
+         "span_us" (first kernel start to last kernel end), "launches"} — each per call.
+    """
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    directory = tempfile.mkdtemp(prefix="attnlib_profile_")
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    planes = _traced_planes(lambda: jax.block_until_ready(fn(*args)), calls, directory, options)
+    if planes is None:
+        raise RuntimeError(f"the profiler wrote no trace under {directory}")
+    time_by_name, launches, intervals = collections.Counter(), collections.Counter(), []
+    for plane in planes:
+        if not plane.name.startswith(plane_prefix):
+            continue
+        for line in plane.lines:
+            # A GPU plane has one line per stream (kernels and copies) plus lines that repeat the same time per XLA
+            # op or module; only the stream lines are counted.
+            if plane_prefix.startswith("/device:GPU") and not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                start, duration = float(event.start_ns), float(event.duration_ns)
+                time_by_name[event.name] += duration
+                launches[event.name] += 1
+                intervals.append((start, start + duration))
+    if not launches:
+        raise RuntimeError(f"no events on a plane named {plane_prefix}* in the trace under {directory}")
+    kernels = [
+        {"name": name[:160], "launches": launches[name] / calls, "us": ns / calls / 1e3}
+        for name, ns in time_by_name.most_common(top)
+    ]
+    return {
+        "kernels": kernels,
+        "kernel_us": sum(time_by_name.values()) / calls / 1e3,
+        "span_us": _span_per_call(intervals, calls) / 1e3,
+        "launches": sum(launches.values()) / calls,
+    }
+
+
+def kernel_table(name: str, profile: dict, top: int = 12) -> list[str]:
+    """Text rows of one `kernel_profile`."""
+    rows = [f"{name}: kernels {profile['kernel_us']:.1f} us in {profile['launches']:.0f} launches per call, "
+            f"span {profile['span_us']:.1f} us (first kernel start to last kernel end)"]  # fmt: skip
+    for kernel in profile["kernels"][:top]:
+        rows.append(f"    {kernel['us']:9.1f} us  x{kernel['launches']:<5g} {kernel['name'][:100]}")
+    return rows

@@ -1,4 +1,4 @@
-"""CPU checks of benchmark helpers whose results feed a decision (the per-kernel profile of `kernel_profile.py`, the
+"""CPU checks of benchmark helpers whose results feed a decision (the per-kernel profile of `hlo_and_traces.py`, the
 timing loops and checks of `harness.py`), of `bench_tpu.py` (its case table, FLOP convention and `--smoke` mode) and of
 the `--smoke` modes of `bench_tpu_decode.py` and `bench_decode.py`."""
 
@@ -25,7 +25,7 @@ def _load(name: str, monkeypatch):
 
 
 def _kernel_profile(monkeypatch):
-    return _load("kernel_profile", monkeypatch)
+    return _load("hlo_and_traces", monkeypatch)
 
 
 def test_span_per_call_separates_calls_at_the_longest_gaps(monkeypatch):
