@@ -214,12 +214,7 @@ def mixed_inputs(case: MixedCase):
     pages_per_seq = -(-S // case.page_size)
     kv_shape = (B, pages_per_seq * case.page_size, case.k, case.h)
     q, k, v = harness.normal((int(q_lengths.sum()), case.n, case.h), kv_shape, kv_shape, seed=1)
-    k_pool, v_pool, page_table = paged(k, v, case.page_size)
-    cache = attnlib.PagedKVCache.create(B, B * pages_per_seq, case.page_size, case.k, case.h,
-                                        max_pages_per_seq=pages_per_seq, layout="token_major")  # fmt: skip
-    cache = dataclasses.replace(cache, k_pages=k_pool, v_pages=v_pool, page_table=page_table,
-                                lengths=jnp.asarray(kv_lengths, jnp.int32),
-                                num_used_pages=jnp.asarray(B * pages_per_seq, jnp.int32))  # fmt: skip
+    cache = harness.token_major_cache(*paged(k, v, case.page_size), kv_lengths)
     cu = np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)
     token_rows = np.concatenate([b * T_max + np.arange(t) for b, t in enumerate(q_lengths)])  # packed -> dense rows
     dense_q = jnp.zeros((B * T_max, case.n, case.h), q.dtype).at[token_rows].set(q).reshape(B, T_max, case.n, case.h)

@@ -177,16 +177,8 @@ def model_flops(config: Config, params, segment_ids) -> dict:
     pairs = visible_pairs(segment_ids, config.batch, config.seq, m.sliding_window)
     dense = 6.0 * matmul * tokens
     attention = 12.0 * m.num_layers * m.num_heads * m.head_dim * pairs
-    return {
-        "params": total,
-        "matmul_params": matmul,
-        "tokens": tokens,
-        "visible_pairs": pairs,
-        "dense": dense,
-        "attention": attention,
-        "total": dense + attention,
-        "attention_share": attention / (dense + attention),
-    }
+    return {"params": total, "matmul_params": matmul, "tokens": tokens, "visible_pairs": pairs, "dense": dense,
+            "attention": attention, "total": dense + attention, "attention_share": attention / (dense + attention)}
 
 
 def peak_tflops(device) -> float | None:
@@ -236,10 +228,8 @@ def attention_core(variant: str, config: Config) -> Callable:
         )
     if variant == "splash":
         if platform != "tpu":
-            raise NotImplementedError(
-                f"raw splash attention needs a TPU (interpret mode is too slow for a model step); this device is a "
-                f"{platform}"
-            )
+            raise NotImplementedError("raw splash attention needs a TPU (interpret mode is too slow for a model step); "
+                                      f"this device is a {platform}")  # fmt: skip
         return splash_core(config)
     if variant == "tokamax":
         if platform != "gpu":
@@ -247,7 +237,7 @@ def attention_core(variant: str, config: Config) -> Callable:
         try:
             import tokamax
         except Exception as e:  # noqa: BLE001
-            raise NotImplementedError(f"tokamax is not importable: {type(e).__name__}: {str(e)[:200]}") from e
+            raise NotImplementedError(f"tokamax is not importable: {harness.error(e, 200)}") from e
         return lambda q, k, v, s: tokamax.dot_product_attention(
             q, k, v, mask=_segment_mask(s), is_causal=True, local_window_size=window
         )
@@ -317,12 +307,8 @@ def _memory_stats() -> dict | None:
 def _compiled_bytes(compiled) -> dict | None:
     try:
         m = compiled.memory_analysis()
-        return {
-            "arguments": int(m.argument_size_in_bytes),
-            "outputs": int(m.output_size_in_bytes),
-            "aliased": int(m.alias_size_in_bytes),
-            "temporaries": int(m.temp_size_in_bytes),
-        }
+        return {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+                "aliased": int(m.alias_size_in_bytes), "temporaries": int(m.temp_size_in_bytes)}
     except Exception:  # noqa: BLE001
         return None
 
@@ -419,14 +405,12 @@ def attnlib_pick(config: Config, segment_ids) -> str:
     picked = {}
 
     def probe(q, k, v, s):
-        picked["pick"] = attnlib.explain(
-            q, k, v, is_causal=True, local_window_size=_window(config), q_segment_ids=s
-        ).implementation
+        picked["pick"] = attnlib.explain(q, k, v, is_causal=True, local_window_size=_window(config), q_segment_ids=s)
         return q
 
     try:
         jax.eval_shape(probe, q, kv, kv, s)
-        return str(picked["pick"])
+        return str(picked["pick"].implementation)
     except Exception as e:  # noqa: BLE001
         return f"explain failed: {harness.error(e, 200)}"
 
@@ -448,19 +432,11 @@ def run_config(name: str, config: Config, frameworks, variants, *, warmup: int, 
     flops = model_flops(config, param_shapes(config), batch[1])
     tflops = peak_tflops(device)
     peak = None if tflops is None else {"flops": flops["total"], "tflops": tflops}
-    row = {
-        "model": {
-            k: (jnp.dtype(v).name if k.endswith("dtype") else v)
-            for k, v in dataclasses.asdict(config.model).items()
-            if k != "remat"  # the header's name
-        },
-        "batch": config.batch,
-        "seq": config.seq,
-        "documents_per_row": None if batch[1] is None else [int(r.max()) for r in batch[1]],
-        "flops": flops,
-        "attnlib_pick": attnlib_pick(config, batch[1]),
-        "frameworks": {},
-    }
+    model = {k: (jnp.dtype(v).name if k.endswith("dtype") else v) for k, v in dataclasses.asdict(config.model).items()
+             if k != "remat"}  # remat: the header's name  # fmt: skip
+    row = {"model": model, "batch": config.batch, "seq": config.seq,
+           "documents_per_row": None if batch[1] is None else [int(r.max()) for r in batch[1]], "flops": flops,
+           "attnlib_pick": attnlib_pick(config, batch[1]), "frameworks": {}}  # fmt: skip
     for framework in frameworks:
         out = row["frameworks"][framework] = {"variants": {}}
         for variant in variants:

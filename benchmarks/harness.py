@@ -10,6 +10,7 @@ warm-up call); every loop's per-call mean.
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -18,6 +19,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import attnlib
 
 
 def best_per_call(fn, args, loop: int, reps: int = 10, warmup: int = 2) -> float:
@@ -187,6 +190,16 @@ def patched(target, **values):
     finally:
         for name, value in saved.items():
             setattr(target, name, value)
+
+
+def token_major_cache(k_pages, v_pages, page_table, lengths) -> attnlib.PagedKVCache:
+    """A token-major `PagedKVCache` holding the pools `[P, page_size, K, H]` (every page in use), the page table and
+    the lengths."""
+    P, page, K, H = k_pages.shape
+    cache = attnlib.PagedKVCache.create(page_table.shape[0], P, page, K, H, max_pages_per_seq=page_table.shape[1],
+                                        layout="token_major")  # fmt: skip
+    return dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, page_table=page_table,
+                               lengths=jnp.asarray(lengths, jnp.int32), num_used_pages=jnp.asarray(P, jnp.int32))
 
 
 def packed_reference(q, kv_of, q_lengths, kv_lengths, n: int, k: int, h: int) -> np.ndarray:
