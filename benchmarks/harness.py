@@ -1,6 +1,6 @@
 """What the benchmark scripts share: timing loops, inputs, checks against a reference, error strings, argument checks,
-JSON files, and the settings switched around one variant. Scripts import it as run from `benchmarks/` (on
-`sys.path` when a script runs).
+JSON files, and the settings switched around one variant. Scripts import it by name: a script's own folder is on
+`sys.path` when it runs.
 
 Timing. `best_per_call` (the GPU scripts'): wall clock under `jax.jit`, `warmup` calls (2), then `reps` repetitions of
 a loop of `loop` calls ending in one `block_until_ready`; the best per-call mean. `time_calls` (the TPU scripts'):
@@ -142,14 +142,14 @@ def write_json(path: str | None, data, indent: int = 1) -> None:
             json.dump(data, f, indent=indent)
 
 
-def tokamax_or_none(file=sys.stderr):
-    """The `tokamax` module, a benchmark-only peer, or None (the reason printed to `file`)."""
+def tokamax_or_none(stdout: bool = False):
+    """The `tokamax` module, a benchmark-only peer, or None (the reason printed, to stderr unless `stdout`)."""
     try:
         import tokamax
 
         return tokamax
     except Exception as e:  # noqa: BLE001  (reported, not fatal)
-        print(f"tokamax unavailable: {error(e, 200)}", file=file)
+        print(f"tokamax unavailable: {error(e, 200)}", file=sys.stdout if stdout else sys.stderr)
         return None
 
 
