@@ -8,14 +8,12 @@ missing otherwise).
 Usage: python benchmarks/bench_cpu_dispatch.py [--json out.json] [--repeats 3] [--quick]
 """
 
-import argparse
-import json
 import platform
 import statistics
 import time
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
-import jax.numpy as jnp
 
 import attnlib
 
@@ -40,14 +38,11 @@ def variants(causal: bool) -> dict:
         "attnlib_xla_chunked": attend("xla_chunked"),
         "jax_nn_xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla"),
     }
-    try:
-        import tokamax
-
+    tokamax = harness.tokamax_or_none()
+    if tokamax:
         table["tokamax_xla_chunked"] = lambda q, k, v: tokamax.dot_product_attention(
             q, k, v, is_causal=causal, implementation="xla_chunked"
         )
-    except ImportError:
-        pass
     return table
 
 
@@ -67,19 +62,15 @@ def interleaved_seconds(fns: dict, args, repeats: int) -> dict[str, list[float]]
 
 
 def run_shape(b, s, n, k, h, causal, repeats) -> dict:
-    keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (b, s, n, h), jnp.float32)
-    kk = jax.random.normal(keys[1], (b, s, k, h), jnp.float32)
-    v = jax.random.normal(keys[2], (b, s, k, h), jnp.float32)
+    q, kk, v = harness.normal((b, s, n, h), (b, s, k, h), (b, s, k, h), dtype="float32")
     fns, rows = {}, {}
     for name, fn in variants(causal).items():
-        fns[(name, "fwd")] = jax.jit(fn)
-        fns[(name, "fwd_bwd")] = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
+        fns[(name, "fwd")], fns[(name, "fwd_bwd")] = jax.jit(fn), jax.jit(harness.grad_fn(fn))
     for key, fn in list(fns.items()):
         try:
             jax.block_until_ready(fn(q, kk, v))
         except Exception as e:  # noqa: BLE001  (reported, not fatal)
-            rows[key[0]] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            rows[key[0]] = {"error": harness.error(e, 200)}
             del fns[key]
     times = interleaved_seconds(fns, (q, kk, v), repeats)
     for (name, kind), seconds in times.items():
@@ -97,11 +88,9 @@ def run_shape(b, s, n, k, h, causal, repeats) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=None)
+    parser = harness.parser(__doc__, only="shape names")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", nargs="*", default=None, help="shape names")
     args = parser.parse_args()
     shapes = {n: s for n, s in SHAPES.items() if args.only is None or n in args.only}
     if args.quick:
@@ -118,9 +107,7 @@ def main() -> None:
             for v, r in rows.items()
         )
         print(f"{name} (auto -> {rows['attnlib_auto']['chosen']}): {line}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    harness.write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,10 @@
 
 Usage: python benchmarks/bench_cudnn.py [--json out.json] [--quick]
 
-Timing: wall clock under `jax.jit`, 2 warm-up calls, then 10 repetitions
-of a loop of 20 (forward) or 10 (forward+backward) calls ending in one `block_until_ready`; the best per-call mean is
-reported. The raw graph is the very blob attnlib embeds (for a forward-only call, the graph without softmax stats),
-deserialized by the cuDNN frontend's Python API and executed on the same device buffers (loop of 20 executes, then a
-device synchronize).
+Timing: `harness.best_per_call`, 10 repetitions of a loop of 20 (forward) or 10 (forward+backward) calls; the best
+per-call mean is reported. The raw graph is the very blob attnlib embeds (for a forward-only call, the graph without
+softmax stats), deserialized by the cuDNN frontend's Python API and executed on the same device buffers (loop of 20
+executes, then a device synchronize).
 
 FLOPs are exact (cuDNN-frontend convention, only unmasked scores counted): with `E` unmasked (query, key) pairs per
 batch row and head, forward = `2 E B N (H + Hv)`, forward+backward = `2 E B N (4 H + 3 Hv)`.
@@ -22,6 +21,7 @@ import sys
 import tempfile
 import time
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,50 +58,18 @@ CASES = [
 ]
 
 
-def unmasked_pairs(case: Case) -> int:
-    """Exact number of visible (query, key) pairs per head, summed over the batch."""
-    total = 0
-    for s in case.lengths or (case.t,) * case.b:
-        if not case.causal:
-            total += s * s
-        elif case.window is None:
-            total += s * (s + 1) // 2
-        else:
-            total += int(np.sum(np.minimum(np.arange(s), case.window) + 1))
-    return total
-
-
 def flops(case: Case) -> tuple[float, float]:
-    e = unmasked_pairs(case) * case.n
-    return 2.0 * e * (case.h + case.hv), 2.0 * e * (4 * case.h + 3 * case.hv)
+    """`harness.flops` of the exact visible (query, key) pairs, summed over the batch and heads."""
+    pairs = sum(harness.visible_pairs(s, case.causal, case.window) for s in case.lengths or (case.t,) * case.b)
+    return harness.flops(pairs * case.n, case.h, case.hv)
 
 
-def best_per_call(fn, args, loop: int, reps: int = 10) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(loop):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / loop)
-    return best
-
-
-@contextlib.contextmanager
 def memset_rows(on: bool):
     """Trace attnlib with (`on`) or without the memset of padded results: as on a cuDNN not known to write zeros in
     padded rows (`support.writes_padding_zeros`)."""
     from attnlib._src.backends.cudnn import support
 
-    before = support.writes_padding_zeros
-    if on:
-        support.writes_padding_zeros = lambda version: False
-    try:
-        yield
-    finally:
-        support.writes_padding_zeros = before
+    return harness.patched(support, writes_padding_zeros=lambda version: False) if on else contextlib.nullcontext()
 
 
 def make_fns(case: Case, impl: str):
@@ -120,17 +88,12 @@ def make_fns(case: Case, impl: str):
         attend = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=case.causal, local_window_size=window, implementation=impl, **lengths
         )
-    fwd = jax.jit(attend)
-    fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
-    return fwd, fwd_bwd
+    return jax.jit(attend), jax.jit(harness.grad_fn(attend))
 
 
 def inputs(case: Case):
-    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(kq, (case.b, case.t, case.n, case.h), jnp.float32).astype(jnp.bfloat16)
-    k = jax.random.normal(kk, (case.b, case.t, case.k, case.h), jnp.float32).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (case.b, case.t, case.k, case.hv), jnp.float32).astype(jnp.bfloat16)
-    return q, k, v
+    shapes = (case.b, case.t, case.n, case.h), (case.b, case.t, case.k, case.h), (case.b, case.t, case.k, case.hv)
+    return harness.normal(*shapes, via_float32=True)
 
 
 def deserialized(entry):
@@ -196,7 +159,6 @@ def raw_graph_ms(case: Case, q, k, v) -> float | None:
 
 SETUP_SNIPPET = r"""
 import time, json, sys
-t0 = time.perf_counter()
 import jax, jax.numpy as jnp, attnlib
 jax.devices()
 from attnlib._src.backends.cudnn import executor as A
@@ -264,7 +226,7 @@ def main() -> None:
                 args_qkv = (q, k, v)
                 with memset_rows(impl == "attnlib_memset"):
                     for key, fn, loop in ((f"{impl}_fwd_ms", fwd, loop_f), (f"{impl}_fwd_bwd_ms", fwd_bwd, loop_b)):
-                        row[key] = min(row.get(key, float("inf")), best_per_call(fn, args_qkv, loop) * 1e3)
+                        row[key] = min(row.get(key, float("inf")), harness.best_per_call(fn, args_qkv, loop) * 1e3)
                 if impl == "attnlib" and args.dump_hlo:  # what runs besides the graph, if anything
                     os.makedirs(args.dump_hlo, exist_ok=True)
                     name = case.name.replace(" ", "_").replace("/", "-")

@@ -15,24 +15,21 @@ Usage: python benchmarks/bench_cudnn_ragged.py [--json out.json] [--table out.tx
 3. Graph builds: 200 training steps with fresh random lengths (the sequence count changes every step); each new
    input shape is traced and lowered forward+backward (what `jax.jit` does), counting cuDNN graphs built.
 
-Timing as bench_cudnn.py: wall clock under `jax.jit`, 2 warm-up calls, best of 3 loops of 20 (forward) or 10
-(forward+backward) calls ending in one `block_until_ready`; the packed-batch variants are timed round robin (three
+Timing as bench_cudnn.py (`harness.best_per_call`): best of 3 loops of 20 (forward) or 10 (forward+backward) calls
+ending in one `block_until_ready`; the packed-batch variants are timed round robin (three
 rounds, each variant's best round), and the default THD call is timed twice, as two variants, to show the noise.
 """
 
-import argparse
-import json
+import contextlib
+import dataclasses
+import importlib
 import os
-import sys
 import time
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cudnn import best_per_call  # noqa: E402
 
 
 N, K, H, HV = 32, 8, 128, 128
@@ -49,19 +46,14 @@ def draw_lengths(rng: np.random.Generator) -> list[int]:
     return lengths
 
 
-def causal_pairs(n: int) -> int:
-    return n * (n + 1) // 2
-
-
 def flops(lengths) -> tuple[float, float]:
-    e = sum(causal_pairs(n) for n in lengths) * N
-    return 2.0 * e * (H + HV), 2.0 * e * (4 * H + 3 * HV)
+    return harness.flops(sum(harness.visible_pairs(n) for n in lengths) * N, H, HV)
 
 
 def causal_tile_efficiency(lengths, tile: int = 128) -> float:
     """Useful (query, key) pairs over the pairs of the 128 x 128 tiles a causal flash-attention kernel computes for
     these sequences: an upper bound, from the lengths alone, of the fraction of peak that any such kernel reaches."""
-    useful = sum(causal_pairs(n) for n in lengths)
+    useful = sum(harness.visible_pairs(n) for n in lengths)
     tiles = sum(-(-min(n, (m + 1) * tile) // tile) for n in lengths for m in range(-(-n // tile)))
     return useful / (tiles * tile * tile)
 
@@ -75,8 +67,6 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
     `longest_first`: give cuDNN the sequences longest first (their data stays where it is; only the order of the
     lengths and offsets changes), to see whether the kernel's scheduling gains from it.
     No memset of the packed results: the kernels alone."""
-    import dataclasses
-
     from attnlib._src.backends.cudnn import executor as cudnn_attention, ragged
     from attnlib._src.backends.cudnn.graphs import GraphSpec
 
@@ -117,30 +107,17 @@ def traced_with(f, switches: dict):
     """`f` traced with attributes of attnlib modules set, e.g. `{"row_fill": {"set_rows": ...}}`, to compare the
     experimental modes with the defaults in one run. Wrap the whole jitted function (a gradient's backward rule is
     traced after the forward returns)."""
-    import importlib
-
     if not switches:
         return f
-    targets = {importlib.import_module(f"attnlib._src.backends.cudnn.{module}"): values
-               for module, values in switches.items()}  # fmt: skip
 
     def traced(*args):
-        saved = {target: {name: getattr(target, name) for name in values} for target, values in targets.items()}
-        for target, values in targets.items():
-            for name, value in values.items():
-                setattr(target, name, value)
-        try:
+        with contextlib.ExitStack() as stack:
+            for module, values in switches.items():
+                target = importlib.import_module(f"attnlib._src.backends.cudnn.{module}")
+                stack.enter_context(harness.patched(target, **values))
             return f(*args)
-        finally:
-            for target, values in saved.items():
-                for name, value in values.items():
-                    setattr(target, name, value)
 
     return traced
-
-
-def _grad_of(f):
-    return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
 def packed_batch(results: dict, rows: list) -> None:
@@ -148,10 +125,7 @@ def packed_batch(results: dict, rows: list) -> None:
 
     lengths = draw_lengths(np.random.default_rng(0))
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-    ks = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(ks[0], (TOKENS, N, H), jnp.float32).astype(jnp.bfloat16)
-    k = jax.random.normal(ks[1], (TOKENS, K, H), jnp.float32).astype(jnp.bfloat16)
-    v = jax.random.normal(ks[2], (TOKENS, K, HV), jnp.float32).astype(jnp.bfloat16)
+    q, k, v = harness.normal((TOKENS, N, H), (TOKENS, K, H), (TOKENS, K, HV), via_float32=True)
     fwd_flops, fwd_bwd_flops = flops(lengths)
 
     # `cu` is an argument, as in a training step: the sequence metadata is computed on device in every call.
@@ -184,7 +158,7 @@ def packed_batch(results: dict, rows: list) -> None:
     from attnlib._src.backends.cudnn import row_fill
 
     def attnlib_variant(name, f, args, switches=None, work=(fwd_flops, fwd_bwd_flops)):
-        return (name, jax.jit(traced_with(f, switches or {})), jax.jit(traced_with(_grad_of(f), switches or {})),
+        return (name, jax.jit(traced_with(f, switches or {})), jax.jit(traced_with(harness.grad_fn(f), switches or {})),
                 args, *work)  # fmt: skip
 
     def raw_variant(name, forward, forward_backward):
@@ -226,9 +200,9 @@ def packed_batch(results: dict, rows: list) -> None:
                 if "error" in measured[name].get(mode, {}):
                     continue
                 try:
-                    ms = best_per_call(fn, args, loop, reps=3) * 1e3
+                    ms = harness.best_per_call(fn, args, loop, reps=3) * 1e3
                 except Exception as e:  # reported, never hidden
-                    measured[name][mode] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    measured[name][mode] = {"error": harness.error(e)}
                     continue
                 entry = measured[name].setdefault(mode, {"rounds_ms": []})
                 entry["rounds_ms"].append(ms)
@@ -260,7 +234,7 @@ def packed_batch(results: dict, rows: list) -> None:
                         f"padded batch (target 2x)")  # fmt: skip
     results["packed"]["targets"] = targets
     if PROFILE:  # where the THD call's time goes, kernel by kernel (JAX's profiler)
-        import kernel_profile
+        from hlo_and_traces import kernel_profile, kernel_table
 
         profiles = {}
         for name, fwd, fwd_bwd, args, _, _ in variants:
@@ -269,10 +243,10 @@ def packed_batch(results: dict, rows: list) -> None:
                 continue
             for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
                 try:
-                    profiles[f"{name} [{mode}]"] = kernel_profile.kernel_profile(fn, args, calls=10)
-                    rows.extend(kernel_profile.table(f"{name} [{mode}]", profiles[f"{name} [{mode}]"]))
+                    profiles[f"{name} [{mode}]"] = kernel_profile(fn, args, calls=10)
+                    rows.extend(kernel_table(f"{name} [{mode}]", profiles[f"{name} [{mode}]"]))
                 except Exception as e:  # reported, never hidden
-                    rows.append(f"profile {name} [{mode}]: ERROR {type(e).__name__}: {str(e)[:300]}")
+                    rows.append(f"profile {name} [{mode}]: ERROR {harness.error(e)}")
         results["packed"]["kernel_profile"] = profiles
     rows.append(f"longest-first order vs given order: max |output difference| = {order_diff}")
     rows.append(f"causal 128x128 tile efficiency: THD lengths {causal_tile_efficiency(lengths):.3f}, dense b8 t4096 "
@@ -287,15 +261,12 @@ def paged_decode(results: dict, rows: list) -> None:
     P = B * pps
     rng = np.random.default_rng(1)
     table = jnp.asarray(rng.permutation(P).reshape(B, pps).astype(np.int32))
-    ks = jax.random.split(jax.random.key(1), 3)
-    kpool = jax.random.normal(ks[0], (P, page, kh, H), jnp.float32).astype(jnp.bfloat16)
-    vpool = jax.random.normal(ks[1], (P, page, kh, HV), jnp.float32).astype(jnp.bfloat16)
-    q = jax.random.normal(ks[2], (B, 1, n, H), jnp.float32).astype(jnp.bfloat16)
+    kpool, vpool, q = harness.normal((P, page, kh, H), (P, page, kh, HV), (B, 1, n, H), seed=1, via_float32=True)
     lengths = jnp.full((B,), ctx, jnp.int32)
     f = jax.jit(lambda q, kp, vp: attnlib.attention(q, kp, vp, page_table=table, key_value_seq_lengths=lengths,
                                                     is_causal=True, diagonal_alignment="bottom_right",
                                                     implementation="cudnn"))  # fmt: skip
-    ms = best_per_call(f, (q, kpool, vpool), 20) * 1e3
+    ms = harness.best_per_call(f, (q, kpool, vpool), 20) * 1e3
     kv_bytes = B * ctx * kh * (H + HV) * 2
     bw = kv_bytes / (ms * 1e-3)
     results["paged_decode"] = {"B": B, "context": ctx, "page": page, "N": n, "K": kh, "ms": ms,
@@ -338,8 +309,7 @@ def graph_builds(results: dict, rows: list) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
+    parser = harness.parser(__doc__)
     parser.add_argument("--table")
     parser.add_argument("--dump-hlo", default="", help="write the compiled HLO of the THD call here")
     parser.add_argument("--profile", action="store_true", help="per-kernel device time of the THD call")
@@ -355,16 +325,14 @@ def main() -> None:
         try:
             part(results, rows)
         except Exception as e:  # one failing part must not hide the others
-            rows.append(f"{part.__name__}: ERROR {type(e).__name__}: {str(e)[:400]}")
+            rows.append(f"{part.__name__}: ERROR {harness.error(e, 400)}")
             results[part.__name__] = {"error": f"{type(e).__name__}: {e}"}
         print("\n".join(rows), flush=True)
         print("-" * 40, flush=True)
     rows.append("TF/s on real tokens only; THD spd = variant time / THD time (> 1: THD is faster).")
     table = "\n".join(rows)
     print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    harness.write_json(args.json, results)
     if args.table:
         with open(args.table, "w") as f:
             f.write(table + "\n")

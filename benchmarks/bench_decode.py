@@ -13,7 +13,7 @@ Usage: python benchmarks/bench_decode.py [--json out.json] [--only NAME ...] [--
 Each layer reads the same cache (one cache per variant: 32 real caches of the larger shapes would not fit; the cache
 is far larger than L2, so every layer still streams it from HBM) and feeds its output to the next layer's query.
 Sequence lengths are `context - 17 b` (distinct per row). Outputs of one layer are checked against a float32
-reference before timing. Timing: `bench_cudnn.best_per_call` (wall clock, best of repetitions), round-robin, best
+reference before timing. Timing: `harness.best_per_call` (wall clock, best of repetitions), round-robin, best
 of `--rounds`. Every variant runs twice: jitted with XLA's default flags (`step_ms`) and with
 `compiler_options={"xla_gpu_graph_min_graph_size": 1}` (`step_ms_min_graph_1`), which lets XLA capture the loop
 body (the attention call and the layer's two fusions, fewer commands than XLA's default minimum) into a command
@@ -37,16 +37,14 @@ reference of the packed tokens, then timed as above (fewer repetitions: a step t
 variants that name cuDNN report their error off a GPU): a check that the script works, not a measurement.
 """
 
-import argparse
 import dataclasses
 import json
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
-from bench_peers import graph_replay, replay_mode
-from kernel_profile import kernel_profile
+from hlo_and_traces import kernel_profile
 
 import attnlib
 
@@ -58,19 +56,21 @@ SHAPES = {  # name: (batch, context)
 }  # fmt: skip
 
 
-def _inputs(b: int, context: int):
-    keys = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(keys[0], (b, 1, N, H), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (b, context, K, H), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (b, context, K, H), jnp.bfloat16)
-    lengths = jnp.asarray(context - 17 * np.arange(b) % context, jnp.int32)
-    pages_per_seq = context // PAGE
-    # Pages of each sequence in a shuffled pool (as a cache that grew by appends would hold them).
+def paged(k, v, page_size: int):
+    """`(k_pool, v_pool, page_table)` of dense caches `[B, S, K, H]`: the pages of each sequence in a shuffled pool
+    (as a cache that grew by appends would hold them)."""
+    b, pages_per_seq = k.shape[0], k.shape[1] // page_size
     order = np.random.default_rng(0).permutation(b * pages_per_seq)
     page_table = jnp.asarray(order.reshape(b, pages_per_seq), jnp.int32)
-    pool = lambda x: jnp.zeros((b * pages_per_seq, PAGE, K, H), x.dtype).at[page_table.reshape(-1)].set(  # noqa: E731
-        x.reshape(b * pages_per_seq, PAGE, K, H))
-    return x, k, v, lengths, pool(k), pool(v), page_table
+    pages = lambda x: x.reshape((b * pages_per_seq, page_size) + x.shape[2:])  # noqa: E731
+    pool = lambda x: jnp.zeros_like(pages(x)).at[page_table.reshape(-1)].set(pages(x))  # noqa: E731
+    return pool(k), pool(v), page_table
+
+
+def _inputs(b: int, context: int):
+    x, k, v = harness.normal((b, 1, N, H), (b, context, K, H), (b, context, K, H))
+    lengths = jnp.asarray(context - 17 * np.arange(b) % context, jnp.int32)
+    return x, k, v, lengths, *paged(k, v, PAGE)
 
 
 def gather_pages(pool, page_table):
@@ -85,7 +85,7 @@ def reference_and_tolerance(x, k, v, lengths) -> tuple[np.ndarray, float]:
         reference = np.asarray(attnlib.attention(
             x.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), key_value_seq_lengths=lengths,
             is_causal=True, diagonal_alignment="bottom_right", implementation="xla"), np.float32)  # fmt: skip
-    return reference, 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(reference)))
+    return reference, harness.tolerance(reference)
 
 
 def reads_pages(label: str) -> bool:
@@ -116,14 +116,10 @@ def layer_fns(lengths, page_table):
             q, gather_pages(kp, page_table), gather_pages(vp, page_table), key_value_seq_lengths=lengths,
             implementation="cudnn"),
     }  # fmt: skip
-    try:
-        import tokamax
-
-        for impl in ("mosaic", "triton"):
-            table[f"tokamax_{impl}"] = lambda q, k, v, impl=impl: tokamax.dot_product_attention(
-                q, k, v, key_value_seq_lengths=lengths, implementation=impl)  # fmt: skip
-    except Exception as e:  # noqa: BLE001  (reported, not fatal)
-        print(f"tokamax unavailable: {type(e).__name__}: {str(e)[:200]}")
+    tokamax = harness.tokamax_or_none(stdout=True)
+    for impl in ("mosaic", "triton") if tokamax else ():
+        table[f"tokamax_{impl}"] = lambda q, k, v, impl=impl: tokamax.dot_product_attention(
+            q, k, v, key_value_seq_lengths=lengths, implementation=impl)  # fmt: skip
     return table
 
 
@@ -164,7 +160,7 @@ def compare(row: dict, steps: dict, suffix: str) -> None:
                 try:
                     row[label][f"kernel_us{suffix}"] = kernel_profile(step, call_args, calls=5)["kernel_us"]
                 except Exception as e:  # noqa: BLE001  (reported, not fatal)
-                    row[label][f"kernel_error{suffix}"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    row[label][f"kernel_error{suffix}"] = harness.error(e, 200)
 
 
 def executor_counts_per_step(step, call_args, steps: int = 4) -> dict[str, float]:
@@ -216,41 +212,13 @@ def mixed_inputs(case: MixedCase):
     q_lengths, kv_lengths = np.asarray(case.q_lengths), np.asarray(case.kv_lengths)
     B, T_max, S = len(q_lengths), int(q_lengths.max()), int(kv_lengths.max())
     pages_per_seq = -(-S // case.page_size)
-    keys = jax.random.split(jax.random.key(1), 3)
-    q = jax.random.normal(keys[0], (int(q_lengths.sum()), case.n, case.h), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (B, pages_per_seq * case.page_size, case.k, case.h), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (B, pages_per_seq * case.page_size, case.k, case.h), jnp.bfloat16)
-    order = np.random.default_rng(0).permutation(B * pages_per_seq)
-    page_table = jnp.asarray(order.reshape(B, pages_per_seq), jnp.int32)
-
-    def pool(x):  # each sequence's pages at its page-table entries
-        pages = x.reshape(B * pages_per_seq, case.page_size, case.k, case.h)
-        return jnp.zeros_like(pages).at[page_table.reshape(-1)].set(pages)
-
-    cache = attnlib.PagedKVCache.create(B, B * pages_per_seq, case.page_size, case.k, case.h,
-                                        max_pages_per_seq=pages_per_seq, layout="token_major")  # fmt: skip
-    cache = dataclasses.replace(cache, pools=(pool(k), pool(v)), page_table=page_table,
-                                lengths=jnp.asarray(kv_lengths, jnp.int32),
-                                num_used_pages=jnp.asarray(B * pages_per_seq, jnp.int32))  # fmt: skip
+    kv_shape = (B, pages_per_seq * case.page_size, case.k, case.h)
+    q, k, v = harness.normal((int(q_lengths.sum()), case.n, case.h), kv_shape, kv_shape, seed=1)
+    cache = harness.token_major_cache(*paged(k, v, case.page_size), kv_lengths)
     cu = np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)
     token_rows = np.concatenate([b * T_max + np.arange(t) for b, t in enumerate(q_lengths)])  # packed -> dense rows
     dense_q = jnp.zeros((B * T_max, case.n, case.h), q.dtype).at[token_rows].set(q).reshape(B, T_max, case.n, case.h)
     return q, cache, jnp.asarray(cu), dense_q, k[:, :S], v[:, :S], token_rows
-
-
-def mixed_reference(q, k, v, case: MixedCase) -> np.ndarray:
-    """float32 attention of each sequence's queries over its keys, bottom-right causal, packed `[T, N, H]`."""
-    out, start = [], 0
-    for b, (t, s) in enumerate(zip(case.q_lengths, case.kv_lengths)):
-        qf = q[start : start + t].astype(jnp.float32).reshape(t, case.k, -1, case.h) / np.sqrt(case.h)
-        keys, values = k[b, :s].astype(jnp.float32), v[b, :s].astype(jnp.float32)
-        scores = jnp.einsum("tkgh,skh->kgts", qf, keys, precision=jax.lax.Precision.HIGHEST)
-        visible = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + (s - t)
-        p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), -1)
-        o = jnp.einsum("kgts,skh->tkgh", p, values, precision=jax.lax.Precision.HIGHEST)
-        out.append(np.asarray(o.reshape(t, case.n, case.h)))
-        start += t
-    return np.concatenate(out)
 
 
 def mixed_fns(case: MixedCase, cache, cu):
@@ -295,8 +263,9 @@ def mixed_fns(case: MixedCase, cache, cu):
 
 def run_mixed(case: MixedCase, args) -> dict:
     q, cache, cu, dense_q, k, v, token_rows = mixed_inputs(case)
-    reference = mixed_reference(q, k, v, case)
-    tol = 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(reference)))
+    kv_of = lambda b, s: (k[b, :s], v[b, :s])  # noqa: E731
+    reference = harness.packed_reference(q, kv_of, case.q_lengths, case.kv_lengths, case.n, case.k, case.h)
+    tol = harness.tolerance(reference)
     T_max = max(case.q_lengths)
     row = {"case": dataclasses.asdict(case), "tolerance": tol, "variants": {}}
     row["attnlib_pick"] = attnlib.explain(q, cache, None, cu_seqlens_q=cu, max_seqlen_q=T_max, is_causal=True,
@@ -306,20 +275,17 @@ def run_mixed(case: MixedCase, args) -> dict:
         call_args = (q, *cache.pools) if packed else (dense_q, k, v)
         to_packed = (lambda out: out) if packed else (lambda out: out.reshape((-1,) + out.shape[2:])[token_rows])
         try:
-            out = jax.jit(attend)(*call_args)
-            err = float(np.max(np.abs(np.asarray(to_packed(out), np.float32) - reference)))
-            row["variants"][label] = {"max_err": err}
-            if not err <= tol:
-                row["variants"][label]["wrong"] = f"max |err| {err:.3g} > {tol:.3g}"
+            row["variants"][label] = harness.checked(to_packed(jax.jit(attend)(*call_args)), reference, tol)
+            if "wrong" in row["variants"][label]:
                 continue
             for suffix, options in CONFIGS.items():
                 steps[(label, suffix)] = (decode_step(attend, args.mixed_layers, options).lower(*call_args).compile(),
                                           call_args)  # fmt: skip
         except Exception as e:  # noqa: BLE001  (reported, not fatal)
-            row["variants"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row["variants"][label] = {"error": harness.error(e)}
     for _ in range(args.rounds):
         for (label, suffix), (step, call_args) in steps.items():
-            ms = best_per_call(step, call_args, loop=5, reps=3) * 1e3
+            ms = harness.best_per_call(step, call_args, loop=5, reps=3) * 1e3
             result = row["variants"][label]
             result[f"step_ms{suffix}"] = min(result.get(f"step_ms{suffix}", float("inf")), ms)
     if row["attnlib_pick"] == "cudnn":
@@ -340,29 +306,18 @@ def run_mixed(case: MixedCase, args) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description="GPU benchmark of paged decode steps and mixed prefill + decode steps (the module docstring "
-        "says what runs and how it is timed)."
-    )
-    parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None, help=f"cases: {[*SHAPES, *MIXED]}")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = harness.parser(__doc__, only=f"cases: {[*SHAPES, *MIXED]}", rounds=3)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--mixed-layers", type=int, default=8, help="layers per step of the mixed cases")
     parser.add_argument("--smoke", action="store_true", help="a tiny mixed step only, on any backend")
     args = parser.parse_args(argv)
     shapes, mixed = ({}, SMOKE_MIXED) if args.smoke else (SHAPES, MIXED)
-    unknown = set(args.only or ()) - set(shapes) - set(mixed)
-    if unknown:
-        parser.error(f"unknown cases {sorted(unknown)}; known: {[*shapes, *mixed]}")
+    harness.check_names(parser, args.only, [*shapes, *mixed])
     results, mixed_results = {}, {}
 
     def write():
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": args.layers,
-                           "shapes": results, "mixed_layers": args.mixed_layers, "mixed": mixed_results,
-                           "smoke": args.smoke}, f, indent=1)  # fmt: skip
+        harness.write_json(args.json, {**harness.device_and_jax(), "layers": args.layers, "shapes": results,
+                                       "mixed_layers": args.mixed_layers, "mixed": mixed_results, "smoke": args.smoke})
 
     for name, (b, context) in shapes.items():
         if args.only is not None and name not in args.only:
@@ -373,22 +328,20 @@ def main(argv=None):
         for label, attend in layer_fns(lengths, page_table).items():
             cache = (k_pool, v_pool) if reads_pages(label) else (k, v)
             try:
-                with graph_replay(replay_mode(label)):
+                with harness.graph_replay(label):
                     single = jax.jit(attend).lower(x, *cache).compile()
-                err = float(np.max(np.abs(np.asarray(single(x, *cache), np.float32) - reference)))
-                row[label] = {"max_err": err}
-                if not err <= tol:
-                    row[label]["wrong"] = f"max |err| {err:.3g} > {tol:.3g}"
+                row[label] = harness.checked(single(x, *cache), reference, tol)
+                if "wrong" in row[label]:
                     continue
                 for suffix, options in CONFIGS.items():
-                    with graph_replay(replay_mode(label)):
+                    with harness.graph_replay(label):
                         step = decode_step(attend, args.layers, options).lower(x, *cache).compile()
                     steps[(label, suffix)] = (step, (x, *cache))
             except Exception as e:  # noqa: BLE001
-                row[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                row[label] = {"error": harness.error(e)}
         for _ in range(args.rounds):
             for (label, suffix), (step, call_args) in steps.items():
-                ms = best_per_call(step, call_args, loop=10, reps=5) * 1e3
+                ms = harness.best_per_call(step, call_args, loop=10, reps=5) * 1e3
                 row[label][f"step_ms{suffix}"] = min(row[label].get(f"step_ms{suffix}", float("inf")), ms)
         for (label, suffix), (step, call_args) in steps.items():
             if label.startswith("attnlib"):

@@ -3,23 +3,26 @@ bfloat16 cuDNN call and `jax.nn.dot_product_attention(implementation="cudnn")`, 
 
 Usage: python benchmarks/bench_fp8.py [--json out.json] [--quick]
 
-Timing as `bench_cudnn.py`: wall clock under `jax.jit`, 2 warm-up calls, then the best of several repetitions of a
-loop of calls ending in one `block_until_ready`; the variants of one shape are timed round-robin (best of 3 rounds).
+Timing as `bench_cudnn.py` (`harness.best_per_call`: the best of several repetitions of a loop of calls); the variants
+of one shape are timed round-robin (best of 3 rounds).
 `fp8="current"` includes its amax reductions, quantization and output dequantization; the pre-quantized variant
 starts from E4M3 arrays. Forward TFLOP/s count `4 · b · n · t · s · d` (halved when causal).
 Accuracy: rms / max error of each forward against float64 attention on the last 256 query rows of batch 0 (numpy),
 both on the unquantized inputs and on the FP8-dequantized ones.
 """
 
-import argparse
 import json
 import os
 import sys
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
+
+
+def _inputs(b: int, t: int, n: int, kh: int, d: int):
+    return harness.normal((b, t, n, d), (b, t, kh, d), (b, t, kh, d), via_float32=True)
 
 
 def _scales(q, k, v):
@@ -69,10 +72,7 @@ def _errors(out, exact) -> dict:
 
 
 def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool) -> dict:
-    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(kq, (b, t, n, d), jnp.float32).astype(jnp.bfloat16)
-    k = jax.random.normal(kk, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
+    q, k, v = _inputs(b, t, n, kh, d)
     flops = 4 * b * n * t * t * d * (0.5 if causal else 1.0)
     table, prequantize = variants(causal)
     exact = _reference_rows(q, k, v, causal)
@@ -91,11 +91,8 @@ def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool
                     q, k, v, is_causal=causal, implementation="cudnn", fp8=given))  # fmt: skip
                 args = (q8, k8, v8)
                 if fn == "prequantized_first_plan":  # the heuristics' first plan instead of the autotuned one
-                    os.environ["ATTNLIB_CUDNN_AUTOTUNE"] = "0"
-                    try:
+                    with harness.environ("ATTNLIB_CUDNN_AUTOTUNE", "0"):
                         jax.block_until_ready(fwd(*args))
-                    finally:
-                        os.environ.pop("ATTNLIB_CUDNN_AUTOTUNE")
             else:
                 fwd, args = jax.jit(fn), (q, k, v)
             out = jax.block_until_ready(fwd(*args))
@@ -103,21 +100,20 @@ def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool
                    "err_vs_f64_on_dequantized_inputs": _errors(out, exact_fp8_inputs)}  # fmt: skip
             fwd_bwd = None
             if differentiable:
-                loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32))
-                fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+                fwd_bwd = jax.jit(harness.grad_fn(fn))
                 jax.block_until_ready(fwd_bwd(q, k, v))
             timed[name] = (fwd, fwd_bwd, args)
             result["variants"][name] = row
         except Exception as e:  # noqa: BLE001  (reported, not fatal)
-            result["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            result["variants"][name] = {"error": harness.error(e)}
     loops = (3, 2) if quick else (20, 10)
     for _ in range(1 if quick else 3):  # round-robin
         for name, (fwd, fwd_bwd, args) in timed.items():
             row = result["variants"][name]
-            row["fwd_ms"] = min(row.get("fwd_ms", 1e9), 1e3 * best_per_call(fwd, args, loops[0], 3))
+            row["fwd_ms"] = min(row.get("fwd_ms", 1e9), 1e3 * harness.best_per_call(fwd, args, loops[0], 3))
             row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
             if fwd_bwd is not None:
-                ms = 1e3 * best_per_call(fwd_bwd, (q, k, v), loops[1], 3)
+                ms = 1e3 * harness.best_per_call(fwd_bwd, (q, k, v), loops[1], 3)
                 row["fwd_bwd_ms"] = min(row.get("fwd_bwd_ms", 1e9), ms)
     base = result["variants"].get("attnlib_cudnn_bf16", {})
     for row in result["variants"].values():
@@ -130,15 +126,12 @@ def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool
 
 def profile(shape: tuple) -> list[str]:
     """Per-kernel device time of the bf16, `fp8="current"` and pre-quantized forwards at `shape`."""
-    from kernel_profile import kernel_profile, table as profile_table
+    from hlo_and_traces import kernel_profile, kernel_table
 
     import attnlib
 
     b, t, n, kh, d, causal = shape
-    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(kq, (b, t, n, d), jnp.float32).astype(jnp.bfloat16)
-    k = jax.random.normal(kk, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
+    q, k, v = _inputs(b, t, n, kh, d)
     (q8, k8, v8), scales = variants(causal)[1](q, k, v)
     given = attnlib.Fp8Scales(q=scales[0], k=scales[1], v=scales[2])
     calls = {
@@ -150,7 +143,7 @@ def profile(shape: tuple) -> list[str]:
     }  # fmt: skip
     lines = []
     for name, (fn, args) in calls.items():
-        lines += profile_table(name, kernel_profile(jax.jit(fn), args, calls=10))
+        lines += kernel_table(name, kernel_profile(jax.jit(fn), args, calls=10))
     return lines
 
 
@@ -162,11 +155,8 @@ def gradient_accuracy(b=1, t=1024, n=8, kh=2, d=128) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from reference import reference_attention_vjp
 
-    kq, kk, kv, ko = jax.random.split(jax.random.key(1), 4)
-    q = jax.random.normal(kq, (b, t, n, d), jnp.float32).astype(jnp.bfloat16)
-    k = jax.random.normal(kk, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (b, t, kh, d), jnp.float32).astype(jnp.bfloat16)
-    d_out = jax.random.normal(ko, (b, t, n, d), jnp.float32)
+    q, k, v, d_out = harness.normal((b, t, n, d), (b, t, kh, d), (b, t, kh, d), (b, t, n, d), seed=1, dtype=jnp.float32)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     (q8, k8, v8), scales = variants(True)[1](q, k, v)
     f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
     exact = reference_attention_vjp(f64(q), f64(k), f64(v), d_out=f64(d_out), is_causal=True)
@@ -208,8 +198,7 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=None)
+    parser = harness.parser(__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--profile", action="store_true", help="per-kernel times of the first shape's forwards")
     parser.add_argument("--gradients", action="store_true", help="gradient accuracy against float64")
@@ -237,9 +226,7 @@ def main() -> None:
         print("gradient_accuracy", json.dumps(results["gradient_accuracy"]), flush=True)
     if args.profile:
         print("\n".join(profile(next(iter(shapes.values())))))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    harness.write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,14 @@ Usage: python benchmarks/bench_max_logit.py [--json out.json]
 Per shape, under `jax.jit`: attnlib cudnn forward without and with `return_max_logit` (the graph then writes
 `score_max` + `score_sum_exp` instead of Stats), the same with sinks (the statistic then takes `max_logit.py`'s
 separate pass, for comparison) and jax.nn's cuDNN forward; forward + backward without and with. Timing as
-`bench_cudnn.py`.
+`bench_cudnn.py` (`harness.best_per_call`).
 """
 
-import argparse
 import json
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
-from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 
 import attnlib
 
@@ -27,20 +26,13 @@ SHAPES = {  # name: (b, s, n, k, d, causal)
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None, help="shape names")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = harness.parser(__doc__, only="shape names", rounds=3)
     args = parser.parse_args()
-    results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "shapes": {}}
+    results = {**harness.device_and_jax(), "shapes": {}}
     for name, (b, s, n, kh, d, causal) in SHAPES.items():
         if args.only is not None and name not in args.only:
             continue
-        keys = jax.random.split(jax.random.key(0), 4)
-        q = jax.random.normal(keys[0], (b, s, n, d), jnp.bfloat16)
-        k = jax.random.normal(keys[1], (b, s, kh, d), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (b, s, kh, d), jnp.bfloat16)
-        do = jax.random.normal(keys[3], (b, s, n, d), jnp.bfloat16)
+        q, k, v, do = harness.normal((b, s, n, d), (b, s, kh, d), (b, s, kh, d), (b, s, n, d))
         sinks = jnp.zeros((n,), jnp.float32)
 
         def attend(q, k, v, max_logit=False, sink=False):
@@ -68,19 +60,15 @@ def main():
         row = {}
         for _ in range(args.rounds):  # round-robin, best of the rounds
             for label, f in variants.items():
-                ms = best_per_call(f, (q, k, v), loop=20, reps=5) * 1e3
+                ms = harness.best_per_call(f, (q, k, v), loop=20, reps=5) * 1e3
                 row[label] = min(row.get(label, float("inf")), ms)
         row["fwd_overhead"] = row["fwd_max_logit"] / row["fwd"] - 1
         row["fwd_bwd_overhead"] = row["fwd_bwd_max_logit"] / row["fwd_bwd"] - 1
         row["separate_pass_overhead"] = row["fwd_sinks_max_logit_separate_pass"] / row["fwd_sinks"] - 1
         results["shapes"][name] = row
         print(name, json.dumps({key: round(val, 4) for key, val in row.items()}), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        harness.write_json(args.json, results)
+    harness.write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_peers.py [--json out.json] [--only CASE ... (run 
 
 Per case: every variant's output is first checked against a float32 XLA reference on the same bf16 inputs (max |err|
 within `4 eps(bf16) max|ref|`, else the variant is reported as wrong and not timed); then the variants are timed
-round-robin, best of `--rounds` rounds of `bench_cudnn.best_per_call` (wall clock under `jax.jit`), forward and
+round-robin, best of `--rounds` rounds of `harness.best_per_call` (wall clock under `jax.jit`), forward and
 forward + backward (gradient of `sum(out * dout)` with respect to q, k, v). Where attnlib trails the best peer, the
 device's kernel time per call of both is profiled too (`{kind}_kernel_us`, `{kind}_kernel_vs_best_peer`): whether
 the kernel or the call around it is behind, in the same run. A variant that cannot run the case
@@ -15,18 +15,14 @@ best peer per case. `--direct` adds attnlib's cuDNN call with the native executo
 "always"); neither is a peer. tokamax is a benchmark-only dependency (`pip install tokamax`).
 """
 
-import argparse
-import contextlib
 import dataclasses
 import json
-import os
-import sys
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
-from kernel_profile import kernel_profile
+from hlo_and_traces import kernel_profile
 
 import attnlib
 
@@ -72,29 +68,9 @@ def _kwargs(case: Case) -> dict:
     return kw
 
 
-def replay_mode(label: str) -> str:
-    """ATTNLIB_CUDNN_GRAPH_REPLAY for a variant: "0" for `*_direct`, "always" for `*_always`, else "" (each call's
-    own choice, `executor.replays`)."""
-    return "0" if label.endswith("_direct") else "always" if label.endswith("_always") else ""
-
-
-@contextlib.contextmanager
-def graph_replay(mode: str):
-    """ATTNLIB_CUDNN_GRAPH_REPLAY for the executables compiled inside (the extension reads it per executable)."""
-    before = os.environ.get("ATTNLIB_CUDNN_GRAPH_REPLAY")
-    os.environ["ATTNLIB_CUDNN_GRAPH_REPLAY"] = mode
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["ATTNLIB_CUDNN_GRAPH_REPLAY"]
-        else:
-            os.environ["ATTNLIB_CUDNN_GRAPH_REPLAY"] = before
-
-
 def compile_variant(label: str, fn, args):
     """`jax.jit(fn)` compiled for `args`, with the variant's graph replay mode."""
-    with graph_replay(replay_mode(label)):
+    with harness.graph_replay(label):
         return jax.jit(fn).lower(*args).compile()
 
 
@@ -108,15 +84,11 @@ def variants(case: Case, direct: bool = False) -> dict:
     }
     if direct:
         table["attnlib_cudnn_direct"] = table["attnlib_cudnn_always"] = cudnn
-    try:
-        import tokamax
-
-        for impl in ("mosaic", "triton"):
-            table[f"tokamax_{impl}"] = lambda q, k, v, impl=impl, **kw: tokamax.dot_product_attention(
-                q, k, v, implementation=impl, **kw
-            )
-    except Exception as e:  # noqa: BLE001  (reported, not fatal)
-        print(f"tokamax unavailable: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    tokamax = harness.tokamax_or_none()
+    for impl in ("mosaic", "triton") if tokamax else ():
+        table[f"tokamax_{impl}"] = lambda q, k, v, impl=impl, **kw: tokamax.dot_product_attention(
+            q, k, v, implementation=impl, **kw
+        )
     return table
 
 
@@ -139,14 +111,11 @@ def _reference(q, k, v, kw) -> np.ndarray:
 
 
 def run_case(name: str, case: Case, rounds: int, direct: bool = False) -> dict:
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (case.b, case.t, case.n, case.h), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (case.b, case.s, case.k, case.h), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (case.b, case.s, case.k, case.hv), jnp.bfloat16)
-    dout = jax.random.normal(keys[3], (case.b, case.t, case.n, case.hv), jnp.bfloat16)
+    q, k, v, dout = harness.normal((case.b, case.t, case.n, case.h), (case.b, case.s, case.k, case.h),
+                                   (case.b, case.s, case.k, case.hv), (case.b, case.t, case.n, case.hv))  # fmt: skip
     kw = _kwargs(case)
     reference = _reference(q, k, v, _decode(case, kw))
-    tol = 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(reference)))
+    tol = harness.tolerance(reference)
     # Rows past a query length are compared nowhere (peers leave them unspecified).
     rows = np.ones((case.b, case.t), bool)
     if "query_seq_lengths" in kw:
@@ -154,33 +123,27 @@ def run_case(name: str, case: Case, rounds: int, direct: bool = False) -> dict:
     row, timed = {}, {}
     for label, fn in variants(case, direct).items():
         call_kw = kw if label.startswith("attnlib") else _peer_kwargs(case, kw)
-
-        def loss(q, k, v, fn=fn, call_kw=call_kw):
-            return jnp.sum(fn(q, k, v, **call_kw).astype(jnp.float32) * dout.astype(jnp.float32))
-
+        bound = lambda q, k, v, fn=fn, call_kw=call_kw: fn(q, k, v, **call_kw)  # noqa: E731
         try:
-            fwd = compile_variant(label, lambda q, k, v, fn=fn, call_kw=call_kw: fn(q, k, v, **call_kw), (q, k, v))
-            out = np.asarray(fwd(q, k, v), np.float32)
-            err = float(np.max(np.abs(np.where(rows[..., None, None], out - reference, 0))))
-            row[label] = {"max_err": err}
-            if not err <= tol:
-                row[label]["wrong"] = f"max |err| {err:.3g} > {tol:.3g}"
+            fwd = compile_variant(label, bound, (q, k, v))
+            row[label] = harness.checked(fwd(q, k, v), reference, tol, rows[..., None, None])
+            if "wrong" in row[label]:
                 continue
         except Exception as e:  # noqa: BLE001
-            row[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row[label] = {"error": harness.error(e)}
             continue
         timed[label] = {"fwd": fwd}
         try:
-            timed[label]["fwd_bwd"] = compile_variant(label, jax.grad(loss, argnums=(0, 1, 2)), (q, k, v))
+            timed[label]["fwd_bwd"] = compile_variant(label, harness.grad_fn(bound, dout), (q, k, v))
         except Exception as e:  # noqa: BLE001  (e.g. a peer without a backward)
-            row[label]["fwd_bwd_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            row[label]["fwd_bwd_error"] = harness.error(e, 200)
     for _ in range(rounds):
         for label, fns in timed.items():
             for kind, fn in fns.items():
                 try:
-                    ms = best_per_call(fn, (q, k, v), loop=20 if kind == "fwd" else 10, reps=5) * 1e3
+                    ms = harness.best_per_call(fn, (q, k, v), loop=20 if kind == "fwd" else 10, reps=5) * 1e3
                 except Exception as e:  # noqa: BLE001  (e.g. a peer without a backward)
-                    row[label][f"{kind}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    row[label][f"{kind}_error"] = harness.error(e, 200)
                     continue
                 row[label][f"{kind}_ms"] = min(row[label].get(f"{kind}_ms", float("inf")), ms)
     mine = row.get("attnlib_cudnn", {})
@@ -202,7 +165,7 @@ def _kernel_times(row: dict, timed: dict, kind: str, labels, args) -> None:
         try:
             row[label][f"{kind}_kernel_us"] = kernel_profile(timed[label][kind], args, calls=10)["kernel_us"]
         except Exception as e:  # noqa: BLE001  (reported, not fatal)
-            row[label][f"{kind}_kernel_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            row[label][f"{kind}_kernel_error"] = harness.error(e, 200)
     mine, best = (row[label].get(f"{kind}_kernel_us") for label in labels)
     if mine and best:
         row[f"{kind}_kernel_vs_best_peer"] = best / mine
@@ -237,22 +200,15 @@ def _kernel_line(name: str, row: dict, kind: str) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = harness.parser(__doc__, only="cases, run in that order", rounds=3)
     parser.add_argument("--direct", action="store_true", help="also attnlib's cuDNN call without graph replay")
     args = parser.parse_args()
     results = {}
-    unknown = set(args.only or ()) - set(CASES)
-    if unknown:
-        parser.error(f"unknown cases {sorted(unknown)}; known: {list(CASES)}")
+    harness.check_names(parser, args.only, CASES)
     for name in args.only or CASES:  # in the order given
         results[name] = run_case(name, CASES[name], args.rounds, args.direct)
         print(name, json.dumps(results[name]), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "cases": results}, f, indent=1)
+        harness.write_json(args.json, {**harness.device_and_jax(), "cases": results})
     print(table(results))
 
 

@@ -1,6 +1,7 @@
 """Plain-JAX implementations: `xla` vs `xla_chunked` vs `jax.nn.dot_product_attention`.
 
-Forward and forward+backward wall-clock time (jit, best of repeats after warm-up, `block_until_ready`) and the
+Forward and forward+backward wall-clock time (jit, best of repeats after one warm-up call, `block_until_ready`:
+`harness.best_per_call` with loops of one call) and the
 compiled program's memory (arguments + outputs + temporaries, from XLA's memory analysis). A case whose compiled
 memory exceeds `--memory-limit-gb` is reported as not run with the memory it would need.
 
@@ -10,11 +11,12 @@ Usage:
 
 import argparse
 import json
+import pathlib
 import platform
 import time
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
-import jax.numpy as jnp
 
 import attnlib
 
@@ -40,28 +42,15 @@ def _compiled_bytes(compiled) -> int | None:
     )
 
 
-def _time(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def run_case(name, fn, q, k, v, mode, repeats, memory_limit):
-    if mode == "fwd":
-        target = jax.jit(fn)
-    else:
-        target = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    target = jax.jit(fn) if mode == "fwd" else jax.jit(harness.grad_fn(fn))
     compiled = target.lower(q, k, v).compile()
     need = _compiled_bytes(compiled)
     row = {"implementation": name, "mode": mode, "compiled_bytes": need}
     if need is not None and need > memory_limit:
         row.update(status="not run", reason=f"needs {need / 2**30:.1f} GiB > limit {memory_limit / 2**30:.1f} GiB")
         return row
-    row.update(status="ok", seconds=_time(compiled, (q, k, v), repeats))
+    row.update(status="ok", seconds=harness.best_per_call(compiled, (q, k, v), loop=1, reps=repeats, warmup=1))
     return row
 
 
@@ -80,9 +69,8 @@ def main():
 
     rows = []
     for length in args.lengths:
-        keys = jax.random.split(jax.random.key(0), 3)
         shape = (args.batch, length, args.heads, args.head_dim)
-        q, k, v = (jax.random.normal(key, shape, args.dtype) for key in keys)
+        q, k, v = harness.normal(shape, shape, shape, dtype=args.dtype)
         for mode in ("fwd", "fwd+bwd"):
             for name, fn in _peers(args.causal).items():
                 row = run_case(name, fn, q, k, v, mode, args.repeats, args.memory_limit_gb * 2**30)
@@ -107,8 +95,6 @@ def main():
         "config": vars(args),
         "rows": rows,
     }
-    import pathlib
-
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

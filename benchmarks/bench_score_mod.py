@@ -3,23 +3,22 @@ cuDNN call, attnlib's `xla_chunked` fallback and tokamax (mosaic), all in one pr
 
 Usage: python benchmarks/bench_score_mod.py [--json out.json] [--quick]
 
-Timing as `bench_cudnn.py`: wall clock under `jax.jit`, 2 warm-up calls, then the best of several repetitions of a
-loop of calls ending in one `block_until_ready`; variants of one case are timed round-robin (best of 3 rounds).
+Timing as `bench_cudnn.py` (`harness.best_per_call`: the best of several repetitions of a loop of calls); variants of
+one case are timed round-robin (best of 3 rounds).
 Every forward output is first checked against attnlib's `xla` implementation on float32 copies of the inputs.
 Graph build: the soft-cap graphs are built in a fresh `ATTNLIB_CACHE_DIR` (seconds per graph, forward and backward),
 then a second process traces the same call on that directory and reports whether it read them from disk.
 """
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
-from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 
 
 def alibi_slopes(n: int) -> jax.Array:
@@ -35,9 +34,7 @@ def prefix_lm(batch, head, q_idx, kv_idx):
 
 
 def variants(case: str, n: int):
-    """name -> (implementation, attention kwargs, is_peer)."""
-    import attnlib
-
+    """name -> (implementation, attention kwargs)."""
     if case == "softcap":
         return {
             "attnlib_cudnn_softcap": ("cudnn", dict(is_causal=True, logits_soft_cap=50.0)),
@@ -59,7 +56,6 @@ def variants(case: str, n: int):
             "attnlib_cudnn_plain_causal": ("cudnn", dict(is_causal=True)),
             "attnlib_xla_chunked_prefix_lm": ("xla_chunked", dict(mask_mod=prefix_lm)),
         }
-    del attnlib
     raise ValueError(case)
 
 
@@ -72,18 +68,13 @@ def make_fns(impl: str, kw: dict):
         attend = lambda q, k, v: tokamax.dot_product_attention(q, k, v, implementation="mosaic", **kw)
     else:
         attend = lambda q, k, v: attnlib.attention(q, k, v, implementation=impl, **kw)
-    fwd = jax.jit(attend)
-    fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
-    return fwd, fwd_bwd
+    return jax.jit(attend), jax.jit(harness.grad_fn(attend))
 
 
 def run_case(case: str, b: int, t: int, n: int, kh: int, h: int, quick: bool) -> dict:
     import attnlib
 
-    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(kq, (b, t, n, h), jnp.float32).astype(jnp.bfloat16)
-    k = jax.random.normal(kk, (b, t, kh, h), jnp.float32).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (b, t, kh, h), jnp.float32).astype(jnp.bfloat16)
+    q, k, v = harness.normal((b, t, n, h), (b, t, kh, h), (b, t, kh, h), via_float32=True)
     result = {"shape": f"b{b} s{t} {n}/{kh} heads d{h} bf16", "variants": {}}
     fns = {}
     for name, (impl, kw) in variants(case, n).items():
@@ -91,20 +82,19 @@ def run_case(case: str, b: int, t: int, n: int, kh: int, h: int, quick: bool) ->
             fwd, fwd_bwd = make_fns(impl, kw)
             out = jax.block_until_ready(fwd(q, k, v))
             up = [x.astype(jnp.float32) for x in (q[:1], k[:1], v[:1])]
-            ref_kw = dict(kw)
-            ref = attnlib.attention(*up, implementation="xla", **ref_kw)
+            ref = attnlib.attention(*up, implementation="xla", **kw)
             err = float(jnp.max(jnp.abs(out[:1].astype(jnp.float32) - ref)))
             jax.block_until_ready(fwd_bwd(q, k, v))
             fns[name] = (fwd, fwd_bwd)
             result["variants"][name] = {"max_abs_err_vs_f32_row0": err}
         except Exception as e:  # noqa: BLE001  (a peer that cannot run this case is reported, not fatal)
-            result["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            result["variants"][name] = {"error": harness.error(e)}
     loops = (3, 2) if quick else (20, 10)
     for _ in range(1 if quick else 3):  # round-robin
         for name, (fwd, fwd_bwd) in fns.items():
             row = result["variants"][name]
-            row["fwd_ms"] = min(row.get("fwd_ms", 1e9), 1e3 * best_per_call(fwd, (q, k, v), loops[0], 3))
-            row["fwd_bwd_ms"] = min(row.get("fwd_bwd_ms", 1e9), 1e3 * best_per_call(fwd_bwd, (q, k, v), loops[1], 3))
+            for kind, fn, loop in (("fwd", fwd, loops[0]), ("fwd_bwd", fwd_bwd, loops[1])):
+                row[f"{kind}_ms"] = min(row.get(f"{kind}_ms", 1e9), 1e3 * harness.best_per_call(fn, (q, k, v), loop, 3))
     return result
 
 
@@ -158,8 +148,7 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=None)
+    parser = harness.parser(__doc__)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     import attnlib
@@ -174,9 +163,7 @@ def main() -> None:
     results["graph_build"] = graph_build(37.5)
     print("graph_build", json.dumps(results["graph_build"]), flush=True)
     print(table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    harness.write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -6,17 +6,15 @@ Usage: python benchmarks/bench_segments_bound.py [--json out.json] [--variants N
 Variants per shape, all under `jax.jit` with the segment ids a traced argument unless said: `tight` (the rows' exact
 bound given), `default` (no bound: cuDNN with `DEFAULT_SEGMENTS_PER_ROW` behind a `lax.cond` whose other branch is
 xla_chunked), `bound_16/32/64` (given), `concrete` (no bound, ids closed over: bound from their values), and
-`xla_chunked` (the `cond`'s other branch alone). Timing as `bench_cudnn.py` (wall clock, best of repetitions of a loop).
+`xla_chunked` (the `cond`'s other branch alone). Timing as `bench_cudnn.py` (`harness.best_per_call`: wall clock, best
+of repetitions of a loop).
 """
 
-import argparse
-import json
-import sys
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_cudnn import best_per_call  # run as a script: benchmarks/ is on sys.path
 
 import attnlib
 
@@ -40,11 +38,10 @@ SHAPES = {
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
+    parser = harness.parser(__doc__)
     parser.add_argument("--variants", nargs="*", default=None, help="variant names (default: all; tight always runs)")
     args = parser.parse_args()
-    results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "shapes": {}}
+    results = {**harness.device_and_jax(), "shapes": {}}
     for name, c in SHAPES.items():
         B, T, N, K = c["B"], c["T"], c["N"], c["K"]
         if c["even"]:
@@ -52,11 +49,7 @@ def main():
         else:
             ids = _ids(B, T, c["runs"], 0)
         tight = max(c["runs"])
-        keys = jax.random.split(jax.random.key(0), 4)
-        q = jax.random.normal(keys[0], (B, T, N, 128), jnp.bfloat16)
-        k = jax.random.normal(keys[1], (B, T, K, 128), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (B, T, K, 128), jnp.bfloat16)
-        do = jax.random.normal(keys[3], (B, T, N, 128), jnp.bfloat16)
+        q, k, v, do = harness.normal((B, T, N, 128), (B, T, K, 128), (B, T, K, 128), (B, T, N, 128))
 
         def make(impl, bound, traced=True):
             def fwd(q, k, v, ids):
@@ -84,8 +77,8 @@ def main():
             out = np.asarray(f(q, k, v, ids), np.float32)
             err = float(np.max(np.abs(out - reference)))
             loop = 3 if label == "xla_chunked" else 20
-            fwd_ms = best_per_call(f, (q, k, v, ids), loop=loop, reps=5) * 1e3
-            fb_ms = best_per_call(fb, (q, k, v, ids), loop=loop, reps=5) * 1e3
+            fwd_ms = harness.best_per_call(f, (q, k, v, ids), loop=loop, reps=5) * 1e3
+            fb_ms = harness.best_per_call(fb, (q, k, v, ids), loop=loop, reps=5) * 1e3
             row[label] = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms, "max_diff_vs_tight": err}
         for label in variants:
             row[label]["fwd_bwd_speed_vs_tight"] = row["tight"]["fwd_bwd_ms"] / row[label]["fwd_bwd_ms"]
@@ -94,10 +87,8 @@ def main():
                   f"fwd+bwd {row[label]['fwd_bwd_ms']:8.3f} ms ({row[label]['fwd_bwd_speed_vs_tight']:.3f}x) "
                   f"max diff {row[label]['max_diff_vs_tight']:.3g}", flush=True)
         results["shapes"][name] = row
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    harness.write_json(args.json, results)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

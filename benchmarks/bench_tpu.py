@@ -23,24 +23,25 @@ Per case and variant: the forward output is first checked against a float32 refe
 by plain XLA (einsum + softmax at `Precision.HIGHEST`, 1024 query rows at a time so that it fits in HBM): max |err|
 is reported, and a variant beyond `4 eps(bf16) max|ref|` is marked wrong and not timed. Then forward and
 forward + backward (the gradient of `sum(out * dout)` with respect to q, k, v) are timed, round-robin over the
-variants, `--rounds` rounds: wall clock under `jax.jit`, 2 warm-up calls, then loops of calls ending in one
-`block_until_ready` (each loop about 50 ms, at most 20 calls), 5 loops a round; the median per-call time over all
-loops is reported (and the minimum). Out of memory (compiling or running) is reported as "out of memory" for that
-variant. TFLOP/s count only the visible (query, key) pairs exactly, as `bench_cudnn.py`: with `E` visible pairs per
-batch row and head, forward = `2 E B N (H + Hv)`, forward + backward = `2 E B N (4 H + 3 Hv)` (3.5x).
+variants, `--rounds` rounds of `harness.time_calls` (wall clock under `jax.jit`, 2 warm-up calls, then loops of calls
+ending in one `block_until_ready`, each loop about 50 ms, at most 20 calls), 5 loops a round; the median per-call
+time over all loops is reported (and the minimum). Out of memory (compiling or running) is reported as "out of
+memory" for that variant. TFLOP/s count only the visible (query, key) pairs exactly, as `bench_cudnn.py`: with `E`
+visible pairs per batch row and head, forward = `2 E B N (H + Hv)`, forward + backward = `2 E B N (4 H + 3 Hv)`
+(3.5x).
 
 The summary gives attnlib's default speed-up over `splash` and `splash_default` (their time / attnlib's), forward and
 forward + backward. `--smoke` runs tiny shapes on any backend (splash with `interpret=True`, few repetitions): a
 check that the script works, not a measurement.
 """
 
-import argparse
 import dataclasses
 import json
 import math
 import statistics
 import time
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,15 +76,7 @@ SMOKE_CASES = {  # splash's blocks are multiples of 128 rows, even in interpret 
 
 KINDS = ("fwd", "fwd_bwd")
 
-VARIANTS = (
-    "attnlib",
-    "attnlib_pallas_tpu",
-    "attnlib_xla_chunked",
-    "attnlib_xla",
-    "jax_nn",
-    "splash",
-    "splash_default",
-)
+VARIANTS = ("attnlib", "attnlib_pallas_tpu", "attnlib_xla_chunked", "attnlib_xla", "jax_nn", "splash", "splash_default")
 
 
 def _kwargs(case: Case) -> dict:
@@ -93,20 +86,9 @@ def _kwargs(case: Case) -> dict:
     return kw
 
 
-def visible_pairs(case: Case) -> int:
-    """Exact number of visible (query, key) pairs of one batch row and head."""
-    s = case.s
-    if not case.causal:
-        return s * s
-    if case.window is None:
-        return s * (s + 1) // 2
-    return int(np.sum(np.minimum(np.arange(s), case.window) + 1))
-
-
 def flops(case: Case) -> tuple[float, float]:
-    """Forward and forward + backward FLOPs (visible pairs only)."""
-    e = visible_pairs(case) * case.b * case.n
-    return 2.0 * e * (case.h + case.h), 2.0 * e * (4 * case.h + 3 * case.h)
+    """Forward and forward + backward FLOPs (visible pairs only, `harness.flops`)."""
+    return harness.flops(harness.visible_pairs(case.s, case.causal, case.window) * case.b * case.n, case.h, case.h)
 
 
 def _splash_blocks(case: Case, default: bool):
@@ -122,8 +104,10 @@ def _splash_blocks(case: Case, default: bool):
     )  # fmt: skip
 
 
-def splash_fn(case: Case, *, default: bool, interpret: bool):
-    """`fn(q, k, v) -> out`, all `[B, T, N, H]`, through raw splash attention (see the module docstring)."""
+def splash_fn(case: Case, *, default: bool, interpret: bool, per_kv_head: bool = False):
+    """`fn(q, k, v, segment_ids=None) -> out`, all `[B, T, N, H]`, through raw splash attention (see the module
+    docstring); `per_kv_head`: the MQA kernel per key/value head also for MHA (`bench_model.py`'s cores), which
+    alone takes segment ids `[B, T]` (one `SegmentIds` of a batch row for all its heads)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
         splash_attention_mask as mask_lib,
@@ -137,24 +121,27 @@ def splash_fn(case: Case, *, default: bool, interpret: bool):
     else:
         one = mask_lib.FullMask(shape)
     group = case.n // case.k
-    mha = group == 1
+    mha = group == 1 and not per_kv_head
     heads = case.n if mha else group
     mask = mask_lib.MultiHeadMask([one] * heads)
     make = kernel_lib.make_splash_mha_single_device if mha else kernel_lib.make_splash_mqa_single_device
     kernel = make(mask, block_sizes=_splash_blocks(case, default), interpret=interpret)
     scale = 1.0 / math.sqrt(case.h)
 
-    def fn(q, k, v):
+    def fn(q, k, v, segment_ids=None):
         b, t, n, h = q.shape
         q = q * jnp.asarray(scale, q.dtype)
-        if mha:  # [B, T, N, H] -> [B, N, T, H]; one kernel over all heads, vmapped over the batch
-            to_heads = lambda x: jnp.transpose(x, (0, 2, 1, 3))
-            out = jax.vmap(kernel)(to_heads(q), to_heads(k), to_heads(v))
-            return jnp.transpose(out, (0, 2, 1, 3))
+        to_heads = lambda x: jnp.transpose(x, (0, 2, 1, 3))  # [B, T, N, H] -> [B, N, T, H]
+        if mha:  # one kernel over all heads, vmapped over the batch
+            return to_heads(jax.vmap(kernel)(to_heads(q), to_heads(k), to_heads(v)))
         # GQA: [B, T, K, G, H] -> [B, K, G, T, H] against [B, K, S, H]; vmapped over batch and key/value heads
         q5 = jnp.transpose(jnp.reshape(q, (b, t, case.k, group, h)), (0, 2, 3, 1, 4))
-        to_kv = lambda x: jnp.transpose(x, (0, 2, 1, 3))
-        out = jax.vmap(jax.vmap(kernel))(q5, to_kv(k), to_kv(v))  # [B, K, G, T, H]
+        if segment_ids is None:
+            out = jax.vmap(jax.vmap(kernel))(q5, to_heads(k), to_heads(v))  # [B, K, G, T, H]
+        else:
+            ids = kernel_lib.SegmentIds(q=segment_ids, kv=segment_ids)
+            per_head = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids), in_axes=(0, 0, 0, None))
+            out = jax.vmap(per_head)(q5, to_heads(k), to_heads(v), ids)
         return jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (b, t, n, h))
 
     return fn
@@ -209,84 +196,40 @@ def reference(q, k, v, case: Case, rows_per_chunk: int = 1024) -> np.ndarray:
     return np.concatenate(parts, axis=1)
 
 
-def _is_oom(e: Exception) -> bool:
-    text = f"{type(e).__name__}: {e}".lower()
-    return "resource_exhausted" in text or "out of memory" in text or "ran out of memory" in text
-
-
-def _error(e: Exception) -> str:
-    return "out of memory" if _is_oom(e) else f"{type(e).__name__}: {str(e)[:300]}"
-
-
-def time_calls(fn, args, *, target_s: float = 0.05, max_loop: int = 20, loops: int = 5, warmup: int = 2) -> list:
-    """Per-call seconds of `loops` timed loops (each `loop` calls then one `block_until_ready`), after `warmup`
-    calls; `loop` is chosen from the last warm-up call so that a loop takes about `target_s`."""
-    one = float("inf")
-    for _ in range(warmup):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        one = time.perf_counter() - start
-    loop = max(1, min(max_loop, int(target_s / max(one, 1e-9))))
-    times = []
-    for _ in range(loops):
-        start = time.perf_counter()
-        for _ in range(loop):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / loop)
-    return times
-
-
 def run_case(case: Case, names, rounds: int, *, interpret: bool = False, loops: int = 5) -> dict:
-    keys = jax.random.split(jax.random.key(0), 4)
-    shape_q = (case.b, case.s, case.n, case.h)
-    shape_kv = (case.b, case.s, case.k, case.h)
-    q = jax.random.normal(keys[0], shape_q, jnp.bfloat16)
-    k = jax.random.normal(keys[1], shape_kv, jnp.bfloat16)
-    v = jax.random.normal(keys[2], shape_kv, jnp.bfloat16)
-    dout = jax.random.normal(keys[3], shape_q, jnp.bfloat16)
+    shape_q, shape_kv = (case.b, case.s, case.n, case.h), (case.b, case.s, case.k, case.h)
+    q, k, v, dout = harness.normal(shape_q, shape_kv, shape_kv, shape_q)
     args = (q, k, v)
     kw = _kwargs(case)
     ref = reference(q, k, v, case)
-    tol = 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(ref)))
+    tol = harness.tolerance(ref)
     fwd_flops, fwd_bwd_flops = flops(case)
-    row = {
-        "shape": dataclasses.asdict(case),
-        "flops": {"fwd": fwd_flops, "fwd_bwd": fwd_bwd_flops},
-        "tolerance": tol,
-        "variants": {},
-    }
+    row = {"shape": dataclasses.asdict(case), "flops": {"fwd": fwd_flops, "fwd_bwd": fwd_bwd_flops}, "tolerance": tol,
+           "variants": {}}  # fmt: skip
     try:
         row["attnlib_pick"] = attnlib.explain(q, k, v, **kw).implementation
     except Exception as e:  # noqa: BLE001
-        row["attnlib_pick"] = f"explain failed: {type(e).__name__}: {str(e)[:200]}"
+        row["attnlib_pick"] = f"explain failed: {harness.error(e, 200)}"
 
     timed = {}
     for label, fn in variant_fns(case, names, interpret).items():
         result = row["variants"][label] = {}
         if isinstance(fn, Exception):
-            result["error"] = _error(fn)
+            result["error"] = harness.error_or_oom(fn)
             continue
         try:
             fwd = jax.jit(fn).lower(*args).compile()
-            out = np.asarray(fwd(*args), np.float32)
-            result["max_err"] = err = float(np.max(np.abs(out - ref)))
-            del out
-            if not err <= tol:
-                result["wrong"] = f"max |err| {err:.3g} > {tol:.3g}"
+            result.update(harness.checked(fwd(*args), ref, tol))
+            if "wrong" in result:
                 continue
         except Exception as e:  # noqa: BLE001
-            result["error"] = _error(e)
+            result["error"] = harness.error_or_oom(e)
             continue
         timed[label] = {"fwd": fwd}
-
-        def loss(q, k, v, fn=fn):
-            return jnp.sum(fn(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
-
         try:
-            timed[label]["fwd_bwd"] = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+            timed[label]["fwd_bwd"] = jax.jit(harness.grad_fn(fn, dout)).lower(*args).compile()
         except Exception as e:  # noqa: BLE001
-            result["fwd_bwd_error"] = _error(e)
+            result["fwd_bwd_error"] = harness.error_or_oom(e)
 
     samples = {(label, kind): [] for label, fns in timed.items() for kind in fns}
     for _ in range(rounds):
@@ -295,9 +238,9 @@ def run_case(case: Case, names, rounds: int, *, interpret: bool = False, loops: 
                 if f"{kind}_error" in row["variants"][label]:
                     continue
                 try:
-                    samples[label, kind] += time_calls(fn, args, loops=loops)
+                    samples[label, kind] += harness.time_calls(fn, args, loops=loops)
                 except Exception as e:  # noqa: BLE001
-                    row["variants"][label][f"{kind}_error"] = _error(e)
+                    row["variants"][label][f"{kind}_error"] = harness.error_or_oom(e)
     for (label, kind), times in samples.items():
         if not times:
             continue
@@ -341,39 +284,22 @@ def table(results: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None, help="cases, run in that order")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser = harness.parser(__doc__, only="cases, run in that order", rounds=1)
     parser.add_argument("--variants", nargs="*", default=None, help=f"a subset of {VARIANTS}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, splash interpreted, few repetitions")
     args = parser.parse_args(argv)
     cases = SMOKE_CASES if args.smoke else CASES
-    unknown = set(args.only or ()) - set(cases)
-    if unknown:
-        parser.error(f"unknown cases {sorted(unknown)}; known: {list(cases)}")
+    harness.check_names(parser, args.only, cases)
+    harness.check_names(parser, args.variants, VARIANTS, "variants")
     names = tuple(args.variants or VARIANTS)
-    if set(names) - set(VARIANTS):
-        parser.error(f"unknown variants {sorted(set(names) - set(VARIANTS))}; known: {list(VARIANTS)}")
     results = {}
     started = time.perf_counter()
     for name in args.only or cases:
         results[name] = run_case(cases[name], names, args.rounds, interpret=args.smoke, loops=2 if args.smoke else 5)
         print(name, json.dumps(results[name]), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {
-                        "device": str(jax.devices()[0]),
-                        "jax": jax.__version__,
-                        "smoke": args.smoke,
-                        "rounds": args.rounds,
-                        "flops": "visible (query, key) pairs only: fwd 2 E B N (H + Hv), fwd+bwd 2 E B N (4 H + 3 Hv)",
-                        "cases": results,
-                    },
-                    f,
-                    indent=1,
-                )
+        flop_convention = "visible (query, key) pairs only: fwd 2 E B N (H + Hv), fwd+bwd 2 E B N (4 H + 3 Hv)"
+        header = {**harness.device_and_jax(), "smoke": args.smoke, "rounds": args.rounds, "flops": flop_convention}
+        harness.write_json(args.json, {**header, "cases": results})
     print(table(results))
     print(f"total {time.perf_counter() - started:.1f} s")
     return results

@@ -19,20 +19,18 @@ inputs:
   has the shape; its default for long caches overflows a v5e's scoped VMEM).
 
 Each output is checked against a float32 reference of the gathered sequences first (a variant beyond
-`4 eps(bf16) max|ref|` is marked wrong and not timed), then timed as `bench_tpu.py` does (`time_calls`: median ms
-per call). Bandwidth counts the key and value bytes of the visible tokens once. `--smoke` runs a tiny decode in TPU
-interpret mode on any backend (the variants of the ragged kernel, which interpret mode cannot run in JAX 0.10.2,
-are skipped): a check that the script works, not a measurement.
+`4 eps(bf16) max|ref|` is marked wrong and not timed), then timed as `bench_tpu.py` does (`harness.time_calls`:
+median ms per call). Bandwidth counts the key and value bytes of the visible tokens once. `--smoke` runs a tiny
+decode in TPU interpret mode on any backend (the variants of the ragged kernel, which interpret mode cannot run in
+JAX 0.10.2, are skipped): a check that the script works, not a measurement.
 """
 
-import argparse
 import dataclasses
-import importlib.util
 import json
-import pathlib
 import statistics
 import time
 
+import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,25 +82,14 @@ RAGGED_KERNEL = ("attnlib", "ragged_paged_attention")
 """The variants that run JAX's ragged paged-attention kernel (on a TPU; skipped by `--smoke`)."""
 
 
-def _bench_tpu_helpers():
-    """`(time_calls, error)` of `bench_tpu.py`: the same timing loop and error reporting."""
-    path = pathlib.Path(__file__).parent / "bench_tpu.py"
-    spec = importlib.util.spec_from_file_location("bench_tpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.time_calls, module._error
-
-
 def inputs(case: Case):
     """Packed queries `[T, N, H]`, token-major pools, the shuffled page table, kv lengths and `cu_seqlens_q`."""
     kv_lengths, q_lengths = np.asarray(case.kv_lengths), np.asarray(case.q_lengths)
     B = len(kv_lengths)
     pages_per_seq = -(-int(kv_lengths.max()) // case.page_size)
     num_pages = B * pages_per_seq
-    keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (int(q_lengths.sum()), case.n, case.h), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (num_pages, case.page_size, case.k, case.h), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (num_pages, case.page_size, case.k, case.h), jnp.bfloat16)
+    pool = (num_pages, case.page_size, case.k, case.h)
+    q, k, v = harness.normal((int(q_lengths.sum()), case.n, case.h), pool, pool)
     table = np.random.default_rng(0).permutation(num_pages).reshape(B, pages_per_seq)
     cu = np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)
     return q, k, v, jnp.asarray(table, jnp.int32), jnp.asarray(kv_lengths, jnp.int32), jnp.asarray(cu)
@@ -110,22 +97,14 @@ def inputs(case: Case):
 
 def reference(q, k, v, table, case: Case) -> np.ndarray:
     """float32 bottom-right causal attention of each sequence's queries over its gathered keys, packed."""
-    out = []
-    cu = np.concatenate([[0], np.cumsum(case.q_lengths)])
-    for b, (t, s) in enumerate(zip(case.q_lengths, case.kv_lengths)):
-        gather = lambda pool: pool[table[b]].reshape(-1, case.k, case.h)[:s].astype(jnp.float32)  # noqa: E731
-        keys, values = gather(k), gather(v)
-        qf = q[cu[b] : cu[b] + t].astype(jnp.float32).reshape(t, case.k, -1, case.h) / np.sqrt(case.h)
-        scores = jnp.einsum("tkgh,skh->kgts", qf, keys, precision=jax.lax.Precision.HIGHEST)
-        visible = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + (s - t)
-        p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), -1)
-        o = jnp.einsum("kgts,skh->tkgh", p, values, precision=jax.lax.Precision.HIGHEST)
-        out.append(np.asarray(o.reshape(t, case.n, case.h)))
-    return np.concatenate(out)
+    gather = lambda pool, b, s: pool[table[b]].reshape(-1, case.k, case.h)[:s]  # noqa: E731
+    kv_of = lambda b, s: (gather(k, b, s), gather(v, b, s))  # noqa: E731
+    return harness.packed_reference(q, kv_of, case.q_lengths, case.kv_lengths, case.n, case.k, case.h)
 
 
 def cache_of(k, v, table, lengths, layout: str) -> attnlib.PagedKVCache:
     """A `PagedKVCache` holding the benchmark's token-major pools, in `layout` (converted once, untimed)."""
+<<<<<<< HEAD
     P, page, K, H = k.shape
     cache = attnlib.PagedKVCache.create(table.shape[0], P, page, K, H, max_pages_per_seq=table.shape[1],
                                         layout="token_major")  # fmt: skip
@@ -133,6 +112,9 @@ def cache_of(k, v, table, lengths, layout: str) -> attnlib.PagedKVCache:
         cache, pools=(k, v), page_table=table, lengths=lengths, num_used_pages=jnp.asarray(P, jnp.int32)
     )
     return cache.to_layout(layout)
+=======
+    return harness.token_major_cache(k, v, table, lengths).to_layout(layout)
+>>>>>>> house
 
 
 def combined_pool(k, v):
@@ -184,10 +166,9 @@ def variant_fns(case: Case, interpret: bool, q, k, v, table, lengths, cu) -> dic
 
 
 def run_case(case: Case, interpret: bool) -> dict:
-    time_calls, error = _bench_tpu_helpers()
     q, k, v, table, lengths, cu = inputs(case)
     ref = reference(q, k, v, table, case)
-    tol = 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(ref)))
+    tol = harness.tolerance(ref)
     row = {"shape": dataclasses.asdict(case), "tolerance": tol, "variants": {}}
     fns = variant_fns(case, interpret, q, k, v, table, lengths, cu)
     cache = fns["attnlib"][1][1]
@@ -205,13 +186,13 @@ def run_case(case: Case, interpret: bool) -> dict:
             err = float(np.max(np.abs(np.asarray(fn(*args), np.float32) - ref)))
             result = {"max_err": err}
             if err <= tol:
-                times = time_calls(fn, args, loops=2 if interpret else 5)
+                times = harness.time_calls(fn, args, loops=2 if interpret else 5)
                 ms = 1e3 * statistics.median(times)
                 result |= {"ms": ms, "min_ms": 1e3 * min(times), "gb_s": kv_bytes / ms / 1e6}
             else:
                 result["wrong"] = True
         except Exception as e:  # noqa: BLE001 - a variant's failure is reported, not fatal
-            result = {"error": error(e)}
+            result = {"error": harness.error_or_oom(e)}
         row["variants"][name] = result
     ours = row["variants"]["attnlib"].get("ms")
     for raw in ("paged_attention", "ragged_paged_attention", "attnlib_xla"):
@@ -221,23 +202,16 @@ def run_case(case: Case, interpret: bool) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json")
-    parser.add_argument("--only", nargs="*", default=None)
+    parser = harness.parser(__doc__, only="cases")
     parser.add_argument("--smoke", action="store_true", help="tiny cases in TPU interpret mode")
     args = parser.parse_args(argv)
     cases = SMOKE_CASES if args.smoke else CASES
-    unknown = set(args.only or ()) - set(cases)
-    if unknown:
-        parser.error(f"unknown cases {sorted(unknown)}; known: {list(cases)}")
+    harness.check_names(parser, args.only, cases)
     results, started = {}, time.perf_counter()
     for name in args.only or cases:
         results[name] = run_case(cases[name], interpret=args.smoke)
         print(name, json.dumps(results[name]), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                header = {"device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke}
-                json.dump(header | {"cases": results}, f, indent=1)
+        harness.write_json(args.json, {**harness.device_and_jax(), "smoke": args.smoke, "cases": results})
     print(f"total {time.perf_counter() - started:.1f} s")
     return results
 

@@ -31,20 +31,21 @@ out=${1:?output directory}; shift
 mkdir -p "$out"
 root=$(pwd)
 
+# The README's commands' pip install, as pip runs it for a user: isolated build, headers from wheels, the CUDA toolkit
+# hidden (CUDA_HOME names no directory). A machine without a registry gets the build requirements and the missing
+# header wheels from $ATTNLIB_FIND_LINKS (and the run-time requirements already installed: --no-deps).
+pip_install() {
+  local how=(env CUDA_HOME=/nonexistent) deps=()
+  if [ -n "${ATTNLIB_FIND_LINKS:-}" ]; then how+=(PIP_NO_INDEX=1 "PIP_FIND_LINKS=$ATTNLIB_FIND_LINKS"); deps=(--no-deps); fi
+  "${how[@]}" python3 -m pip install -v "${deps[@]}" "$@"
+}
+
 build() {
   if [ -e attnlib/_attnlib_ffi*.so ] && [ ! native/src/cudnn_graph.cc -nt attnlib/_attnlib_ffi*.so ]; then
     return 0
   fi
   local start; start=$(date +%s)
-  # The README's first command, as pip runs it for a user: isolated build, headers from wheels, the CUDA toolkit
-  # hidden (CUDA_HOME names no directory). A machine without a registry gets the build requirements and the missing
-  # header wheels from $ATTNLIB_FIND_LINKS (and the run-time requirements already installed: --no-deps).
-  local how=(env CUDA_HOME=/nonexistent)
-  local deps=()
-  if [ -n "${ATTNLIB_FIND_LINKS:-}" ]; then
-    how+=(PIP_NO_INDEX=1 "PIP_FIND_LINKS=$ATTNLIB_FIND_LINKS"); deps=(--no-deps)
-  fi
-  if ! "${how[@]}" python3 -m pip install -v "${deps[@]}" . > "$out/build.log" 2>&1; then
+  if ! pip_install . > "$out/build.log" 2>&1; then
     tail -40 "$out/build.log"; return 1
   fi
   grep -E "attnlib build:|Successfully installed" "$out/build.log" | tail -8
@@ -67,9 +68,7 @@ for step in "$@"; do
     build) ;;
     develop)
       rm -f attnlib/_attnlib_ffi*.so
-      how=(env CUDA_HOME=/nonexistent); deps=()
-      if [ -n "${ATTNLIB_FIND_LINKS:-}" ]; then how+=(PIP_NO_INDEX=1 "PIP_FIND_LINKS=$ATTNLIB_FIND_LINKS"); deps=(--no-deps); fi
-      "${how[@]}" python3 -m pip install -v "${deps[@]}" -e . > "$out/develop.log" 2>&1 || { tail -30 "$out/develop.log"; exit 1; }
+      pip_install -e . > "$out/develop.log" 2>&1 || { tail -30 "$out/develop.log"; exit 1; }
       grep -E "attnlib build:|Successfully installed" "$out/develop.log" | tail -8
       python3 -c "import attnlib, attnlib._attnlib_ffi as m; print('editable:', attnlib.__file__, m.__file__)" ;;
     sharding)

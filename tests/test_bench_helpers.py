@@ -1,6 +1,6 @@
-"""CPU checks of benchmark helpers whose results feed a decision (the per-kernel profile of `kernel_profile.py`), of
-`bench_tpu.py` (its case table, FLOP convention and `--smoke` mode) and of the `--smoke` modes of `bench_tpu_decode.py`
-and `bench_decode.py`."""
+"""CPU checks of benchmark helpers whose results feed a decision (the per-kernel profile of `hlo_and_traces.py`, the
+timing loops and checks of `harness.py`), of `bench_tpu.py` (its case table, FLOP convention and `--smoke` mode) and of
+the `--smoke` modes of `bench_tpu_decode.py` and `bench_decode.py`."""
 
 import importlib.util
 import json
@@ -8,20 +8,29 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 
-def _kernel_profile():
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "kernel_profile.py"
-    spec = importlib.util.spec_from_file_location("kernel_profile", path)
+BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
+
+
+def _load(name: str, monkeypatch):
+    """`benchmarks/{name}.py` as a module, its imports of sibling scripts resolved as when it runs as a script."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_span_per_call_separates_calls_at_the_longest_gaps():
+def _kernel_profile(monkeypatch):
+    return _load("hlo_and_traces", monkeypatch)
+
+
+def test_span_per_call_separates_calls_at_the_longest_gaps(monkeypatch):
     """Three calls of two kernels each: 10 us apart inside a call, 1000 us between calls."""
-    profile = _kernel_profile()
+    profile = _kernel_profile(monkeypatch)
     intervals = []
     for call in range(3):
         start = call * 2000.0
@@ -29,24 +38,34 @@ def test_span_per_call_separates_calls_at_the_longest_gaps():
     assert profile._span_per_call(intervals, 3) == pytest.approx((20.0 + 21.0 + 22.0) / 3)
 
 
-def test_kernel_profile_reads_the_trace_on_the_cpu():
+def test_kernel_profile_reads_the_trace_on_the_cpu(monkeypatch):
     """On the CPU the jitted computation shows up on the host plane; the parser finds its events."""
     f = jax.jit(lambda x: jnp.sin(x) @ x)
-    result = _kernel_profile().kernel_profile(f, (jnp.ones((128, 128)),), calls=3, plane_prefix="/host:CPU")
+    result = _kernel_profile(monkeypatch).kernel_profile(f, (jnp.ones((128, 128)),), calls=3, plane_prefix="/host:CPU")
     assert result["launches"] > 0 and result["kernel_us"] > 0
     assert any("sin" in kernel["name"] for kernel in result["kernels"])
 
 
-def _bench_tpu():
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench_tpu.py"
-    spec = importlib.util.spec_from_file_location("bench_tpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_harness_timing_loops_and_reference_check(monkeypatch):
+    """`best_per_call` and `time_calls` time a call; `checked` marks an output beyond the tolerance as wrong, rows
+    outside `rows` not compared; `normal` draws as `jax.random.split` then `jax.random.normal` do."""
+    harness = _load("harness", monkeypatch)
+    f = jax.jit(lambda x: x + 1)
+    assert harness.best_per_call(f, (jnp.ones(4),), loop=2, reps=2) > 0
+    assert len(harness.time_calls(f, (jnp.ones(4),), loops=3, target_s=1e-4)) == 3
+    reference = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    assert harness.tolerance(reference) == 4 * 2.0**-7 * 4  # 4 eps(bf16) max|ref|
+    assert harness.checked(reference + 0.0625, reference, harness.tolerance(reference)) == {"max_err": 0.0625}
+    out = reference + np.array([[0.0, 0.0], [1.0, 1.0]], np.float32)
+    assert harness.checked(out, reference, 0.1)["wrong"] == "max |err| 1 > 0.1"
+    assert "wrong" not in harness.checked(out, reference, 0.1, rows=np.array([[True], [False]]))
+    q, k = harness.normal((2, 3), (4,), seed=1, dtype=jnp.float32)
+    keys = jax.random.split(jax.random.key(1), 2)
+    assert (q == jax.random.normal(keys[0], (2, 3))).all() and (k == jax.random.normal(keys[1], (4,))).all()
 
 
-def test_bench_tpu_case_table_and_flop_convention():
-    bench = _bench_tpu()
+def test_bench_tpu_case_table_and_flop_convention(monkeypatch):
+    bench = _load("bench_tpu", monkeypatch)
     assert {name: (c.b, c.s, c.n, c.k, c.h, c.causal, c.window) for name, c in bench.CASES.items()} == {
         "mha_causal_4k": (4, 4096, 16, 16, 128, True, None),
         "mha_causal_16k": (1, 16384, 16, 16, 128, True, None),
@@ -56,19 +75,20 @@ def test_bench_tpu_case_table_and_flop_convention():
         "small_512": (8, 512, 16, 16, 64, True, None),
     }
     small = bench.Case(1, 5, 1, 1, 2)
-    assert bench.visible_pairs(small) == 15  # 1 + 2 + 3 + 4 + 5
-    assert bench.visible_pairs(bench.Case(1, 5, 1, 1, 2, window=1)) == 9  # 1 + 2 + 2 + 2 + 2
-    assert bench.visible_pairs(bench.Case(1, 5, 1, 1, 2, causal=False)) == 25
+    assert bench.harness.visible_pairs(5) == 15  # 1 + 2 + 3 + 4 + 5
+    assert bench.harness.visible_pairs(5, window=1) == 9  # 1 + 2 + 2 + 2 + 2
+    assert bench.harness.visible_pairs(5, causal=False) == 25
     fwd, fwd_bwd = bench.flops(small)
     assert fwd == 2 * 15 * (2 + 2) and fwd_bwd == 3.5 * fwd
 
 
-def test_bench_tpu_smoke_runs_one_case_on_the_cpu(tmp_path):
+def test_bench_tpu_smoke_runs_one_case_on_the_cpu(tmp_path, monkeypatch):
     """`--smoke` on the CPU: splash interpreted, every variant checked against the reference before it is timed; an
     implementation this build lacks is reported, not fatal."""
     out = tmp_path / "bench.json"
     variants = ["attnlib", "attnlib_pallas_tpu", "attnlib_xla_chunked", "splash"]
-    _bench_tpu().main(["--smoke", "--only", "smoke_gqa_window", "--variants", *variants, "--json", str(out)])
+    bench = _load("bench_tpu", monkeypatch)
+    bench.main(["--smoke", "--only", "smoke_gqa_window", "--variants", *variants, "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["smoke"] and "visible" in result["flops"]
     row = result["cases"]["smoke_gqa_window"]
@@ -83,13 +103,10 @@ def test_bench_tpu_smoke_runs_one_case_on_the_cpu(tmp_path):
     assert set(row["attnlib_vs_splash"]) == {"fwd", "fwd_bwd"}
 
 
-def test_bench_tpu_decode_smoke_runs_on_the_cpu(tmp_path):
+def test_bench_tpu_decode_smoke_runs_on_the_cpu(tmp_path, monkeypatch):
     """`bench_tpu_decode.py --smoke`: attnlib's paged decode (head-major, token-major, xla) and the raw paged kernel
     in TPU interpret mode, each checked against the reference before it is timed."""
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench_tpu_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_tpu_decode", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load("bench_tpu_decode", monkeypatch)
     out = tmp_path / "decode.json"
     bench.main(["--smoke", "--json", str(out)])
     row = json.loads(out.read_text())["cases"]["smoke_gqa"]
@@ -105,11 +122,7 @@ def test_bench_decode_smoke_runs_a_mixed_step_on_the_cpu(tmp_path, monkeypatch):
     """`bench_decode.py --smoke`: a tiny mixed prefill + decode step, attnlib on a token-major cache and jax.nn on the
     same tokens as one dense call, each checked against the reference before it is timed; the variants that name
     cuDNN report their error off a GPU."""
-    benchmarks = pathlib.Path(__file__).parent.parent / "benchmarks"
-    monkeypatch.syspath_prepend(str(benchmarks))  # its imports of sibling scripts, as when run as a script
-    spec = importlib.util.spec_from_file_location("bench_decode", benchmarks / "bench_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load("bench_decode", monkeypatch)
     out = tmp_path / "decode.json"
     with jax.numpy_dtype_promotion("standard"):  # as the script runs (jax.nn's XLA path mixes bfloat16 and float32)
         bench.main(["--smoke", "--rounds", "1", "--mixed-layers", "2", "--json", str(out)])

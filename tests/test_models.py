@@ -1,6 +1,7 @@
 """The Llama-shaped models of `examples/`: the Haiku model (`llama_haiku.py`) equals the Equinox one (`llama.py`) on
-the same weights, `train.py` trains both, and `benchmarks/bench_model.py` runs (`--smoke`), counts FLOPs as its
-docstring says and finds the transposes and copies next to a custom call in compiled HLO."""
+the same weights, `train.py` trains both, and `benchmarks/bench_model.py` runs (`--smoke`) and counts FLOPs as its
+docstring says; `benchmarks/hlo_and_traces.py`, which it reports with, finds the transposes and copies next to a custom
+call in compiled HLO and sums a trace's device ops."""
 
 import importlib.util
 import json
@@ -20,8 +21,9 @@ hk = pytest.importorskip("haiku")
 optax = pytest.importorskip("optax")
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(_ROOT / "examples"))
+sys.path[:0] = [str(_ROOT / "examples"), str(_ROOT / "benchmarks")]  # the benchmarks import each other as scripts
 import data  # noqa: E402
+import hlo_and_traces  # noqa: E402
 import llama  # noqa: E402
 import llama_haiku  # noqa: E402
 import train  # noqa: E402
@@ -142,7 +144,6 @@ def test_bench_model_flop_count_and_configs():
 def test_layout_ops_finds_transposes_next_to_a_custom_call():
     """A transposed operand of a custom call (a CPU callback here) is found; the untransposed one is not. A wrapped
     computation (as a GPU command buffer) is followed in and out."""
-    bench = _bench_model()
     callback = lambda y: np.asarray(y) + 1
 
     def call(transpose):
@@ -152,7 +153,7 @@ def test_layout_ops_finds_transposes_next_to_a_custom_call():
             return jax.pure_callback(callback, jax.ShapeDtypeStruct(q.shape, q.dtype), q).sum()
 
         text = jax.jit(f).lower(jnp.ones((2, 8, 4)), jnp.ones((4, 3, 5))).compile().as_text()
-        return bench.layout_ops(text, targets="callback")
+        return hlo_and_traces.layout_ops(text, targets="callback")
 
     transposed, direct = call(True), call(False)
     assert transposed["attention_calls"] == direct["attention_calls"] == 1
@@ -179,7 +180,7 @@ ENTRY %main (x: bf16[1,2,8,4], y: bf16[1,8,2,4]) -> bf16[1,2,8,4] {
   ROOT %tr = bf16[1,2,8,4]{3,2,1,0} transpose(%g), dimensions={0,2,1,3}
 }
 """
-    found = bench.layout_ops(wrapped)
+    found = hlo_and_traces.layout_ops(wrapped)
     assert found["attention_targets"] == ["attnlib_cudnn_graph"]
     tensor = 1 * 8 * 2 * 4 * 2  # bytes of a bf16[1,8,2,4]
     assert found["feeding"] == {"standalone": 1, "standalone_bytes": tensor, "in_fusion": 0}, found
@@ -243,14 +244,14 @@ def test_device_op_times_sums_the_device_ops_and_the_attention_kernels():
         NS(name="/device:TPU:0", lines=[ops, line("XLA Modules", ("jit_step", 100))]),
         NS(name="/host:CPU", lines=[line("XLA Ops", ("%fusion.2", 50))]),
     ]
-    times = _bench_model().device_op_times(planes, _HLO, steps=2)
+    times = hlo_and_traces.device_op_times(planes, _HLO, steps=2)
     assert times == {
         "device_ms": 5.0,
         "attention_ms": 2.5,
         "attention_share": 0.5,
         "attention_kernels_ms": {"splash_mha_fwd_residuals": 2.5},
     }
-    assert "skipped" in _bench_model().device_op_times(planes[1:], _HLO, steps=2)
+    assert "skipped" in hlo_and_traces.device_op_times(planes[1:], _HLO, steps=2)
 
 
 def test_bench_model_smoke_writes_json(tmp_path):

@@ -1,0 +1,218 @@
+"""What the benchmark scripts share: timing loops, inputs, checks against a reference, error strings, argument checks,
+JSON files, and the settings switched around one variant. Scripts import it by name: a script's own folder is on
+`sys.path` when it runs.
+
+Timing. `best_per_call` (the GPU scripts'): wall clock under `jax.jit`, `warmup` calls (2), then `reps` repetitions of
+a loop of `loop` calls ending in one `block_until_ready`; the best per-call mean. `time_calls` (the TPU scripts'):
+`warmup` calls, then `loops` loops of about `target_s` each (at most `max_loop` calls, the count set by the last
+warm-up call); every loop's per-call mean.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attnlib
+
+
+def best_per_call(fn, args, loop: int, reps: int = 10, warmup: int = 2) -> float:
+    """Seconds per call: the best mean of `reps` loops of `loop` calls of `fn(*args)`, after `warmup` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(loop):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / loop)
+    return best
+
+
+def time_calls(fn, args, *, target_s: float = 0.05, max_loop: int = 20, loops: int = 5, warmup: int = 2) -> list:
+    """Per-call seconds of `loops` timed loops (each `loop` calls then one `block_until_ready`), after `warmup`
+    calls; `loop` is chosen from the last warm-up call so that a loop takes about `target_s`."""
+    one = float("inf")
+    for _ in range(warmup):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        one = time.perf_counter() - start
+    loop = max(1, min(max_loop, int(target_s / max(one, 1e-9))))
+    times = []
+    for _ in range(loops):
+        start = time.perf_counter()
+        for _ in range(loop):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / loop)
+    return times
+
+
+def normal(*shapes, seed: int = 0, dtype=jnp.bfloat16, via_float32: bool = False) -> list:
+    """One standard normal array per shape, from `jax.random.split(jax.random.key(seed), len(shapes))`; drawn in
+    float32 and cast with `via_float32`."""
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    if via_float32:
+        return [jax.random.normal(key, shape, jnp.float32).astype(dtype) for key, shape in zip(keys, shapes)]
+    return [jax.random.normal(key, shape, dtype) for key, shape in zip(keys, shapes)]
+
+
+def grad_fn(f, dout=None):
+    """The gradient wrt the first three arguments (q, k, v) of `sum(f(...))` in float32, or of `sum(f(...) * dout)`."""
+    if dout is None:
+        return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * dout.astype(jnp.float32)), argnums=(0, 1, 2))
+
+
+def visible_pairs(length: int, causal: bool = True, window: int | None = None) -> int:
+    """The (query, key) pairs that `length` queries over as many keys see: all, causal, or causal within a left window
+    (keys i - window .. i)."""
+    if not causal:
+        return length * length
+    if window is None:
+        return length * (length + 1) // 2
+    return int(np.sum(np.minimum(np.arange(length), window) + 1))
+
+
+def flops(pairs: int, h: int, hv: int) -> tuple[float, float]:
+    """Forward and forward + backward FLOPs of `pairs` visible (query, key) pairs summed over rows and heads, the
+    cuDNN frontend's convention: `2 pairs (H + Hv)` and `2 pairs (4 H + 3 Hv)`."""
+    return 2.0 * pairs * (h + hv), 2.0 * pairs * (4 * h + 3 * hv)
+
+
+def tolerance(reference) -> float:
+    """The error a bf16 variant may have against a float32 reference: `4 eps(bf16) max|ref|`."""
+    return 4 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.max(np.abs(reference)))
+
+
+def checked(out, reference, tol: float, rows=None) -> dict:
+    """`{"max_err": ...}` of `out` against `reference` (only where `rows`, if given), with `"wrong"` beyond `tol`."""
+    diff = np.abs(np.asarray(out, np.float32) - reference)
+    err = float(np.max(diff if rows is None else np.where(rows, diff, 0)))
+    return {"max_err": err} if err <= tol else {"max_err": err, "wrong": f"max |err| {err:.3g} > {tol:.3g}"}
+
+
+def error(e: Exception, limit: int = 300) -> str:
+    return f"{type(e).__name__}: {str(e)[:limit]}"
+
+
+def error_or_oom(e: Exception) -> str:
+    """`error(e)`, or "out of memory" when it is that (compiling or running)."""
+    text = f"{type(e).__name__}: {e}".lower()
+    oom = "resource_exhausted" in text or "out of memory" in text or "ran out of memory" in text
+    return "out of memory" if oom else error(e)
+
+
+def parser(doc: str, *, only: str | None = None, rounds: int | None = None) -> argparse.ArgumentParser:
+    """A script's argument parser, described by its docstring's first paragraph, with `--json FILE`; `--only NAME ...`
+    (`only`: its help) and `--rounds N` (`rounds`: the default) where given."""
+    p = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
+    p.add_argument("--json", help="write the results here")
+    if only is not None:
+        p.add_argument("--only", nargs="*", default=None, help=only)
+    if rounds is not None:
+        p.add_argument("--rounds", type=int, default=rounds)
+    return p
+
+
+def check_names(parser, given, known, what: str = "cases") -> None:
+    """`parser.error` naming what of `given` is not in `known`."""
+    unknown = set(given or ()) - set(known)
+    if unknown:
+        parser.error(f"unknown {what} {sorted(unknown)}; known: {list(known)}")
+
+
+def device_and_jax() -> dict:
+    return {"device": str(jax.devices()[0]), "jax": jax.__version__}
+
+
+def write_json(path: str | None, data, indent: int = 1) -> None:
+    """`data` as JSON at `path` (nothing without a path): scripts write after every case, so that a run cut short
+    keeps what it measured."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=indent)
+
+
+def tokamax_or_none(stdout: bool = False):
+    """The `tokamax` module, a benchmark-only peer, or None (the reason printed, to stderr unless `stdout`)."""
+    try:
+        import tokamax
+
+        return tokamax
+    except Exception as e:  # noqa: BLE001  (reported, not fatal)
+        print(f"tokamax unavailable: {error(e, 200)}", file=sys.stdout if stdout else sys.stderr)
+        return None
+
+
+@contextlib.contextmanager
+def environ(name: str, value: str):
+    """The environment variable `name` set to `value` inside, as before after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+def replay_mode(label: str) -> str:
+    """ATTNLIB_CUDNN_GRAPH_REPLAY for a variant: "0" for `*_direct`, "always" for `*_always`, else "" (each call's
+    own choice, `executor.replays`)."""
+    return "0" if label.endswith("_direct") else "always" if label.endswith("_always") else ""
+
+
+def graph_replay(label: str):
+    """ATTNLIB_CUDNN_GRAPH_REPLAY of `label` (`replay_mode`) for the executables compiled inside (the extension reads
+    it per executable)."""
+    return environ("ATTNLIB_CUDNN_GRAPH_REPLAY", replay_mode(label))
+
+
+@contextlib.contextmanager
+def patched(target, **values):
+    """Attributes of `target` (a module) set to `values` inside, restored after."""
+    saved = {name: getattr(target, name) for name in values}
+    for name, value in values.items():
+        setattr(target, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(target, name, value)
+
+
+def token_major_cache(k_pages, v_pages, page_table, lengths) -> attnlib.PagedKVCache:
+    """A token-major `PagedKVCache` holding the pools `[P, page_size, K, H]` (every page in use), the page table and
+    the lengths."""
+    P, page, K, H = k_pages.shape
+    cache = attnlib.PagedKVCache.create(page_table.shape[0], P, page, K, H, max_pages_per_seq=page_table.shape[1],
+                                        layout="token_major")  # fmt: skip
+    return dataclasses.replace(cache, pools=(k_pages, v_pages), page_table=page_table,
+                               lengths=jnp.asarray(lengths, jnp.int32), num_used_pages=jnp.asarray(P, jnp.int32))
+
+
+def packed_reference(q, kv_of, q_lengths, kv_lengths, n: int, k: int, h: int) -> np.ndarray:
+    """float32 bottom-right causal attention of each sequence's queries (packed `[T, N, H]`, `q_lengths` of them) over
+    its keys and values (`kv_of(b, s)`: the `s = kv_lengths[b]` of sequence `b`, `[s, K, H]` each), packed."""
+    out, start = [], 0
+    for b, (t, s) in enumerate(zip(q_lengths, kv_lengths)):
+        keys, values = (x.astype(jnp.float32) for x in kv_of(b, s))
+        qf = q[start : start + t].astype(jnp.float32).reshape(t, k, -1, h) / np.sqrt(h)
+        scores = jnp.einsum("tkgh,skh->kgts", qf, keys, precision=jax.lax.Precision.HIGHEST)
+        visible = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + (s - t)
+        p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), -1)
+        o = jnp.einsum("kgts,skh->tkgh", p, values, precision=jax.lax.Precision.HIGHEST)
+        out.append(np.asarray(o.reshape(t, n, h)))
+        start += t
+    return np.concatenate(out)
