@@ -104,17 +104,7 @@ def reference(q, k, v, table, case: Case) -> np.ndarray:
 
 def cache_of(k, v, table, lengths, layout: str) -> attnlib.PagedKVCache:
     """A `PagedKVCache` holding the benchmark's token-major pools, in `layout` (converted once, untimed)."""
-<<<<<<< HEAD
-    P, page, K, H = k.shape
-    cache = attnlib.PagedKVCache.create(table.shape[0], P, page, K, H, max_pages_per_seq=table.shape[1],
-                                        layout="token_major")  # fmt: skip
-    cache = dataclasses.replace(
-        cache, pools=(k, v), page_table=table, lengths=lengths, num_used_pages=jnp.asarray(P, jnp.int32)
-    )
-    return cache.to_layout(layout)
-=======
     return harness.token_major_cache(k, v, table, lengths).to_layout(layout)
->>>>>>> house
 
 
 def combined_pool(k, v):
