@@ -85,7 +85,8 @@ def test_a_jitted_decode_loop_gives_the_same_tokens_on_every_layout(layout):
         np.testing.assert_allclose(out_bare, out, rtol=1e-6, atol=1e-6)  # the bare form means the same
         for b in range(B):
             n = int(PROMPTS[b]) + i + 1
-            expected = _expected(q_all[b : b + 1, i : i + 1], *_tokens_of(k_all[:, : 8 + i], v_all[:, : 8 + i], b), b, n)
+            history = _tokens_of(k_all[:, : 8 + i], v_all[:, : 8 + i], b)
+            expected = _expected(q_all[b : b + 1, i : i + 1], *history, b, n)
             assert_out_close(out[b : b + 1], expected, jnp.float32, what=f"{layout} step {i} sequence {b}")
     np.testing.assert_array_equal(cache.lengths, PROMPTS + steps)
 

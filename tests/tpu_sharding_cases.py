@@ -350,9 +350,9 @@ def _serving_on_a_mesh(monkeypatch, case: Serving):
     heads, the new keys and values and the pools split over `model`.
 
     JAX 0.10.2's interpreters cannot run the ragged kernel (TPU interpret mode: it reshapes a VMEM ref; the HLO
-    interpreter fails discharging one of its ref stores: `'TypedInt' object has no attribute 'shape'`), so a plain-JAX stand-in with the kernel's contract
-    (`helpers.ragged_paged_stand_in`, checked against the reference in `tests/test_paged_serving.py`) takes its
-    place, on a simulated TPU (`PallasTpu()`)."""
+    interpreter fails discharging one of its ref stores: `'TypedInt' object has no attribute 'shape'`), so a
+    plain-JAX stand-in with the kernel's contract (`helpers.ragged_paged_stand_in`, checked against the reference in
+    `tests/test_paged_serving.py`) takes its place, on a simulated TPU (`PallasTpu()`)."""
     from helpers import ragged_paged_stand_in
 
     from attnlib._src.backends.pallas_tpu import ragged
