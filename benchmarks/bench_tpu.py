@@ -58,6 +58,8 @@ class Case:
     h: int
     causal: bool = True
     window: int | None = None  # left window: keys i - window .. i (with causal)
+    feature: str | None = None  # one of FEATURES: what splash cannot run (its row is the nearest call it can)
+    hv: int | None = None  # value head dim (MLA), `h` when None
 
 
 CASES = {
@@ -69,9 +71,22 @@ CASES = {
     "small_512": Case(8, 512, 16, 16, 64),
 }
 
+FEATURE_CASES = {  # issue #68's rows: what splash cannot serve, against splash's nearest call
+    "alibi_gqa_8k": Case(2, 8192, 32, 8, 128, feature="alibi"),  # splash: causal
+    "prefix_lm_gqa_8k": Case(2, 8192, 32, 8, 128, causal=False, feature="prefix_lm"),  # splash: the same NumPy mask
+    "documents_gqa_8k": Case(2, 8192, 32, 8, 128, causal=False, feature="documents"),  # splash: segment ids
+    "mla_192_128_8k": Case(2, 8192, 32, 8, 192, hv=128, feature="mla"),  # splash: 192 / 192
+    "bias_mha_4k": Case(2, 4096, 16, 16, 128, causal=False, feature="bias"),  # splash: causal; gradient of the bias too
+    "mask_mha_4k": Case(2, 4096, 16, 16, 128, causal=False, feature="mask"),  # a causal boolean mask; splash: causal
+    "dropout_mha_4k": Case(2, 4096, 16, 16, 128, feature="dropout"),  # rate 0.1; splash: causal, no dropout
+    "float32_mha_4k": Case(2, 4096, 16, 16, 128, feature="float32"),  # splash: causal in bfloat16
+}
+PREFIX, DOCUMENT = 1024, 512
 SMOKE_CASES = {  # splash's blocks are multiples of 128 rows, even in interpret mode
     "smoke_gqa_window": Case(1, 256, 4, 2, 64, window=100),
     "smoke_mha_full": Case(1, 256, 2, 2, 64, causal=False),
+    "smoke_alibi": Case(1, 256, 4, 2, 64, feature="alibi"),
+    "smoke_bias": Case(1, 256, 2, 2, 64, causal=False, feature="bias"),
 }
 
 KINDS = ("fwd", "fwd_bwd")
@@ -79,16 +94,49 @@ KINDS = ("fwd", "fwd_bwd")
 VARIANTS = ("attnlib", "attnlib_pallas_tpu", "attnlib_xla_chunked", "attnlib_xla", "jax_nn", "splash", "splash_default")
 
 
-def _kwargs(case: Case) -> dict:
+def _kwargs(case: Case, *extra) -> dict:
+    """attnlib's keyword arguments of `case`, with its feature's arrays `extra` (`feature_arrays`)."""
     kw = {"is_causal": case.causal}
     if case.window is not None:
         kw["local_window_size"] = (case.window, 0)
+    f = case.feature
+    if f == "alibi":
+        kw.update(score_mod=lambda s, b, h, i, j, slope: s + slope * (j - i).astype(jnp.float32),
+                  score_mod_args=(extra[0],))  # fmt: skip
+    elif f == "prefix_lm":
+        kw["mask_mod"] = lambda b, h, i, j: (j <= i) | (j < PREFIX)
+    elif f == "documents":
+        kw["mask_mod"] = lambda b, h, i, j: i // DOCUMENT == j // DOCUMENT
+    elif f in ("bias", "mask"):
+        kw[f] = extra[0]
+    elif f == "dropout":
+        kw.update(dropout_rate=0.1, dropout_key=jax.random.key(7))
     return kw
+
+
+def feature_arrays(case: Case, dtype) -> tuple:
+    """The arrays a feature row passes (timed as arguments, not baked into the program): ALiBi slopes `[N, 1, 1]`, a
+    bias `[B, N, T, S]`, a causal boolean mask `[B, 1, T, S]`, splash's 192-wide values for MLA."""
+    if case.feature == "alibi":
+        return (2.0 ** (-8.0 * jnp.arange(1, case.n + 1, dtype=jnp.float32) / case.n)[:, None, None],)
+    if case.feature == "bias":
+        return tuple(harness.normal((case.b, case.n, case.s, case.s), seed=3, dtype=dtype))
+    if case.feature == "mask":
+        return (jnp.broadcast_to(jnp.tril(jnp.ones((case.s, case.s), bool)), (case.b, 1, case.s, case.s)),)
+    if case.feature == "mla":
+        return tuple(harness.normal((case.b, case.s, case.k, case.h), seed=4, dtype=dtype))
+    return ()
 
 
 def flops(case: Case) -> tuple[float, float]:
     """Forward and forward + backward FLOPs (visible pairs only, `harness.flops`)."""
-    return harness.flops(harness.visible_pairs(case.s, case.causal, case.window) * case.b * case.n, case.h, case.h)
+    pairs = harness.visible_pairs(case.s, case.causal or case.feature in ("mask", "prefix_lm"), case.window)
+    if case.feature == "prefix_lm":  # causal, and the first PREFIX keys for the first PREFIX queries too
+        prefix = min(PREFIX, case.s)
+        pairs += prefix * (prefix - 1) // 2
+    if case.feature == "documents":
+        pairs = (case.s // DOCUMENT) * DOCUMENT**2
+    return harness.flops(pairs * case.b * case.n, case.h, case.hv or case.h)
 
 
 def _splash_blocks(case: Case, default: bool):
@@ -113,10 +161,14 @@ def splash_fn(case: Case, *, default: bool, interpret: bool, per_kv_head: bool =
         splash_attention_mask as mask_lib,
     )
 
+    per_kv_head = per_kv_head or case.feature == "documents"  # segment ids: the MQA kernel per key/value head
     shape = (case.s, case.s)
-    if case.window is not None:
+    if case.feature == "prefix_lm":
+        rows, cols = np.arange(case.s)[:, None], np.arange(case.s)[None, :]
+        one = mask_lib.NumpyMask((cols <= rows) | (cols < PREFIX))
+    elif case.window is not None:
         one = mask_lib.LocalMask(shape, window_size=(case.window, 0), offset=0)
-    elif case.causal:
+    elif case.causal or case.feature in ("bias", "mask"):
         one = mask_lib.CausalMask(shape)
     else:
         one = mask_lib.FullMask(shape)
@@ -128,7 +180,15 @@ def splash_fn(case: Case, *, default: bool, interpret: bool, per_kv_head: bool =
     kernel = make(mask, block_sizes=_splash_blocks(case, default), interpret=interpret)
     scale = 1.0 / math.sqrt(case.h)
 
-    def fn(q, k, v, segment_ids=None):
+    documents = case.feature == "documents"
+
+    def fn(q, k, v, segment_ids=None, extra=()):
+        if documents:
+            segment_ids = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32) // DOCUMENT, q.shape[:2])
+        if case.feature == "mla":
+            v = extra[0]  # splash's nearest call: 192-wide values
+        if case.feature == "float32":
+            q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
         b, t, n, h = q.shape
         q = q * jnp.asarray(scale, q.dtype)
         to_heads = lambda x: jnp.transpose(x, (0, 2, 1, 3))  # [B, T, N, H] -> [B, N, T, H]
@@ -148,20 +208,25 @@ def splash_fn(case: Case, *, default: bool, interpret: bool, per_kv_head: bool =
 
 
 def variant_fns(case: Case, names, interpret: bool) -> dict:
-    """name -> `fn(q, k, v) -> out`; a variant that cannot even be built maps to its exception."""
-    kw = _kwargs(case)
+    """name -> `fn(q, k, v, *feature_arrays) -> out`; a variant that cannot even be built maps to its exception."""
     table = {}
     for name in names:
         try:
             if name == "attnlib":
-                table[name] = lambda q, k, v: attnlib.attention(q, k, v, **kw)
+                table[name] = lambda q, k, v, *x: attnlib.attention(q, k, v, **_kwargs(case, *x))
             elif name.startswith("attnlib_"):
                 impl = name[len("attnlib_") :]
-                table[name] = lambda q, k, v, impl=impl: attnlib.attention(q, k, v, implementation=impl, **kw)
+                table[name] = lambda q, k, v, *x, impl=impl: attnlib.attention(
+                    q, k, v, implementation=impl, **_kwargs(case, *x)
+                )
             elif name == "jax_nn":
-                table[name] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
+                if case.feature not in (None, "bias", "mask", "float32"):
+                    raise NotImplementedError(f"jax.nn has no {case.feature}")
+                table[name] = lambda q, k, v, *x: jax.nn.dot_product_attention(q, k, v, implementation="xla",
+                                                                               **_kwargs(case, *x))  # fmt: skip
             elif name in ("splash", "splash_default"):
-                table[name] = splash_fn(case, default=name == "splash_default", interpret=interpret)
+                call = splash_fn(case, default=name == "splash_default", interpret=interpret)
+                table[name] = lambda q, k, v, *x, call=call: call(q, k, v, None, x)
             else:
                 raise ValueError(f"unknown variant {name!r}; known: {VARIANTS}")
         except Exception as e:  # noqa: BLE001  (reported, not fatal)
@@ -197,11 +262,20 @@ def reference(q, k, v, case: Case, rows_per_chunk: int = 1024) -> np.ndarray:
 
 
 def run_case(case: Case, names, rounds: int, *, interpret: bool = False, loops: int = 5) -> dict:
-    shape_q, shape_kv = (case.b, case.s, case.n, case.h), (case.b, case.s, case.k, case.h)
-    q, k, v, dout = harness.normal(shape_q, shape_kv, shape_kv, shape_q)
-    args = (q, k, v)
-    kw = _kwargs(case)
-    ref = reference(q, k, v, case)
+    hv = case.hv or case.h
+    dtype = jnp.float32 if case.feature == "float32" else jnp.bfloat16
+    shape_kv = (case.b, case.s, case.k, case.h)
+    q, k, v, dout = harness.normal((case.b, case.s, case.n, case.h), shape_kv, shape_kv[:3] + (hv,),
+                                   (case.b, case.s, case.n, hv), dtype=dtype)  # fmt: skip
+    extra = feature_arrays(case, dtype)
+    args = (q, k, v, *extra)
+    kw = _kwargs(case, *extra)
+    if case.feature is None:
+        ref = reference(q, k, v, case)
+    else:  # attnlib's plain-JAX path at full precision (tested against float64 in tests/)
+        f32 = lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+        ref = np.asarray(jax.jit(lambda *a: attnlib.attention(*a[:3], implementation="xla_chunked",
+                                                              **_kwargs(case, *a[3:])))(*map(f32, args)))  # fmt: skip
     tol = harness.tolerance(ref)
     fwd_flops, fwd_bwd_flops = flops(case)
     row = {"shape": dataclasses.asdict(case), "flops": {"fwd": fwd_flops, "fwd_bwd": fwd_bwd_flops}, "tolerance": tol,
@@ -219,7 +293,10 @@ def run_case(case: Case, names, rounds: int, *, interpret: bool = False, loops: 
             continue
         try:
             fwd = jax.jit(fn).lower(*args).compile()
-            result.update(harness.checked(fwd(*args), ref, tol))
+            if case.feature is not None and label.startswith("splash"):
+                result["unchecked"] = "splash's nearest call, not this row's computation"
+            else:
+                result.update(harness.checked(fwd(*args), ref, tol))
             if "wrong" in result:
                 continue
         except Exception as e:  # noqa: BLE001
@@ -227,7 +304,9 @@ def run_case(case: Case, names, rounds: int, *, interpret: bool = False, loops: 
             continue
         timed[label] = {"fwd": fwd}
         try:
-            timed[label]["fwd_bwd"] = jax.jit(harness.grad_fn(fn, dout)).lower(*args).compile()
+            argnums = (0, 1, 2, 3) if case.feature == "bias" and not label.startswith("splash") else (0, 1, 2)
+            grad = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * dout.astype(jnp.float32)), argnums)
+            timed[label]["fwd_bwd"] = jax.jit(grad).lower(*args).compile()
         except Exception as e:  # noqa: BLE001
             result["fwd_bwd_error"] = harness.error_or_oom(e)
 
@@ -288,7 +367,7 @@ def main(argv=None):
     parser.add_argument("--variants", nargs="*", default=None, help=f"a subset of {VARIANTS}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, splash interpreted, few repetitions")
     args = parser.parse_args(argv)
-    cases = SMOKE_CASES if args.smoke else CASES
+    cases = SMOKE_CASES if args.smoke else {**CASES, **FEATURE_CASES}
     harness.check_names(parser, args.only, cases)
     harness.check_names(parser, args.variants, VARIANTS, "variants")
     names = tuple(args.variants or VARIANTS)

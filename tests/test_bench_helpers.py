@@ -103,6 +103,24 @@ def test_bench_tpu_smoke_runs_one_case_on_the_cpu(tmp_path, monkeypatch):
     assert set(row["attnlib_vs_splash"]) == {"fwd", "fwd_bwd"}
 
 
+def test_bench_tpu_feature_rows(tmp_path, monkeypatch):
+    """The rows of what splash cannot serve: attnlib checked against its full-precision plain-JAX path, splash timed on
+    its nearest call (not checked: another computation); the FLOPs count each feature's visible pairs."""
+    bench = _load("bench_tpu", monkeypatch)
+    assert bench.flops(bench.Case(1, 5, 1, 1, 2, causal=False, feature="prefix_lm"))[0] == 2 * 25 * 4  # all: 5 < 1024
+    prefix_lm = bench.Case(1, 2048, 1, 1, 2, causal=False, feature="prefix_lm")
+    assert bench.flops(prefix_lm)[0] == 2 * (2048 * 2049 // 2 + 1024 * 1023 // 2) * 4
+    docs = bench.Case(1, 2048, 1, 1, 2, causal=False, feature="documents")
+    assert bench.flops(docs)[0] == 2 * 4 * 512**2 * 4
+    assert bench.flops(bench.Case(1, 5, 1, 1, 4, feature="mla", hv=2))[0] == 2 * 15 * (4 + 2)
+    out = tmp_path / "bench.json"
+    bench.main(["--smoke", "--only", "smoke_alibi", "smoke_bias", "--variants", "attnlib", "splash", "--json", str(out)])
+    for name, row in json.loads(out.read_text())["cases"].items():
+        assert row["variants"]["attnlib"]["max_err"] <= row["tolerance"], name
+        assert row["variants"]["attnlib"]["fwd_bwd_ms"] > 0 and row["variants"]["splash"]["fwd_ms"] > 0
+        assert "unchecked" in row["variants"]["splash"]
+
+
 def test_bench_tpu_decode_smoke_runs_on_the_cpu(tmp_path, monkeypatch):
     """`bench_tpu_decode.py --smoke`: attnlib's paged decode (head-major, token-major, xla) and the raw paged kernel
     in TPU interpret mode, each checked against the reference before it is timed."""
