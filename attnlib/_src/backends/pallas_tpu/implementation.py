@@ -1,6 +1,7 @@
 """`attnlib.PallasTpu`: the Pallas TPU implementation, its options and the calls it declines, with reasons."""
 
 import dataclasses
+import logging
 from typing import Any, ClassVar
 
 import jax
@@ -9,7 +10,9 @@ import numpy as np
 from ...config import AttentionConfig, AttentionInputs
 from .. import placement
 from ..base import Context, Implementation
+from ... import logs
 from . import blocks, paged, ragged
+from .flex import support as flex_support
 
 
 MAX_HEAD_DIM = 256
@@ -131,6 +134,7 @@ class PallasTpu(Implementation):
 
     block_sizes: Any = None
     interpret: bool = False
+    flex_blocks: tuple[int, int] | None = None
     name: ClassVar[str] = "pallas_tpu"
 
     def __post_init__(self):
@@ -138,14 +142,19 @@ class PallasTpu(Implementation):
             blocks.check_user_block_sizes(self.block_sizes)
         if not isinstance(self.interpret, bool):
             raise TypeError(f"`interpret` must be a bool. Got interpret={self.interpret!r}.")
+        if self.flex_blocks is not None:
+            ok = isinstance(self.flex_blocks, tuple) and len(self.flex_blocks) == 2
+            if not ok or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 8 for b in self.flex_blocks):
+                raise ValueError(
+                    "`flex_blocks` must be None or a tuple `(block_q, block_k)` of positive multiples of 8 (on a TPU "
+                    f"block_k a multiple of 128). Got flex_blocks={self.flex_blocks!r}."
+                )
 
     def decline_reason(self, config: AttentionConfig, context: Context) -> str | None:
         if not self.interpret and not tpu_visible():
             return "no TPU visible to JAX"
         if not self.interpret and (elsewhere := placement.elsewhere_reason("tpu")) is not None:
             return elsewhere
-        if not self.interpret and (reason := float32_precision_reason(config)) is not None:
-            return reason
         ragged_kernel = config.layout == "paged" and config.kv_layout == "combined"
         if context.automatic and not ragged_kernel and max(config.q_len, config.kv_len) <= AUTO_MIN_LENGTH:
             return (
@@ -153,9 +162,27 @@ class PallasTpu(Implementation):
                 f"S={config.kv_len}) to xla_chunked, faster there on a TPU v5e; name pallas_tpu to force it"
             )
         if config.layout == "paged":
+            if (reason := float32_precision_reason(config)) is not None and not self.interpret:
+                return reason
             kernel = ragged if config.kv_layout == "combined" else paged
             return feature_reason(config) or kernel.decline_reason(config, on_tpu=not self.interpret)
-        return feature_reason(config) or _backward_kernels_reason()
+        splash_reason = self.splash_reason(config)
+        if splash_reason is None:
+            return None
+        flex_reason = flex_support.decline_reason(config) if not config.typed_varying else TYPED_VARYING
+        if flex_reason is None:
+            return None
+        return f"{splash_reason}; {flex_support.NAME}: {flex_reason}"
+
+    def splash_reason(self, config: AttentionConfig) -> str | None:
+        """Why splash cannot serve a dense or THD call (the flex kernel then may), or None."""
+        return float32_precision_reason(config) or feature_reason(config) or _backward_kernels_reason()
+
+    def kernel_note(self, config: AttentionConfig, context: Context) -> str | None:
+        if config.layout == "paged" or self.decline_reason(config, context) is not None:
+            return None
+        reason = self.splash_reason(config)
+        return None if reason is None else f"runs {flex_support.NAME} (splash declined: {reason})"
 
     def declines_loudly(self) -> bool:
         # A call placed on a TPU that falls back to plain JAX loses most of its speed: say so loudly. Elsewhere it is
@@ -172,4 +199,10 @@ class PallasTpu(Implementation):
             return ragged.attention(config, inputs, interpret=self.interpret, fallback=context.fallback)
         if config.layout == "paged":
             return paged.attention(config, inputs, interpret=self.interpret, fallback=context.fallback)
+        if (splash_reason := self.splash_reason(config)) is not None:
+            from .flex import attention as flex_attention
+
+            message = f"attnlib.attention: pallas_tpu runs {flex_support.NAME} (splash declined: {splash_reason})."
+            logs.log_once((config, message), logging.INFO, message)
+            return flex_attention.attention(config, inputs, interpret=self.interpret, block_sizes=self.flex_blocks)
         return splash.attention(config, inputs, splash.layout(config, self.block_sizes, self.interpret))
