@@ -21,7 +21,7 @@ from ... import kernel_settings, scores
 from . import block_map, operands
 from .backward import dkv, dq
 from .forward import forward
-from .plan import array_spec, Plan, precision_of
+from .plan import array_spec, LANES, Plan, precision_of
 
 
 def _blocks(config: AttentionConfig, block_sizes: tuple[int, int] | None) -> tuple[int, int]:
@@ -53,7 +53,7 @@ def plan_of(config: AttentionConfig, problem: canonical.Problem, interpret: bool
     arg_grads = ()
     if mods is not None and mods.score_jaxpr is not None:
         arg_grads = tuple(i for i, d in enumerate(mods.arg_dtypes) if np.issubdtype(d, np.floating))
-    lanes = lambda d: -(-d // operands.LANES) * operands.LANES
+    lanes = lambda d: -(-d // LANES) * LANES
     return Plan(
         B=B, K=K, G=N // K, T=T, S=S, block_q=bq, block_k=bk,
         head_dim=lanes(H), value_head_dim=lanes(problem.value.shape[-1]), dtype=np.dtype(problem.query.dtype),
