@@ -171,8 +171,9 @@ def _fixed(plan: Plan, problem: canonical.Problem) -> dict:
 
 def attend(config: AttentionConfig, problem: canonical.Problem, plan: Plan):
     """`(out [B, T, N, Hv], lse [B, T, N])` of a canonical problem."""
-    fixed = _fixed(plan, problem)
-    bm = _block_map(config, plan, fixed)
+    with kernel_settings.as_written():  # plain index arithmetic: the caller's promotion rules do not apply
+        fixed = _fixed(plan, problem)
+        bm = _block_map(config, plan, fixed)
     plan = dataclasses.replace(plan, map_per_batch=bm.per_batch, width_q=bm.width_q, width_k=bm.width_k)
     bmap = {n: jnp.asarray(getattr(bm, n)) for n in ("kv_list", "kv_count", "q_list", "q_count")}
     fixed = {n: x for n, x in fixed.items() if not n.endswith("_t")}

@@ -1,0 +1,276 @@
+"""attnlib's own Pallas TPU kernel ("flex": `pallas_tpu` where splash declines) against the float64 reference.
+
+On CPU the kernels run in Pallas interpret mode (`PallasTpu(interpret=True)`), with small blocks
+(`flex_blocks=(16, 16)`) so that every case has several query and key blocks (and skipped tiles). Each case checks
+`out`, `lse` and the VJP of both with random cotangents with respect to query, key, value and every differentiable
+extra (bias, sinks, float `score_mod_args`, an array scale). One case per feature runs in the fast tier; the
+combinations are `full`; the `tpu`-marked versions run the same cases on a TPU (with 128-blocks); the v5e compile
+tests are in `tests/test_pallas_tpu_compile.py`.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_grad_close, assert_lse_close, assert_out_close, normal, rng, segment_ids_from_runs, to_f64
+from reference import reference_attention, reference_attention_vjp
+
+import attnlib
+from attnlib._src.dropout import dropout_keep_mask
+
+
+INTERPRET = attnlib.PallasTpu(interpret=True, flex_blocks=(16, 16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """Sizes and `attnlib.attention` keyword arguments (arrays as NumPy); `extras` are differentiated too."""
+
+    t: int = 37
+    s: int = 53
+    n: int = 6
+    k: int = 2
+    h: int = 8
+    hv: int | None = None
+    batch: tuple[int, ...] = (2,)
+    kwargs: tuple = ()
+    extras: tuple = ()  # names of kwargs that are differentiated (bias, sinks, scale, score_mod_args)
+
+
+def _seg(runs_per_row, total):
+    return np.stack([segment_ids_from_runs(runs, total) for runs in runs_per_row])
+
+
+def _f32(shape, seed):
+    return (rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+def alibi(score, batch, head, q_idx, kv_idx, slope):
+    return score + slope * (kv_idx - q_idx).astype(jnp.float32)
+
+
+def prefix_lm(batch, head, q_idx, kv_idx, *args):
+    return (kv_idx <= q_idx) | (kv_idx < 7)
+
+
+def tanh_cap(score, batch, head, q_idx, kv_idx):
+    return 2.0 * jnp.tanh(score / 2.0) + 0.1 * head.astype(jnp.float32)
+
+
+def per_pair(score, batch, head, q_idx, kv_idx, table, doc_q, doc_k):
+    return jnp.where(doc_q == doc_k, score * table, score - 1.0)
+
+
+def same_doc(batch, head, q_idx, kv_idx, table, doc_q, doc_k):
+    return doc_q == doc_k
+
+
+SEG_CAUSAL = _seg([[(3, 11), (1, 20), (2, 6)], [(5, 30), (2, 7)]], 37)
+DOCS = np.stack([np.repeat(np.arange(4), 10)[:37], np.repeat(np.arange(3), 13)[:37]]).astype(np.int32)
+DOCS_K = np.stack([np.repeat(np.arange(4), 14)[:53], np.repeat(np.arange(3), 18)[:53]]).astype(np.int32)
+
+CASES = {
+    # priority 1: the core kernel
+    "dense_gqa": Case(),
+    "causal_top_left": Case(kwargs=(("is_causal", True),)),
+    "causal_bottom_right_empty_rows": Case(t=53, s=37, kwargs=(("is_causal", True), ("diagonal_alignment", "bottom_right"))),
+    "window_two_sided": Case(kwargs=(("local_window_size", (5, 3)),)),
+    "lengths_causal": Case(kwargs=(("query_seq_lengths", np.asarray([30, 0], np.int32)),
+                                   ("key_value_seq_lengths", np.asarray([0, 41], np.int32)), ("is_causal", True))),
+    "segments_causal": Case(t=37, s=37, kwargs=(("q_segment_ids", SEG_CAUSAL), ("is_causal", True))),
+    "thd_window": Case(t=47, s=47, batch=(), kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)),
+                                                     ("local_window_size", (4, 2)))),
+    "sinks_soft_cap_mqa": Case(n=5, k=1, kwargs=(("logits_soft_cap", 1.5), ("scale", 0.9),
+                                                 ("sinks", _f32(5, 13) + 0.4)), extras=("sinks",)),
+    "array_scale": Case(kwargs=(("scale", np.float32(0.41)), ("is_causal", True)), extras=("scale",)),
+    # priority 2: modifiers
+    "score_mod_alibi": Case(kwargs=(("score_mod", alibi), ("score_mod_args", (_f32((6, 1, 1), 3) * 0.3,)),
+                                    ("is_causal", True)), extras=("score_mod_args",)),
+    "mask_mod_prefix_lm": Case(kwargs=(("mask_mod", prefix_lm),)),
+    "score_mod_tanh": Case(kwargs=(("score_mod", tanh_cap),)),
+    "modifiers_with_args": Case(t=37, s=53, kwargs=(
+        ("score_mod", per_pair), ("mask_mod", same_doc),
+        ("score_mod_args", (_f32((6, 37, 53), 5), DOCS[:, None, :, None], DOCS_K[:, None, None, :]))),
+        extras=("score_mod_args",)),
+    # priority 3: bias and mask arrays
+    "bias_heads": Case(kwargs=(("bias", _f32((1, 6, 37, 53), 21)), ("is_causal", True)), extras=("bias",)),
+    "bias_keys_only": Case(kwargs=(("bias", _f32((2, 1, 1, 53), 22)),), extras=("bias",)),
+    "mask_array": Case(kwargs=(("mask", rng(4).random((2, 1, 37, 53)) > 0.3),)),
+    # priority 4: MLA
+    "mla": Case(h=24, hv=16, kwargs=(("is_causal", True),)),
+    # priority 7: per-row offsets splash declines
+    "bottom_right_lengths": Case(kwargs=(("is_causal", True), ("diagonal_alignment", "bottom_right"),
+                                         ("key_value_seq_lengths", np.asarray([29, 53], np.int32)),
+                                         ("query_seq_lengths", np.asarray([37, 11], np.int32)))),
+    "kv_segments_own_structure": Case(t=37, s=37, kwargs=(
+        ("q_segment_ids", SEG_CAUSAL), ("kv_segment_ids", _seg([[(3, 5), (1, 25), (2, 7)], [(5, 20), (2, 17)]], 37)),
+        ("is_causal", True))),
+    "thd_kv_own_structure": Case(t=40, s=50, batch=(), kwargs=(
+        ("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)), ("cu_seqlens_kv", np.asarray([0, 20, 22, 45], np.int32)),
+        ("is_causal", True), ("diagonal_alignment", "bottom_right"))),
+}
+
+FAST = ("dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "thd_window", "sinks_soft_cap_mqa",
+        "array_scale", "score_mod_alibi", "mask_mod_prefix_lm", "modifiers_with_args", "bias_heads", "mask_array",
+        "mla", "bottom_right_lengths", "kv_segments_own_structure")  # fmt: skip
+
+COMBINATIONS = {
+    "score_mod_segments_sinks": Case(t=37, s=37, kwargs=(("q_segment_ids", SEG_CAUSAL), ("is_causal", True),
+        ("score_mod", alibi), ("score_mod_args", (_f32((6, 1, 1), 3) * 0.3,)), ("sinks", _f32(6, 13))),
+        extras=("score_mod_args", "sinks")),
+    "bias_window_thd": Case(t=47, s=47, batch=(), kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)),
+        ("local_window_size", (6, 0)), ("bias", _f32((6, 47, 47), 8))), extras=("bias",)),
+    "mask_mod_gqa_causal_bottom_right": Case(t=29, s=53, kwargs=(("mask_mod", prefix_lm), ("is_causal", True),
+        ("diagonal_alignment", "bottom_right"))),
+    "mla_sinks_soft_cap_lengths": Case(h=24, hv=40, kwargs=(("logits_soft_cap", 2.0), ("sinks", _f32(6, 2)),
+        ("key_value_seq_lengths", np.asarray([50, 17], np.int32))), extras=("sinks",)),
+    "bias_score_mod_mask": Case(kwargs=(("bias", _f32((2, 6, 1, 53), 9)), ("score_mod", tanh_cap),
+        ("mask", rng(5).random((37, 53)) > 0.2)), extras=("bias",)),
+    "score_mod_query_args_mqa": Case(n=3, k=1, kwargs=(("score_mod", per_pair), ("mask_mod", same_doc),
+        ("score_mod_args", (_f32((2, 1, 37, 1), 5), DOCS[:, None, :, None], DOCS_K[:, None, None, :]))),
+        extras=("score_mod_args",)),
+}
+
+
+def _kwargs(case: Case) -> dict:
+    conv = lambda x: jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
+    out = {}
+    for n, x in case.kwargs:
+        out[n] = tuple(conv(a) for a in x) if n == "score_mod_args" else conv(x)
+    return out
+
+
+def _arrays(case: Case, dtype):
+    r = rng(7)
+    hv = case.h if case.hv is None else case.hv
+    q = normal(r, case.batch + (case.t, case.n, case.h), dtype)
+    k = normal(r, case.batch + (case.s, case.k, case.h), dtype)
+    v = normal(r, case.batch + (case.s, case.k, hv), dtype)
+    return q, k, v
+
+
+def _split(case: Case, kw: dict):
+    """`(fixed kwargs, names, primals)`: the differentiated extras taken out (float score_mod_args only)."""
+    kw = dict(kw)
+    names, primals = [], []
+    for name in case.extras:
+        if name == "score_mod_args":
+            args = kw.pop(name)
+            floats = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
+            names.append((name, tuple(args), floats))
+            primals.append(tuple(args[i] for i in floats))
+        else:
+            names.append((name, None, None))
+            primals.append(kw.pop(name))
+    return kw, names, primals
+
+
+def _run(case: Case, dtype, implementation, **more):
+    q, k, v = _arrays(case, dtype)
+    kw, names, extras = _split(case, {**_kwargs(case), **more})
+
+    def f(q, k, v, *extras):
+        full = dict(kw)
+        for (name, args, floats), x in zip(names, extras, strict=True):
+            if name == "score_mod_args":
+                args = list(args)
+                for i, a in zip(floats, x, strict=True):
+                    args[i] = a
+                x = tuple(args)
+            full[name] = x
+        return attnlib.attention(q, k, v, implementation=implementation, return_residual=True, **full)
+
+    (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v, *extras)
+    r = rng(11)
+    d_out = normal(r, out.shape, dtype)
+    d_lse = normal(r, lse.shape, jnp.float32)
+    grads = jax.jit(vjp)((d_out, d_lse))
+    return (q, k, v), out, lse, grads, d_out, d_lse
+
+
+def _reference_kwargs(case: Case, **more) -> dict:
+    kw = {}
+    for n, x in {**_kwargs(case), **more}.items():
+        if n == "score_mod_args":
+            kw[n] = tuple(to_f64(np.asarray(a)) for a in x)
+        elif isinstance(x, jax.Array):
+            kw[n] = to_f64(np.asarray(x))
+        else:
+            kw[n] = x
+    if isinstance(kw.get("scale"), np.ndarray):
+        kw["scale"] = float(kw["scale"])
+    if "cu_seqlens_q" in kw:
+        kw.setdefault("cu_seqlens_kv", kw["cu_seqlens_q"])
+    kw.pop("dropout_key", None)
+    kw.pop("deterministic_backward", None)
+    return kw
+
+
+def _check(case: Case, dtype, implementation, ref_more=None, **more):
+    (q, k, v), out, lse, grads, d_out, d_lse = _run(case, dtype, implementation, **more)
+    kw = _reference_kwargs(case, **more, **(ref_more or {}))
+    args = [to_f64(x) for x in (q, k, v)]
+    bias, mask = kw.pop("bias", None), kw.pop("mask", None)
+    ref_out, ref_lse = reference_attention(*args, bias, mask, **kw)
+    assert_out_close(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+    empty = np.isinf(ref_lse)
+    ref = reference_attention_vjp(*args, bias, mask, d_out=to_f64(d_out), d_lse=np.where(empty, 0.0, to_f64(d_lse)),
+                                  **kw)  # fmt: skip
+    for name, g in zip(("query", "key", "value"), grads[:3]):
+        assert g.dtype == dtype
+        assert_grad_close(g, ref[name], dtype, what=f"d{name}")
+    for name, g in zip(case.extras, grads[3:]):
+        if name == "score_mod_args":
+            floats = [i for i, a in enumerate(kw[name]) if np.issubdtype(np.asarray(a).dtype, np.floating)]
+            for i, gi in zip(floats, g, strict=True):
+                assert_grad_close(gi, ref["score_mod_args"][i], dtype, what=f"d score_mod_args[{i}]")
+        elif name == "scale":
+            pass  # the reference takes a float scale; the array scale's gradient is checked against xla below
+        else:
+            assert_grad_close(g, ref[name], dtype, what=f"d{name}")
+    if empty.any():
+        assert (np.asarray(to_f64(out))[empty] == 0).all(), "a row that sees nothing has a non-zero output"
+    return grads
+
+
+def _params(names, fast):
+    return [pytest.param(n, marks=() if n in fast else (pytest.mark.full,)) for n in names]
+
+
+def test_the_cases_run_on_the_flex_kernel():
+    """Splash declines each case (or not: the core ones run on splash by default) and the flex kernel serves it;
+    explain names it."""
+    for name, case in {**CASES, **COMBINATIONS}.items():
+        q, k, v = _arrays(case, jnp.float32)
+        explanation = attnlib.explain(q, k, v, implementation=INTERPRET, **_kwargs(case))
+        assert explanation.implementation == "pallas_tpu", (name, explanation)
+
+
+@pytest.mark.parametrize("name", _params(CASES, FAST))
+def test_flex_matches_reference_float32(name, monkeypatch):
+    _force_flex(monkeypatch)
+    _check(CASES[name], jnp.float32, INTERPRET)
+
+
+@pytest.mark.parametrize("name", _params(COMBINATIONS, ()))
+def test_flex_combinations_match_reference_float32(name, monkeypatch):
+    _force_flex(monkeypatch)
+    _check(COMBINATIONS[name], jnp.float32, INTERPRET)
+
+
+@pytest.mark.parametrize("name", _params(["causal_top_left", "score_mod_alibi", "bias_heads", "mla"], ("bias_heads",)))
+def test_flex_matches_reference_bfloat16(name, monkeypatch):
+    _force_flex(monkeypatch)
+    _check(CASES[name], jnp.bfloat16, INTERPRET)
+
+
+def _force_flex(monkeypatch):
+    """Route every dense call to the flex kernel (the core cases would otherwise run on splash)."""
+    from attnlib._src.backends.pallas_tpu import implementation
+
+    original = implementation.PallasTpu.splash_reason
+    monkeypatch.setattr(implementation.PallasTpu, "splash_reason",
+                        lambda self, config: original(self, config) or "forced to the flex kernel by the test")
