@@ -193,6 +193,8 @@ def _run(case: Case, dtype, implementation, **more):
 def _reference_kwargs(case: Case, **more) -> dict:
     kw = {}
     for n, x in {**_kwargs(case), **more}.items():
+        if n in ("dropout_key", "deterministic_backward"):
+            continue
         if n == "score_mod_args":
             kw[n] = tuple(to_f64(np.asarray(a)) for a in x)
         elif isinstance(x, jax.Array):
@@ -203,8 +205,6 @@ def _reference_kwargs(case: Case, **more) -> dict:
         kw["scale"] = float(kw["scale"])
     if "cu_seqlens_q" in kw:
         kw.setdefault("cu_seqlens_kv", kw["cu_seqlens_q"])
-    kw.pop("dropout_key", None)
-    kw.pop("deterministic_backward", None)
     return kw
 
 
@@ -274,3 +274,60 @@ def _force_flex(monkeypatch):
     original = implementation.PallasTpu.splash_reason
     monkeypatch.setattr(implementation.PallasTpu, "splash_reason",
                         lambda self, config: original(self, config) or "forced to the flex kernel by the test")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# dropout, float32 at "highest", deterministic backward
+
+DROPOUT = {
+    "dense_causal": Case(kwargs=(("is_causal", True),)),
+    "thd_sinks": Case(t=47, s=47, batch=(), kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)),
+                                                    ("sinks", _f32(6, 13)))),
+}
+
+
+@pytest.mark.parametrize("name", _params(DROPOUT, ("dense_causal",)))
+def test_dropout_matches_reference_with_the_keep_mask(name):
+    """The kernel draws attnlib's counter-hash keep mask per tile: the reference with that mask agrees (out, lse,
+    gradients), and so does xla_chunked with the same key."""
+    case, rate, key = DROPOUT[name], 0.3, jax.random.key(5)
+    q, _, _ = _arrays(case, jnp.float32)
+    B, T, N = (int(np.prod(case.batch)) if case.batch else 1), case.t, case.n
+    keep = np.asarray(dropout_keep_mask(key, rate, (B, N, T, case.s)))
+    more = dict(dropout_rate=rate, dropout_key=key)
+    _check(case, jnp.float32, INTERPRET, ref_more=dict(dropout_keep=keep), **more)
+    kw = {**_kwargs(case), **more}
+    flex = attnlib.attention(*_arrays(case, jnp.float32), implementation=INTERPRET, **kw)
+    chunked = attnlib.attention(*_arrays(case, jnp.float32), implementation="xla_chunked", **kw)
+    np.testing.assert_allclose(flex, chunked, atol=2e-6, rtol=2e-6)
+
+
+def test_float32_under_highest_runs_the_flex_kernel():
+    """Under `jax.default_matmul_precision("highest")` splash (one bfloat16 pass on a TPU) declines float32 and the
+    flex kernel serves it with full-precision products; float32's tolerance holds."""
+    case = CASES["causal_top_left"]
+    q, k, v = _arrays(case, jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        explanation = attnlib.explain(q, k, v, implementation=attnlib.PallasTpu(interpret=True), **_kwargs(case))
+        assert explanation.implementation == "pallas_tpu"
+        assert explanation.kernel.startswith("runs attnlib's flex kernel (splash declined: float32 inputs under")
+        _check(case, jnp.float32, INTERPRET)
+
+
+def test_deterministic_backward_is_served_and_bitwise_reproducible():
+    case = CASES["bias_heads"]
+    q, k, v = _arrays(case, jnp.float32)
+    explanation = attnlib.explain(q, k, v, implementation=INTERPRET, deterministic_backward=True)
+    assert explanation.implementation == "pallas_tpu" and "flex kernel" in explanation.kernel
+    first = _run(case, jnp.float32, INTERPRET, deterministic_backward=True)[3]
+    second = _run(case, jnp.float32, INTERPRET, deterministic_backward=True)[3]
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_array_scale_gradient_matches_xla(monkeypatch):
+    _force_flex(monkeypatch)
+    case = CASES["array_scale"]
+    flex = _run(case, jnp.float32, INTERPRET)
+    xla = _run(case, jnp.float32, "xla")
+    np.testing.assert_allclose(flex[3][3], xla[3][3], rtol=1e-5, atol=1e-5)
