@@ -190,3 +190,85 @@ def test_cache_layouts_compile_for_a_v5e(layout, setting, v5e_chip, monkeypatch)
         text, _ = _compile(attend, (q, cache.pools[0], cache.page_table, cache.lengths), v5e_chip)
     assert text.count(MOSAIC) == 1, text.count(MOSAIC)
     assert "transpose" not in text  # the pools are read in the layout they are held in
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# attnlib's flex kernel (where splash declines): every feature case, forward and gradients, compiled for a v5e
+
+
+def _flex_cases():
+    import test_pallas_tpu_flex as flex_cases
+
+    return flex_cases
+
+
+FLEX_CASES = [
+    "dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "segments_causal", "thd_window",
+    "sinks_soft_cap_mqa", "array_scale", "score_mod_alibi", "mask_mod_prefix_lm", "score_mod_tanh",
+    "modifiers_with_args", "bias_heads", "bias_keys_only", "mask_array", "mla", "bottom_right_lengths",
+    "kv_segments_own_structure", "thd_kv_own_structure",
+]  # fmt: skip
+
+
+def _flex_program(case, dtype, **more):
+    """`(fn, primals)`: the gradients of a loss reading `out` and the finite `lse` with respect to query, key, value
+    and the case's differentiated extras."""
+    flex_cases = _flex_cases()
+    q, k, v = flex_cases._arrays(case, dtype)
+    kw, names, extras = flex_cases._split(case, {**flex_cases._kwargs(case), **more})
+
+    def loss(q, k, v, *extras):
+        full = dict(kw)
+        for (name, args, floats), x in zip(names, extras, strict=True):
+            if name == "score_mod_args":
+                args = list(args)
+                for i, a in zip(floats, x, strict=True):
+                    args[i] = a
+                x = tuple(args)
+            full[name] = x
+        out, lse = attnlib.attention(q, k, v, implementation=attnlib.PallasTpu(), return_residual=True, **full)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    primals = (q, k, v, *extras)
+    return jax.grad(loss, argnums=tuple(range(len(primals)))), primals
+
+
+def _force_flex(monkeypatch):
+    from attnlib._src.backends.pallas_tpu import implementation
+
+    original = implementation.PallasTpu.splash_reason
+    monkeypatch.setattr(implementation.PallasTpu, "splash_reason",
+                        lambda self, config: original(self, config) or "forced to the flex kernel by the test")
+
+
+@pytest.mark.parametrize("name", FLEX_CASES)
+def test_flex_cases_compile_for_a_v5e(name, v5e_chip, monkeypatch):
+    """The flex forward, dK/dV and dQ kernels (three Mosaic calls) of every feature case in bfloat16, with 128-blocks
+    and head dims padded to 128 lanes."""
+    _force_flex(monkeypatch)
+    case = _flex_cases().CASES[name]
+    fn, primals = _flex_program(case, jnp.bfloat16)
+    text, _ = _compile_tree(fn, primals, v5e_chip)
+    assert text.count(MOSAIC) == 3, text.count(MOSAIC)
+
+
+def _compile_tree(fn, args, sharding):
+    abstract = jax.tree.map(lambda x: _abstract(x, sharding), args)
+    lowered = jax.jit(fn).trace(*abstract).lower()
+    return lowered.as_text(), lowered.compile()
+
+
+@pytest.mark.parametrize("feature", ["dropout", "float32_highest", "deterministic"])
+def test_flex_features_compile_for_a_v5e(feature, v5e_chip, monkeypatch):
+    case = _flex_cases().CASES["causal_top_left"]
+    more, dtype, setting = {}, jnp.bfloat16, contextlib.nullcontext()
+    if feature == "dropout":
+        more = dict(dropout_rate=0.25, dropout_key=jax.random.key(3))
+    elif feature == "float32_highest":
+        dtype, setting = jnp.float32, jax.default_matmul_precision("highest")
+    else:
+        more = dict(deterministic_backward=True)
+    fn, primals = _flex_program(case, dtype, **more)
+    with setting:
+        text, _ = _compile_tree(fn, primals, v5e_chip)
+    assert text.count(MOSAIC) == 3, text.count(MOSAIC)
