@@ -331,3 +331,145 @@ def test_array_scale_gradient_matches_xla(monkeypatch):
     flex = _run(case, jnp.float32, INTERPRET)
     xla = _run(case, jnp.float32, "xla")
     np.testing.assert_allclose(flex[3][3], xla[3][3], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# block sparsity
+
+
+def _maps(monkeypatch):
+    """Record every block map the flex kernel builds."""
+    from attnlib._src.backends.pallas_tpu.flex import block_map
+
+    built = []
+    original = block_map.from_visits
+    monkeypatch.setattr(block_map, "from_visits", lambda *a, **kw: built.append(original(*a, **kw)) or built[-1])
+    return built
+
+
+def _pallas_grids(fn, *args):
+    """The grids of the `pallas_call`s in the jaxpr of `fn`."""
+    grids = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                grids.append(tuple(eqn.params["grid_mapping"].grid))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
+
+
+def test_static_masks_skip_their_tiles_and_shrink_the_grid(monkeypatch):
+    """A window of (5, 3) over 96 tokens in 16-token blocks: each query block visits at most 3 of the 6 key blocks
+    (computed at trace time in NumPy), so the grids' inner axes are 3 long, and the numbers are the reference's."""
+    _force_flex(monkeypatch)
+    built = _maps(monkeypatch)
+    case = Case(t=96, s=96, kwargs=(("local_window_size", (5, 3)),))
+    q, k, v = _arrays(case, jnp.float32)
+    fn = lambda q, k, v: attnlib.attention(q, k, v, implementation=INTERPRET, **_kwargs(case))
+    grids = _pallas_grids(fn, q, k, v)
+    (bm,) = built
+    assert not bm.per_batch and bm.width_k == 3 and bm.width_q == 3
+    assert list(bm.kv_count) == [2, 3, 3, 3, 3, 2]  # the diagonal block and its neighbours
+    assert list(bm.kv_list[3:6]) == [0, 1, 2]
+    assert grids == [(2, 2, 6, 3)]
+    _check(case, jnp.float32, INTERPRET)
+
+
+def test_a_mask_mod_without_arguments_is_evaluated_on_the_host(monkeypatch):
+    """A causal `mask_mod`: the lower triangle of 4 x 4 tiles (10 of 16) is visited."""
+    built = _maps(monkeypatch)
+    case = Case(t=64, s=64, kwargs=(("mask_mod", lambda b, h, i, j: j <= i),))
+    _run(case, jnp.float32, INTERPRET)
+    bm = built[0]
+    assert not bm.per_batch
+    assert list(bm.kv_count) == [1, 2, 3, 4] and int(np.sum(bm.q_count)) == 10
+
+
+def test_runtime_structure_reduces_the_map_on_the_device(monkeypatch):
+    """Padding lengths: tiles past a row's lengths are skipped, per batch row, from a map reduced on the device
+    (the grid keeps every key block; the lists end early)."""
+    built = _maps(monkeypatch)
+    case = Case(t=64, s=64, kwargs=(("key_value_seq_lengths", np.asarray([20, 64], np.int32)), ("is_causal", True),
+                                    ("mask_mod", lambda b, h, i, j: j <= i)))  # fmt: skip
+    q, k, v = _arrays(case, jnp.float32)
+    attnlib.attention(q, k, v, implementation=INTERPRET, **_kwargs(case))  # eagerly: the map is concrete
+    bm = built[0]
+    assert bm.per_batch and bm.width_k == 4
+    np.testing.assert_array_equal(np.reshape(bm.kv_count, (2, 4)), [[1, 2, 2, 2], [1, 2, 3, 4]])
+    _check(case, jnp.float32, INTERPRET)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# declines
+
+
+FLEX_DECLINES = {
+    "gather": (dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])[h]),
+               "closed-over array"),
+    "float16": (dict(dtype=jnp.float16), "float16 inputs"),
+    "head_dim": (dict(hv=300), "Hv=300"),
+}
+
+
+@pytest.mark.parametrize("name", list(FLEX_DECLINES))
+def test_flex_declines_with_a_reason(name):
+    kw, match = FLEX_DECLINES[name]
+    kw = dict(kw)
+    dtype, hv = kw.pop("dtype", jnp.float32), kw.pop("hv", 8)
+    r = rng(3)
+    q, k, v = normal(r, (2, 37, 6, 8), dtype), normal(r, (2, 53, 2, 8), dtype), normal(r, (2, 53, 2, hv), dtype)
+    explanation = attnlib.explain(q, k, v, implementation=INTERPRET, **kw)
+    assert explanation.implementation is None
+    reason = explanation.declined["pallas_tpu"]
+    assert "attnlib's flex kernel: " in reason and match in reason.split("attnlib's flex kernel: ")[1], reason
+    with pytest.raises(NotImplementedError, match="flex kernel"):
+        attnlib.attention(q, k, v, implementation=INTERPRET, **kw)
+
+
+def test_a_traced_closure_declines_and_falls_back():
+    q, k, v = _arrays(Case(), jnp.float32)
+
+    @jax.jit
+    def f(q, k, v, t):
+        out = attnlib.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * t, implementation=(INTERPRET, "xla"))
+        return out
+
+    out = f(q, k, v, jnp.float32(0.5))
+    want = attnlib.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5, implementation="xla")
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_flex_blocks_are_named():
+    with pytest.raises(ValueError, match="`flex_blocks`"):
+        attnlib.PallasTpu(flex_blocks=(12, 16))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# on a TPU
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("name", list(CASES) + list(COMBINATIONS))
+def test_tpu_flex_matches_reference_bfloat16(name, monkeypatch):
+    _force_flex(monkeypatch)
+    _check({**CASES, **COMBINATIONS}[name], jnp.bfloat16, attnlib.PallasTpu())
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("name", list(DROPOUT))
+def test_tpu_flex_dropout(name):
+    case, rate, key = DROPOUT[name], 0.3, jax.random.key(5)
+    B = int(np.prod(case.batch)) if case.batch else 1
+    keep = np.asarray(dropout_keep_mask(key, rate, (B, case.n, case.t, case.s)))
+    _check(case, jnp.bfloat16, attnlib.PallasTpu(), ref_more=dict(dropout_keep=keep), dropout_rate=rate,
+           dropout_key=key)  # fmt: skip
+
+
+@pytest.mark.tpu
+def test_tpu_flex_float32_highest():
+    with jax.default_matmul_precision("highest"):
+        _check(CASES["causal_top_left"], jnp.float32, attnlib.PallasTpu())
