@@ -75,25 +75,45 @@ CASES = {
     # priority 1: the core kernel
     "dense_gqa": Case(),
     "causal_top_left": Case(kwargs=(("is_causal", True),)),
-    "causal_bottom_right_empty_rows": Case(t=53, s=37, kwargs=(("is_causal", True), ("diagonal_alignment", "bottom_right"))),
+    "causal_bottom_right_empty_rows": Case(
+        t=53, s=37, kwargs=(("is_causal", True), ("diagonal_alignment", "bottom_right"))
+    ),
     "window_two_sided": Case(kwargs=(("local_window_size", (5, 3)),)),
-    "lengths_causal": Case(kwargs=(("query_seq_lengths", np.asarray([30, 0], np.int32)),
-                                   ("key_value_seq_lengths", np.asarray([0, 41], np.int32)), ("is_causal", True))),
+    "lengths_causal": Case(
+        kwargs=(
+            ("query_seq_lengths", np.asarray([30, 0], np.int32)),
+            ("key_value_seq_lengths", np.asarray([0, 41], np.int32)),
+            ("is_causal", True),
+        )
+    ),
     "segments_causal": Case(t=37, s=37, kwargs=(("q_segment_ids", SEG_CAUSAL), ("is_causal", True))),
-    "thd_window": Case(t=47, s=47, batch=(), kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)),
-                                                     ("local_window_size", (4, 2)))),
-    "sinks_soft_cap_mqa": Case(n=5, k=1, kwargs=(("logits_soft_cap", 1.5), ("scale", 0.9),
-                                                 ("sinks", _f32(5, 13) + 0.4)), extras=("sinks",)),
+    "thd_window": Case(
+        t=47,
+        s=47,
+        batch=(),
+        kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)), ("local_window_size", (4, 2))),
+    ),
+    "sinks_soft_cap_mqa": Case(
+        n=5, k=1, kwargs=(("logits_soft_cap", 1.5), ("scale", 0.9), ("sinks", _f32(5, 13) + 0.4)), extras=("sinks",)
+    ),
     "array_scale": Case(kwargs=(("scale", np.float32(0.41)), ("is_causal", True)), extras=("scale",)),
     # priority 2: modifiers
-    "score_mod_alibi": Case(kwargs=(("score_mod", alibi), ("score_mod_args", (_f32((6, 1, 1), 3) * 0.3,)),
-                                    ("is_causal", True)), extras=("score_mod_args",)),
+    "score_mod_alibi": Case(
+        kwargs=(("score_mod", alibi), ("score_mod_args", (_f32((6, 1, 1), 3) * 0.3,)), ("is_causal", True)),
+        extras=("score_mod_args",),
+    ),
     "mask_mod_prefix_lm": Case(kwargs=(("mask_mod", prefix_lm),)),
     "score_mod_tanh": Case(kwargs=(("score_mod", tanh_cap),)),
-    "modifiers_with_args": Case(t=37, s=53, kwargs=(
-        ("score_mod", per_pair), ("mask_mod", same_doc),
-        ("score_mod_args", (_f32((6, 37, 53), 5), DOCS[:, None, :, None], DOCS_K[:, None, None, :]))),
-        extras=("score_mod_args",)),
+    "modifiers_with_args": Case(
+        t=37,
+        s=53,
+        kwargs=(
+            ("score_mod", per_pair),
+            ("mask_mod", same_doc),
+            ("score_mod_args", (_f32((6, 37, 53), 5), DOCS[:, None, :, None], DOCS_K[:, None, None, :])),
+        ),
+        extras=("score_mod_args",),
+    ),
     # priority 3: bias and mask arrays
     "bias_heads": Case(kwargs=(("bias", _f32((1, 6, 37, 53), 21)), ("is_causal", True)), extras=("bias",)),
     "bias_keys_only": Case(kwargs=(("bias", _f32((2, 1, 1, 53), 22)),), extras=("bias",)),
@@ -101,15 +121,34 @@ CASES = {
     # priority 4: MLA
     "mla": Case(h=24, hv=16, kwargs=(("is_causal", True),)),
     # priority 7: per-row offsets splash declines
-    "bottom_right_lengths": Case(kwargs=(("is_causal", True), ("diagonal_alignment", "bottom_right"),
-                                         ("key_value_seq_lengths", np.asarray([29, 53], np.int32)),
-                                         ("query_seq_lengths", np.asarray([37, 11], np.int32)))),
-    "kv_segments_own_structure": Case(t=37, s=37, kwargs=(
-        ("q_segment_ids", SEG_CAUSAL), ("kv_segment_ids", _seg([[(3, 5), (1, 25), (2, 7)], [(5, 20), (2, 17)]], 37)),
-        ("is_causal", True))),
-    "thd_kv_own_structure": Case(t=40, s=50, batch=(), kwargs=(
-        ("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)), ("cu_seqlens_kv", np.asarray([0, 20, 22, 45], np.int32)),
-        ("is_causal", True), ("diagonal_alignment", "bottom_right"))),
+    "bottom_right_lengths": Case(
+        kwargs=(
+            ("is_causal", True),
+            ("diagonal_alignment", "bottom_right"),
+            ("key_value_seq_lengths", np.asarray([29, 53], np.int32)),
+            ("query_seq_lengths", np.asarray([37, 11], np.int32)),
+        )
+    ),
+    "kv_segments_own_structure": Case(
+        t=37,
+        s=37,
+        kwargs=(
+            ("q_segment_ids", SEG_CAUSAL),
+            ("kv_segment_ids", _seg([[(3, 5), (1, 25), (2, 7)], [(5, 20), (2, 17)]], 37)),
+            ("is_causal", True),
+        ),
+    ),
+    "thd_kv_own_structure": Case(
+        t=40,
+        s=50,
+        batch=(),
+        kwargs=(
+            ("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)),
+            ("cu_seqlens_kv", np.asarray([0, 20, 22, 45], np.int32)),
+            ("is_causal", True),
+            ("diagonal_alignment", "bottom_right"),
+        ),
+    ),
 }
 
 FAST = ("dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "thd_window", "sinks_soft_cap_mqa",
@@ -117,20 +156,56 @@ FAST = ("dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "thd_wi
         "mla", "bottom_right_lengths", "kv_segments_own_structure")  # fmt: skip
 
 COMBINATIONS = {
-    "score_mod_segments_sinks": Case(t=37, s=37, kwargs=(("q_segment_ids", SEG_CAUSAL), ("is_causal", True),
-        ("score_mod", alibi), ("score_mod_args", (_f32((6, 1, 1), 3) * 0.3,)), ("sinks", _f32(6, 13))),
-        extras=("score_mod_args", "sinks")),
-    "bias_window_thd": Case(t=47, s=47, batch=(), kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)),
-        ("local_window_size", (6, 0)), ("bias", _f32((6, 47, 47), 8))), extras=("bias",)),
-    "mask_mod_gqa_causal_bottom_right": Case(t=29, s=53, kwargs=(("mask_mod", prefix_lm), ("is_causal", True),
-        ("diagonal_alignment", "bottom_right"))),
-    "mla_sinks_soft_cap_lengths": Case(h=24, hv=40, kwargs=(("logits_soft_cap", 2.0), ("sinks", _f32(6, 2)),
-        ("key_value_seq_lengths", np.asarray([50, 17], np.int32))), extras=("sinks",)),
-    "bias_score_mod_mask": Case(kwargs=(("bias", _f32((2, 6, 1, 53), 9)), ("score_mod", tanh_cap),
-        ("mask", rng(5).random((37, 53)) > 0.2)), extras=("bias",)),
-    "score_mod_query_args_mqa": Case(n=3, k=1, kwargs=(("score_mod", per_pair), ("mask_mod", same_doc),
-        ("score_mod_args", (_f32((2, 1, 37, 1), 5), DOCS[:, None, :, None], DOCS_K[:, None, None, :]))),
-        extras=("score_mod_args",)),
+    "score_mod_segments_sinks": Case(
+        t=37,
+        s=37,
+        kwargs=(
+            ("q_segment_ids", SEG_CAUSAL),
+            ("is_causal", True),
+            ("score_mod", alibi),
+            ("score_mod_args", (_f32((6, 1, 1), 3) * 0.3,)),
+            ("sinks", _f32(6, 13)),
+        ),
+        extras=("score_mod_args", "sinks"),
+    ),
+    "bias_window_thd": Case(
+        t=47,
+        s=47,
+        batch=(),
+        kwargs=(
+            ("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)),
+            ("local_window_size", (6, 0)),
+            ("bias", _f32((6, 47, 47), 8)),
+        ),
+        extras=("bias",),
+    ),
+    "mask_mod_gqa_causal_bottom_right": Case(
+        t=29, s=53, kwargs=(("mask_mod", prefix_lm), ("is_causal", True), ("diagonal_alignment", "bottom_right"))
+    ),
+    "mla_sinks_soft_cap_lengths": Case(
+        h=24,
+        hv=40,
+        kwargs=(
+            ("logits_soft_cap", 2.0),
+            ("sinks", _f32(6, 2)),
+            ("key_value_seq_lengths", np.asarray([50, 17], np.int32)),
+        ),
+        extras=("sinks",),
+    ),
+    "bias_score_mod_mask": Case(
+        kwargs=(("bias", _f32((2, 6, 1, 53), 9)), ("score_mod", tanh_cap), ("mask", rng(5).random((37, 53)) > 0.2)),
+        extras=("bias",),
+    ),
+    "score_mod_query_args_mqa": Case(
+        n=3,
+        k=1,
+        kwargs=(
+            ("score_mod", per_pair),
+            ("mask_mod", same_doc),
+            ("score_mod_args", (_f32((2, 1, 37, 1), 5), DOCS[:, None, :, None], DOCS_K[:, None, None, :])),
+        ),
+        extras=("score_mod_args",),
+    ),
 }
 
 
@@ -272,8 +347,11 @@ def _force_flex(monkeypatch):
     from attnlib._src.backends.pallas_tpu import implementation
 
     original = implementation.PallasTpu.splash_reason
-    monkeypatch.setattr(implementation.PallasTpu, "splash_reason",
-                        lambda self, config: original(self, config) or "forced to the flex kernel by the test")
+    monkeypatch.setattr(
+        implementation.PallasTpu,
+        "splash_reason",
+        lambda self, config: original(self, config) or "forced to the flex kernel by the test",
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -281,8 +359,9 @@ def _force_flex(monkeypatch):
 
 DROPOUT = {
     "dense_causal": Case(kwargs=(("is_causal", True),)),
-    "thd_sinks": Case(t=47, s=47, batch=(), kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)),
-                                                    ("sinks", _f32(6, 13)))),
+    "thd_sinks": Case(
+        t=47, s=47, batch=(), kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)), ("sinks", _f32(6, 13)))
+    ),
 }
 
 
@@ -408,8 +487,10 @@ def test_runtime_structure_reduces_the_map_on_the_device(monkeypatch):
 
 
 FLEX_DECLINES = {
-    "gather": (dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])[h]),
-               "closed-over array"),
+    "gather": (
+        dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])[h]),
+        "closed-over array",
+    ),
     "float16": (dict(dtype=jnp.float16), "float16 inputs"),
     "head_dim": (dict(hv=300), "Hv=300"),
 }

@@ -7,10 +7,10 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from ... import logs
 from ...config import AttentionConfig, AttentionInputs
 from .. import placement
 from ..base import Context, Implementation
-from ... import logs
 from . import blocks, paged, ragged
 from .flex import support as flex_support
 
@@ -29,6 +29,7 @@ b32 N32 K8 H128, S = 512, 2026-12-07): on token-major or head-major pools xla_ch
 paged-attention kernel (0.23 ms), so the rule holds there too; on a `"combined"` cache the ragged kernel (0.15 ms)
 beats every other path (xla_chunked reads that layout at 0.52 ms), so a combined cache is never left to
 xla_chunked."""
+
 
 def float32_precision_reason(config: AttentionConfig) -> str | None:
     """Why splash cannot serve a float32 call on a TPU at the precision it asks for (`precision.py`), or None.
@@ -144,7 +145,8 @@ class PallasTpu(Implementation):
             raise TypeError(f"`interpret` must be a bool. Got interpret={self.interpret!r}.")
         if self.flex_blocks is not None:
             ok = isinstance(self.flex_blocks, tuple) and len(self.flex_blocks) == 2
-            if not ok or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 8 for b in self.flex_blocks):
+            bad = lambda b: isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 8
+            if not ok or any(bad(b) for b in self.flex_blocks):
                 raise ValueError(
                     "`flex_blocks` must be None or a tuple `(block_q, block_k)` of positive multiples of 8 (on a TPU "
                     f"block_k a multiple of 128). Got flex_blocks={self.flex_blocks!r}."

@@ -1,7 +1,7 @@
-"""One tile's scores inside a flex kernel, in attnlib's order of operations (as `backends/scores.py`):
+"""One tile's scores inside a flex kernel, in attnlib's order of operations (as `scores.py`):
 
-    s = scale · q·kᵀ + bias → score_mod → logits_soft_cap → masks (segments / padding, band on aligned positions,
-    the boolean `mask`, mask_mod, score_mod's -inf) → softmax (the kernels) → dropout → @ v
+    s = scale · q·kᵀ + bias → score_mod → logits_soft_cap → masks (segments / padding, band on aligned
+    positions, the boolean `mask`, mask_mod, score_mod's -inf) → softmax (the kernels) → dropout → @ v
 
 Everything is a `[rows, block_k]` array (`rows = G · block_q`: the query heads of one key/value head times the
 block's query tokens). The modifiers' jaxprs run over the tile (`elementwise.py`) on int32 index blocks: `batch`
@@ -19,7 +19,7 @@ import numpy as np
 
 from .... import dropout as dropout_lib
 from . import elementwise
-from .plan import Plan, hidden
+from .plan import hidden, Plan
 
 
 @dataclasses.dataclass
@@ -109,7 +109,6 @@ def tile(plan: Plan, refs: dict, b, kh, kj) -> Tile:
     if plan.score_mod is not None:
         s = modified(s_raw, *(args[i] for i in grads))
         allowed = allowed & (s >= np.finfo(np.float32).min)
-    s_mod = s
     if plan.soft_cap is not None:
         c = jnp.float32(plan.soft_cap)
         s = c * jnp.tanh(s / c)
@@ -123,7 +122,6 @@ def tile(plan: Plan, refs: dict, b, kh, kj) -> Tile:
         ds_raw, *d_args = vjp(ds)
         return ds_raw, [d.astype(jnp.float32) for d in d_args]
 
-    del s_mod
     return Tile(s, allowed, backward)
 
 

@@ -16,7 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import body
 from .operands import Operands, specs
-from .plan import Plan, hidden
+from .plan import hidden, Plan
 
 
 def _kernel(plan: Plan, names: list[str], kv_list, kv_count, *refs):
