@@ -550,7 +550,8 @@ def test_tpu_float32_under_highest_precision_runs_the_flex_kernel(name, precisio
     """Under `jax.default_matmul_precision("highest")` splash (one bfloat16 pass) cannot give what is asked, so
     float32 runs on attnlib's flex kernel there, with full-precision products (explain names it). A TPU's float32
     `exp` and `log` are not a CPU's (on a v5e the plain-JAX fallback's `lse` was off by up to 1.1e-4 against
-    float64, beyond the host tolerance that a CPU meets): the bound adds what float32 costs on the device itself, measured by the textbook formula run there (`_assert_tpu_float32_close`)."""
+    float64, beyond the host tolerance that a CPU meets): the bound adds what float32 costs on the device itself,
+    measured by the textbook formula run there (`_assert_tpu_float32_close`)."""
     case = CASES[name]
     q, k, v = _arrays(case, jnp.float32)
     with jax.default_matmul_precision(precision):
