@@ -123,7 +123,10 @@ class PallasTpu(Implementation):
     paged KV caches: one bfloat16 decode query per sequence through JAX's paged-attention kernel on token-major or
     `"head_major"` pools (`paged.py`), and any number of queries per sequence (dense, or ragged with
     `cu_seqlens_q`: mixed prefill and decode) through JAX's ragged paged-attention kernel on a `"combined"`
-    `PagedKVCache` (`ragged.py`). What it declines, and why, `attnlib.explain` says (docs/implementations.md).
+    `PagedKVCache` (`ragged.py`). Where splash declines a dense or THD call, attnlib's own Pallas kernel (`flex/`)
+    serves it: `score_mod` / `mask_mod` compiled into the kernel with block sparsity, `bias` and `mask` arrays, MLA,
+    dropout, float32 under "highest", `deterministic_backward=True`, per-row diagonal offsets. What it declines, and
+    why, and which kernel runs, `attnlib.explain` says (docs/implementations.md).
 
     Attributes:
         block_sizes: splash's tiles: None (the default) for attnlib's table by shape (`blocks.py`), or a
@@ -131,6 +134,9 @@ class PallasTpu(Implementation):
             its forward blocks; every block a multiple of 128; lengths are padded to multiples of its blocks).
         interpret: run the Pallas kernels in interpret mode: slow, but on any backend (CPU included); for tests.
             Defaults to False: off a TPU the implementation then declines ("no TPU visible to JAX").
+        flex_blocks: `(block_q, block_k)` of attnlib's flex kernel: query tokens (times the GQA group) and keys per
+            tile. None (the default) for 128 x 128; multiples of 8, and on a TPU `block_k` a multiple of 128
+            (interpret-mode tests use small blocks so that every case has several).
     """
 
     block_sizes: Any = None
