@@ -554,3 +554,38 @@ def test_tpu_flex_dropout(name):
 def test_tpu_flex_float32_highest():
     with jax.default_matmul_precision("highest"):
         _check(CASES["causal_top_left"], jnp.float32, attnlib.PallasTpu())
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# transformations and the caller's settings
+
+
+def test_under_x64_and_strict_promotion(monkeypatch):
+    """The caller's `jax_enable_x64` and strict promotion do not reach the kernels (`kernel_settings.as_written`)."""
+    _force_flex(monkeypatch)
+    case = CASES["score_mod_alibi"]
+    q, k, v = _arrays(case, jnp.float32)
+    kw = _kwargs(case)
+    want = attnlib.attention(q, k, v, implementation="xla", **kw)
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+        got = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation=INTERPRET, **kw))(q, k, v)
+        grads = jax.grad(lambda q: jnp.sum(attnlib.attention(q, k, v, implementation=INTERPRET, **kw)))(q)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    want_grads = jax.grad(lambda q: jnp.sum(attnlib.attention(q, k, v, implementation="xla", **kw)))(q)
+    np.testing.assert_allclose(grads, want_grads, rtol=1e-4, atol=1e-4)
+
+
+def test_vmap_and_grad(monkeypatch):
+    _force_flex(monkeypatch)
+    case = CASES["bias_keys_only"]
+    q, k, v = _arrays(case, jnp.float32)
+    bias = jnp.asarray(dict(case.kwargs)["bias"])
+
+    def loss(impl):
+        f = lambda q, k, v, bias: jnp.sum(attnlib.attention(q, k, v, bias, implementation=impl) ** 2)
+        return jax.vmap(jax.grad(f, argnums=(0, 3)), in_axes=(0, 0, 0, None))
+
+    got = loss(INTERPRET)(q[:, None], k[:, None], v[:, None], bias[:1])
+    want = loss("xla")(q[:, None], k[:, None], v[:, None], bias[:1])
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
