@@ -117,6 +117,7 @@ CASES = {
     # priority 3: bias and mask arrays
     "bias_heads": Case(kwargs=(("bias", _f32((1, 6, 37, 53), 21)), ("is_causal", True)), extras=("bias",)),
     "bias_keys_only": Case(kwargs=(("bias", _f32((2, 1, 1, 53), 22)),), extras=("bias",)),
+    "bias_mha": Case(n=3, k=3, kwargs=(("bias", _f32((1, 3, 37, 53), 23)),), extras=("bias",)),
     "mask_array": Case(kwargs=(("mask", rng(4).random((2, 1, 37, 53)) > 0.3),)),
     # priority 4: MLA
     "mla": Case(h=24, hv=16, kwargs=(("is_causal", True),)),
@@ -152,8 +153,8 @@ CASES = {
 }
 
 FAST = ("dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "thd_window", "sinks_soft_cap_mqa",
-        "array_scale", "score_mod_alibi", "mask_mod_prefix_lm", "modifiers_with_args", "bias_heads", "mask_array",
-        "mla", "bottom_right_lengths", "kv_segments_own_structure")  # fmt: skip
+        "array_scale", "score_mod_alibi", "mask_mod_prefix_lm", "modifiers_with_args", "bias_heads", "bias_mha",
+        "mask_array", "mla", "bottom_right_lengths", "kv_segments_own_structure")  # fmt: skip
 
 COMBINATIONS = {
     "score_mod_segments_sinks": Case(

@@ -48,7 +48,7 @@ class ArraySpec:
 
     @property
     def has_heads(self) -> bool:
-        return self.shape[2] != 1
+        return self.shape[1:3] != (1, 1)
 
     @property
     def has_q(self) -> bool:
