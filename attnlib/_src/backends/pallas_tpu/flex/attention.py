@@ -21,15 +21,17 @@ from ... import kernel_settings, scores
 from . import block_map, operands
 from .backward import dkv, dq
 from .forward import forward
-from .plan import array_spec, LANES, Plan, precision_of
+from .plan import array_spec, LANES, Plan, precision_of, TILE_KEYS, TILE_ROWS
 
 
 def _blocks(config: AttentionConfig, block_sizes: tuple[int, int] | None) -> tuple[int, int]:
+    """`(block_q, block_k)`: the caller's, else about `TILE_ROWS` rows per tile (`G · block_q`) and `TILE_KEYS` keys,
+    in multiples of 128, no larger than the padded lengths."""
     if block_sizes is not None:
         return block_sizes
-    from .plan import BLOCK_K, BLOCK_Q
-
-    return BLOCK_Q, BLOCK_K
+    lanes = lambda n: -(-max(n, 1) // LANES) * LANES
+    block_q = max(LANES, TILE_ROWS // config.group_size // LANES * LANES)
+    return min(block_q, lanes(config.q_len)), min(TILE_KEYS, lanes(config.kv_len))
 
 
 def runtime_structure(config: AttentionConfig) -> bool:
