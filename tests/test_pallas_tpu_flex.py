@@ -590,3 +590,22 @@ def test_vmap_and_grad(monkeypatch):
     want = loss("xla")(q[:, None], k[:, None], v[:, None], bias[:1])
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_mask_mod_with_arguments_is_reduced_on_the_device(monkeypatch):
+    """Document ids through `score_mod_args`: the tiles between different documents are skipped (map on the
+    device), and the numbers are the reference's."""
+    built = _maps(monkeypatch)
+    docs = np.repeat(np.arange(4), 16)[None].repeat(2, axis=0).astype(np.int32)  # 4 documents of 16 tokens
+    args = (docs[:, None, :, None], docs[:, None, None, :])
+    case = Case(t=64, s=64, kwargs=(("mask_mod", same_doc_only), ("score_mod_args", args)))
+    q, k, v = _arrays(case, jnp.float32)
+    attnlib.attention(q, k, v, implementation=INTERPRET, **_kwargs(case))
+    bm = built[0]
+    assert bm.per_batch
+    np.testing.assert_array_equal(np.reshape(bm.kv_count, (2, 4)), [[1, 1, 1, 1], [1, 1, 1, 1]])
+    _check(case, jnp.float32, INTERPRET)
+
+
+def same_doc_only(batch, head, q_idx, kv_idx, doc_q, doc_k):
+    return doc_q == doc_k

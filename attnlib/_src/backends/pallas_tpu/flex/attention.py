@@ -68,10 +68,17 @@ def plan_of(config: AttentionConfig, problem: canonical.Problem, interpret: bool
     )  # fmt: skip
 
 
-def _block_map(config: AttentionConfig, plan: Plan, fixed) -> block_map.BlockMap:
-    if runtime_structure(config) or (plan.modifiers is not None and plan.args and plan.mask_mod is not None):
+def _block_map(config: AttentionConfig, plan: Plan, fixed, args=()) -> block_map.BlockMap:
+    """The block map: on the host where visibility depends on the indices alone, else on the device (`args`: the
+    grouped `score_mod_args`, which a `mask_mod` reads there)."""
+    mask_mod_args = plan.mask_mod is not None and bool(plan.args)
+    if runtime_structure(config) or mask_mod_args:
         visits = block_map.runtime_visits(plan, fixed["q_seg_t"], fixed["q_pos_t"], fixed["kv_seg_t"],
                                           fixed["kv_pos_t"], fixed["mask"])  # fmt: skip
+        if plan.mask_mod is not None:
+            visits = visits & block_map.mask_mod_tiles(
+                plan, fixed["q_seg_t"], fixed["q_pos_t"], fixed["kv_pos_t"], args
+            )
         return block_map.from_visits(visits, per_batch=True, static=False)
     offset = plan.S - plan.T if config.diagonal_alignment == "bottom_right" else 0
     mask_mod = None
@@ -175,7 +182,9 @@ def attend(config: AttentionConfig, problem: canonical.Problem, plan: Plan):
     """`(out [B, T, N, Hv], lse [B, T, N])` of a canonical problem."""
     with kernel_settings.as_written():  # plain index arithmetic: the caller's promotion rules do not apply
         fixed = _fixed(plan, problem)
-        bm = _block_map(config, plan, fixed)
+        args = tuple(operands.grouped(plan, kernel_settings.narrowed(a), spec)
+                     for a, spec in zip(problem.score_mod_args, plan.args, strict=True))  # fmt: skip
+        bm = _block_map(config, plan, fixed, args)
     plan = dataclasses.replace(plan, map_per_batch=bm.per_batch, width_q=bm.width_q, width_k=bm.width_k)
     bmap = {n: jnp.asarray(getattr(bm, n)) for n in ("kv_list", "kv_count", "q_list", "q_count")}
     fixed = {n: x for n, x in fixed.items() if not n.endswith("_t")}

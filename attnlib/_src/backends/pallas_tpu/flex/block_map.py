@@ -10,9 +10,9 @@ last entry (Pallas skips the copy of a block whose index did not change) while t
   (`static_visits`) and the grid's inner axis shrinks to the longest list.
 - Where they read runtime data (segment ids, lengths, `cu_seqlens`, a boolean `mask`), the map is reduced on the
   device (`runtime_visits`): per block the range of segment ids and of aligned positions (a tile is kept when the
-  ranges can meet: conservative, never wrong), and `any` of the mask over the tile. The grid keeps every key
-  block; skipped steps cost a grid step but no copy and no compute. A `mask_mod` with arguments is evaluated only
-  inside the kernel (its tiles are not skipped).
+  ranges can meet: conservative, never wrong), `any` of the mask over the tile, and `any` of the `mask_mod` over the
+  tile (`mask_mod_tiles`: evaluated by XLA on the positions and `score_mod_args`, fused into the reduction). The
+  grid keeps every key block; skipped steps cost a grid step but no copy and no compute.
 """
 
 import functools
@@ -143,3 +143,26 @@ def runtime_visits(plan: Plan, q_seg, q_pos, kv_seg, kv_pos, mask) -> jax.Array:
         any_ = jnp.reshape(mask != 0, (b, k, g, *tq, *tk)).any(axis=(1, 2, 4, 6))
         visits = visits & any_
     return visits
+
+
+def mask_mod_tiles(plan: Plan, q_seg, q_pos, kv_pos, args) -> jax.Array:
+    """bool `[B, nq, nk]`: tiles where the `mask_mod` lets some (head, query, key) through, evaluated on the device
+    on the padded positions (`[B, T']`, `[B, S']`) and grouped `score_mod_args` (`[B|1, K|1, G|1, T'|1, S'|1]`)."""
+    closed = plan.mask_mod
+    heads = plan.K * plan.G
+    per_head = elementwise.reads(closed, 1) or any(spec.has_heads for spec in plan.args)
+    nh = heads if per_head else 1
+    shape = (plan.B, nh, plan.Tp, plan.Sp)
+    if plan.thd:
+        batch = jnp.maximum(q_seg - 1, 0)[:, None, :, None]
+    else:
+        batch = jnp.arange(plan.B, dtype=jnp.int32)[:, None, None, None]
+    head = jnp.arange(nh, dtype=jnp.int32)[None, :, None, None]
+    q_idx, kv_idx = q_pos[:, None, :, None], kv_pos[:, None, None, :]
+    flat = []
+    for a, spec, dtype in zip(args, plan.args, plan.modifiers.arg_dtypes, strict=True):
+        b, k, g, t, s = a.shape
+        flat.append(jnp.reshape(a, (b, k * g, t, s)).astype(dtype))
+    visible = elementwise.evaluate(closed, closed.consts, (batch, head, q_idx, kv_idx, *flat), shape).astype(bool)
+    tiles = jnp.reshape(visible, (plan.B, nh, plan.nq, plan.block_q, plan.nk, plan.block_k))
+    return tiles.any(axis=(1, 3, 5))
