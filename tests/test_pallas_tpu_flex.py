@@ -609,3 +609,35 @@ def test_a_mask_mod_with_arguments_is_reduced_on_the_device(monkeypatch):
 
 def same_doc_only(batch, head, q_idx, kv_idx, doc_q, doc_k):
     return doc_q == doc_k
+
+
+def test_max_logit_and_remat(monkeypatch):
+    _force_flex(monkeypatch)
+    case = CASES["bias_heads"]
+    q, k, v = _arrays(case, jnp.float32)
+    kw = _kwargs(case)
+    out, max_logit = attnlib.attention(q, k, v, implementation=INTERPRET, return_max_logit=True, **kw)
+    want, want_max = attnlib.attention(q, k, v, implementation="xla", return_max_logit=True, **kw)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(max_logit, want_max, rtol=2e-5, atol=2e-5)
+    f = jax.checkpoint(lambda q: jnp.sum(attnlib.attention(q, k, v, implementation=INTERPRET, **kw) ** 2))
+    g = jax.grad(lambda q: jnp.sum(attnlib.attention(q, k, v, implementation="xla", **kw) ** 2))
+    np.testing.assert_allclose(jax.grad(f)(q), g(q), rtol=1e-4, atol=1e-4)
+
+
+def test_automatic_dispatch_on_a_tpu_picks_the_flex_kernel(monkeypatch):
+    """On a TPU (simulated: nothing runs) a long call with a bias runs on pallas_tpu's flex kernel; explain says so."""
+    from helpers import on_a_simulated_tpu
+
+    on_a_simulated_tpu(monkeypatch)
+    q = jax.ShapeDtypeStruct((1, 1024, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 1024, 1024), jnp.bfloat16)
+    explanation = attnlib.explain(q, kv, kv, bias=bias, is_causal=True)
+    assert explanation.implementation == "pallas_tpu"
+    assert explanation.kernel == (
+        "runs attnlib's flex kernel (splash declined: `bias` is not supported: splash takes no additive bias)"
+    )
+    assert str(explanation).startswith("attnlib would run: pallas_tpu, which runs attnlib's flex kernel")
+    plain = attnlib.explain(q, kv, kv, is_causal=True)
+    assert plain.implementation == "pallas_tpu" and plain.kernel is None  # splash
