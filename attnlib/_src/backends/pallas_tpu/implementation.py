@@ -135,8 +135,9 @@ class PallasTpu(Implementation):
         interpret: run the Pallas kernels in interpret mode: slow, but on any backend (CPU included); for tests.
             Defaults to False: off a TPU the implementation then declines ("no TPU visible to JAX").
         flex_blocks: `(block_q, block_k)` of attnlib's flex kernel: query tokens (times the GQA group) and keys per
-            tile. None (the default) for 128 x 128; multiples of 8, and on a TPU `block_k` a multiple of 128
-            (interpret-mode tests use small blocks so that every case has several).
+            tile. None (the default) for tiles of about 512 query rows and 512 keys (`flex/attention.py`); multiples
+            of 8, and on a TPU `block_q` a multiple of 16 and `block_k` of 128 (interpret-mode tests use small
+            blocks so that every case has several).
     """
 
     block_sizes: Any = None
@@ -174,10 +175,12 @@ class PallasTpu(Implementation):
                 return reason
             kernel = ragged if config.kv_layout == "combined" else paged
             return feature_reason(config) or kernel.decline_reason(config, on_tpu=not self.interpret)
+        if config.typed_varying:
+            return TYPED_VARYING  # splash's kernels and attnlib's flex kernel alike
         splash_reason = self.splash_reason(config)
         if splash_reason is None:
             return None
-        flex_reason = flex_support.decline_reason(config) if not config.typed_varying else TYPED_VARYING
+        flex_reason = flex_support.decline_reason(config)
         if flex_reason is None:
             return None
         return f"{splash_reason}; {flex_support.NAME}: {flex_reason}"
