@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import body
+from . import body, partitioned
 from .operands import gradient_shape, gradient_spec, Operands, specs
 from .plan import Plan
 
@@ -121,20 +121,30 @@ def _settings(plan: Plan, semantics: tuple[str, ...]) -> dict:
     )
 
 
+def _named(ops: Operands, do, lse, di) -> dict:
+    return dict(q=ops.q, k=ops.k, v=ops.v, scale=ops.scale, seeds=ops.seeds, q_seg=ops.q_seg, q_pos=ops.q_pos,
+                kv_seg=ops.kv_seg, kv_pos=ops.kv_pos, head=ops.head, q_token=ops.q_token, bias=ops.bias,
+                mask=ops.mask, args=ops.args, do=do, lse=lse, di=di)  # fmt: skip
+
+
 def dkv(plan: Plan, ops: Operands, do, lse, di, q_list, q_count) -> tuple[jax.Array, jax.Array]:
     """`(dk [B, K, S', H'], dv [B, K, S', Hv'])` in float32."""
+    named = dict(_named(ops, do, lse, di), q_list=q_list, q_count=q_count)
+    dk, dv = partitioned.call(plan, "dkv", named, ("k", "v"), _dkv_call)
+    return dk, dv
+
+
+def _dkv_call(plan: Plan, named: dict) -> tuple[jax.Array, jax.Array]:
+    q_list, q_count = named.pop("q_list").reshape(-1), named.pop("q_count").reshape(-1)
 
     def coords(b, kh, kj, i, q_list, q_count):
         row = (b if plan.map_per_batch else 0) * plan.nk + kj
         return b, kh, q_list[row * plan.width_q + i], kj
 
-    named = dict(scale=ops.scale, seeds=ops.seeds, q=ops.q, k=ops.k, v=ops.v, q_seg=ops.q_seg, q_pos=ops.q_pos,
-                 kv_seg=ops.kv_seg, kv_pos=ops.kv_pos, head=ops.head, q_token=ops.q_token, bias=ops.bias,
-                 mask=ops.mask, args=ops.args, do=do, lse=lse, di=di)  # fmt: skip
     arrays, in_specs, names = specs(plan, named, coords)
     key_spec = lambda d: pl.BlockSpec((None, None, plan.block_k, d), lambda b, kh, kj, i, *_: (b, kh, kj, 0))
     H, Hv = plan.head_dim, plan.value_head_dim
-    return pl.pallas_call(
+    dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, plan, names),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -150,19 +160,25 @@ def dkv(plan: Plan, ops: Operands, do, lse, di, q_list, q_count) -> tuple[jax.Ar
         name="attnlib_flex_dkv",
         **_settings(plan, ("parallel", "parallel", "parallel", "arbitrary")),
     )(q_list, q_count, *arrays)
+    return dk, dv
 
 
 def dq(plan: Plan, ops: Operands, do, lse, di, kv_list, kv_count) -> tuple[jax.Array, list[jax.Array]]:
     """`(dq [B, K, nq * rows, H'] float32 without the scale, [per-tile partial gradients of bias and of each
     differentiated score_mod_arg])`."""
+    named = dict(_named(ops, do, lse, di), kv_list=kv_list, kv_count=kv_count)
+    n_grads = (plan.bias is not None) + len(plan.arg_grads)
+    outs = partitioned.call(plan, "dq", named, ("dq",) + ("partial",) * n_grads, _dq_call)
+    return outs[0], list(outs[1:])
+
+
+def _dq_call(plan: Plan, named: dict) -> tuple[jax.Array, ...]:
+    kv_list, kv_count = named.pop("kv_list").reshape(-1), named.pop("kv_count").reshape(-1)
 
     def coords(b, kh, qi, j, kv_list, kv_count):
         row = (b if plan.map_per_batch else 0) * plan.nq + qi
         return b, kh, qi, kv_list[row * plan.width_k + j]
 
-    named = dict(scale=ops.scale, seeds=ops.seeds, q=ops.q, k=ops.k, v=ops.v, q_seg=ops.q_seg, q_pos=ops.q_pos,
-                 kv_seg=ops.kv_seg, kv_pos=ops.kv_pos, head=ops.head, q_token=ops.q_token, bias=ops.bias,
-                 mask=ops.mask, args=ops.args, do=do, lse=lse, di=di)  # fmt: skip
     arrays, in_specs, names = specs(plan, named, coords)
     grad_specs = ([plan.bias] if plan.bias is not None else []) + [plan.args[i] for i in plan.arg_grads]
     zeros = [jnp.zeros(gradient_shape(plan, s), jnp.float32) for s in grad_specs]
@@ -184,4 +200,4 @@ def dq(plan: Plan, ops: Operands, do, lse, di, kv_list, kv_count) -> tuple[jax.A
         name="attnlib_flex_dq",
         **_settings(plan, ("parallel", "parallel", "parallel", "arbitrary")),
     )(kv_list, kv_count, *arrays, *zeros)
-    return outs[0], list(outs[1:])
+    return tuple(outs)

@@ -35,8 +35,8 @@ _BIG = 2**30
 
 
 class BlockMap(NamedTuple):
-    """int32 lists `kv_list [Bm * nq * width_k]`, `kv_count [Bm * nq]`, `q_list [Bm * nk * width_q]`,
-    `q_count [Bm * nk]` (flattened for SMEM; `Bm` = B when `per_batch`, else 1)."""
+    """int32 lists `kv_list [Bm, nq * width_k]`, `kv_count [Bm, nq]`, `q_list [Bm, nk * width_q]`,
+    `q_count [Bm, nk]` (`Bm` = B when `per_batch`, else 1; each kernel call flattens its shard's lists for SMEM)."""
 
     kv_list: jax.Array | np.ndarray
     kv_count: jax.Array | np.ndarray
@@ -54,7 +54,8 @@ def _lists(visits, width: int, xp):
     last = xp.take_along_axis(order, xp.maximum(count - 1, 0)[..., None], axis=-1)
     j = xp.arange(width, dtype=np.int32)
     chosen = xp.where(j < count[..., None], order[..., :width], last)
-    return chosen.reshape(-1).astype(np.int32), count.reshape(-1).astype(np.int32)
+    Bm = visits.shape[0]
+    return chosen.reshape(Bm, -1).astype(np.int32), count.reshape(Bm, -1).astype(np.int32)
 
 
 def from_visits(visits, *, per_batch: bool, static: bool) -> BlockMap:

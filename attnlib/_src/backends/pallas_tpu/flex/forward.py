@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import body
+from . import body, partitioned
 from .operands import Operands, specs
 from .plan import hidden, Plan
 
@@ -70,15 +70,21 @@ def _kernel(plan: Plan, names: list[str], kv_list, kv_count, *refs):
 
 
 def forward(plan: Plan, ops: Operands, kv_list, kv_count) -> tuple[jax.Array, jax.Array]:
-    """`(out [B, K, nq * rows, Hv'], lse [B, K, nq * rows, 1] float32)`."""
+    """`(out [B, K, nq * rows, Hv'], lse [B, K, nq * rows, 1] float32)`; lists `[Bm, ...]` (`block_map.BlockMap`)."""
+    named = dict(q=ops.q, k=ops.k, v=ops.v, scale=ops.scale, seeds=ops.seeds, q_seg=ops.q_seg, q_pos=ops.q_pos,
+                 kv_seg=ops.kv_seg, kv_pos=ops.kv_pos, head=ops.head, q_token=ops.q_token, sinks=ops.sinks,
+                 bias=ops.bias, mask=ops.mask, args=ops.args, kv_list=kv_list, kv_count=kv_count)  # fmt: skip
+    return partitioned.call(plan, "forward", named, ("out", "lse"), _forward_call)
+
+
+def _forward_call(plan: Plan, named: dict) -> tuple[jax.Array, jax.Array]:
+    """The forward `pallas_call` on one shard."""
+    kv_list, kv_count = named.pop("kv_list").reshape(-1), named.pop("kv_count").reshape(-1)
 
     def coords(b, kh, qi, j, kv_list, kv_count):
         row = (b if plan.map_per_batch else 0) * plan.nq + qi
         return b, kh, qi, kv_list[row * plan.width_k + j]
 
-    named = dict(scale=ops.scale, seeds=ops.seeds, q=ops.q, k=ops.k, v=ops.v, q_seg=ops.q_seg, q_pos=ops.q_pos,
-                 kv_seg=ops.kv_seg, kv_pos=ops.kv_pos, head=ops.head, q_token=ops.q_token, sinks=ops.sinks,
-                 bias=ops.bias, mask=ops.mask, args=ops.args)  # fmt: skip
     arrays, in_specs, names = specs(plan, named, coords)
     B, K, R = plan.B, plan.K, plan.nq * plan.rows
     row_spec = lambda d: pl.BlockSpec((None, None, plan.rows, d), lambda b, kh, qi, j, *_: (b, kh, qi, 0))
