@@ -59,6 +59,14 @@ def tanh_cap(score, batch, head, q_idx, kv_idx):
     return 2.0 * jnp.tanh(score / 2.0) + 0.1 * head.astype(jnp.float32)
 
 
+def by_sequence(score, batch, head, q_idx, kv_idx):
+    return score + 0.3 * batch.astype(jnp.float32) - 0.1 * head.astype(jnp.float32)
+
+
+def recent_keys(batch, head, q_idx, kv_idx):
+    return kv_idx >= q_idx - 4 - batch
+
+
 def per_pair(score, batch, head, q_idx, kv_idx, table, doc_q, doc_k):
     return jnp.where(doc_q == doc_k, score * table, score - 1.0)
 
@@ -114,6 +122,11 @@ CASES = {
         ),
         extras=("score_mod_args",),
     ),
+    "thd_modifiers_by_sequence": Case(
+        t=47, s=47, batch=(),
+        kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)), ("score_mod", by_sequence),
+                ("mask_mod", recent_keys), ("diagonal_alignment", "bottom_right")),
+    ),  # fmt: skip
     # priority 3: bias and mask arrays
     "bias_heads": Case(kwargs=(("bias", _f32((1, 6, 37, 53), 21)), ("is_causal", True)), extras=("bias",)),
     "bias_keys_only": Case(kwargs=(("bias", _f32((2, 1, 1, 53), 22)),), extras=("bias",)),
@@ -153,8 +166,8 @@ CASES = {
 }
 
 FAST = ("dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "thd_window", "sinks_soft_cap_mqa",
-        "array_scale", "score_mod_alibi", "mask_mod_prefix_lm", "modifiers_with_args", "bias_heads", "bias_mha",
-        "mask_array", "mla", "bottom_right_lengths", "kv_segments_own_structure")  # fmt: skip
+        "array_scale", "score_mod_alibi", "mask_mod_prefix_lm", "modifiers_with_args", "thd_modifiers_by_sequence",
+        "bias_heads", "bias_mha", "mask_array", "mla", "bottom_right_lengths", "kv_segments_own_structure")  # fmt: skip
 
 COMBINATIONS = {
     "score_mod_segments_sinks": Case(
