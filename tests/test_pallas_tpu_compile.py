@@ -205,8 +205,8 @@ def _flex_cases():
 FLEX_CASES = [
     "dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "segments_causal", "thd_window",
     "sinks_soft_cap_mqa", "array_scale", "score_mod_alibi", "mask_mod_prefix_lm", "score_mod_tanh",
-    "modifiers_with_args", "bias_heads", "bias_keys_only", "mask_array", "mla", "bottom_right_lengths",
-    "kv_segments_own_structure", "thd_kv_own_structure",
+    "modifiers_with_args", "thd_modifiers_by_sequence", "bias_heads", "bias_mha", "bias_keys_only", "mask_array",
+    "mla", "bottom_right_lengths", "kv_segments_own_structure", "thd_kv_own_structure",
 ]  # fmt: skip
 
 
