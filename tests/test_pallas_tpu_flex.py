@@ -654,3 +654,21 @@ def test_automatic_dispatch_on_a_tpu_picks_the_flex_kernel(monkeypatch):
     assert str(explanation).startswith("attnlib would run: pallas_tpu, which runs attnlib's flex kernel")
     plain = attnlib.explain(q, kv, kv, is_causal=True)
     assert plain.implementation == "pallas_tpu" and plain.kernel is None  # splash
+
+
+def test_skipped_tiles_are_neither_loaded_nor_computed(monkeypatch):
+    """Keys that a `mask_mod` hides from every query hold NaN: a tile that read them would turn its rows' output (and
+    gradients) into NaN (`0 · NaN`), so finite results equal to those with finite keys there show the tiles are
+    skipped, forward and backward."""
+    built = _maps(monkeypatch)
+    case = Case(t=64, s=64, kwargs=(("mask_mod", lambda b, h, i, j: j < 32),))
+    q, k, v = _arrays(case, jnp.float32)
+    hide = lambda x: x.at[:, 32:].set(jnp.nan)
+    f = jax.jit(lambda q, k, v: attnlib.attention(q, k, v, implementation=INTERPRET, **_kwargs(case)))
+    g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2)))
+    out, grads = f(q, hide(k), hide(v)), g(q, hide(k), hide(v))
+    assert list(np.ravel(built[0].kv_count)) == [2, 2, 2, 2]
+    np.testing.assert_array_equal(out, f(q, k, v))
+    for a, b in zip(grads, g(q, k, v), strict=True):
+        np.testing.assert_array_equal(a[:, :32], b[:, :32])
+    assert np.isfinite(np.asarray(grads[0])).all()
