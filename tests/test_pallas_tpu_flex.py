@@ -672,3 +672,26 @@ def test_skipped_tiles_are_neither_loaded_nor_computed(monkeypatch):
     for a, b in zip(grads, g(q, k, v), strict=True):
         np.testing.assert_array_equal(a[:, :32], b[:, :32])
     assert np.isfinite(np.asarray(grads[0])).all()
+
+
+@pytest.mark.parametrize(
+    "t, s, band, offset",
+    [(37, 53, (5, 3), 0), (53, 37, (None, 0), -16), (40, 40, (7, None), 0), (29, 61, (2, -3), 32), (64, 64, None, 0)],
+)
+def test_static_tiles_match_the_elementwise_band(t, s, band, offset):
+    """The host map from each tile's range of `j - i` equals `any` of the elementwise band over the tile."""
+    from attnlib._src.backends.pallas_tpu.flex import block_map
+    from attnlib._src.backends.pallas_tpu.flex.plan import Plan
+
+    plan = Plan(B=1, K=1, G=1, T=t, S=s, block_q=8, block_k=16, head_dim=128, value_head_dim=128, dtype=np.float32,
+                band=band, soft_cap=None, bias=None, mask=None, args=(), arg_grads=(), modifiers=None, thd=False,
+                dropout_rate=0.0, sinks=False, precision=None, interpret=True)  # fmt: skip
+    i = np.arange(plan.Tp)[:, None]
+    j = np.arange(plan.Sp)[None, :]
+    want = (i < t) & (j < s)
+    if band is not None:
+        d = j - (i + offset)
+        want &= (d >= -band[0]) if band[0] is not None else True
+        want &= (d <= band[1]) if band[1] is not None else True
+    want = want.reshape(plan.nq, 8, plan.nk, 16).any(axis=(1, 3))
+    np.testing.assert_array_equal(block_map.static_visits(plan, offset, None)[0], want)

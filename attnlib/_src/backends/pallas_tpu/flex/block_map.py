@@ -69,30 +69,28 @@ def from_visits(visits, *, per_batch: bool, static: bool) -> BlockMap:
     return BlockMap(kv_list, kv_count, q_list, q_count, per_batch, width_k, width_q)
 
 
-def _band_allows(band, offset, xp):
-    left, right = band
-    ok = xp.ones(np.shape(offset), bool)
-    if left is not None:
-        ok = ok & (offset >= -left)
-    if right is not None:
-        ok = ok & (offset <= right)
-    return ok
-
-
 def static_visits(plan: Plan, offset: int, mask_mod_visible: np.ndarray | None) -> np.ndarray:
-    """bool `[1, nq, nk]` on the host: real query rows `i < T` and keys `j < S` with `j - (i + offset)` in the
-    band and (`mask_mod_visible [T, S]`) the `mask_mod` true somewhere in the tile."""
-    i = np.arange(plan.Tp)[:, None]
-    j = np.arange(plan.Sp)[None, :]
-    visible = (i < plan.T) & (j < plan.S)
+    """bool `[1, nq, nk]` on the host: tiles holding a real query row `i < T` and key `j < S` with `j - (i + offset)`
+    in the band (per tile, from the range of `j - i`: its rows and keys are contiguous) and, with
+    `mask_mod_visible [T, S]`, the `mask_mod` true somewhere in the tile."""
+    i0 = np.arange(plan.nq)[:, None] * plan.block_q
+    i1 = np.minimum(i0 + plan.block_q, plan.T) - 1
+    j0 = np.arange(plan.nk)[None, :] * plan.block_k
+    j1 = np.minimum(j0 + plan.block_k, plan.S) - 1
+    visible = (i0 <= i1) & (j0 <= j1)
     if plan.band is not None:
-        visible = visible & _band_allows(plan.band, j - (i + offset), np)
+        left, right = plan.band
+        lo, hi = j0 - i1 - offset, j1 - i0 - offset  # the offsets `j - (i + offset)` the tile holds
+        if left is not None:
+            lo = np.maximum(lo, -left)
+        if right is not None:
+            hi = np.minimum(hi, right)
+        visible = visible & (lo <= hi)
     if mask_mod_visible is not None:
         padded = np.zeros((plan.Tp, plan.Sp), bool)
         padded[: plan.T, : plan.S] = mask_mod_visible
-        visible = visible & padded
-    tiles = visible.reshape(plan.nq, plan.block_q, plan.nk, plan.block_k)
-    return tiles.any(axis=(1, 3))[None]
+        visible = visible & padded.reshape(plan.nq, plan.block_q, plan.nk, plan.block_k).any(axis=(1, 3))
+    return visible[None]
 
 
 @functools.lru_cache(maxsize=64)
