@@ -132,10 +132,13 @@ def runtime_visits(plan: Plan, q_seg, q_pos, kv_seg, kv_pos, mask) -> jax.Array:
         qp_lo, qp_hi = _block_range(q_pos, q_ok, bq)
         kp_lo, kp_hi = _block_range(kv_pos, kv_ok, bk)
         left, right = plan.band
+        lo = kp_lo[:, None, :] - qp_hi[:, :, None]  # a range holding every offset `kv_pos - q_pos` of the tile
+        hi = kp_hi[:, None, :] - qp_lo[:, :, None]
         if left is not None:
-            visits = visits & (kp_hi[:, None, :] - qp_lo[:, :, None] >= -left)
+            lo = jnp.maximum(lo, -left)
         if right is not None:
-            visits = visits & (kp_lo[:, None, :] - qp_hi[:, :, None] <= right)
+            hi = jnp.minimum(hi, right)
+        visits = visits & (lo <= hi)
     if mask is not None:
         b, k, g, t, s = mask.shape
         tq, tk = (plan.nq, bq) if t != 1 else (1, 1), (plan.nk, bk) if s != 1 else (1, 1)
