@@ -31,7 +31,8 @@ MAX_STATIC_MASK_MOD_ELEMENTS = 2**24
 """A `mask_mod` is evaluated on the host over at most this many (batch, head, query, key) elements for the static
 map; a larger one is applied in the kernel only (its tiles are computed)."""
 
-_BIG = 2**30
+_BIG = 2**29
+"""Sentinel of an empty block's ranges: differences of two stay inside int32."""
 
 
 class BlockMap(NamedTuple):
