@@ -58,8 +58,14 @@ def unsupported(closed: jex.ClosedJaxpr | None) -> str | None:
 
 
 def _unsupported_in(jaxpr: jex.Jaxpr) -> str | None:
+    for v in jaxpr.invars:
+        if np.dtype(v.aval.dtype).itemsize == 8:
+            return f"64-bit values ({v.aval.dtype} inputs, traced under `jax_enable_x64`)"
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        wide = [v.aval.dtype for v in eqn.outvars if np.dtype(v.aval.dtype).itemsize == 8]
+        if wide:
+            return f"64-bit values (`{name}` gives {wide[0]})"
         inner = _inner(eqn)
         if inner is not None:
             found = _unsupported_in(inner.jaxpr if isinstance(inner, jex.ClosedJaxpr) else inner)
