@@ -71,6 +71,7 @@ CASES = {
         Case("mqa_groups_split", {"is_causal": True}, N=4, K=1),
         Case("flex_bias_window", {"local_window_size": (3, 2)}, N=8, K=2, T=12, S=10, bias=True),
         Case("flex_alibi_segments", {"is_causal": True}, T=12, S=12, segments=True, alibi=True),
+        Case("flex_dropout", {"is_causal": True, "dropout_rate": 0.3, "dropout_key": jax.random.key(4)}, N=8, K=2),
     ]
 }
 
@@ -79,7 +80,9 @@ FLEX_IMPL = attnlib.PallasTpu(interpret=True, flex_blocks=(8, 8))
 
 
 def alibi(score, batch, head, q_idx, kv_idx, slope):
-    return score + slope * (kv_idx - q_idx).astype(jnp.float32)
+    """ALiBi, plus terms in the batch row and head (global indices on every shard)."""
+    shift = 0.1 * batch.astype(jnp.float32) - 0.05 * head.astype(jnp.float32)
+    return score + slope * (kv_idx - q_idx).astype(jnp.float32) + shift
 
 
 def make_inputs(case: Case, seed: int = 0) -> tuple[dict, dict]:
@@ -112,7 +115,7 @@ def program(case: Case):
         kwargs = {k: v for k, v in rest.items() if k not in ("d_out", "d_lse")}
         if case.alibi:
             kwargs.update(score_mod=alibi, score_mod_args=(diff["slopes"],))
-        flex = case.bias or case.alibi
+        flex = case.bias or case.alibi or "dropout_rate" in case.kwargs
         out, lse = attnlib.attention(
             diff["query"], diff["key"], diff["value"], diff.get("bias"), implementation=FLEX_IMPL if flex else IMPL,
             return_residual=True, **case.kwargs, sinks=diff.get("sinks"), **kwargs,
@@ -155,7 +158,7 @@ def compare(actual, expected) -> None:
         assert_grad_close(grads[name], grads_ref[name], DTYPE, what=f"d{name}")
 
 
-FAST = {"gqa_sinks", "segments", "flex_bias_window", "flex_alibi_segments"}
+FAST = {"gqa_sinks", "segments", "flex_bias_window", "flex_alibi_segments", "flex_dropout"}
 """The cases of the fast tier; the rest are `full`. `gqa_sinks` is GQA and causal (T > S) with sinks split over
 `model`; the causal GQA case with T < S (`gqa_causal`) also runs in the fast tier, resharded, in
 `test_sequence_split_is_resharded_with_one_log_line`."""

@@ -98,7 +98,7 @@ def _operands(plan: Plan, scale, q, k, v, bias, sinks, args, fixed) -> operands.
         seeds=fixed["seeds"],
         q=operands.to_rows(plan, q, H), k=kv(k, H), v=kv(v, Hv),
         q_seg=fixed["q_seg"], q_pos=fixed["q_pos"], kv_seg=fixed["kv_seg"], kv_pos=fixed["kv_pos"],
-        head=jnp.asarray(operands.head_rows(plan)),
+        head=jnp.asarray(operands.head_rows(plan)), batch=jnp.asarray(operands.batch_rows(plan)),
         q_token=None if plan.dropout_rate == 0 else jnp.asarray(operands.q_token_rows(plan)),
         sinks=None if sinks is None else operands.sinks_rows(plan, sinks),
         bias=None if bias is None else operands.grouped(plan, bias, plan.bias),

@@ -28,14 +28,15 @@ from .operands import gradient_shape, gradient_spec, Operands, specs
 from .plan import Plan
 
 
-def _probabilities(plan: Plan, r: dict, b, kh, kj):
-    """`(tile, p, dp)` of one tile: probabilities from the saved `lse` and `dP = dO·vᵀ`, with dropout applied."""
-    t = body.tile(plan, r, b, kh, kj)
+def _probabilities(plan: Plan, r: dict, kj):
+    """`(tile, p, p_kept, dp)` of one tile: probabilities from the saved `lse`, those dropout keeps (scaled) and
+    `dP = dO·vᵀ` (dropout applied)."""
+    t = body.tile(plan, r, backward=True)
     p = jnp.exp(body.masked(t) - body.row_shift(r["lse"][...]))
     dp = body.dot_t(r["do"][...], r["v"][...], plan.precision)
     p_kept = p
     if plan.dropout_rate > 0:
-        keep = body.dropout_keep(plan, r, b, kh, kj)
+        keep = body.dropout_keep(plan, r, kj)
         scale = 1.0 / (1.0 - plan.dropout_rate)
         p_kept = jnp.where(keep, p * scale, 0.0)
         dp = jnp.where(keep, dp * scale, 0.0)
@@ -56,7 +57,7 @@ def _dkv_kernel(plan: Plan, names: list[str], q_list, q_count, *refs):
 
     @pl.when(i < q_count[row])
     def _compute():
-        t, p, p_kept, dp = _probabilities(plan, r, b, kh, kj)
+        t, p, p_kept, dp = _probabilities(plan, r, kj)
         do, q = r["do"][...], r["q"][...]
         dv_scr[...] += body.dot_tn(p_kept.astype(do.dtype), do, plan.precision)
         ds, _ = t.backward(p * (dp - r["di"][...]))
@@ -101,7 +102,7 @@ def _dq_kernel(plan: Plan, names: list[str], n_grads: int, kv_list, kv_count, *r
     @pl.when(j < kv_count[row])
     def _compute():
         kj = kv_list[row * plan.width_k + j]
-        t, p, _, dp = _probabilities(plan, r, b, kh, kj)
+        t, p, _, dp = _probabilities(plan, r, kj)
         ds, d_args = t.backward(p * (dp - r["di"][...]))
         k = r["k"][...]
         dq_scr[...] += body.dot(ds.astype(k.dtype), k, plan.precision)
@@ -123,7 +124,7 @@ def _settings(plan: Plan, semantics: tuple[str, ...]) -> dict:
 
 def _named(ops: Operands, do, lse, di) -> dict:
     return dict(q=ops.q, k=ops.k, v=ops.v, scale=ops.scale, seeds=ops.seeds, q_seg=ops.q_seg, q_pos=ops.q_pos,
-                kv_seg=ops.kv_seg, kv_pos=ops.kv_pos, head=ops.head, q_token=ops.q_token, bias=ops.bias,
+                kv_seg=ops.kv_seg, kv_pos=ops.kv_pos, head=ops.head, batch=ops.batch, q_token=ops.q_token, bias=ops.bias,
                 mask=ops.mask, args=ops.args, do=do, lse=lse, di=di)  # fmt: skip
 
 

@@ -62,9 +62,9 @@ def dot_tn(a: jax.Array, b: jax.Array, precision) -> jax.Array:
                                precision=precision)  # fmt: skip
 
 
-def tile(plan: Plan, refs: dict, b, kh, kj) -> Tile:
-    """The scores and visibility of the tile whose query block is loaded in `refs["q"]` and key block `kj` in
-    `refs["k"]` (batch row `b`, key/value head `kh`)."""
+def tile(plan: Plan, refs: dict, *, backward: bool = False) -> Tile:
+    """The scores and visibility of the tile whose query and key blocks are loaded in `refs`; `backward`: with the
+    chain rule back through the modifiers (`Tile.backward`, the `score_mod` evaluated once, under `jax.vjp`)."""
     shape = (plan.rows, plan.block_k)
     q_seg, kv_seg = refs["q_seg"][...], refs["kv_seg"][...]  # [rows, 1], [1, bk]
     allowed = (q_seg != 0) & (q_seg == kv_seg)
@@ -88,8 +88,8 @@ def tile(plan: Plan, refs: dict, b, kh, kj) -> Tile:
     args: list = []
     indices: tuple = ()
     if plan.modifiers is not None:
-        batch = jnp.maximum(q_seg - 1, 0) if plan.thd else jnp.full((1, 1), b, jnp.int32)
-        head = refs["head"][...] + kh * plan.G
+        batch = jnp.maximum(q_seg - 1, 0) if plan.thd else refs["batch"][...]
+        head = refs["head"][...]
         indices = (batch, head, q_pos, kv_pos)
         args = [_grouped_block(plan, refs[f"arg{i}"], dtype) for i, dtype in enumerate(plan.modifiers.arg_dtypes)]
         if plan.mask_mod is not None:
@@ -106,33 +106,38 @@ def tile(plan: Plan, refs: dict, b, kh, kj) -> Tile:
         out = elementwise.evaluate(plan.score_mod, plan.score_mod.consts, (s_raw, *indices, *all_args), shape)
         return out.astype(jnp.float32)
 
+    vjp = None
     if plan.score_mod is not None:
-        s = modified(s_raw, *(args[i] for i in grads))
+        float_args = tuple(args[i] for i in grads)
+        if backward:
+            s, vjp = jax.vjp(modified, s_raw, *float_args)
+        else:
+            s = modified(s_raw, *float_args)
         allowed = allowed & (s >= np.finfo(np.float32).min)
     if plan.soft_cap is not None:
         c = jnp.float32(plan.soft_cap)
         s = c * jnp.tanh(s / c)
 
-    def backward(ds):
+    def chain(ds):
         if plan.soft_cap is not None:
             ds = ds * (1.0 - jnp.square(s / jnp.float32(plan.soft_cap)))
-        if plan.score_mod is None:
+        if vjp is None:
             return ds, []
-        _, vjp = jax.vjp(modified, s_raw, *(args[i] for i in grads))
         ds_raw, *d_args = vjp(ds)
         return ds_raw, [d.astype(jnp.float32) for d in d_args]
 
-    return Tile(s, allowed, backward)
+    return Tile(s, allowed, chain)
 
 
-def dropout_keep(plan: Plan, refs: dict, b, kh, kj) -> jax.Array:
+def dropout_keep(plan: Plan, refs: dict, kj) -> jax.Array:
     """bool `[rows, bk]`: the probabilities of the tile that survive dropout (`dropout.keep_mask_from_seeds` on the
     canonical batch row, query head, query token and key token: the plain-JAX implementations' mask)."""
     seeds = (refs["seeds"][0], refs["seeds"][1])
-    head = refs["head"][...] + kh * plan.G
     q_token = refs["q_token"][...]
     k_token = kj * plan.block_k + jax.lax.broadcasted_iota(jnp.int32, (1, plan.block_k), 1)
-    return dropout_lib.keep_mask_from_seeds(seeds, plan.dropout_rate, b, head, q_token, k_token)
+    return dropout_lib.keep_mask_from_seeds(
+        seeds, plan.dropout_rate, refs["batch"][...], refs["head"][...], q_token, k_token
+    )
 
 
 def masked(t: Tile) -> jax.Array:

@@ -35,7 +35,7 @@ def _kernel(plan: Plan, names: list[str], kv_list, kv_count, *refs):
     @pl.when(j < kv_count[row])
     def _compute():
         kj = kv_list[row * plan.width_k + j]
-        t = body.tile(plan, r, b, kh, kj)
+        t = body.tile(plan, r)
         s = body.masked(t)
         m_prev = m_scr[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
@@ -44,7 +44,7 @@ def _kernel(plan: Plan, names: list[str], kv_list, kv_count, *refs):
         p = jnp.exp(s - shift)
         l_scr[...] = l_scr[...] * rescale + jnp.sum(p, axis=-1, keepdims=True)
         if plan.dropout_rate > 0:
-            p = jnp.where(body.dropout_keep(plan, r, b, kh, kj), p, 0.0)
+            p = jnp.where(body.dropout_keep(plan, r, kj), p, 0.0)
         v = r["v"][...]
         acc_scr[...] = acc_scr[...] * rescale + body.dot(p.astype(v.dtype), v, plan.precision)
         m_scr[...] = m_new
@@ -72,7 +72,7 @@ def _kernel(plan: Plan, names: list[str], kv_list, kv_count, *refs):
 def forward(plan: Plan, ops: Operands, kv_list, kv_count) -> tuple[jax.Array, jax.Array]:
     """`(out [B, K, nq * rows, Hv'], lse [B, K, nq * rows, 1] float32)`; lists `[Bm, ...]` (`block_map.BlockMap`)."""
     named = dict(q=ops.q, k=ops.k, v=ops.v, scale=ops.scale, seeds=ops.seeds, q_seg=ops.q_seg, q_pos=ops.q_pos,
-                 kv_seg=ops.kv_seg, kv_pos=ops.kv_pos, head=ops.head, q_token=ops.q_token, sinks=ops.sinks,
+                 kv_seg=ops.kv_seg, kv_pos=ops.kv_pos, head=ops.head, batch=ops.batch, q_token=ops.q_token, sinks=ops.sinks,
                  bias=ops.bias, mask=ops.mask, args=ops.args, kv_list=kv_list, kv_count=kv_count)  # fmt: skip
     return partitioned.call(plan, "forward", named, ("out", "lse"), _forward_call)
 

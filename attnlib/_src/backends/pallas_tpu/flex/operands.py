@@ -30,7 +30,8 @@ class Operands(NamedTuple):
     q_pos: jax.Array | None  # int32 [B, nq * rows, 1]
     kv_seg: jax.Array  # int32 [B, 1, S']
     kv_pos: jax.Array | None  # int32 [B, 1, S']
-    head: jax.Array  # int32 [rows, 1]: the query head within the group of each row
+    head: jax.Array  # int32 [K, rows, 1]: the query head of each row (global: right on every shard)
+    batch: jax.Array  # int32 [B, 1, 1]: the canonical batch row (global: right on every shard)
     q_token: jax.Array | None  # int32 [nq * rows, 1]: the query token index of each row (dropout)
     sinks: jax.Array | None  # f32 [K, rows, 1]
     bias: jax.Array | None  # [B|1, K|1, G|1, T'|1, S'|1]
@@ -65,7 +66,13 @@ def token_rows(plan: Plan, x: jax.Array) -> jax.Array:
 
 
 def head_rows(plan: Plan) -> np.ndarray:
-    return np.repeat(np.arange(plan.G, dtype=np.int32), plan.block_q)[:, None]
+    """int32 `[K, rows, 1]`: the query head `kh · G + g` of each row of each key/value head's blocks."""
+    g = np.repeat(np.arange(plan.G, dtype=np.int32), plan.block_q)[None, :, None]
+    return (np.arange(plan.K, dtype=np.int32)[:, None, None] * plan.G + g).astype(np.int32)
+
+
+def batch_rows(plan: Plan) -> np.ndarray:
+    return np.arange(plan.B, dtype=np.int32)[:, None, None]
 
 
 def q_token_rows(plan: Plan) -> np.ndarray:
@@ -123,7 +130,8 @@ def specs(plan: Plan, named: dict, coords: Coords) -> tuple[list, list, list[str
         "q_pos": pl.BlockSpec((None, rows, 1), at(lambda b, kh, qi, kj: (b, qi, 0))),
         "kv_seg": pl.BlockSpec((None, 1, bk), at(lambda b, kh, qi, kj: (b, 0, kj))),
         "kv_pos": pl.BlockSpec((None, 1, bk), at(lambda b, kh, qi, kj: (b, 0, kj))),
-        "head": pl.BlockSpec((rows, 1), lambda *idx: (0, 0)),
+        "head": pl.BlockSpec((None, rows, 1), at(lambda b, kh, qi, kj: (kh, 0, 0))),
+        "batch": pl.BlockSpec((None, 1, 1), at(lambda b, kh, qi, kj: (b, 0, 0))),
         "q_token": pl.BlockSpec((rows, 1), at(lambda b, kh, qi, kj: (qi, 0))),
         "sinks": pl.BlockSpec((None, rows, 1), at(lambda b, kh, qi, kj: (kh, 0, 0))),
         "do": pl.BlockSpec((None, None, rows, Hv), at(row_block)),

@@ -33,6 +33,8 @@ _DIMS: dict[str, tuple[Dim, ...]] = {
     "kv_seg": (BATCH, None, "s"),
     "kv_pos": (BATCH, None, "s"),
     "sinks": (KV_HEADS, None, None),
+    "head": (KV_HEADS, None, None),
+    "batch": (BATCH, None, None),
     "partial": (BATCH, KV_HEADS, None, None, None, None),
 }
 
