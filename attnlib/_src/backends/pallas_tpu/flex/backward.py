@@ -123,9 +123,8 @@ def _settings(plan: Plan, semantics: tuple[str, ...]) -> dict:
 
 
 def _named(ops: Operands, do, lse, di) -> dict:
-    return dict(q=ops.q, k=ops.k, v=ops.v, scale=ops.scale, seeds=ops.seeds, q_seg=ops.q_seg, q_pos=ops.q_pos,
-                kv_seg=ops.kv_seg, kv_pos=ops.kv_pos, head=ops.head, batch=ops.batch, q_token=ops.q_token, bias=ops.bias,
-                mask=ops.mask, args=ops.args, do=do, lse=lse, di=di)  # fmt: skip
+    """The backward kernels' operands (the sinks enter through `lse`)."""
+    return dict({n: x for n, x in ops._asdict().items() if n != "sinks"}, do=do, lse=lse, di=di)
 
 
 def dkv(plan: Plan, ops: Operands, do, lse, di, q_list, q_count) -> tuple[jax.Array, jax.Array]:

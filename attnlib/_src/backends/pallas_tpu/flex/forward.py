@@ -71,9 +71,7 @@ def _kernel(plan: Plan, names: list[str], kv_list, kv_count, *refs):
 
 def forward(plan: Plan, ops: Operands, kv_list, kv_count) -> tuple[jax.Array, jax.Array]:
     """`(out [B, K, nq * rows, Hv'], lse [B, K, nq * rows, 1] float32)`; lists `[Bm, ...]` (`block_map.BlockMap`)."""
-    named = dict(q=ops.q, k=ops.k, v=ops.v, scale=ops.scale, seeds=ops.seeds, q_seg=ops.q_seg, q_pos=ops.q_pos,
-                 kv_seg=ops.kv_seg, kv_pos=ops.kv_pos, head=ops.head, batch=ops.batch, q_token=ops.q_token, sinks=ops.sinks,
-                 bias=ops.bias, mask=ops.mask, args=ops.args, kv_list=kv_list, kv_count=kv_count)  # fmt: skip
+    named = dict(ops._asdict(), kv_list=kv_list, kv_count=kv_count)
     return partitioned.call(plan, "forward", named, ("out", "lse"), _forward_call)
 
 

@@ -21,11 +21,11 @@ from .plan import ArraySpec, Plan
 class Operands(NamedTuple):
     """Arrays the kernels read (None where absent)."""
 
-    scale: jax.Array  # f32 [1] (SMEM)
-    seeds: jax.Array | None  # uint32 [2] (SMEM)
-    q: jax.Array  # [B, K, nq * rows, H']
+    q: jax.Array  # [B, K, nq * rows, H'] (first: the partitioned calls read the batch and heads from it)
     k: jax.Array  # [B, K, S', H']
     v: jax.Array  # [B, K, S', Hv']
+    scale: jax.Array  # f32 [1] (SMEM)
+    seeds: jax.Array | None  # uint32 [2] (SMEM)
     q_seg: jax.Array  # int32 [B, nq * rows, 1]
     q_pos: jax.Array | None  # int32 [B, nq * rows, 1]
     kv_seg: jax.Array  # int32 [B, 1, S']
