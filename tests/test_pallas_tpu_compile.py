@@ -205,8 +205,8 @@ def _flex_cases():
 FLEX_CASES = [
     "dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "segments_causal", "thd_window",
     "sinks_soft_cap_mqa", "array_scale", "score_mod_alibi", "mask_mod_prefix_lm", "score_mod_tanh",
-    "modifiers_with_args", "thd_modifiers_by_sequence", "bias_heads", "bias_mha", "bias_keys_only", "mask_array",
-    "mla", "bottom_right_lengths", "kv_segments_own_structure", "thd_kv_own_structure",
+    "score_mod_nested_ops", "modifiers_with_args", "thd_modifiers_by_sequence", "bias_heads", "bias_mha",
+    "bias_keys_only", "mask_array", "mla", "bottom_right_lengths", "kv_segments_own_structure", "thd_kv_own_structure",
 ]  # fmt: skip
 
 
@@ -253,9 +253,12 @@ def test_flex_cases_compile_for_a_v5e(name, v5e_chip, monkeypatch):
 
 
 def _compile_tree(fn, args, sharding):
+    """`_compile` for a tree of arguments. Mosaic lowers integer `//` and `%` (through `sign`) by the default device's
+    TPU generation: the deviceless v5e chip's here."""
     abstract = jax.tree.map(lambda x: _abstract(x, sharding), args)
-    lowered = jax.jit(fn).trace(*abstract).lower()
-    return lowered.as_text(), lowered.compile()
+    with jax.default_device(next(iter(sharding.device_set))):
+        lowered = jax.jit(fn).trace(*abstract).lower()
+        return lowered.as_text(), lowered.compile()
 
 
 @pytest.mark.parametrize("feature", ["dropout", "float32_highest", "deterministic"])
@@ -308,9 +311,7 @@ def test_flex_realistic_shapes_compile_and_fit_a_v5e(name, v5e_chip):
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     fn = jax.grad(loss, argnums=tuple(range(3 + len(extra))))
-    # Mosaic lowers integer `//` (through `sign`) by the default device's TPU generation: the deviceless v5e chip's.
-    with jax.default_device(next(iter(v5e_chip.device_set))):
-        text, compiled = _compile_tree(fn, (q, k, v, *extra), v5e_chip)
+    text, compiled = _compile_tree(fn, (q, k, v, *extra), v5e_chip)
     assert text.count(MOSAIC) == 3, text.count(MOSAIC)
     memory = compiled.memory_analysis()
     used = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes

@@ -59,6 +59,14 @@ def tanh_cap(score, batch, head, q_idx, kv_idx):
     return 2.0 * jnp.tanh(score / 2.0) + 0.1 * head.astype(jnp.float32)
 
 
+def nested_ops(score, batch, head, q_idx, kv_idx):
+    """Nested calls (`custom_jvp` relu / logaddexp, `jit` clip / where), integer `//` and `%`, sigmoid."""
+    distance = jnp.clip((q_idx - kv_idx).astype(jnp.float32), -6.0, 6.0)
+    bucket = ((q_idx // 5) % 3).astype(jnp.float32)
+    s = jnp.logaddexp(score, 0.3 * bucket) + 0.2 * jax.nn.relu(distance) - jax.nn.sigmoid(score)
+    return jnp.where(kv_idx % 7 == 3, -jnp.inf, s)
+
+
 def by_sequence(score, batch, head, q_idx, kv_idx):
     return score + 0.3 * batch.astype(jnp.float32) - 0.1 * head.astype(jnp.float32)
 
@@ -112,6 +120,7 @@ CASES = {
     ),
     "mask_mod_prefix_lm": Case(kwargs=(("mask_mod", prefix_lm),)),
     "score_mod_tanh": Case(kwargs=(("score_mod", tanh_cap),)),
+    "score_mod_nested_ops": Case(kwargs=(("score_mod", nested_ops), ("is_causal", True))),
     "modifiers_with_args": Case(
         t=37,
         s=53,
@@ -166,8 +175,9 @@ CASES = {
 }
 
 FAST = ("dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "thd_window", "sinks_soft_cap_mqa",
-        "array_scale", "score_mod_alibi", "mask_mod_prefix_lm", "modifiers_with_args", "thd_modifiers_by_sequence",
-        "bias_heads", "bias_mha", "mask_array", "mla", "bottom_right_lengths", "kv_segments_own_structure")  # fmt: skip
+        "array_scale", "score_mod_alibi", "score_mod_nested_ops", "mask_mod_prefix_lm", "modifiers_with_args",
+        "thd_modifiers_by_sequence", "bias_heads", "bias_mha", "mask_array", "mla", "bottom_right_lengths",
+        "kv_segments_own_structure")  # fmt: skip
 
 COMBINATIONS = {
     "score_mod_segments_sinks": Case(
