@@ -574,10 +574,8 @@ def test_tpu_flex_dropout(name):
            dropout_key=key)  # fmt: skip
 
 
-@pytest.mark.tpu
-def test_tpu_flex_float32_highest():
-    with jax.default_matmul_precision("highest"):
-        _check(CASES["causal_top_left"], jnp.float32, attnlib.PallasTpu())
+# float32 under "highest" on a TPU (the flex kernel, with the device's own float32 costs in the bound):
+# `tests/test_pallas_tpu.py::test_tpu_float32_under_highest_precision_runs_the_flex_kernel`.
 
 
 # ------------------------------------------------------------------------------------------------------------------
