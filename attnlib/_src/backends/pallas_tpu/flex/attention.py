@@ -44,6 +44,7 @@ def runtime_structure(config: AttentionConfig) -> bool:
 
 
 def plan_of(config: AttentionConfig, problem: canonical.Problem, interpret: bool, block_sizes=None) -> Plan:
+    """The static plan of a canonical problem (its block map's widths are filled in by `attend`)."""
     B, T, N, H = problem.query.shape
     S = problem.key.shape[1]
     K = config.num_kv_heads
