@@ -268,14 +268,15 @@ def test_bfloat16(strategy):
 @pytest.mark.parametrize(
     "name,strategy",
     [pytest.param(n, s, marks=() if (n, s) == ("causal", "ring") else (pytest.mark.full,))
-     for n in ("causal", "window_causal", "lengths", "bottom_right_cross") for s in ("ring", "all_gather")],
+     for n in ("causal", "window_causal", "lengths", "bottom_right_cross", "segments", "gqa_mla_sinks_softcap")
+     for s in ("ring", "all_gather")],
 )  # fmt: skip
 def test_pallas_tpu_serves_the_steps(name, strategy, check_vma, monkeypatch):
     """`implementation=(PallasTpu(interpret=True), "xla")` composes per step inside `shard_map(check_vma=False)`:
     splash (in interpret mode) serves the steps it can (the others are logged and run on `xla`), and the result
     equals single-device attention. With `check_vma=True` pallas_tpu declines every step (its kernels cannot type
     their outputs' variation) and `xla` serves them, with the same result. (Steps of packed rows carry a mask array,
-    which splash declines: segment ids run on `xla`.)"""
+    and MLA steps have `Hv != H`, which splash declines: attnlib's flex kernel runs them.)"""
     served = []
     serve = attnlib.PallasTpu.attention
 

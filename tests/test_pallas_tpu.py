@@ -365,15 +365,19 @@ def _qkv(t=37, s=53, n=6, k=2, h=8, hv=8, dtype=jnp.float32):
 
 
 DECLINES = {
+    "float16": (dict(dtype=jnp.float16), "float16 inputs"),
+    "head_dim": (dict(h=264, hv=264), "H=264"),
+    "value_head_dim": (dict(hv=264), "Hv=264"),
+    "fp8": (dict(fp8="current"), "FP8"),
+}
+"""What neither splash nor attnlib's flex kernel serves."""
+
+FLEX_SERVES = {
     "bias": (dict(bias=jnp.zeros((2, 6, 37, 53))), "`bias`"),
     "mask": (dict(mask=jnp.ones((37, 53), bool)), "`mask` arrays"),
     "dropout": (dict(dropout_rate=0.1, dropout_key=jax.random.key(0)), "dropout"),
     "score_mod": (dict(score_mod=lambda s, b, h, i, j: s * 0.5), "`score_mod`"),
     "deterministic": (dict(deterministic_backward=True), "deterministic_backward"),
-    "float16": (dict(dtype=jnp.float16), "float16 inputs"),
-    "head_dim": (dict(h=264, hv=264), "H=264"),
-    "value_head_dim": (dict(hv=264), "Hv=264"),
-    "fp8": (dict(fp8="current"), "FP8"),
     "causal_separate_kv_segments": (
         dict(t=41, s=41, is_causal=True, q_segment_ids=jnp.ones((2, 41), jnp.int32),
              kv_segment_ids=jnp.ones((2, 41), jnp.int32)),
@@ -384,6 +388,20 @@ DECLINES = {
         "bottom-right aligned causal mask or window with padding lengths",
     ),
 }
+"""What splash declines and attnlib's flex kernel serves (tests/test_pallas_tpu_flex.py checks the numbers)."""
+
+
+@pytest.mark.parametrize("name", list(FLEX_SERVES))
+def test_splash_declines_and_the_flex_kernel_serves(name):
+    kw, match = FLEX_SERVES[name]
+    kw = dict(kw)
+    sizes = {n: kw.pop(n) for n in ("t", "s", "n", "k", "h", "hv", "dtype") if n in kw}
+    q, k, v = _qkv(**sizes)
+    explanation = attnlib.explain(q, k, v, implementation=INTERPRET, **kw)
+    assert explanation.implementation == "pallas_tpu"
+    assert explanation.kernel.startswith("runs attnlib's flex kernel (splash declined: "), explanation.kernel
+    assert match in explanation.kernel
+    assert "attnlib's flex kernel" in str(explanation)
 
 
 def _decline_call(name):
@@ -541,20 +559,19 @@ def test_tpu_float32_at_the_default_precision_runs_fused(name):
 @pytest.mark.tpu
 @pytest.mark.parametrize("precision", ["highest", "float32"])
 @pytest.mark.parametrize("name", FLOAT32_CASES)
-def test_tpu_float32_under_highest_precision_falls_back_to_full_precision_matmuls(name, precision):
+def test_tpu_float32_under_highest_precision_runs_the_flex_kernel(name, precision):
     """Under `jax.default_matmul_precision("highest")` splash (one bfloat16 pass) cannot give what is asked, so
-    float32 declines there with the reason, and automatic dispatch falls back to a plain-JAX implementation with
-    full-precision products. A TPU's float32 `exp` and `log` are not a CPU's (on a v5e the fallback's `lse` was off
-    by up to 1.1e-4 against float64, beyond the host tolerance that a CPU meets): the bound adds what float32 costs
-    on the device itself, measured by the textbook formula run there (`_assert_tpu_float32_close`)."""
+    float32 runs on attnlib's flex kernel there, with full-precision products (explain names it). A TPU's float32
+    `exp` and `log` are not a CPU's (on a v5e the plain-JAX fallback's `lse` was off by up to 1.1e-4 against
+    float64, beyond the host tolerance that a CPU meets): the bound adds what float32 costs on the device itself,
+    measured by the textbook formula run there (`_assert_tpu_float32_close`)."""
     case = CASES[name]
     q, k, v = _arrays(case, jnp.float32)
     with jax.default_matmul_precision(precision):
-        explanation = attnlib.explain(q, k, v, **_kwargs(case))
-        assert explanation.implementation in ("xla_chunked", "xla")
-        reason = explanation.declined["pallas_tpu"]
-        assert reason.startswith(f"float32 inputs under jax.default_matmul_precision('{precision}')"), reason
-        _assert_tpu_float32_close(case, None)
+        explanation = attnlib.explain(q, k, v, implementation=attnlib.PallasTpu(), **_kwargs(case))
+        assert explanation.implementation == "pallas_tpu"  # attnlib's flex kernel, full-precision products
+        assert f"float32 inputs under jax.default_matmul_precision('{precision}')" in explanation.kernel
+        _assert_tpu_float32_close(case, attnlib.PallasTpu())
 
 
 def test_float32_on_a_tpu_follows_the_precision_asked(monkeypatch):
@@ -567,13 +584,15 @@ def test_float32_on_a_tpu_follows_the_precision_asked(monkeypatch):
     for precision in ("highest", "float32", "high", "tensorfloat32"):
         with jax.default_matmul_precision(precision):
             explanation = attnlib.explain(q, k, v, implementation=forced)
-        assert explanation.implementation == "xla"
-        assert f"jax.default_matmul_precision('{precision}')" in explanation.declined["pallas_tpu"]
-    with jax.default_matmul_precision("highest"):  # interpret mode keeps float32 (tests on CPU)
-        assert attnlib.explain(q, k, v, implementation=INTERPRET).implementation == "pallas_tpu"
+        # splash declines; attnlib's flex kernel serves it with full-precision products
+        assert explanation.implementation == "pallas_tpu"
+        assert f"jax.default_matmul_precision('{precision}')" in explanation.kernel
+    assert attnlib.explain(q, k, v, implementation=forced).kernel is None  # the default precision: splash
+    with jax.default_matmul_precision("highest"):  # interpret mode routes as a TPU does
+        assert "flex kernel" in attnlib.explain(q, k, v, implementation=INTERPRET).kernel
     jax.config.update("jax_default_matmul_precision", "highest")  # the config, not only the context manager
     try:
-        assert attnlib.explain(q, k, v, implementation=forced).implementation == "xla"
+        assert "flex kernel" in attnlib.explain(q, k, v, implementation=forced).kernel
     finally:
         jax.config.update("jax_default_matmul_precision", None)
     q, k, v = _arrays(CASES["dense"], jnp.bfloat16)

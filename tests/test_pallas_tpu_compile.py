@@ -327,3 +327,128 @@ def test_serving_step_in_shard_map_compiles_for_a_v5e_slice(v5e_slice, v5e_tuned
     assert not re.search(r"\ball-gather(?:-start)?\(", text), text
     calls = [line for line in text.splitlines() if MOSAIC in line]
     assert len(calls) == 1 and "bf16[1024,8,128]" in calls[0], calls
+
+
+# attnlib's flex kernel (where splash declines): every feature case, forward and gradients, compiled for a v5e
+
+
+def _flex_cases():
+    import test_pallas_tpu_flex as flex_cases
+
+    return flex_cases
+
+
+FLEX_CASES = [
+    "dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "segments_causal", "thd_window",
+    "sinks_soft_cap_mqa", "array_scale", "score_mod_alibi", "mask_mod_prefix_lm", "score_mod_tanh",
+    "score_mod_nested_ops", "modifiers_with_args", "thd_modifiers_by_sequence", "bias_heads", "bias_mha",
+    "bias_keys_only", "mask_array", "mla", "bottom_right_lengths", "kv_segments_own_structure", "thd_kv_own_structure",
+]  # fmt: skip
+
+
+def _flex_program(case, dtype, **more):
+    """`(fn, primals)`: the gradients of a loss reading `out` and the finite `lse` with respect to query, key, value
+    and the case's differentiated extras."""
+    flex_cases = _flex_cases()
+    q, k, v = flex_cases._arrays(case, dtype)
+    kw, names, extras = flex_cases._split(case, {**flex_cases._kwargs(case), **more})
+
+    def loss(q, k, v, *extras):
+        full = dict(kw)
+        for (name, args, floats), x in zip(names, extras, strict=True):
+            if name == "score_mod_args":
+                args = list(args)
+                for i, a in zip(floats, x, strict=True):
+                    args[i] = a
+                x = tuple(args)
+            full[name] = x
+        out, lse = attnlib.attention(q, k, v, implementation=attnlib.PallasTpu(), return_residual=True, **full)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    primals = (q, k, v, *extras)
+    return jax.grad(loss, argnums=tuple(range(len(primals)))), primals
+
+
+def _force_flex(monkeypatch):
+    from attnlib._src.backends.pallas_tpu import implementation
+
+    original = implementation.PallasTpu.splash_reason
+    monkeypatch.setattr(implementation.PallasTpu, "splash_reason",
+                        lambda self, config: original(self, config) or "forced to the flex kernel by the test")
+
+
+@pytest.mark.parametrize("name", FLEX_CASES)
+def test_flex_cases_compile_for_a_v5e(name, v5e_chip, monkeypatch):
+    """The flex forward, dK/dV and dQ kernels (three Mosaic calls) of every feature case in bfloat16, with 128-blocks
+    and head dims padded to 128 lanes."""
+    _force_flex(monkeypatch)
+    case = _flex_cases().CASES[name]
+    fn, primals = _flex_program(case, jnp.bfloat16)
+    text, _ = _compile_tree(fn, primals, v5e_chip)
+    assert text.count(MOSAIC) == 3, text.count(MOSAIC)
+
+
+def _compile_tree(fn, args, sharding):
+    """`_compile` for a tree of arguments. Mosaic lowers integer `//` and `%` (through `sign`) by the default device's
+    TPU generation: the deviceless v5e chip's here."""
+    abstract = jax.tree.map(lambda x: _abstract(x, sharding), args)
+    with jax.default_device(next(iter(sharding.device_set))):
+        lowered = jax.jit(fn).trace(*abstract).lower()
+        return lowered.as_text(), lowered.compile()
+
+
+@pytest.mark.parametrize("feature", ["dropout", "float32_highest", "deterministic"])
+def test_flex_features_compile_for_a_v5e(feature, v5e_chip, monkeypatch):
+    case = _flex_cases().CASES["causal_top_left"]
+    more, dtype, setting = {}, jnp.bfloat16, contextlib.nullcontext()
+    if feature == "dropout":
+        more = dict(dropout_rate=0.25, dropout_key=jax.random.key(3))
+    elif feature == "float32_highest":
+        dtype, setting = jnp.float32, jax.default_matmul_precision("highest")
+    else:
+        more = dict(deterministic_backward=True)
+    fn, primals = _flex_program(case, dtype, **more)
+    with setting:
+        text, _ = _compile_tree(fn, primals, v5e_chip)
+    assert text.count(MOSAIC) == 3, text.count(MOSAIC)
+
+
+FLEX_SHAPES = {  # (B, T, S, N, K, H, Hv, kwargs): realistic shapes on the flex kernel
+    "alibi_causal_gqa8_4k": (2, 4096, 4096, 32, 4, 128, 128, "alibi"),
+    "mla_192_128_causal_2k": (2, 2048, 2048, 16, 16, 192, 128, "causal"),
+    "bias_dropout_2k": (2, 2048, 2048, 16, 16, 64, 64, "bias_dropout"),
+    "document_mask_mod_8k": (1, 8192, 8192, 16, 8, 128, 128, "documents"),
+}
+
+
+@pytest.mark.parametrize("name", list(FLEX_SHAPES))
+def test_flex_realistic_shapes_compile_and_fit_a_v5e(name, v5e_chip):
+    """Forward + backward of realistic flex shapes compile for a v5e (VMEM included) and fit its HBM."""
+    B, T, S, N, K, H, Hv, kind = FLEX_SHAPES[name]
+    q = jnp.zeros((B, T, N, H), jnp.bfloat16)
+    k, v = jnp.zeros((B, S, K, H), jnp.bfloat16), jnp.zeros((B, S, K, Hv), jnp.bfloat16)
+    extra, kw = (), {}
+    if kind == "alibi":
+        extra = (jnp.zeros((N, 1, 1), jnp.float32),)
+        kw = dict(is_causal=True, score_mod=lambda s, b, h, i, j, m: s + m * (j - i).astype(jnp.float32))
+    elif kind == "causal":
+        kw = dict(is_causal=True)
+    elif kind == "bias_dropout":
+        extra = (jnp.zeros((1, N, T, S), jnp.bfloat16),)
+        kw = dict(dropout_rate=0.1, dropout_key=jax.random.key(0))
+    else:
+        kw = dict(mask_mod=lambda b, h, i, j: (i // 1024 == j // 1024) & (j <= i))
+
+    def loss(q, k, v, *extra):
+        if kind == "alibi":
+            out = attnlib.attention(q, k, v, score_mod_args=extra, implementation=attnlib.PallasTpu(), **kw)
+        else:
+            out = attnlib.attention(q, k, v, *extra, implementation=attnlib.PallasTpu(), **kw)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    fn = jax.grad(loss, argnums=tuple(range(3 + len(extra))))
+    text, compiled = _compile_tree(fn, (q, k, v, *extra), v5e_chip)
+    assert text.count(MOSAIC) == 3, text.count(MOSAIC)
+    memory = compiled.memory_analysis()
+    used = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+    assert used < V5E_HBM_BYTES, used / 2**30

@@ -62,6 +62,8 @@ class Case:
     lengths: bool = False
     segments: bool = False
     sinks: bool = False
+    bias: bool = False  # attnlib's flex kernel: a per-example, per-head bias (with its gradient)
+    alibi: bool = False  # attnlib's flex kernel: a `score_mod` with a per-head `score_mod_args` (with its gradient)
 
 
 CASES = {
@@ -73,8 +75,20 @@ CASES = {
         Case("segments", {"is_causal": True}, T=12, S=12, segments=True),
         Case("lengths", {"is_causal": True}, lengths=True),
         Case("mqa_groups_split", {"is_causal": True}, N=4, K=1),
+        Case("flex_bias_window", {"local_window_size": (3, 2)}, N=8, K=2, T=12, S=10, bias=True),
+        Case("flex_alibi_segments", {"is_causal": True}, T=12, S=12, segments=True, alibi=True),
+        Case("flex_dropout", {"is_causal": True, "dropout_rate": 0.3, "dropout_key": jax.random.key(4)}, N=8, K=2),
     ]
 }
+
+FLEX_IMPL = attnlib.PallasTpu(interpret=True, flex_blocks=(8, 8))
+"""attnlib's flex kernel (where splash declines) with small tiles, so that each shard runs several."""
+
+
+def alibi(score, batch, head, q_idx, kv_idx, slope):
+    """ALiBi, plus terms in the batch row and head (global indices on every shard)."""
+    shift = 0.1 * batch.astype(jnp.float32) - 0.05 * head.astype(jnp.float32)
+    return score + slope * (kv_idx - q_idx).astype(jnp.float32) + shift
 
 
 def make_inputs(case: Case, seed: int = 0) -> tuple[dict, dict]:
@@ -86,6 +100,10 @@ def make_inputs(case: Case, seed: int = 0) -> tuple[dict, dict]:
     rest = {}
     if case.sinks:
         diff["sinks"] = jnp.asarray(r.standard_normal(case.N), jnp.float32)
+    if case.bias:
+        diff["bias"] = arr(B, case.N, T, S)
+    if case.alibi:
+        diff["slopes"] = arr(case.N, 1, 1)
     if case.segments:
         rest["q_segment_ids"] = jnp.asarray([[1] * 5 + [2] * 7, [3] * 9 + [0] * 3] * 2, jnp.int32)
     if case.lengths:
@@ -101,9 +119,12 @@ def program(case: Case):
 
     def loss(diff, rest):
         kwargs = {k: v for k, v in rest.items() if k not in ("d_out", "d_lse")}
+        if case.alibi:
+            kwargs.update(score_mod=alibi, score_mod_args=(diff["slopes"],))
+        flex = case.bias or case.alibi or "dropout_rate" in case.kwargs
         out, lse = attnlib.attention(
-            diff["query"], diff["key"], diff["value"], implementation=IMPL, return_residual=True, **case.kwargs,
-            sinks=diff.get("sinks"), **kwargs,
+            diff["query"], diff["key"], diff["value"], diff.get("bias"), implementation=FLEX_IMPL if flex else IMPL,
+            return_residual=True, **case.kwargs, sinks=diff.get("sinks"), **kwargs,
         )  # fmt: skip
         total = jnp.sum(out * rest["d_out"]) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * rest["d_lse"])
         return total, (out, lse)
@@ -116,9 +137,11 @@ def sharding_of(name: str, x: jax.Array, m: jax.sharding.Mesh) -> jax.sharding.N
     """Batch over `data`; heads over `model` where they divide (MQA: the one kv head stays whole)."""
     spec: list = [None] * x.ndim
     spec[0] = "data"
-    heads = {"query": 2, "key": 2, "value": 2, "d_out": 2, "d_lse": 2}
+    heads = {"query": 2, "key": 2, "value": 2, "d_out": 2, "d_lse": 2, "bias": 1}
     if name == "sinks":  # `[N]`: heads over `model`, no batch
         return jax.sharding.NamedSharding(m, P("model"))
+    if name == "slopes":  # `[N, 1, 1]`: replicated
+        return jax.sharding.NamedSharding(m, P())
     if name in heads and x.shape[heads[name]] % MESH_SHAPE[1] == 0:
         spec[heads[name]] = "model"
     return jax.sharding.NamedSharding(m, P(*spec))
@@ -141,7 +164,7 @@ def compare(actual, expected) -> None:
         assert_grad_close(grads[name], grads_ref[name], DTYPE, what=f"d{name}")
 
 
-FAST = {"gqa_sinks", "segments"}
+FAST = {"gqa_sinks", "segments", "flex_bias_window", "flex_alibi_segments", "flex_dropout"}
 """The cases of the fast tier; the rest are `full`. `gqa_sinks` is GQA and causal (T > S) with sinks split over
 `model`; the causal GQA case with T < S (`gqa_causal`) also runs in the fast tier, resharded, in
 `test_sequence_split_is_resharded_with_one_log_line`."""

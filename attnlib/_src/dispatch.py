@@ -36,12 +36,15 @@ class Explanation:
         without_fp8: automatic dispatch of an `fp8=` call on a GPU whose cuDNN cannot run it in FP8 but can run it
             in 16 bits: the reason FP8 was dropped (the call then runs on cuDNN without quantization, with a
             warning; `Implementation.caveat`); None otherwise.
+        kernel: which kernel of the chosen implementation runs and why, where it has several
+            (`Implementation.kernel_note`: pallas_tpu's own flex kernel where splash declines); None otherwise.
     """
 
     implementation: str | None
     declined: dict[str, str]
     requested: tuple[str, ...]
     without_fp8: str | None = None
+    kernel: str | None = None
 
     def __str__(self) -> str:
         if self.without_fp8 is not None:
@@ -50,6 +53,8 @@ class Explanation:
                 f"{self.without_fp8})"
             )
         lines = [f"attnlib would run: {self.implementation or 'nothing (every implementation declined)'}"]
+        if self.kernel is not None:
+            lines[0] += f", which {self.kernel}"
         for name, reason in self.declined.items():
             lines.append(f"  {name} declined: {reason}")
         return "\n".join(lines)
@@ -99,7 +104,8 @@ def _explain(
     for impl in impls:
         reason = impl.decline_reason(config, context)
         if reason is None:
-            return Explanation(impl.name, declined, names, without_fp8=impl.caveat(config, context)), impl
+            caveat, kernel = impl.caveat(config, context), impl.kernel_note(config, context)
+            return Explanation(impl.name, declined, names, without_fp8=caveat, kernel=kernel), impl
         declined[impl.name] = reason
     return Explanation(None, declined, names), None
 

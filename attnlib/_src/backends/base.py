@@ -95,6 +95,11 @@ class Implementation(abc.ABC):
         """
         return None
 
+    def kernel_note(self, config: AttentionConfig, context: Context) -> str | None:
+        """Which of its kernels this implementation runs for an accepted call and why, where it has several (shown by
+        `attnlib.explain`), or None (the default)."""
+        return None
+
     def declines_loudly(self) -> bool:
         """Whether dispatch logs this implementation declining at WARNING rather than INFO: a fallback from it loses
         most of the speed on this machine (cuDNN on a GPU machine). False by default."""

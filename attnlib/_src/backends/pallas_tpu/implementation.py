@@ -1,15 +1,18 @@
 """`attnlib.PallasTpu`: the Pallas TPU implementation, its options and the calls it declines, with reasons."""
 
 import dataclasses
+import logging
 from typing import Any, ClassVar
 
 import jax
 import numpy as np
 
+from ... import logs
 from ...config import AttentionConfig, AttentionInputs
 from .. import placement
 from ..base import Context, Implementation
 from . import blocks, paged, ragged
+from .flex import support as flex_support
 
 
 MAX_HEAD_DIM = 256
@@ -26,6 +29,7 @@ b32 N32 K8 H128, S = 512, 2026-12-07): on token-major or head-major pools xla_ch
 paged-attention kernel (0.23 ms), so the rule holds there too; on a `"combined"` cache the ragged kernel (0.15 ms)
 beats every other path (xla_chunked reads that layout at 0.52 ms), so a combined cache is never left to
 xla_chunked."""
+
 
 def float32_precision_reason(config: AttentionConfig) -> str | None:
     """Why splash cannot serve a float32 call on a TPU at the precision it asks for (`precision.py`), or None.
@@ -118,7 +122,10 @@ class PallasTpu(Implementation):
     paged KV caches: one bfloat16 decode query per sequence through JAX's paged-attention kernel on token-major or
     `"head_major"` pools (`paged.py`), and any number of queries per sequence (dense, or ragged with
     `cu_seqlens_q`: mixed prefill and decode) through JAX's ragged paged-attention kernel on a `"combined"`
-    `PagedKVCache` (`ragged.py`). What it declines, and why, `attnlib.explain` says (docs/implementations.md).
+    `PagedKVCache` (`ragged.py`). Where splash declines a dense or THD call, attnlib's own Pallas kernel (`flex/`)
+    serves it: `score_mod` / `mask_mod` compiled into the kernel with block sparsity, `bias` and `mask` arrays, MLA,
+    dropout, float32 under "highest", `deterministic_backward=True`, per-row diagonal offsets. What it declines, and
+    why, and which kernel runs, `attnlib.explain` says (docs/implementations.md).
 
     Attributes:
         block_sizes: splash's tiles: None (the default) for attnlib's table by shape (`blocks.py`), or a
@@ -126,10 +133,15 @@ class PallasTpu(Implementation):
             its forward blocks; every block a multiple of 128; lengths are padded to multiples of its blocks).
         interpret: run the Pallas kernels in interpret mode: slow, but on any backend (CPU included); for tests.
             Defaults to False: off a TPU the implementation then declines ("no TPU visible to JAX").
+        flex_blocks: `(block_q, block_k)` of attnlib's flex kernel: query tokens (times the GQA group) and keys per
+            tile. None (the default) for tiles of about 512 query rows and 512 keys (`flex/attention.py`); multiples
+            of 8, and on a TPU `block_q` a multiple of 16 and `block_k` of 128 (interpret-mode tests use small
+            blocks so that every case has several).
     """
 
     block_sizes: Any = None
     interpret: bool = False
+    flex_blocks: tuple[int, int] | None = None
     name: ClassVar[str] = "pallas_tpu"
 
     def __post_init__(self):
@@ -137,14 +149,20 @@ class PallasTpu(Implementation):
             blocks.check_user_block_sizes(self.block_sizes)
         if not isinstance(self.interpret, bool):
             raise TypeError(f"`interpret` must be a bool. Got interpret={self.interpret!r}.")
+        if self.flex_blocks is not None:
+            ok = isinstance(self.flex_blocks, tuple) and len(self.flex_blocks) == 2
+            bad = lambda b: isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 8
+            if not ok or any(bad(b) for b in self.flex_blocks):
+                raise ValueError(
+                    "`flex_blocks` must be None or a tuple `(block_q, block_k)` of positive multiples of 8 (on a TPU "
+                    f"block_k a multiple of 128). Got flex_blocks={self.flex_blocks!r}."
+                )
 
     def decline_reason(self, config: AttentionConfig, context: Context) -> str | None:
         if not self.interpret and not tpu_visible():
             return "no TPU visible to JAX"
         if not self.interpret and (elsewhere := placement.elsewhere_reason("tpu")) is not None:
             return elsewhere
-        if not self.interpret and (reason := float32_precision_reason(config)) is not None:
-            return reason
         ragged_kernel = config.layout == "paged" and config.kv_layout == "combined"
         if context.automatic and not ragged_kernel and max(config.q_len, config.kv_len) <= AUTO_MIN_LENGTH:
             return (
@@ -152,9 +170,29 @@ class PallasTpu(Implementation):
                 f"S={config.kv_len}) to xla_chunked, faster there on a TPU v5e; name pallas_tpu to force it"
             )
         if config.layout == "paged":
+            if (reason := float32_precision_reason(config)) is not None and not self.interpret:
+                return reason
             kernel = ragged if config.kv_layout == "combined" else paged
             return feature_reason(config) or kernel.decline_reason(config, on_tpu=not self.interpret)
-        return feature_reason(config) or _backward_kernels_reason()
+        if config.typed_varying:
+            return TYPED_VARYING  # splash's kernels and attnlib's flex kernel alike
+        splash_reason = self.splash_reason(config)
+        if splash_reason is None:
+            return None
+        flex_reason = flex_support.decline_reason(config)
+        if flex_reason is None:
+            return None
+        return f"{splash_reason}; {flex_support.NAME}: {flex_reason}"
+
+    def splash_reason(self, config: AttentionConfig) -> str | None:
+        """Why splash cannot serve a dense or THD call (the flex kernel then may), or None."""
+        return float32_precision_reason(config) or feature_reason(config) or _backward_kernels_reason()
+
+    def kernel_note(self, config: AttentionConfig, context: Context) -> str | None:
+        if config.layout == "paged" or self.decline_reason(config, context) is not None:
+            return None
+        reason = self.splash_reason(config)
+        return None if reason is None else f"runs {flex_support.NAME} (splash declined: {reason})"
 
     def declines_loudly(self) -> bool:
         # A call placed on a TPU that falls back to plain JAX loses most of its speed: say so loudly. Elsewhere it is
@@ -171,4 +209,10 @@ class PallasTpu(Implementation):
             return ragged.attention(config, inputs, interpret=self.interpret, fallback=context.fallback)
         if config.layout == "paged":
             return paged.attention(config, inputs, interpret=self.interpret, fallback=context.fallback)
+        if (splash_reason := self.splash_reason(config)) is not None:
+            from .flex import attention as flex_attention
+
+            message = f"attnlib.attention: pallas_tpu runs {flex_support.NAME} (splash declined: {splash_reason})."
+            logs.log_once((config, message), logging.INFO, message)
+            return flex_attention.attention(config, inputs, interpret=self.interpret, block_sizes=self.flex_blocks)
         return splash.attention(config, inputs, splash.layout(config, self.block_sizes, self.interpret))

@@ -69,6 +69,21 @@ class Signature:
     kv_slots: int = 1
     folds: bool = True
     splits: str = "only batch and head dims, GQA groups whole"
+    input_dims: tuple[tuple[Dim, ...], ...] | None = None
+    """Explicit dims of every input (attnlib's flex kernel, whose operands vary per call), instead of `dims`."""
+    output_dims: tuple[tuple[Dim, ...], ...] | None = None
+
+    def dims_of_input(self, i: int, n: int, k: int) -> tuple[Dim, ...]:
+        return self.input_dims[i] if self.input_dims is not None else dims(self.inputs[i], n, k)
+
+    def dims_of_output(self, i: int, n: int, k: int) -> tuple[Dim, ...]:
+        return self.output_dims[i] if self.output_dims is not None else dims(self.outputs[i], n, k)
+
+    def unbatched(self, i: int) -> bool:
+        """Input `i` has no batch axis (shared by every batch row)."""
+        if self.input_dims is not None:
+            return not self.input_dims[i] or self.input_dims[i][0] != BATCH
+        return self.inputs[i] in UNBATCHED
 
 
 _IDS = ("q", "k", "v", "q_ids", "kv_ids", "sinks")
@@ -122,9 +137,9 @@ def dims(kind: str, n: int, k: int) -> tuple[Dim, ...]:
     }[kind]
 
 
-def _fold(x: jax.Array, batched: bool, axis_size: int, kind: str) -> jax.Array:
-    """`[V, B, ...]` (or `[B, ...]`, broadcast) -> `[V * B, ...]`; `UNBATCHED` kinds (unmapped) stay as they are."""
-    if kind in UNBATCHED:
+def _fold(x: jax.Array, batched: bool, axis_size: int, unbatched: bool) -> jax.Array:
+    """`[V, B, ...]` (or `[B, ...]`, broadcast) -> `[V * B, ...]`; `unbatched` operands (unmapped) stay as they are."""
+    if unbatched:
         return x
     x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
     return x.reshape(axis_size * x.shape[1], *x.shape[2:])
@@ -154,8 +169,8 @@ def _call(
     q, kv = operands[0], operands[1]
     assert q is not None and kv is not None
     b, n, k = q.shape[0], q.shape[1], kv.shape[signature.kv_heads_axis] // signature.kv_slots
-    in_dims = [dims(kind, n, k) for kind in kinds]
-    out_dims = [dims(kind, n, k) for kind in signature.outputs]
+    in_dims = [signature.dims_of_input(i, n, k) for i in present]
+    out_dims = [signature.dims_of_output(i, n, k) for i in range(len(signature.outputs))]
 
     def run(*xs: jax.Array) -> tuple[jax.Array, ...]:
         full: list[jax.Array | None] = [None] * len(operands)
@@ -221,7 +236,8 @@ def _call(
 
     @one_call.def_vmap
     def folded(axis_size: int, in_batched: list[bool], *xs: jax.Array) -> tuple[Any, Any]:
-        if not signature.folds or any(batched and kind in UNBATCHED for kind, batched in zip(kinds, in_batched[nc:])):
+        batched_shared = any(batched and signature.unbatched(i) for i, batched in zip(present, in_batched[nc:]))
+        if not signature.folds or batched_shared:
             # Per-example sinks or pools cannot share one call's operand (nor packed tokens one call's ranges): one
             # call per example.
             def each(i: jax.Array) -> tuple[jax.Array, ...]:
@@ -234,7 +250,7 @@ def _call(
             return jax.lax.map(each, jnp.arange(axis_size)), tuple(True for _ in signature.outputs)
         flat: list[jax.Array | None] = [None] * len(operands)
         for i, x, batched in zip(present, xs[nc:], in_batched[nc:]):
-            flat[i] = _fold(x, batched, axis_size, signature.inputs[i])
+            flat[i] = _fold(x, batched, axis_size, signature.unbatched(i))
         outs = call(fn, signature, flat, kv_heads_ok)
         outs = outs if isinstance(outs, tuple) else (outs,)
         return tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs), tuple(True for _ in outs)
