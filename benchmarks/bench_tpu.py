@@ -7,7 +7,8 @@ Variants, side by side on the same bf16 inputs (`[B, T, N, H]`):
 - `attnlib`: `attnlib.attention(implementation=None)`; the implementation it picks (`attnlib.explain`) is recorded
   as `attnlib_pick`.
 - `attnlib_pallas_tpu`, `attnlib_xla_chunked`, `attnlib_xla`: `implementation=` that name (an implementation this
-  build lacks is reported with its error).
+  build lacks is reported with its error); `attnlib_flex`: `attnlib.PallasTpu(kernel="flex")`, attnlib's own kernel
+  also where splash serves.
 - `jax_nn`: `jax.nn.dot_product_attention(implementation="xla")`.
 - `splash`: raw `jax.experimental.pallas.ops.tpu.splash_attention` with `BlockSizes` of 512 wherever the lengths allow
   (`min(512, T)` query rows and `min(512, S)` keys for `block_q`, `block_kv`, `block_kv_compute`, `block_q_dkv`,
@@ -91,7 +92,8 @@ SMOKE_CASES = {  # splash's blocks are multiples of 128 rows, even in interpret 
 
 KINDS = ("fwd", "fwd_bwd")
 
-VARIANTS = ("attnlib", "attnlib_pallas_tpu", "attnlib_xla_chunked", "attnlib_xla", "jax_nn", "splash", "splash_default")
+VARIANTS = ("attnlib", "attnlib_pallas_tpu", "attnlib_flex", "attnlib_xla_chunked", "attnlib_xla", "jax_nn", "splash",
+            "splash_default")
 
 
 def _kwargs(case: Case, *extra) -> dict:
@@ -214,6 +216,9 @@ def variant_fns(case: Case, names, interpret: bool) -> dict:
         try:
             if name == "attnlib":
                 table[name] = lambda q, k, v, *x: attnlib.attention(q, k, v, **_kwargs(case, *x))
+            elif name == "attnlib_flex":  # attnlib's own Pallas kernel, also where splash would serve
+                flex = attnlib.PallasTpu(kernel="flex")
+                table[name] = lambda q, k, v, *x: attnlib.attention(q, k, v, implementation=flex, **_kwargs(case, *x))
             elif name.startswith("attnlib_"):
                 impl = name[len("attnlib_") :]
                 table[name] = lambda q, k, v, *x, impl=impl: attnlib.attention(

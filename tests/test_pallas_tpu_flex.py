@@ -548,6 +548,26 @@ def test_a_traced_closure_declines_and_falls_back():
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_kernel_option_picks_splash_or_the_flex_kernel():
+    """`PallasTpu(kernel=...)`: "flex" runs the flex kernel on a call splash serves (and matches the reference),
+    "splash" declines what splash cannot serve, naming it; "auto" is splash first."""
+    case = CASES["causal_top_left"]
+    q, k, v = _arrays(case, jnp.float32)
+    flex = attnlib.PallasTpu(interpret=True, flex_blocks=(16, 16), kernel="flex")
+    note = attnlib.explain(q, k, v, implementation=flex, **_kwargs(case)).kernel
+    assert note == "runs attnlib's flex kernel (kernel='flex')"
+    assert attnlib.explain(q, k, v, implementation=INTERPRET, **_kwargs(case)).kernel is None  # splash
+    _check(case, jnp.float32, flex)
+    splash_only = attnlib.PallasTpu(interpret=True, kernel="splash")
+    explanation = attnlib.explain(q, k, v, bias=jnp.zeros(q.shape[:1] + (1, q.shape[1], k.shape[1])),
+                                  implementation=(splash_only, "xla"))  # fmt: skip
+    assert explanation.implementation == "xla"
+    reason = explanation.declined["pallas_tpu"]
+    assert reason == "`bias` is not supported: splash takes no additive bias (kernel='splash')"
+    with pytest.raises(ValueError, match="`kernel` must be one of"):
+        attnlib.PallasTpu(kernel="mosaic")
+
+
 def test_bad_flex_blocks_are_named():
     with pytest.raises(ValueError, match="`flex_blocks`"):
         attnlib.PallasTpu(flex_blocks=(12, 16))

@@ -46,6 +46,10 @@ def float32_precision_reason(config: AttentionConfig) -> str | None:
     )
 
 
+KERNELS = ("auto", "splash", "flex")
+"""`PallasTpu.kernel`: which kernel serves dense and THD calls."""
+
+
 def tpu_visible() -> bool:
     """Whether JAX sees a TPU."""
     try:
@@ -137,16 +141,22 @@ class PallasTpu(Implementation):
             tile. None (the default) for tiles of about 512 query rows and 512 keys (`flex/attention.py`); multiples
             of 8, and on a TPU `block_q` a multiple of 16 and `block_k` of 128 (interpret-mode tests use small
             blocks so that every case has several).
+        kernel: which kernel serves dense and THD calls: `"auto"` (the default) splash where it serves the call
+            and attnlib's flex kernel elsewhere; `"splash"` splash only (declining what it cannot serve);
+            `"flex"` attnlib's flex kernel only (to compare the two, or where it is measured faster).
     """
 
     block_sizes: Any = None
     interpret: bool = False
     flex_blocks: tuple[int, int] | None = None
+    kernel: str = "auto"
     name: ClassVar[str] = "pallas_tpu"
 
     def __post_init__(self):
         if self.block_sizes is not None:
             blocks.check_user_block_sizes(self.block_sizes)
+        if self.kernel not in KERNELS:
+            raise ValueError(f"`kernel` must be one of {KERNELS}. Got kernel={self.kernel!r}.")
         if not isinstance(self.interpret, bool):
             raise TypeError(f"`interpret` must be a bool. Got interpret={self.interpret!r}.")
         if self.flex_blocks is not None:
@@ -176,13 +186,24 @@ class PallasTpu(Implementation):
             return feature_reason(config) or kernel.decline_reason(config, on_tpu=not self.interpret)
         if config.typed_varying:
             return TYPED_VARYING  # splash's kernels and attnlib's flex kernel alike
-        splash_reason = self.splash_reason(config)
-        if splash_reason is None:
+        splash_reason = None if self.kernel == "flex" else self.splash_reason(config)
+        if splash_reason is None and self.kernel != "flex":
             return None
-        flex_reason = flex_support.decline_reason(config)
-        if flex_reason is None:
+        flex_reason = None if self.kernel == "splash" else flex_support.decline_reason(config)
+        if flex_reason is None and self.kernel != "splash":
             return None
-        return f"{splash_reason}; {flex_support.NAME}: {flex_reason}"
+        return "; ".join(
+            r for r in (splash_reason, flex_reason and f"{flex_support.NAME}: {flex_reason}") if r is not None
+        ) + ("" if self.kernel == "auto" else f" (kernel={self.kernel!r})")
+
+    def _runs_flex(self, config: AttentionConfig) -> str | None:
+        """Why a dense or THD call this implementation serves runs the flex kernel (None: it runs splash)."""
+        if self.kernel == "flex":
+            return "kernel='flex'"
+        if self.kernel == "splash":
+            return None
+        reason = self.splash_reason(config)
+        return None if reason is None else f"splash declined: {reason}"
 
     def splash_reason(self, config: AttentionConfig) -> str | None:
         """Why splash cannot serve a dense or THD call (the flex kernel then may), or None."""
@@ -191,8 +212,8 @@ class PallasTpu(Implementation):
     def kernel_note(self, config: AttentionConfig, context: Context) -> str | None:
         if config.layout == "paged" or self.decline_reason(config, context) is not None:
             return None
-        reason = self.splash_reason(config)
-        return None if reason is None else f"runs {flex_support.NAME} (splash declined: {reason})"
+        why = self._runs_flex(config)
+        return None if why is None else f"runs {flex_support.NAME} ({why})"
 
     def declines_loudly(self) -> bool:
         # A call placed on a TPU that falls back to plain JAX loses most of its speed: say so loudly. Elsewhere it is
@@ -209,10 +230,10 @@ class PallasTpu(Implementation):
             return ragged.attention(config, inputs, interpret=self.interpret, fallback=context.fallback)
         if config.layout == "paged":
             return paged.attention(config, inputs, interpret=self.interpret, fallback=context.fallback)
-        if (splash_reason := self.splash_reason(config)) is not None:
+        if (why := self._runs_flex(config)) is not None:
             from .flex import attention as flex_attention
 
-            message = f"attnlib.attention: pallas_tpu runs {flex_support.NAME} (splash declined: {splash_reason})."
+            message = f"attnlib.attention: pallas_tpu runs {flex_support.NAME} ({why})."
             logs.log_once((config, message), logging.INFO, message)
             return flex_attention.attention(config, inputs, interpret=self.interpret, block_sizes=self.flex_blocks)
         return splash.attention(config, inputs, splash.layout(config, self.block_sizes, self.interpret))
