@@ -140,6 +140,10 @@ CASES = {
     "bias_heads": Case(kwargs=(("bias", _f32((1, 6, 37, 53), 21)), ("is_causal", True)), extras=("bias",)),
     "bias_keys_only": Case(kwargs=(("bias", _f32((2, 1, 1, 53), 22)),), extras=("bias",)),
     "bias_mha": Case(n=3, k=3, kwargs=(("bias", _f32((1, 3, 37, 53), 23)),), extras=("bias",)),
+    # A bfloat16 bias: NumPy's issubdtype does not count bfloat16 as a float (it was stored as int32 once).
+    "bias_bfloat16": Case(
+        n=3, k=3, kwargs=(("bias", _f32((2, 3, 37, 53), 24).astype(jnp.bfloat16)),), extras=("bias",)
+    ),
     "mask_array": Case(kwargs=(("mask", rng(4).random((2, 1, 37, 53)) > 0.3),)),
     # priority 4: MLA
     "mla": Case(h=24, hv=16, kwargs=(("is_causal", True),)),
@@ -176,7 +180,7 @@ CASES = {
 
 FAST = ("dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "thd_window", "sinks_soft_cap_mqa",
         "array_scale", "score_mod_alibi", "score_mod_nested_ops", "mask_mod_prefix_lm", "modifiers_with_args",
-        "thd_modifiers_by_sequence", "bias_heads", "bias_mha", "mask_array", "mla", "bottom_right_lengths",
+        "thd_modifiers_by_sequence", "bias_heads", "bias_mha", "bias_bfloat16", "mask_array", "mla", "bottom_right_lengths",
         "kv_segments_own_structure")  # fmt: skip
 
 COMBINATIONS = {
@@ -328,8 +332,9 @@ def _check(case: Case, dtype, implementation, ref_more=None, **more):
                 assert_grad_close(gi, ref["score_mod_args"][i], dtype, what=f"d score_mod_args[{i}]")
         elif name == "scale":
             pass  # the reference takes a float scale; the array scale's gradient is checked against xla below
-        else:
-            assert_grad_close(g, ref[name], dtype, what=f"d{name}")
+        else:  # returned in the array's dtype: a bfloat16 bias gets a bfloat16 gradient (its tolerance)
+            coarser = g.dtype if jnp.finfo(g.dtype).nmant < jnp.finfo(dtype).nmant else dtype
+            assert_grad_close(g, ref[name], coarser, what=f"d{name}")
     if empty.any():
         assert (np.asarray(to_f64(out))[empty] == 0).all(), "a row that sees nothing has a non-zero output"
     return grads

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ....config import AttentionConfig
@@ -151,11 +152,11 @@ def precision_of(config: AttentionConfig) -> jax.lax.Precision:
 
 def storage_dtype(dtype) -> Any:
     """How an array broadcastable to the scores is stored for the kernel: floats as they are (64-bit narrowed),
-    bools as int8, other integers as int32."""
+    bools as int8, other integers as int32. (`jnp.issubdtype`: NumPy's own does not count bfloat16 as a float.)"""
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return np.dtype("int8")
-    if np.issubdtype(dtype, np.floating):
+    if jnp.issubdtype(dtype, jnp.floating):
         return np.dtype("float32") if dtype == np.float64 else dtype
     if dtype == np.uint32:
         return dtype
