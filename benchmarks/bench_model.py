@@ -304,15 +304,6 @@ def _memory_stats() -> dict | None:
         return None
 
 
-def _compiled_bytes(compiled) -> dict | None:
-    try:
-        m = compiled.memory_analysis()
-        return {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
-                "aliased": int(m.alias_size_in_bytes), "temporaries": int(m.temp_size_in_bytes)}
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def time_attention_core(core: Callable, config: Config, segment_ids, loops: int, target_s: float = 0.05) -> dict:
     """The core alone on the model's shapes (bf16): fwd and fwd+bwd ms, as `harness.time_calls` times them."""
     m = config.model
@@ -351,7 +342,7 @@ def run_variant(framework: str, variant: str, config: Config, batch, *, warmup: 
         start = time.perf_counter()
         compiled = step.lower(params, opt_state, *args).compile()
         result["compile_s"] = time.perf_counter() - start
-        result["compiled_bytes"] = _compiled_bytes(compiled)
+        result["compiled_bytes"] = harness.compiled_bytes(compiled)
         try:
             result["hlo"] = layout_ops(compiled.as_text())
         except Exception as e:  # noqa: BLE001
