@@ -1,14 +1,23 @@
-"""H200 benchmark of score modifiers on cuDNN (`score_mod`, `mask_mod`, `logits_soft_cap`) against the plain causal
-cuDNN call, attnlib's `xla_chunked` fallback and tokamax (mosaic), all in one process.
+"""H200 benchmarks of cuDNN options against the plain cuDNN call, in one process, one suite a run (`--suite`):
 
-Usage: python benchmarks/bench_score_mod.py [--json out.json] [--quick]
+- `score_mod` (default): score modifiers (`logits_soft_cap`, ALiBi as a `score_mod`, prefix-LM as a `mask_mod`)
+  against the plain causal call, attnlib's `xla_chunked` fallback and tokamax (mosaic), each forward first checked
+  against attnlib's `xla` on float32 copies; then the soft-cap graphs are built in a fresh `ATTNLIB_CACHE_DIR`
+  (seconds per graph) and a second process reports whether it read them from disk.
+- `max_logit`: the cost of `return_max_logit=True` (the graph then writes `score_max` + `score_sum_exp` instead of
+  Stats), forward and forward + backward; with sinks (the statistic then takes `max_logit.py`'s separate pass); and
+  jax.nn's cuDNN forward.
+- `segments_bound`: packed rows (segment ids, a traced argument) with the rows' exact bound (`tight`), without one
+  (`default`: cuDNN with `DEFAULT_SEGMENTS_PER_ROW` behind a `lax.cond` whose other branch is `xla_chunked`), with
+  `bound_16/32/64`, with the ids closed over (`concrete`: the bound from their values) and `xla_chunked` alone.
 
-Timing as `bench_cudnn.py` (`harness.best_per_call`: the best of several repetitions of a loop of calls); variants of
-one case are timed round-robin (best of 3 rounds).
-Every forward output is first checked against attnlib's `xla` implementation on float32 copies of the inputs.
-Graph build: the soft-cap graphs are built in a fresh `ATTNLIB_CACHE_DIR` (seconds per graph, forward and backward),
-then a second process traces the same call on that directory and reports whether it read them from disk.
+Usage: python benchmarks/bench_score_mod.py [--suite score_mod|max_logit|segments_bound] [--json out.json]
+       [--only SHAPE ...] [--rounds N] [--quick] [--variants NAME ...]
+
+Timing: `harness.best_per_call` (wall clock, best of repetitions of a loop), the variants of a shape round-robin,
+best of `--rounds` (default 3; `segments_bound`: 1).
 """
+
 
 import json
 import os
@@ -19,6 +28,9 @@ import tempfile
 import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+import attnlib
 
 
 def alibi_slopes(n: int) -> jax.Array:
@@ -60,8 +72,6 @@ def variants(case: str, n: int):
 
 
 def make_fns(impl: str, kw: dict):
-    import attnlib
-
     if impl == "tokamax_mosaic":
         import tokamax
 
@@ -71,9 +81,7 @@ def make_fns(impl: str, kw: dict):
     return jax.jit(attend), jax.jit(harness.grad_fn(attend))
 
 
-def run_case(case: str, b: int, t: int, n: int, kh: int, h: int, quick: bool) -> dict:
-    import attnlib
-
+def run_case(case: str, b: int, t: int, n: int, kh: int, h: int, quick: bool, rounds: int) -> dict:
     q, k, v = harness.normal((b, t, n, h), (b, t, kh, h), (b, t, kh, h), via_float32=True)
     result = {"shape": f"b{b} s{t} {n}/{kh} heads d{h} bf16", "variants": {}}
     fns = {}
@@ -90,7 +98,7 @@ def run_case(case: str, b: int, t: int, n: int, kh: int, h: int, quick: bool) ->
         except Exception as e:  # noqa: BLE001  (a peer that cannot run this case is reported, not fatal)
             result["variants"][name] = {"error": harness.error(e)}
     loops = (3, 2) if quick else (20, 10)
-    for _ in range(1 if quick else 3):  # round-robin
+    for _ in range(rounds):  # round-robin
         for name, (fwd, fwd_bwd) in fns.items():
             row = result["variants"][name]
             for kind, fn, loop in (("fwd", fwd, loops[0]), ("fwd_bwd", fwd_bwd, loops[1])):
@@ -147,23 +155,154 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    import attnlib
-
-    shapes = {"softcap": (4, 4096, 32, 8, 128), "alibi": (4, 4096, 32, 8, 128), "prefix_lm": (4, 4096, 32, 8, 128)}
-    if args.quick:
-        shapes = {name: (1, 512, 8, 2, 64) for name in shapes}
-    results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "attnlib": attnlib.__version__, "cases": {}}
-    for case, shape in shapes.items():
-        results["cases"][case] = run_case(case, *shape, quick=args.quick)
+def score_mod(args) -> dict:
+    shape = (1, 512, 8, 2, 64) if args.quick else (4, 4096, 32, 8, 128)
+    harness.check_names(args.parser, args.only, ("softcap", "alibi", "prefix_lm"))
+    results = {**harness.device_and_jax(), "attnlib": attnlib.__version__, "cases": {}}
+    for case in args.only or ("softcap", "alibi", "prefix_lm"):
+        results["cases"][case] = run_case(case, *shape, quick=args.quick, rounds=args.rounds or (1 if args.quick else 3))
         print(case, json.dumps(results["cases"][case]), flush=True)
     results["graph_build"] = graph_build(37.5)
     print("graph_build", json.dumps(results["graph_build"]), flush=True)
     print(table(results))
+    return results
+
+
+MAX_LOGIT_SHAPES = {  # name: (b, s, n, k, d, causal)
+    "b4_s4096_32_8_d128_causal": (4, 4096, 32, 8, 128, True),
+    "b1_s8192_64_8_d128_causal": (1, 8192, 64, 8, 128, True),
+    "b4_s4096_32_32_d128_full": (4, 4096, 32, 32, 128, False),
+    "b2_s1024_16_16_d64_causal": (2, 1024, 16, 16, 64, True),
+}
+
+
+def max_logit(args) -> dict:
+    harness.check_names(args.parser, args.only, MAX_LOGIT_SHAPES, "shapes")
+    results = {**harness.device_and_jax(), "shapes": {}}
+    for name in args.only or MAX_LOGIT_SHAPES:
+        b, s, n, kh, d, causal = MAX_LOGIT_SHAPES[name]
+        q, k, v, do = harness.normal((b, s, n, d), (b, s, kh, d), (b, s, kh, d), (b, s, n, d))
+        sinks = jnp.zeros((n,), jnp.float32)
+
+        def attend(q, k, v, max_logit=False, sink=False):
+            return attnlib.attention(q, k, v, is_causal=causal, implementation="cudnn", return_max_logit=max_logit,
+                                     sinks=sinks if sink else None)
+
+        def grads(max_logit):
+            def loss(q, k, v):
+                res = attend(q, k, v, max_logit)
+                out = res[0] if max_logit else res
+                return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), res
+
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+        variants = {
+            "fwd": jax.jit(lambda q, k, v: attend(q, k, v)),
+            "fwd_max_logit": jax.jit(lambda q, k, v: attend(q, k, v, True)),
+            "fwd_sinks": jax.jit(lambda q, k, v: attend(q, k, v, False, True)),
+            "fwd_sinks_max_logit_separate_pass": jax.jit(lambda q, k, v: attend(q, k, v, True, True)),
+            "jax_nn_cudnn_fwd": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, implementation="cudnn")),
+            "fwd_bwd": grads(False),
+            "fwd_bwd_max_logit": grads(True),
+        }  # fmt: skip
+        row = {}
+        for _ in range(args.rounds or 3):  # round-robin, best of the rounds
+            for label, f in variants.items():
+                ms = harness.best_per_call(f, (q, k, v), loop=20, reps=5) * 1e3
+                row[label] = min(row.get(label, float("inf")), ms)
+        row["fwd_overhead"] = row["fwd_max_logit"] / row["fwd"] - 1
+        row["fwd_bwd_overhead"] = row["fwd_bwd_max_logit"] / row["fwd_bwd"] - 1
+        row["separate_pass_overhead"] = row["fwd_sinks_max_logit_separate_pass"] / row["fwd_sinks"] - 1
+        results["shapes"][name] = row
+        print(name, json.dumps({key: round(val, 4) for key, val in row.items()}), flush=True)
+        harness.write_json(args.json, results)
+    return results
+
+
+SEGMENT_SHAPES = {  # segments per row: `runs`, equal (`even`) or cut at random
+    "b4_s4096_32_8_d128_8_equal_segments": dict(B=4, T=4096, N=32, K=8, runs=[8] * 4, even=True),
+    "b8_s2048_16_16_d128_2to12_segments": dict(B=8, T=2048, N=16, K=16, runs=[2, 12, 5, 9, 3, 7, 11, 4], even=False),
+}
+
+
+def segment_ids(B: int, T: int, runs: list[int], even: bool, seed: int = 0) -> jax.Array:
+    """`[B, T]` ids `1..runs[r]` of row `r`'s segments: equal, or cut at random positions."""
+    if even:
+        return jnp.asarray(np.repeat(np.arange(1, runs[0] + 1), T // runs[0])[None].repeat(B, 0))
+    rng, ids = np.random.default_rng(seed), np.zeros((B, T), np.int32)
+    for r, n in enumerate(runs):
+        cuts = np.sort(rng.choice(np.arange(1, T), n - 1, replace=False)) if n > 1 else np.array([], int)
+        bounds = np.concatenate([[0], cuts, [T]])
+        for m in range(n):
+            ids[r, bounds[m] : bounds[m + 1]] = m + 1
+    return jnp.asarray(ids)
+
+
+def segments_bound(args) -> dict:
+    harness.check_names(args.parser, args.only, SEGMENT_SHAPES, "shapes")
+    results = {**harness.device_and_jax(), "shapes": {}}
+    for name in args.only or SEGMENT_SHAPES:
+        c = SEGMENT_SHAPES[name]
+        B, T, N, K = c["B"], c["T"], c["N"], c["K"]
+        ids, tight = segment_ids(B, T, c["runs"], c["even"]), max(c["runs"])
+        q, k, v, do = harness.normal((B, T, N, 128), (B, T, K, 128), (B, T, K, 128), (B, T, N, 128))
+
+        def make(impl, bound, traced=True):
+            def fwd(q, k, v, ids):
+                return attnlib.attention(q, k, v, q_segment_ids=ids, is_causal=True, implementation=impl,
+                                         max_segments_per_row=bound)
+
+            def fwd_bwd(q, k, v, ids):
+                out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, ids), q, k, v)
+                return vjp(do)
+
+            if traced:
+                return jax.jit(fwd), jax.jit(fwd_bwd)
+            return jax.jit(lambda q, k, v, _: fwd(q, k, v, ids)), jax.jit(lambda q, k, v, _: fwd_bwd(q, k, v, ids))
+
+        variants = {
+            "tight": make("cudnn", tight), "default": make("cudnn", None), "bound_16": make("cudnn", 16),
+            "bound_32": make("cudnn", 32), "bound_64": make("cudnn", 64), "concrete": make("cudnn", None, False),
+            "xla_chunked": make("xla_chunked", None),
+        }
+        if args.variants is not None:
+            variants = {label: fns for label, fns in variants.items() if label == "tight" or label in args.variants}
+        reference = np.asarray(variants["tight"][0](q, k, v, ids), np.float32)
+        row = {"tight_bound": tight}
+        for label, (f, fb) in variants.items():
+            err = float(np.max(np.abs(np.asarray(f(q, k, v, ids), np.float32) - reference)))
+            row[label] = {"max_diff_vs_tight": err}
+        for _ in range(args.rounds or 1):  # round-robin, best of the rounds
+            for label, (f, fb) in variants.items():
+                for kind, fn in (("fwd", f), ("fwd_bwd", fb)):
+                    ms = harness.best_per_call(fn, (q, k, v, ids), loop=3 if label == "xla_chunked" else 20, reps=5)
+                    row[label][f"{kind}_ms"] = min(row[label].get(f"{kind}_ms", float("inf")), ms * 1e3)
+        for label in variants:
+            r = row[label]
+            r["fwd_bwd_speed_vs_tight"] = row["tight"]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+            r["fwd_speed_vs_tight"] = row["tight"]["fwd_ms"] / r["fwd_ms"]
+            print(f"{name} {label:12s} fwd {r['fwd_ms']:8.3f} ms ({r['fwd_speed_vs_tight']:.3f}x) "
+                  f"fwd+bwd {r['fwd_bwd_ms']:8.3f} ms ({r['fwd_bwd_speed_vs_tight']:.3f}x) "
+                  f"max diff {r['max_diff_vs_tight']:.3g}", flush=True)  # fmt: skip
+        results["shapes"][name] = row
+    return results
+
+
+SUITES = {"score_mod": score_mod, "max_logit": max_logit, "segments_bound": segments_bound}
+
+
+def main(argv=None) -> dict:
+    parser = harness.parser(__doc__, only="shapes (cases) of the suite", rounds=None)
+    parser.add_argument("--suite", choices=SUITES, default="score_mod")
+    parser.add_argument("--rounds", type=int, default=None, help="round-robin rounds (default 3; segments_bound 1)")
+    parser.add_argument("--quick", action="store_true", help="score_mod: small shapes, one round")
+    parser.add_argument("--variants", nargs="*", default=None, help="segments_bound: these (tight always runs)")
+    args = parser.parse_args(argv)
+    args.parser = parser
+    results = SUITES[args.suite](args)
     harness.write_json(args.json, results)
+    return results
 
 
 if __name__ == "__main__":
