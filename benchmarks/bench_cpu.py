@@ -86,8 +86,8 @@ def plain(args) -> dict:
                 print(f"S={length} {mode}: xla_chunked / xla time = {chunked['seconds'] / xla['seconds']:.2f}x")
     config = {"lengths": args.lengths, **PLAIN, "causal": args.causal, "repeats": args.repeats,
               "memory_limit_gb": args.memory_limit_gb}  # fmt: skip
-    return {"benchmark": "plain-JAX attention",
-            "machine": {"platform": platform.platform(), "processor": platform.processor(), "devices": str(jax.devices())},
+    machine = {"platform": platform.platform(), "processor": platform.processor(), "devices": str(jax.devices())}
+    return {"benchmark": "plain-JAX attention", "machine": machine,
             "versions": {"jax": jax.__version__, "attnlib": attnlib.__version__}, "date": time.strftime("%Y-%m-%d"),
             "config": config, "rows": rows}  # fmt: skip
 

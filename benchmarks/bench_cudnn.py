@@ -2,29 +2,21 @@
 
 Usage: python benchmarks/bench_cudnn.py [--json out.json] [--quick]
 
-Timing: `harness.best_per_call`, 10 repetitions of a loop of 20 (forward) or 10 (forward+backward) calls; the best
-per-call mean is reported. The raw graph is the very blob attnlib embeds (for a forward-only call, the graph without
-softmax stats), deserialized by the cuDNN frontend's Python API and executed on the same device buffers (loop of 20
-executes, then a device synchronize).
-
-FLOPs are exact (cuDNN-frontend convention, only unmasked scores counted): with `E` unmasked (query, key) pairs per
-batch row and head, forward = `2 E B N (H + Hv)`, forward+backward = `2 E B N (4 H + 3 Hv)`.
+Timing: `harness.best_per_call`, 10 repetitions of a loop of 20 (forward) or 10 (forward + backward) calls, attnlib
+and jax.nn's cuDNN twice each (each keeps its best). The raw graph is the very blob attnlib embeds, deserialized by the
+cuDNN frontend's Python API and executed on the same device buffers. TFLOP/s over the visible pairs
+(`harness.flops`). Also: graph set-up times in fresh processes (cold and warm disk cache) and each graph's plan.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
+from unittest import mock
 
 import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,25 +61,25 @@ def memset_rows(on: bool):
     padded rows (`support.writes_padding_zeros`)."""
     from attnlib._src.backends.cudnn import support
 
-    return harness.patched(support, writes_padding_zeros=lambda version: False) if on else contextlib.nullcontext()
+    return mock.patch.multiple(support, writes_padding_zeros=lambda version: False) if on else contextlib.nullcontext()
+
+
+def call_kwargs(case: Case) -> dict:
+    """The case's keyword arguments, the same for attnlib and jax.nn."""
+    kw = dict(is_causal=case.causal, local_window_size=None if case.window is None else (case.window, 0))
+    if case.lengths:
+        kw |= dict(query_seq_lengths=jnp.asarray(case.lengths, jnp.int32),
+                   key_value_seq_lengths=jnp.asarray(case.lengths, jnp.int32))  # fmt: skip
+    return kw
 
 
 def make_fns(case: Case, impl: str):
     import attnlib
 
-    window = None if case.window is None else (case.window, 0)
-    lengths = {}
-    if case.lengths:
-        lengths = dict(query_seq_lengths=jnp.asarray(case.lengths, jnp.int32),
-                       key_value_seq_lengths=jnp.asarray(case.lengths, jnp.int32))  # fmt: skip
     if impl.startswith("attnlib"):
-        attend = lambda q, k, v: attnlib.attention(
-            q, k, v, is_causal=case.causal, local_window_size=window, implementation="cudnn", **lengths
-        )
+        attend = lambda q, k, v: attnlib.attention(q, k, v, implementation="cudnn", **call_kwargs(case))
     else:
-        attend = lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=case.causal, local_window_size=window, implementation=impl, **lengths
-        )
+        attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl, **call_kwargs(case))
     return jax.jit(attend), jax.jit(harness.grad_fn(attend))
 
 
@@ -111,21 +103,13 @@ def raw_graph_ms(case: Case, q, k, v) -> float | None:
     """Forward graph blob executed directly by the frontend's Python API (no XLA)."""
     from cuda.bindings import runtime as cudart
 
+    from attnlib._src import attention as api
     from attnlib._src.backends.cudnn import attention as cudnn_attention, executor as cudnn_executor
     from attnlib._src.backends.cudnn.graphs import Uid
-    from attnlib._src.config import AttentionConfig
 
-    config = AttentionConfig(
-        layout="dense", batch_shape=(case.b,), unbatched=False, q_len=case.t, kv_len=case.t, num_q_heads=case.n,
-        num_kv_heads=case.k, head_dim=case.h, value_head_dim=case.hv, dtype=np.dtype(jnp.bfloat16),
-        scale=1.0 / float(np.sqrt(case.h)), is_causal=case.causal, diagonal_alignment="top_left",
-        window=None if case.window is None else (case.window, 0), bias_shape=None, mask_shape=None,
-        has_q_lengths=bool(case.lengths), has_kv_lengths=bool(case.lengths), has_segments=False,
-        max_segments_per_row=None,
-        num_sequences=None, max_seqlen_q=None, max_seqlen_kv=None, page_size=None, pages_per_seq=None,
-        num_pages=None, logits_soft_cap=None, has_sinks=False, dropout_rate=0.0, return_residual=False,
-        deterministic_backward=False,
-    )
+    # The static configuration attnlib's own validation gives this call.
+    arguments = {**api.ARGUMENT_DEFAULTS, "query": q, "key": k, "value": v, "bias": None, "mask": None}
+    config, _ = api._validate(arguments | call_kwargs(case), jnp.asarray)
     plan = cudnn_attention.make_plan(config, case.b, case.t, None)
     spec = plan.inference or plan.fwd  # the forward graph attnlib runs for this call
     entry = cudnn_executor.get_entry(spec)
@@ -178,27 +162,9 @@ print(json.dumps({"trace_and_graphs_s": t2 - t1, "xla_compile_s": t3 - t2, "firs
 """
 
 
-def setup_times() -> dict:
-    """Graph set-up: a fresh process with an empty disk cache, then a fresh process with a warm one."""
-    with tempfile.TemporaryDirectory() as cache_dir:
-        env = dict(os.environ, ATTNLIB_CACHE_DIR=cache_dir, JAX_COMPILATION_CACHE_DIR="")
-        results = {}
-        for label in ("cold", "warm"):
-            out = subprocess.run([sys.executable, "-c", SETUP_SNIPPET], env=env, capture_output=True, text=True)
-            if out.returncode != 0:
-                results[label] = {"error": out.stderr[-2000:]}
-            else:
-                results[label] = json.loads(out.stdout.strip().splitlines()[-1])
-        return results
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default="bench_cudnn.json")
+    parser = harness.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="skip the xla baseline")
-    parser.add_argument("--cases", default="", help="only cases whose name contains this")
-    parser.add_argument("--no-setup", action="store_true", help="skip the set-up time measurement")
-    parser.add_argument("--dump-hlo", default="", help="write the compiled HLO of attnlib's forward per case here")
     args = parser.parse_args()
 
     import cudnn
@@ -210,8 +176,6 @@ def main() -> None:
     }
     rows = []
     for case in CASES:
-        if args.cases not in case.name:
-            continue
         q, k, v = inputs(case)
         fwd_flops, fb_flops = flops(case)
         row = {"case": case.name, "shape": dataclasses.asdict(case), "fwd_flops": fwd_flops, "fwd_bwd_flops": fb_flops}
@@ -227,12 +191,6 @@ def main() -> None:
                 with memset_rows(impl == "attnlib_memset"):
                     for key, fn, loop in ((f"{impl}_fwd_ms", fwd, loop_f), (f"{impl}_fwd_bwd_ms", fwd_bwd, loop_b)):
                         row[key] = min(row.get(key, float("inf")), harness.best_per_call(fn, args_qkv, loop) * 1e3)
-                if impl == "attnlib" and args.dump_hlo:  # what runs besides the graph, if anything
-                    os.makedirs(args.dump_hlo, exist_ok=True)
-                    name = case.name.replace(" ", "_").replace("/", "-")
-                    for kind, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-                        with open(os.path.join(args.dump_hlo, f"{name}_{kind}.hlo.txt"), "w") as f:
-                            f.write(fn.lower(q, k, v).compile().as_text())
             except Exception as e:  # jax.nn cannot run MLA; xla may run out of memory
                 row[f"{impl}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         try:
@@ -247,9 +205,9 @@ def main() -> None:
 
     # Which cuDNN plan each graph runs: the heuristics' first, or the autotuned one with every candidate's time.
     plans = {entry.label: entry.plan for entry in cudnn_executor.CACHE._memory.values()}
-    setup = {} if args.no_setup else setup_times()
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "rows": rows, "setup": setup, "plans": plans}, f, indent=1)
+    # Graph set-up: a fresh process with an empty disk cache, then a fresh process with a warm one.
+    setup = dict(zip(("cold", "warm"), harness.fresh_processes(SETUP_SNIPPET, JAX_COMPILATION_CACHE_DIR="")))
+    harness.write_json(args.json, {"meta": meta, "rows": rows, "setup": setup, "plans": plans})
 
     tf = lambda fl, ms: f"{fl / (ms * 1e-3) / 1e12:6.0f}" if ms else "     -"
     ms = lambda x: f"{x:8.3f}" if x is not None else "       -"

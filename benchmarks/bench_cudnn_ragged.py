@@ -1,30 +1,26 @@
-"""H200 benchmark of attnlib's cuDNN THD and paged paths.
+"""H200 benchmark of attnlib's cuDNN THD and paged paths, in one process.
 
-Usage: python benchmarks/bench_cudnn_ragged.py [--json out.json] [--table out.txt] [--dump-hlo DIR] [--profile]
+Usage: python benchmarks/bench_cudnn_ragged.py [--json out.json] [--profile]
 
-1. Packed training batch: sequence lengths drawn uniformly from 64..4096 until 32768 tokens (the last one cut to
-   fit), causal, GQA 32/8, d128, bf16. THD (`cu_seqlens_q`, `max_seqlen_q=4096`) against the same data padded to a
-   dense `[B, max_len]` batch with `query_seq_lengths`/`key_value_seq_lengths` (attnlib's cuDNN and
-   `jax.nn.dot_product_attention(implementation="cudnn")`), and a dense reference of the same token count
-   (b8 t4096 causal, attnlib cuDNN). TFLOP/s count only real work: with `E` visible (query, key) pairs summed over
-   the real sequences, forward = `2 E N (H + Hv)`, forward+backward = `2 E N (4 H + 3 Hv)` (bench_cudnn.py's
-   convention), whatever padding each variant computes.
-2. Paged decode: B = 64, context 8192, page 64, GQA 64/8, d128, bf16, a random page table. Bandwidth = the K and V
-   bytes of the cached tokens (`B * ctx * K * (H + Hv) * 2`) per second, against the 4.3 TB/s device-to-device copy
-   measured on the card.
-3. Graph builds: 200 training steps with fresh random lengths (the sequence count changes every step); each new
-   input shape is traced and lowered forward+backward (what `jax.jit` does), counting cuDNN graphs built.
+1. Packed training batch: lengths drawn from 64..4096 until 32768 tokens, causal, GQA 32/8, d128, bf16, `cu_seqlens`
+   an argument. THD (with and without `max_seqlen_q`, the experimental modes beside it, cuDNN's ragged graphs alone)
+   against the same data padded to `[B, max_len]` with lengths (attnlib and jax.nn cuDNN) and a dense batch of the
+   same token count (b8 t4096). TFLOP/s count only the real sequences' visible pairs (`harness.flops`), whatever
+   padding a variant computes. `--profile`: per-kernel device time of the THD calls (`kernel_profile`).
+2. Paged decode: B 64, context 8192, pages of 64, GQA 64/8, d128, a random page table; bandwidth = the cached K and V
+   bytes per second, against the card's 4.3 TB/s device-to-device copy.
+3. Graph builds: 200 training steps of fresh random lengths, each new input shape traced and lowered forward +
+   backward (as `jax.jit` does), counting the cuDNN graphs built.
 
-Timing as bench_cudnn.py (`harness.best_per_call`): best of 3 loops of 20 (forward) or 10 (forward+backward) calls
-ending in one `block_until_ready`; the packed-batch variants are timed round robin (three
-rounds, each variant's best round), and the default THD call is timed twice, as two variants, to show the noise.
+Timing: `harness.best_per_call` (best of 3 loops of 20 forward or 10 forward + backward calls), the packed-batch
+variants round-robin over 3 rounds, each keeping its best; the default THD call is timed twice, to show the noise.
 """
 
 import contextlib
 import dataclasses
 import importlib
-import os
 import time
+from unittest import mock
 
 import harness  # run as a script: benchmarks/ is on sys.path
 import jax
@@ -98,11 +94,6 @@ def raw_thd_graphs(lengths: list[int], cu: jax.Array, longest_first: bool = Fals
     return forward, forward_backward
 
 
-HLO_DIR = ""
-PROFILE = False
-ROUNDS = 3
-
-
 def traced_with(f, switches: dict):
     """`f` traced with attributes of attnlib modules set, e.g. `{"row_fill": {"set_rows": ...}}`, to compare the
     experimental modes with the defaults in one run. Wrap the whole jitted function (a gradient's backward rule is
@@ -114,13 +105,13 @@ def traced_with(f, switches: dict):
         with contextlib.ExitStack() as stack:
             for module, values in switches.items():
                 target = importlib.import_module(f"attnlib._src.backends.cudnn.{module}")
-                stack.enter_context(harness.patched(target, **values))
+                stack.enter_context(mock.patch.multiple(target, **values))
             return f(*args)
 
     return traced
 
 
-def packed_batch(results: dict, rows: list) -> None:
+def packed_batch(results: dict, rows: list, profile: bool = False) -> None:
     import attnlib
 
     lengths = draw_lengths(np.random.default_rng(0))
@@ -185,16 +176,10 @@ def packed_batch(results: dict, rows: list) -> None:
         attnlib_variant("dense b8 t4096 attnlib cudnn (reference)", dense, (qd, kd, vd),
                         work=(dense_fwd, dense_fwd_bwd)),
     ]  # fmt: skip
-    if HLO_DIR:  # what runs besides the graphs: the compiled modules of the THD call
-        os.makedirs(HLO_DIR, exist_ok=True)
-        _, fwd, fwd_bwd, args, _, _ = variants[0]
-        for kind, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-            with open(os.path.join(HLO_DIR, f"THD_{kind}.hlo.txt"), "w") as file:
-                file.write(fn.lower(*args).compile().as_text())
     # Round robin: every variant is timed once per round and keeps its best round, so that the GPU's state when a
     # variant's turn comes (clocks after the compiles, what ran before) does not favour one variant.
     measured = {name: {} for name, *_ in variants}
-    for _ in range(ROUNDS):
+    for _ in range(3):  # rounds
         for name, fwd, fwd_bwd, args, ff, fbf in variants:
             for mode, fn, loop, work in (("fwd", fwd, 20, ff), ("fwd_bwd", fwd_bwd, 10, fbf)):
                 if "error" in measured[name].get(mode, {}):
@@ -233,7 +218,7 @@ def packed_batch(results: dict, rows: list) -> None:
             rows.append(f"THD {mode}: {100 * of_dense:.1f} % of dense TFLOP/s (target 85 %), {vs_padded:.2f}x the "
                         f"padded batch (target 2x)")  # fmt: skip
     results["packed"]["targets"] = targets
-    if PROFILE:  # where the THD call's time goes, kernel by kernel (JAX's profiler)
+    if profile:  # where the THD call's time goes, kernel by kernel (JAX's profiler)
         from hlo_and_traces import kernel_profile, kernel_table
 
         profiles = {}
@@ -310,12 +295,8 @@ def graph_builds(results: dict, rows: list) -> None:
 
 def main() -> None:
     parser = harness.parser(__doc__)
-    parser.add_argument("--table")
-    parser.add_argument("--dump-hlo", default="", help="write the compiled HLO of the THD call here")
     parser.add_argument("--profile", action="store_true", help="per-kernel device time of the THD call")
     args = parser.parse_args()
-    global HLO_DIR, PROFILE
-    HLO_DIR, PROFILE = args.dump_hlo, args.profile
     from attnlib._src.backends.cudnn import support
 
     dev = support.device()
@@ -323,19 +304,15 @@ def main() -> None:
     rows = [f"{results}", f"{'variant':<48} {'pass':<8} {'ms':>9} {'TF/s':>8} {'THD spd':>10}"]
     for part in (packed_batch, paged_decode, graph_builds):
         try:
-            part(results, rows)
+            part(results, rows, **({"profile": args.profile} if part is packed_batch else {}))
         except Exception as e:  # one failing part must not hide the others
             rows.append(f"{part.__name__}: ERROR {harness.error(e, 400)}")
             results[part.__name__] = {"error": f"{type(e).__name__}: {e}"}
         print("\n".join(rows), flush=True)
         print("-" * 40, flush=True)
     rows.append("TF/s on real tokens only; THD spd = variant time / THD time (> 1: THD is faster).")
-    table = "\n".join(rows)
-    print(table)
+    print("\n".join(rows))
     harness.write_json(args.json, results)
-    if args.table:
-        with open(args.table, "w") as f:
-            f.write(table + "\n")
 
 
 if __name__ == "__main__":

@@ -1,40 +1,27 @@
-"""GPU benchmark: a realistic decode step — one jitted `lax.scan` over 32 layers of single-token
-attention against a KV cache of `context` tokens per sequence — attnlib (paged cache and dense cache with lengths)
-against jax.nn `cudnn` and tokamax (`mosaic`, `triton`), one process. jax.nn has no paged cache: its peer on the
-page pool (`jax_nn_cudnn_paged`) gathers each sequence's pages into a dense cache first, as a jax.nn user must; the
-paged variants are compared with every peer (`speed_vs_best_peer`, the dense-cache ones included) and with the
-peers on the page pool (`speed_vs_paged_peer`). Where attnlib trails the best peer, the step's kernel time
-(`kernel_us`) of attnlib's paged and dense calls and of that peer is profiled in the same run: what cuDNN's paged
-kernel costs against its dense one.
+"""GPU benchmark: a decode step (one jitted `lax.scan` over `--layers` layers of single-token attention against a
+cache of `context` tokens a sequence), attnlib (paged and dense caches) against jax.nn `cudnn` and tokamax (`mosaic`,
+`triton`), one process; and mixed prefill + decode steps (`MIXED`).
 
 Usage: python benchmarks/bench_decode.py [--json out.json] [--only NAME ...] [--rounds 3] [--layers 32]
                                         [--mixed-layers 8] [--smoke]
 
-Each layer reads the same cache (one cache per variant: 32 real caches of the larger shapes would not fit; the cache
-is far larger than L2, so every layer still streams it from HBM) and feeds its output to the next layer's query.
-Sequence lengths are `context - 17 b` (distinct per row). Outputs of one layer are checked against a float32
-reference before timing. Timing: `harness.best_per_call` (wall clock, best of repetitions), round-robin, best
-of `--rounds`. Every variant runs twice: jitted with XLA's default flags (`step_ms`) and with
-`compiler_options={"xla_gpu_graph_min_graph_size": 1}` (`step_ms_min_graph_1`), which lets XLA capture the loop
-body (the attention call and the layer's two fusions, fewer commands than XLA's default minimum) into a command
-buffer (CUDA graph). The `_direct` variants are attnlib's calls with the native executor's CUDA-graph replay off,
-the `_always` ones with replay for every call whatever its size (not peers); `executor_per_step` counts what the
-native executor did per step.
+Decode: every layer reads the same cache (far larger than L2) and feeds its output to the next layer's query;
+lengths `context - 17 b`. jax.nn has no paged cache: `jax_nn_cudnn_paged` gathers each sequence's pages first, as a
+jax.nn user must (`speed_vs_paged_peer`: against the peers on the page pool; `speed_vs_best_peer`: against all).
+Every variant runs jitted with XLA's default flags (`step_ms`) and with `xla_gpu_graph_min_graph_size=1`
+(`step_ms_min_graph_1`: the loop body captured into a CUDA graph); `_direct` / `_always`: attnlib with the native
+executor's graph replay off / on for every call (not peers), `executor_per_step` what the executor did. Where
+attnlib trails the best peer, the kernel time (`kernel_us`) of both and of attnlib's dense call is profiled too.
 
-Mixed cases (`MIXED`, JSON key `mixed`): one serving step of `prompts` prefill chunks (each a whole prompt: its keys
-are its own tokens) and `decodes` single-token decodes over `decode_length` cached tokens, `--mixed-layers` layers
-per step (default 8). `attnlib` is `cache.attend(q, cu_seqlens_q=..., max_seqlen_q=longest prompt)` on a token-major
-`PagedKVCache` (packed queries `[T_total, N, H]`, automatic implementation; `attnlib_pick` records what ran);
-`attnlib_dense` (not a peer) is attnlib on the peers' dense layout. The peers are `jax.nn.dot_product_attention` on
-the same tokens as one dense call: each sequence's queries padded to `[B, T_max, N, H]` against a dense cache
-`[B, S, K, H]` with `query_seq_lengths` / `key_value_seq_lengths`; jax.nn has no bottom-right alignment, so each
-sequence's causal diagonal (its last query on its last key) is a boolean `mask` (`jax_nn_cudnn`:
-`implementation="cudnn"`, `jax_nn`: `implementation=None`, XLA). `jax_nn_cudnn_two_calls` is what a jax.nn user who
-knows the step's structure writes instead: the prompts (top-left causal, right here since each chunk is a whole
-prompt) and the decodes (no mask) as two dense cuDNN calls. Each variant's first layer is checked against a float32
-reference of the packed tokens, then timed as above (fewer repetitions: a step takes milliseconds);
-`speed_vs_<peer>` is the peer's step time over attnlib's. `--smoke` runs a tiny mixed step on any backend (the
-variants that name cuDNN report their error off a GPU): a check that the script works, not a measurement.
+Mixed (JSON key `mixed`): `prompts` whole-prompt prefill chunks and `decodes` decodes over `decode_length` tokens,
+`--mixed-layers` layers a step. `attnlib` is `cache.attend` on a token-major `PagedKVCache` (packed queries,
+automatic implementation, `attnlib_pick`); `attnlib_dense` (not a peer) runs on the peers' dense layout; the peers
+are jax.nn on the same tokens padded to one dense call, each sequence's bottom-right diagonal a boolean `mask`
+(`jax_nn_cudnn`, `jax_nn`: XLA), or as two cuDNN calls, prompts then decodes (`jax_nn_cudnn_two_calls`).
+
+Each variant's first layer is checked against a float32 reference, then timed by `harness.best_per_call`,
+round-robin, best of `--rounds`. `--smoke`: a tiny mixed step on any backend (the cuDNN variants report their error
+off a GPU), a check that the script works, not a measurement.
 """
 
 import dataclasses
@@ -77,15 +64,6 @@ def gather_pages(pool, page_table):
     """A sequence's pages as a dense cache, as a jax.nn user gathers them: `[P, page, K, H]` -> `[B, S, K, H]`."""
     pages = jnp.take(pool, page_table, axis=0)  # [B, pages_per_seq, page, K, H]
     return jnp.reshape(pages, (page_table.shape[0], -1) + pool.shape[2:])
-
-
-def reference_and_tolerance(x, k, v, lengths) -> tuple[np.ndarray, float]:
-    """One layer's float32 reference on the bf16 inputs, and the error a variant may have: `4 eps(bf16) max|ref|`."""
-    with jax.default_matmul_precision("highest"):
-        reference = np.asarray(attnlib.attention(
-            x.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), key_value_seq_lengths=lengths,
-            is_causal=True, diagonal_alignment="bottom_right", implementation="xla"), np.float32)  # fmt: skip
-    return reference, harness.tolerance(reference)
 
 
 def reads_pages(label: str) -> bool:
@@ -283,11 +261,9 @@ def run_mixed(case: MixedCase, args) -> dict:
                                           call_args)  # fmt: skip
         except Exception as e:  # noqa: BLE001  (reported, not fatal)
             row["variants"][label] = {"error": harness.error(e)}
-    for _ in range(args.rounds):
-        for (label, suffix), (step, call_args) in steps.items():
-            ms = harness.best_per_call(step, call_args, loop=5, reps=3) * 1e3
-            result = row["variants"][label]
-            result[f"step_ms{suffix}"] = min(result.get(f"step_ms{suffix}", float("inf")), ms)
+    calls = {(label, f"step_ms{suffix}"): (step, call_args, 5) for (label, suffix), (step, call_args) in steps.items()}
+    for label, times in harness.round_robin(calls, args.rounds, reps=3).items():
+        row["variants"][label].update(times)
     if row["attnlib_pick"] == "cudnn":
         for suffix in CONFIGS:
             if ("attnlib", suffix) in steps:
@@ -323,7 +299,9 @@ def main(argv=None):
         if args.only is not None and name not in args.only:
             continue
         x, k, v, lengths, k_pool, v_pool, page_table = _inputs(b, context)
-        reference, tol = reference_and_tolerance(x, k, v, lengths)
+        reference = harness.reference(x, k, v, key_value_seq_lengths=lengths, is_causal=True,
+                                      diagonal_alignment="bottom_right")  # one layer's  # fmt: skip
+        tol = harness.tolerance(reference)
         row, steps = {}, {}
         for label, attend in layer_fns(lengths, page_table).items():
             cache = (k_pool, v_pool) if reads_pages(label) else (k, v)
@@ -339,10 +317,9 @@ def main(argv=None):
                     steps[(label, suffix)] = (step, (x, *cache))
             except Exception as e:  # noqa: BLE001
                 row[label] = {"error": harness.error(e)}
-        for _ in range(args.rounds):
-            for (label, suffix), (step, call_args) in steps.items():
-                ms = harness.best_per_call(step, call_args, loop=10, reps=5) * 1e3
-                row[label][f"step_ms{suffix}"] = min(row[label].get(f"step_ms{suffix}", float("inf")), ms)
+        calls = {(label, f"step_ms{suffix}"): (step, args_, 10) for (label, suffix), (step, args_) in steps.items()}
+        for label, times in harness.round_robin(calls, args.rounds).items():
+            row[label].update(times)
         for (label, suffix), (step, call_args) in steps.items():
             if label.startswith("attnlib"):
                 row[label][f"executor_per_step{suffix}"] = executor_counts_per_step(step, call_args)

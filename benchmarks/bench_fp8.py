@@ -1,52 +1,32 @@
 """H200 benchmark of FP8 attention on cuDNN (`fp8="current"` and pre-quantized `Fp8Scales` inputs) against attnlib's
 bfloat16 cuDNN call and `jax.nn.dot_product_attention(implementation="cudnn")`, all in one process.
 
-Usage: python benchmarks/bench_fp8.py [--json out.json] [--quick]
+Usage: python benchmarks/bench_fp8.py [--json out.json] [--quick] [--gradients [--no-timing]]
 
-Timing as `bench_cudnn.py` (`harness.best_per_call`: the best of several repetitions of a loop of calls); the variants
-of one shape are timed round-robin (best of 3 rounds).
-`fp8="current"` includes its amax reductions, quantization and output dequantization; the pre-quantized variant
-starts from E4M3 arrays. Forward TFLOP/s count `4 · b · n · t · s · d` (halved when causal).
-Accuracy: rms / max error of each forward against float64 attention on the last 256 query rows of batch 0 (numpy),
-both on the unquantized inputs and on the FP8-dequantized ones.
+Timing: `harness.best_per_call`, the variants of a shape round-robin, best of 3 rounds. `fp8="current"` includes its
+amax reductions, quantization and output dequantization; the pre-quantized variants start from E4M3 arrays (one with
+the heuristics' first plan instead of the autotuned one). Forward TFLOP/s count `4 · b · n · t · s · d` (halved when
+causal). Accuracy: rms / max error of each forward against float64 attention on the last 256 query rows of batch 0,
+on the unquantized and on the FP8-dequantized inputs; `--gradients`: that of dq, dk, dv (`gradient_accuracy`).
 """
 
 import json
 import os
 import sys
+from unittest import mock
 
 import harness  # run as a script: benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _inputs(b: int, t: int, n: int, kh: int, d: int):
-    return harness.normal((b, t, n, d), (b, t, kh, d), (b, t, kh, d), via_float32=True)
+import attnlib
 
 
-def _scales(q, k, v):
-    return [jnp.max(jnp.abs(x.astype(jnp.float32))) / 448.0 for x in (q, k, v)]
-
-
-def variants(causal: bool):
-    """name -> (fn(q, k, v) -> out, differentiable)."""
-    import attnlib
-
-    def prequantized(q, k, v):
-        s = _scales(q, k, v)
-        return [(x.astype(jnp.float32) / sc).astype(jnp.float8_e4m3fn) for x, sc in zip((q, k, v), s)], s
-
-    return {
-        "attnlib_cudnn_bf16": (lambda q, k, v: attnlib.attention(q, k, v, is_causal=causal, implementation="cudnn"),
-                               True),
-        "attnlib_cudnn_fp8_current": (lambda q, k, v: attnlib.attention(
-            q, k, v, is_causal=causal, implementation="cudnn", fp8="current"), True),
-        "attnlib_cudnn_fp8_prequantized": ("prequantized", False),
-        "attnlib_cudnn_fp8_prequantized_first_plan": ("prequantized_first_plan", False),
-        "jax_nn_cudnn_bf16": (lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="cudnn"), True),
-    }, prequantized  # fmt: skip
+def prequantize(q, k, v):
+    """E4M3 copies of `q`, `k`, `v` scaled by their amax / 448, and the scales."""
+    scales = [jnp.max(jnp.abs(x.astype(jnp.float32))) / 448.0 for x in (q, k, v)]
+    return [(x.astype(jnp.float32) / s).astype(jnp.float8_e4m3fn) for x, s in zip((q, k, v), scales)], scales
 
 
 def _reference_rows(q, k, v, causal: bool, rows: int = 256) -> np.ndarray:
@@ -72,29 +52,31 @@ def _errors(out, exact) -> dict:
 
 
 def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool) -> dict:
-    q, k, v = _inputs(b, t, n, kh, d)
+    q, k, v = harness.normal((b, t, n, d), (b, t, kh, d), (b, t, kh, d), via_float32=True)
     flops = 4 * b * n * t * t * d * (0.5 if causal else 1.0)
-    table, prequantize = variants(causal)
     exact = _reference_rows(q, k, v, causal)
     (q8, k8, v8), scales = prequantize(q, k, v)
     deq = [x.astype(jnp.float32) * s for x, s in zip((q8, k8, v8), scales)]
     exact_fp8_inputs = _reference_rows(*deq, causal)
+    given = attnlib.Fp8Scales(q=scales[0], k=scales[1], v=scales[2])
+    attend = lambda fp8=None: lambda q, k, v: attnlib.attention(  # noqa: E731
+        q, k, v, is_causal=causal, implementation="cudnn", fp8=fp8)  # fmt: skip
+    table = {  # name: (fn, inputs, differentiable)
+        "attnlib_cudnn_bf16": (attend(), (q, k, v), True),
+        "attnlib_cudnn_fp8_current": (attend("current"), (q, k, v), True),
+        "attnlib_cudnn_fp8_prequantized": (attend(given), (q8, k8, v8), False),
+        "attnlib_cudnn_fp8_prequantized_first_plan": (attend(given), (q8, k8, v8), False),
+        "jax_nn_cudnn_bf16": (lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"), (q, k, v), True),
+    }  # fmt: skip
     result = {"shape": f"b{b} s{t} {n}/{kh} heads d{d} {'causal' if causal else 'full'}", "variants": {}}
     timed = {}
-    for name, (fn, differentiable) in table.items():
+    for name, (fn, args, differentiable) in table.items():
         try:
-            if fn in ("prequantized", "prequantized_first_plan"):
-                import attnlib
-
-                given = attnlib.Fp8Scales(q=scales[0], k=scales[1], v=scales[2])
-                fwd = jax.jit(lambda q, k, v: attnlib.attention(
-                    q, k, v, is_causal=causal, implementation="cudnn", fp8=given))  # fmt: skip
-                args = (q8, k8, v8)
-                if fn == "prequantized_first_plan":  # the heuristics' first plan instead of the autotuned one
-                    with harness.environ("ATTNLIB_CUDNN_AUTOTUNE", "0"):
-                        jax.block_until_ready(fwd(*args))
-            else:
-                fwd, args = jax.jit(fn), (q, k, v)
+            fwd = jax.jit(fn)
+            if name.endswith("_first_plan"):  # compiled with the heuristics' first plan, not the autotuned one
+                with mock.patch.dict(os.environ, {"ATTNLIB_CUDNN_AUTOTUNE": "0"}):
+                    jax.block_until_ready(fwd(*args))
             out = jax.block_until_ready(fwd(*args))
             row = {"err_vs_f64": _errors(out, exact),
                    "err_vs_f64_on_dequantized_inputs": _errors(out, exact_fp8_inputs)}  # fmt: skip
@@ -107,14 +89,12 @@ def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool
         except Exception as e:  # noqa: BLE001  (reported, not fatal)
             result["variants"][name] = {"error": harness.error(e)}
     loops = (3, 2) if quick else (20, 10)
-    for _ in range(1 if quick else 3):  # round-robin
-        for name, (fwd, fwd_bwd, args) in timed.items():
-            row = result["variants"][name]
-            row["fwd_ms"] = min(row.get("fwd_ms", 1e9), 1e3 * harness.best_per_call(fwd, args, loops[0], 3))
-            row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
-            if fwd_bwd is not None:
-                ms = 1e3 * harness.best_per_call(fwd_bwd, (q, k, v), loops[1], 3)
-                row["fwd_bwd_ms"] = min(row.get("fwd_bwd_ms", 1e9), ms)
+    calls = {(name, "fwd_ms"): (fwd, args, loops[0]) for name, (fwd, _, args) in timed.items()}
+    calls |= {(name, "fwd_bwd_ms"): (fb, (q, k, v), loops[1]) for name, (_, fb, _) in timed.items() if fb is not None}
+    for name, times in harness.round_robin(calls, 1 if quick else 3, reps=3).items():
+        result["variants"][name].update(times)
+        if "fwd_ms" in times:
+            result["variants"][name]["fwd_tflops"] = flops / times["fwd_ms"] / 1e9
     base = result["variants"].get("attnlib_cudnn_bf16", {})
     for row in result["variants"].values():
         if "fwd_ms" in row and "fwd_ms" in base:
@@ -124,40 +104,15 @@ def run_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool
     return result
 
 
-def profile(shape: tuple) -> list[str]:
-    """Per-kernel device time of the bf16, `fp8="current"` and pre-quantized forwards at `shape`."""
-    from hlo_and_traces import kernel_profile, kernel_table
-
-    import attnlib
-
-    b, t, n, kh, d, causal = shape
-    q, k, v = _inputs(b, t, n, kh, d)
-    (q8, k8, v8), scales = variants(causal)[1](q, k, v)
-    given = attnlib.Fp8Scales(q=scales[0], k=scales[1], v=scales[2])
-    calls = {
-        "bf16": (lambda q, k, v: attnlib.attention(q, k, v, is_causal=causal, implementation="cudnn"), (q, k, v)),
-        "fp8_current": (lambda q, k, v: attnlib.attention(q, k, v, is_causal=causal, implementation="cudnn",
-                                                          fp8="current"), (q, k, v)),
-        "fp8_prequantized": (lambda q, k, v: attnlib.attention(q, k, v, is_causal=causal, implementation="cudnn",
-                                                               fp8=given), (q8, k8, v8)),
-    }  # fmt: skip
-    lines = []
-    for name, (fn, args) in calls.items():
-        lines += kernel_table(name, kernel_profile(jax.jit(fn), args, calls=10))
-    return lines
-
-
 def gradient_accuracy(b=1, t=1024, n=8, kh=2, d=128) -> dict:
     """Relative rms / max error of dq, dk, dv (causal, bf16 inputs) against float64 gradients at the unquantized and
     at the FP8-dequantized inputs: attnlib bf16 cuDNN, FP8 cuDNN (16-bit backward) and the `xla` FP8 emulation."""
-    import attnlib
-
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from reference import reference_attention_vjp
 
     q, k, v, d_out = harness.normal((b, t, n, d), (b, t, kh, d), (b, t, kh, d), (b, t, n, d), seed=1, dtype=jnp.float32)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    (q8, k8, v8), scales = variants(True)[1](q, k, v)
+    (q8, k8, v8), scales = prequantize(q, k, v)
     f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
     exact = reference_attention_vjp(f64(q), f64(k), f64(v), d_out=f64(d_out), is_causal=True)
     deq = [f64(x) * float(s) for x, s in zip((q8, k8, v8), scales)]
@@ -200,12 +155,9 @@ def table(results: dict) -> str:
 def main() -> None:
     parser = harness.parser(__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="per-kernel times of the first shape's forwards")
     parser.add_argument("--gradients", action="store_true", help="gradient accuracy against float64")
     parser.add_argument("--no-timing", action="store_true", help="skip the timed shapes (with --gradients)")
     args = parser.parse_args()
-    import attnlib
-
     shapes = {
         "llama_b1_s8192_64_8_causal": (1, 8192, 64, 8, 128, True),
         "b4_s4096_32_8_causal": (4, 4096, 32, 8, 128, True),
@@ -224,8 +176,6 @@ def main() -> None:
     if args.gradients:
         results["gradient_accuracy"] = gradient_accuracy(**(dict(t=256) if args.quick else {}))
         print("gradient_accuracy", json.dumps(results["gradient_accuracy"]), flush=True)
-    if args.profile:
-        print("\n".join(profile(next(iter(shapes.values())))))
     harness.write_json(args.json, results)
 
 

@@ -3,62 +3,31 @@
 Usage: python benchmarks/bench_model.py [--json out.json] [--only CONFIG ...] [--framework equinox haiku]
        [--variants NAME ...] [--warmup 2] [--steps 5] [--remat save_attention] [--profile] [--smoke]
 
-The step is `examples/train.py`'s (`make_step`, `make_optimizer`): forward, backward and the optax update (AdamW,
-float32 master weights, gradient clipping) of `examples/llama.py` (Equinox) or `examples/llama_haiku.py` (Haiku),
-per-layer remat, bfloat16 compute, donated parameters and optimizer state. The remat (`--remat`) is by default
-`save_attention`: each block is recomputed in the backward pass except its attention kernel, whose results are kept
-(`attnlib.checkpoint_policies.save_attention`; the peers' kernels are kept alike); `full` recomputes everything.
-Both frameworks start from the same weights (`llama_haiku.params_from_equinox`) and see the same batch (random tokens;
-packed configs add segment ids of several documents per row). Variants, one attention core each, everything else equal
-(`q` `[B, T, N, H]`, `k`, `v` `[B, T, K, H]`, causal, the config's window and documents):
+The step is `examples/train.py`'s (`make_step`, `make_optimizer`: AdamW, float32 master weights, clipping) on
+`examples/llama.py` (Equinox) or `llama_haiku.py` (Haiku; the same weights, `params_from_equinox`), per-block remat
+(`--remat`: by default `save_attention`, which keeps the attention kernels' results, the peers' alike; `full`
+recomputes everything), bfloat16, the same batch (random tokens; packed configs add segment ids of several documents a
+row). Variants: `attnlib` (the model as written, `implementation=None`; its pick: `attnlib_pick`), `jax_nn`
+(`jax.nn.dot_product_attention`, XLA), `jax_nn_cudnn` (GPU), `splash` (raw splash with 512-blocks, `bench_tpu.py`'s
+`splash_fn`, per key/value head; TPU) and `tokamax` (GPU). jax.nn and tokamax take no segment ids: with documents
+they get the dense `[B, 1, T, T]` mask. A variant that cannot run is recorded as `skipped`, one that fails as `error`.
 
-- `attnlib`: the model as written: `attnlib.equinox` / `attnlib.haiku.DotProductAttention`, `implementation=None`
-  (what it picks: `attnlib_pick`, from `attnlib.explain`, and the custom calls in the step's HLO).
-- `jax_nn`: `jax.nn.dot_product_attention(implementation=None)` (JAX 0.10: the XLA path, scores materialized).
-- `jax_nn_cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`; GPU only.
-- `splash`: raw `jax.experimental.pallas.ops.tpu.splash_attention` with 512-blocks (`bench_tpu.py`'s
-  `splash_fn`), `make_splash_mqa_single_device` per key/value head, segment ids as splash `SegmentIds`, `q`
-  pre-scaled, the transposes to its `[heads, T, H]` layout inside the core; TPU only.
-- `tokamax`: `tokamax.dot_product_attention` (its automatic choice); GPU only, where `import tokamax` works.
-
-jax.nn and tokamax take no segment ids: with documents their core gets the dense `[B, 1, T, T]` mask built from the
-segment ids (`seg[:, None, :, None] == seg[:, None, None, :]`, plus `is_causal`); jax.nn's cuDNN path turns it into
-an additive bias. A variant that cannot run here is recorded with `skipped` and the reason; one that fails with
-`error` (`out of memory` when it is that).
-
-Per config, framework and variant: `step_ms` (median of `--steps` timed steps after `--warmup` steps; every step ends
-in `block_until_ready`; also min / max), `tokens_per_s` (`B T` / step), `mfu`, `compile_s`, memory (`peak_bytes_in_use`
-from `device.memory_stats()` where the device has it: a high-water mark of the whole process, so a later variant
-reads at least an earlier one's peak; and `compiled_bytes`, the step executable's argument / output / temporary bytes,
-per variant), the loss of every step and `max_loss_diff_vs_attnlib` (the largest difference from attnlib's loss at
-the same step: same weights, same batch; bfloat16 noise), and the layer overhead:
-
-- `hlo` (`hlo_and_traces.layout_ops`): in the compiled HLO of the step (`jax.jit(step).lower(...).compile().as_text()`),
-  the `transpose` and `copy` instructions (all computations, fused ones included), the attention custom calls (cuDNN,
-  Mosaic TPU, Triton, Mosaic GPU targets) and, for their operands and results, the transposes / copies that produce or
-  consume them directly (through bitcasts and tuples, into and out of wrapped computations such as command buffers):
-  `feeding` / `consuming`, each `standalone` (a transpose or copy, or a fusion of nothing else: an extra pass over the
-  tensor) and `in_fusion` (a fusion that computes and also writes a transposed layout); `traced_in_attention`:
-  transposes / copies whose source location lies under a scope named like attention. The model's projections write
-  `[B, T, N, H]`: the target is zero standalone copies around attnlib's call.
-- `attention_core`: the core alone on the model's shapes: forward and forward + backward (the gradient of
-  `sum(out * dout)` wrt q, k, v) timed as `bench_tpu.py` does (`harness.time_calls`), and `share_of_step` =
-  `num_layers (fwd_bwd + fwd) / step` under `--remat full` (which runs each layer's forward twice), `num_layers
-  fwd_bwd / step` otherwise: the attention share of the step, an estimate from isolated calls.
-- `profile` (`--profile`, `hlo_and_traces.profile_device_time`): 2 more steps under the JAX profiler; per step,
-  `device_ms` (the device's XLA ops summed), `attention_ms` (the attention custom calls among them) and
-  `attention_share`: the measured share, where the backend's trace has an "XLA Ops" line (the TPU's; elsewhere
-  `skipped`).
+Per config, framework and variant: `step_ms` (median of `--steps` after `--warmup`; also min / max), `tokens_per_s`,
+`mfu`, `compile_s`, `peak_bytes_in_use` (the process's high-water mark, where the device reports it) and
+`compiled_bytes`, every step's loss and `max_loss_diff_vs_attnlib`; `hlo` (`hlo_and_traces.layout_ops`: the
+transposes and copies of the compiled step and those next to the attention calls); `attention_core` (the core alone on
+the model's shapes, timed by `harness.time_calls`, and `share_of_step`: `num_layers (fwd_bwd + fwd) / step` under
+`--remat full`, `num_layers fwd_bwd / step` otherwise); with `--profile`, `profile`
+(`hlo_and_traces.profile_device_time`: the device time of 2 traced steps and the attention kernels' share, TPU traces).
 
 MFU counts model FLOPs (the PaLM convention: forward + backward = 3x forward, remat recomputation not counted):
 `6 P tokens + 12 L N H E`, with `P` the parameters of the matrix multiplies (all but the input embedding and the
 RMSNorm weights), `L` layers, `N` query heads of `H`, and `E` the visible (query, key) pairs summed over rows (causal:
-`T (T + 1) / 2` a row, i.e. `12 L T^2 D / 2` for `D = N H`; windows and documents counted exactly: the useful FLOPs,
-also for a dense-mask core that computes every pair). Peaks (dense bf16): H100 / H200 989 TFLOP/s, TPU v5e 197
-TFLOP/s; elsewhere `mfu` is null.
+`T (T + 1) / 2` a row; windows and documents counted exactly, also for a dense-mask core that computes every pair).
+Peaks (dense bf16): H100 / H200 989 TFLOP/s, TPU v5e 197 TFLOP/s; elsewhere `mfu` is null.
 
-`--smoke` runs tiny configs on any backend in seconds (attnlib and jax.nn; the others recorded as skipped): a check
-that the script works, not a measurement.
+`--smoke` runs tiny configs on any backend in seconds (attnlib and jax.nn; the others skipped): a check that the
+script works, not a measurement.
 """
 
 import dataclasses
@@ -138,10 +107,6 @@ FLOPS_CONVENTION = (
 )
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Data and FLOPs
-
-
 def make_batch(config: Config, seed: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
     """Random tokens `[B, T]`; with `documents`, segment ids `1, 2, ...` of documents of random lengths filling each
     row (the last one cut at the row's end)."""
@@ -186,10 +151,6 @@ def peak_tflops(device) -> float | None:
     return next((peak for name, peak in PEAK_TFLOPS.items() if name in kind), None)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Attention cores: fn(q, k, v, segment_ids) -> out
-
-
 def _segment_mask(segment_ids):
     """`[B, 1, T, T]` True where query and key are in the same document."""
     if segment_ids is None:
@@ -201,13 +162,6 @@ def _segment_mask(segment_ids):
 def _window(config: Config):
     w = config.model.sliding_window
     return None if w is None else (w, 0)
-
-
-def splash_core(config: Config):
-    """Raw splash attention on `[B, T, N, H]` (see the module docstring): `bench_tpu.splash_fn`, causal."""
-    m = config.model
-    case = bench_tpu.Case(config.batch, config.seq, m.num_heads, m.num_kv_heads, m.head_dim, True, m.sliding_window)
-    return bench_tpu.splash_fn(case, default=False, interpret=False, per_kv_head=True)
 
 
 def attention_core(variant: str, config: Config) -> Callable:
@@ -230,7 +184,9 @@ def attention_core(variant: str, config: Config) -> Callable:
         if platform != "tpu":
             raise NotImplementedError("raw splash attention needs a TPU (interpret mode is too slow for a model step); "
                                       f"this device is a {platform}")  # fmt: skip
-        return splash_core(config)
+        m = config.model  # raw splash on [B, T, N, H], causal (bench_tpu.splash_fn)
+        case = bench_tpu.Case(config.batch, config.seq, m.num_heads, m.num_kv_heads, m.head_dim, True, m.sliding_window)
+        return bench_tpu.splash_fn(case, default=False, interpret=False, per_kv_head=True)
     if variant == "tokamax":
         if platform != "gpu":
             raise NotImplementedError(f"tokamax is benchmarked on GPUs only; this device is a {platform}")
@@ -242,20 +198,6 @@ def attention_core(variant: str, config: Config) -> Callable:
             q, k, v, mask=_segment_mask(s), is_causal=True, local_window_size=window
         )
     raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
-
-
-def attention_mask_note(variant: str, config: Config) -> str | None:
-    if config.documents is None:
-        return None
-    if variant in ("attnlib", "splash"):
-        return "segment ids"
-    if variant == "jax_nn_cudnn":
-        return "dense [B, 1, T, T] mask from the segment ids (jax.nn's cuDNN path: an additive bias)"
-    return "dense [B, 1, T, T] mask from the segment ids"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Models
 
 
 def build(framework: str, config: Config, core: Callable | None):
@@ -294,16 +236,6 @@ def build(framework: str, config: Config, core: Callable | None):
     raise ValueError(f"unknown framework {framework!r}; known: {FRAMEWORKS}")
 
 
-# Running
-
-
-def _memory_stats() -> dict | None:
-    try:
-        return jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def time_attention_core(core: Callable, config: Config, segment_ids, loops: int, target_s: float = 0.05) -> dict:
     """The core alone on the model's shapes (bf16): fwd and fwd+bwd ms, as `harness.time_calls` times them."""
     m = config.model
@@ -329,9 +261,10 @@ def run_variant(framework: str, variant: str, config: Config, batch, *, warmup: 
         core_fn = attention_core(variant, config)
     except NotImplementedError as e:
         return {"skipped": str(e)}
-    note = attention_mask_note(variant, config)
-    if note:
-        result["attention_mask"] = note
+    if config.documents is not None:  # how the core sees the documents
+        dense = "dense [B, 1, T, T] mask from the segment ids"
+        result["attention_mask"] = {"attnlib": "segment ids", "splash": "segment ids", "jax_nn_cudnn": dense +
+                                    " (jax.nn's cuDNN path: an additive bias)"}.get(variant, dense)  # fmt: skip
     tokens, segment_ids = batch
     try:
         params, loss_fn = build(framework, config, None if variant == "attnlib" else core_fn)
@@ -377,8 +310,7 @@ def run_variant(framework: str, variant: str, config: Config, batch, *, warmup: 
         loss=losses[0],
     )
     result["mfu"] = None if peak is None else peak["flops"] / step_s / (peak["tflops"] * 1e12)
-    stats = _memory_stats()
-    result["peak_bytes_in_use"] = None if not stats else stats.get("peak_bytes_in_use")
+    result["peak_bytes_in_use"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     core = time_attention_core(core_fn, config, segment_ids, loops=2 if smoke else 5, target_s=0.005 if smoke else 0.05)
     if "fwd_ms" in core and "fwd_bwd_ms" in core:
         recomputed_forward = core["fwd_ms"] if config.model.remat is True else 0.0  # --remat full

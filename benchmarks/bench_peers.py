@@ -1,18 +1,14 @@
-"""GPU benchmark: attnlib against every JAX peer, one process: attnlib `cudnn`, jax.nn `cudnn`, tokamax `mosaic` (its
-Hopper Pallas kernel) and `triton`.
+"""GPU benchmark: attnlib `cudnn` against every JAX peer, jax.nn `cudnn` and tokamax `mosaic` (its Hopper Pallas
+kernel) and `triton`, one process.
 
 Usage: python benchmarks/bench_peers.py [--json out.json] [--only CASE ... (run in that order)] [--rounds 3] [--direct]
 
-Per case: every variant's output is first checked against a float32 XLA reference on the same bf16 inputs (max |err|
-within `4 eps(bf16) max|ref|`, else the variant is reported as wrong and not timed); then the variants are timed
-round-robin, best of `--rounds` rounds of `harness.best_per_call` (wall clock under `jax.jit`), forward and
-forward + backward (gradient of `sum(out * dout)` with respect to q, k, v). Where attnlib trails the best peer, the
-device's kernel time per call of both is profiled too (`{kind}_kernel_us`, `{kind}_kernel_vs_best_peer`): whether
-the kernel or the call around it is behind, in the same run. A variant that cannot run the case
-(unsupported feature, import error) is reported with its error. The summary gives attnlib's speed against the
-best peer per case. `--direct` adds attnlib's cuDNN call with the native executor's CUDA-graph replay off
-(`attnlib_cudnn_direct`, ATTNLIB_CUDNN_GRAPH_REPLAY=0 while it compiles) and on for every call (`attnlib_cudnn_always`,
-"always"); neither is a peer. tokamax is a benchmark-only dependency (`pip install tokamax`).
+Per case, forward and forward + backward (the gradient of `sum(out * dout)` wrt q, k, v): every variant's output is
+first checked against a float32 reference (`harness.checked`; a wrong one is not timed, one that cannot run is
+reported with its error), then the variants are timed round-robin (`harness.round_robin`, best of `--rounds`). Where
+attnlib trails the best peer, the kernel time per call of both is profiled in the same run (`{kind}_kernel_us`,
+`{kind}_kernel_vs_best_peer`). `--direct` adds attnlib's call with the native executor's CUDA-graph replay off
+(`attnlib_cudnn_direct`) and on for every call (`attnlib_cudnn_always`), not peers.
 """
 
 import dataclasses
@@ -104,17 +100,11 @@ def _peer_kwargs(case: Case, kw: dict) -> dict:
     return dict(kw, is_causal=False) if case.t == 1 else kw
 
 
-def _reference(q, k, v, kw) -> np.ndarray:
-    with jax.default_matmul_precision("highest"):
-        out = attnlib.attention(*(x.astype(jnp.float32) for x in (q, k, v)), implementation="xla", **kw)
-    return np.asarray(out, np.float32)
-
-
 def run_case(name: str, case: Case, rounds: int, direct: bool = False) -> dict:
     q, k, v, dout = harness.normal((case.b, case.t, case.n, case.h), (case.b, case.s, case.k, case.h),
                                    (case.b, case.s, case.k, case.hv), (case.b, case.t, case.n, case.hv))  # fmt: skip
     kw = _kwargs(case)
-    reference = _reference(q, k, v, _decode(case, kw))
+    reference = harness.reference(q, k, v, **_decode(case, kw))
     tol = harness.tolerance(reference)
     # Rows past a query length are compared nowhere (peers leave them unspecified).
     rows = np.ones((case.b, case.t), bool)
@@ -137,15 +127,10 @@ def run_case(name: str, case: Case, rounds: int, direct: bool = False) -> dict:
             timed[label]["fwd_bwd"] = compile_variant(label, harness.grad_fn(bound, dout), (q, k, v))
         except Exception as e:  # noqa: BLE001  (e.g. a peer without a backward)
             row[label]["fwd_bwd_error"] = harness.error(e, 200)
-    for _ in range(rounds):
-        for label, fns in timed.items():
-            for kind, fn in fns.items():
-                try:
-                    ms = harness.best_per_call(fn, (q, k, v), loop=20 if kind == "fwd" else 10, reps=5) * 1e3
-                except Exception as e:  # noqa: BLE001  (e.g. a peer without a backward)
-                    row[label][f"{kind}_error"] = harness.error(e, 200)
-                    continue
-                row[label][f"{kind}_ms"] = min(row[label].get(f"{kind}_ms", float("inf")), ms)
+    calls = {(label, f"{kind}_ms"): (fn, (q, k, v), 20 if kind == "fwd" else 10)
+             for label, fns in timed.items() for kind, fn in fns.items()}  # fmt: skip
+    for label, times in harness.round_robin(calls, rounds).items():
+        row[label].update(times)
     mine = row.get("attnlib_cudnn", {})
     for kind in ("fwd", "fwd_bwd"):
         peers = {label: r[f"{kind}_ms"] for label, r in row.items()

@@ -20,10 +20,6 @@ best of `--rounds` (default 3; `segments_bound`: 1).
 
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 
 import harness  # run as a script: benchmarks/ is on sys.path
 import jax
@@ -46,29 +42,13 @@ def prefix_lm(batch, head, q_idx, kv_idx):
 
 
 def variants(case: str, n: int):
-    """name -> (implementation, attention kwargs)."""
-    if case == "softcap":
-        return {
-            "attnlib_cudnn_softcap": ("cudnn", dict(is_causal=True, logits_soft_cap=50.0)),
-            "attnlib_cudnn_plain_causal": ("cudnn", dict(is_causal=True)),
-            "attnlib_xla_chunked_softcap": ("xla_chunked", dict(is_causal=True, logits_soft_cap=50.0)),
-            "tokamax_mosaic_softcap": ("tokamax_mosaic", dict(is_causal=True, logits_soft_cap=50.0)),
-        }
-    if case == "alibi":
-        slopes = alibi_slopes(n)
-        return {
-            "attnlib_cudnn_alibi": ("cudnn", dict(is_causal=True, score_mod=alibi, score_mod_args=(slopes,))),
-            "attnlib_cudnn_plain_causal": ("cudnn", dict(is_causal=True)),
-            "attnlib_xla_chunked_alibi": (
-                "xla_chunked", dict(is_causal=True, score_mod=alibi, score_mod_args=(slopes,))),
-        }
-    if case == "prefix_lm":
-        return {
-            "attnlib_cudnn_prefix_lm": ("cudnn", dict(mask_mod=prefix_lm)),
-            "attnlib_cudnn_plain_causal": ("cudnn", dict(is_causal=True)),
-            "attnlib_xla_chunked_prefix_lm": ("xla_chunked", dict(mask_mod=prefix_lm)),
-        }
-    raise ValueError(case)
+    """name -> (implementation, attention kwargs): the modifier on cuDNN, the plain causal call, the modifier on
+    `xla_chunked` and, for the soft cap, tokamax's."""
+    kw = {"softcap": dict(is_causal=True, logits_soft_cap=50.0), "prefix_lm": dict(mask_mod=prefix_lm),
+          "alibi": dict(is_causal=True, score_mod=alibi, score_mod_args=(alibi_slopes(n),))}[case]  # fmt: skip
+    table = {f"attnlib_cudnn_{case}": ("cudnn", kw), "attnlib_cudnn_plain_causal": ("cudnn", dict(is_causal=True)),
+             f"attnlib_xla_chunked_{case}": ("xla_chunked", kw)}  # fmt: skip
+    return table | ({"tokamax_mosaic_softcap": ("tokamax_mosaic", kw)} if case == "softcap" else {})
 
 
 def make_fns(impl: str, kw: dict):
@@ -98,11 +78,10 @@ def run_case(case: str, b: int, t: int, n: int, kh: int, h: int, quick: bool, ro
         except Exception as e:  # noqa: BLE001  (a peer that cannot run this case is reported, not fatal)
             result["variants"][name] = {"error": harness.error(e)}
     loops = (3, 2) if quick else (20, 10)
-    for _ in range(rounds):  # round-robin
-        for name, (fwd, fwd_bwd) in fns.items():
-            row = result["variants"][name]
-            for kind, fn, loop in (("fwd", fwd, loops[0]), ("fwd_bwd", fwd_bwd, loops[1])):
-                row[f"{kind}_ms"] = min(row.get(f"{kind}_ms", 1e9), 1e3 * harness.best_per_call(fn, (q, k, v), loop, 3))
+    calls = {(name, f"{kind}_ms"): (fn, (q, k, v), loop) for name, (fwd, fwd_bwd) in fns.items()
+             for kind, fn, loop in (("fwd", fwd, loops[0]), ("fwd_bwd", fwd_bwd, loops[1]))}  # fmt: skip
+    for name, times in harness.round_robin(calls, rounds, reps=3).items():
+        result["variants"][name].update(times)
     return result
 
 
@@ -120,15 +99,9 @@ print(json.dumps({"built": list(A.CACHE.build_seconds), "get_seconds": list(A.CA
 
 def graph_build(cap: float) -> dict:
     """Build times of a new modifier's graphs in a fresh cache, then a second process on the same cache."""
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, ATTNLIB_CACHE_DIR=cache, BENCH_CAP=repr(cap))
-        runs = []
-        for _ in range(2):
-            done = subprocess.run([sys.executable, "-c", BUILD_SNIPPET], env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                return {"error": done.stderr[-800:]}
-            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    first, second = runs
+    first, second = harness.fresh_processes(BUILD_SNIPPET, BENCH_CAP=repr(cap))
+    if "error" in first or "error" in second:
+        return {"error": first.get("error") or second["error"]}
     return {
         "first_process_built": first["built"],
         "first_process_build_s_fwd_plus_bwd": sum(s for _, s in first["built"]),
@@ -159,8 +132,9 @@ def score_mod(args) -> dict:
     shape = (1, 512, 8, 2, 64) if args.quick else (4, 4096, 32, 8, 128)
     harness.check_names(args.parser, args.only, ("softcap", "alibi", "prefix_lm"))
     results = {**harness.device_and_jax(), "attnlib": attnlib.__version__, "cases": {}}
+    rounds = args.rounds or (1 if args.quick else 3)
     for case in args.only or ("softcap", "alibi", "prefix_lm"):
-        results["cases"][case] = run_case(case, *shape, quick=args.quick, rounds=args.rounds or (1 if args.quick else 3))
+        results["cases"][case] = run_case(case, *shape, quick=args.quick, rounds=rounds)
         print(case, json.dumps(results["cases"][case]), flush=True)
     results["graph_build"] = graph_build(37.5)
     print("graph_build", json.dumps(results["graph_build"]), flush=True)
@@ -206,11 +180,8 @@ def max_logit(args) -> dict:
             "fwd_bwd": grads(False),
             "fwd_bwd_max_logit": grads(True),
         }  # fmt: skip
-        row = {}
-        for _ in range(args.rounds or 3):  # round-robin, best of the rounds
-            for label, f in variants.items():
-                ms = harness.best_per_call(f, (q, k, v), loop=20, reps=5) * 1e3
-                row[label] = min(row.get(label, float("inf")), ms)
+        calls = {(None, label): (f, (q, k, v), 20) for label, f in variants.items()}
+        row = dict(harness.round_robin(calls, args.rounds or 3)[None])
         row["fwd_overhead"] = row["fwd_max_logit"] / row["fwd"] - 1
         row["fwd_bwd_overhead"] = row["fwd_bwd_max_logit"] / row["fwd_bwd"] - 1
         row["separate_pass_overhead"] = row["fwd_sinks_max_logit_separate_pass"] / row["fwd_sinks"] - 1
@@ -273,11 +244,10 @@ def segments_bound(args) -> dict:
         for label, (f, fb) in variants.items():
             err = float(np.max(np.abs(np.asarray(f(q, k, v, ids), np.float32) - reference)))
             row[label] = {"max_diff_vs_tight": err}
-        for _ in range(args.rounds or 1):  # round-robin, best of the rounds
-            for label, (f, fb) in variants.items():
-                for kind, fn in (("fwd", f), ("fwd_bwd", fb)):
-                    ms = harness.best_per_call(fn, (q, k, v, ids), loop=3 if label == "xla_chunked" else 20, reps=5)
-                    row[label][f"{kind}_ms"] = min(row[label].get(f"{kind}_ms", float("inf")), ms * 1e3)
+        calls = {(label, f"{kind}_ms"): (fn, (q, k, v, ids), 3 if label == "xla_chunked" else 20)
+                 for label, fns in variants.items() for kind, fn in zip(("fwd", "fwd_bwd"), fns)}  # fmt: skip
+        for label, times in harness.round_robin(calls, args.rounds or 1).items():
+            row[label].update(times)
         for label in variants:
             r = row[label]
             r["fwd_bwd_speed_vs_tight"] = row["tight"]["fwd_bwd_ms"] / r["fwd_bwd_ms"]

@@ -2,27 +2,18 @@
 
 Usage: python benchmarks/bench_tpu_decode.py [--json out.json] [--only CASE ...] [--smoke]
 
-Decode cases: one decode step (one query per sequence, bf16) over a paged KV cache whose sequences are all `length`
-tokens long, pages of `page_size` tokens in a pool of exactly the pages they use, shuffled. Mixed cases: one serving
-step of `prompts` prefill chunks (each a whole prompt: its keys are its own tokens) and `decodes` single-token
-decodes over caches of `decode_length` tokens, packed (THD, `cu_seqlens_q`). Variants, side by side on the same
-inputs:
-- `attnlib`: `cache.attend(q)` (`implementation=None`) on a cache in the layout `PagedKVCache.create` picks on a TPU
-  (`"combined"`); the pick (`attnlib.explain`) is recorded as `attnlib_pick`.
-- `attnlib_head_major`: the same on a `"head_major"` cache (decode only).
-- `attnlib_token_major`: the bare-array form on token-major pools: each call lays the pools out head-major (decode).
-- `attnlib_xla`: the token-major cache with `implementation="xla"` (pages gathered, plain JAX; decode).
-- `paged_attention`: raw `jax.experimental.pallas.ops.tpu.paged_attention` on its own head-major pools
-  (`[K, P, page_size, H]`), `q` pre-scaled, `pages_per_compute_block` as attnlib picks it (decode).
-- `ragged_paged_attention`: raw `jax.experimental.pallas.ops.tpu.ragged_paged_attention` on its own combined pool
-  (`[P, page_size, 2K, H]`) with the blocks attnlib picks (`ragged.kernel_blocks`: the kernel's tuned table where it
-  has the shape; its default for long caches overflows a v5e's scoped VMEM).
+Decode cases: one query per sequence (bf16) over `length` cached tokens in pages of `page_size`, a pool of exactly
+the pages used, shuffled. Mixed cases: `prompts` whole-prompt prefill chunks and `decodes` decodes over
+`decode_length` tokens, packed (`cu_seqlens_q`). Variants on the same inputs: `attnlib` (`cache.attend(q)` on the
+layout `PagedKVCache.create` picks on a TPU, `"combined"`; its pick: `attnlib_pick`), `attnlib_head_major`,
+`attnlib_token_major` (the bare-array form on token-major pools), `attnlib_xla`, and raw `paged_attention` (head-major
+pools, `q` pre-scaled) and `ragged_paged_attention` (a combined pool), each with the blocks attnlib picks; all but
+`attnlib` and `ragged_paged_attention` decode only.
 
-Each output is checked against a float32 reference of the gathered sequences first (a variant beyond
-`4 eps(bf16) max|ref|` is marked wrong and not timed), then timed as `bench_tpu.py` does (`harness.time_calls`:
-median ms per call). Bandwidth counts the key and value bytes of the visible tokens once. `--smoke` runs a tiny
-decode in TPU interpret mode on any backend (the variants of the ragged kernel, which interpret mode cannot run in
-JAX 0.10.2, are skipped): a check that the script works, not a measurement.
+Each output is checked against a float32 reference first (beyond `4 eps(bf16) max|ref|`: wrong, not timed), then
+timed by `harness.time_calls` (median ms); GB/s counts the visible keys' and values' bytes once. `--smoke`: a tiny
+decode in TPU interpret mode on any backend (the ragged kernel, which interpret mode cannot run in JAX 0.10.2,
+skipped), a check that the script works, not a measurement.
 """
 
 import dataclasses
