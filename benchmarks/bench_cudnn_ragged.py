@@ -2,18 +2,15 @@
 
 Usage: python benchmarks/bench_cudnn_ragged.py [--json out.json] [--profile]
 
-1. Packed training batch: lengths drawn from 64..4096 until 32768 tokens, causal, GQA 32/8, d128, bf16, `cu_seqlens`
-   an argument. THD (with and without `max_seqlen_q`, the experimental modes beside it, cuDNN's ragged graphs alone)
-   against the same data padded to `[B, max_len]` with lengths (attnlib and jax.nn cuDNN) and a dense batch of the
-   same token count (b8 t4096). TFLOP/s count only the real sequences' visible pairs (`harness.flops`), whatever
-   padding a variant computes. `--profile`: per-kernel device time of the THD calls (`kernel_profile`).
-2. Paged decode: B 64, context 8192, pages of 64, GQA 64/8, d128, a random page table; bandwidth = the cached K and V
-   bytes per second, against the card's 4.3 TB/s device-to-device copy.
-3. Graph builds: 200 training steps of fresh random lengths, each new input shape traced and lowered forward +
-   backward (as `jax.jit` does), counting the cuDNN graphs built.
+1. Packed training batch (lengths drawn from 64..4096 until 32768 tokens, causal, GQA 32/8, d128, `cu_seqlens` an
+   argument): THD variants against the same data padded (attnlib and jax.nn cuDNN) and a dense batch of the same token
+   count, TFLOP/s over the real sequences' visible pairs; `--profile`: the THD calls' kernels (`kernel_profile`).
+2. Paged decode (B 64, context 8192, pages of 64, GQA 64/8): the cached K and V bytes per second, against the card's
+   4.3 TB/s device-to-device copy.
+3. Graph builds: 200 training steps of fresh random lengths traced and lowered, counting the cuDNN graphs built.
 
-Timing: `harness.best_per_call` (best of 3 loops of 20 forward or 10 forward + backward calls), the packed-batch
-variants round-robin over 3 rounds, each keeping its best; the default THD call is timed twice, to show the noise.
+Timing: `harness.best_per_call`, the packed-batch variants round-robin over 3 rounds (each its best; the default THD
+call twice, to show the noise).
 """
 
 import contextlib

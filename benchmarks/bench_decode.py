@@ -1,27 +1,19 @@
-"""GPU benchmark: a decode step (one jitted `lax.scan` over `--layers` layers of single-token attention against a
-cache of `context` tokens a sequence), attnlib (paged and dense caches) against jax.nn `cudnn` and tokamax (`mosaic`,
-`triton`), one process; and mixed prefill + decode steps (`MIXED`).
+"""GPU benchmark: a decode step (one jitted `lax.scan` over `--layers` layers of single-token attention on a cache of
+`context` tokens a sequence), attnlib's paged and dense caches against jax.nn `cudnn` and tokamax (`mosaic`,
+`triton`), and mixed prefill + decode steps (`MIXED`, JSON key `mixed`), one process. The method and the peers
+(`jax_nn_cudnn_paged` gathers the pages first, as a jax.nn user must) are in docs/performance.md's decode loop.
 
 Usage: python benchmarks/bench_decode.py [--json out.json] [--only NAME ...] [--rounds 3] [--layers 32]
                                         [--mixed-layers 8] [--smoke]
 
-Decode: every layer reads the same cache (far larger than L2) and feeds its output to the next layer's query;
-lengths `context - 17 b`. jax.nn has no paged cache: `jax_nn_cudnn_paged` gathers each sequence's pages first, as a
-jax.nn user must (`speed_vs_paged_peer`: against the peers on the page pool; `speed_vs_best_peer`: against all).
-Every variant runs jitted with XLA's default flags (`step_ms`) and with `xla_gpu_graph_min_graph_size=1`
-(`step_ms_min_graph_1`: the loop body captured into a CUDA graph); `_direct` / `_always`: attnlib with the native
-executor's graph replay off / on for every call (not peers), `executor_per_step` what the executor did. Where
-attnlib trails the best peer, the kernel time (`kernel_us`) of both and of attnlib's dense call is profiled too.
-
-Mixed (JSON key `mixed`): `prompts` whole-prompt prefill chunks and `decodes` decodes over `decode_length` tokens,
-`--mixed-layers` layers a step. `attnlib` is `cache.attend` on a token-major `PagedKVCache` (packed queries,
-automatic implementation, `attnlib_pick`); `attnlib_dense` (not a peer) runs on the peers' dense layout; the peers
-are jax.nn on the same tokens padded to one dense call, each sequence's bottom-right diagonal a boolean `mask`
-(`jax_nn_cudnn`, `jax_nn`: XLA), or as two cuDNN calls, prompts then decodes (`jax_nn_cudnn_two_calls`).
-
-Each variant's first layer is checked against a float32 reference, then timed by `harness.best_per_call`,
-round-robin, best of `--rounds`. `--smoke`: a tiny mixed step on any backend (the cuDNN variants report their error
-off a GPU), a check that the script works, not a measurement.
+Per variant: `step_ms` with XLA's default flags and `step_ms_min_graph_1` with `xla_gpu_graph_min_graph_size=1`;
+`speed_vs_best_peer`, `speed_vs_paged_peer` (the peers on the page pool); `kernel_us` where attnlib trails the best
+peer; `_direct` / `_always`: attnlib with the native executor's CUDA-graph replay off / on for every call (not peers),
+`executor_per_step` what the executor did. Mixed: `attnlib` is `cache.attend` on a token-major `PagedKVCache`
+(`attnlib_pick`: what ran), `attnlib_dense` (not a peer) runs on the peers' layout; the peers are jax.nn on the same
+tokens as one padded dense call with a bottom-right causal `mask` (`jax_nn_cudnn`, `jax_nn`: XLA) or as two cuDNN
+calls, prompts then decodes (`jax_nn_cudnn_two_calls`). Each variant is checked against a float32 reference first.
+`--smoke`: a tiny mixed step on any backend (the cuDNN variants report their error off a GPU), not a measurement.
 """
 
 import dataclasses
@@ -141,6 +133,31 @@ def compare(row: dict, steps: dict, suffix: str) -> None:
                     row[label][f"kernel_error{suffix}"] = harness.error(e, 200)
 
 
+def timed_steps(row: dict, fns: dict, reference, tol: float, layers: int, rounds: int, loop: int, reps: int) -> dict:
+    """Each `{label: (attend, args, to_reference)}`: one layer checked against `reference` (a wrong or failing one is
+    reported in `row[label]`, not timed), then its `layers`-layer step compiled per `CONFIGS` (in the label's graph
+    replay mode) and timed round-robin into `row[label]["step_ms<suffix>"]`, with what the native executor did
+    (`executor_per_step<suffix>`, attnlib's variants on a GPU). Returns the steps, `{(label, suffix): (step, args)}`."""
+    steps = {}
+    for label, (attend, call_args, to_reference) in fns.items():
+        try:
+            with harness.graph_replay(label):
+                row[label] = harness.checked(to_reference(jax.jit(attend)(*call_args)), reference, tol)
+                if "wrong" in row[label]:
+                    continue
+                for suffix, options in CONFIGS.items():
+                    steps[label, suffix] = decode_step(attend, layers, options).lower(*call_args).compile(), call_args
+        except Exception as e:  # noqa: BLE001  (reported, not fatal)
+            row[label] = {"error": harness.error(e)}
+    calls = {(label, f"step_ms{suffix}"): (step, args, loop) for (label, suffix), (step, args) in steps.items()}
+    for label, times in harness.round_robin(calls, rounds, reps).items():
+        row[label].update(times)
+    for (label, suffix), (step, call_args) in steps.items():
+        if label.startswith("attnlib") and jax.default_backend() == "gpu":
+            row[label][f"executor_per_step{suffix}"] = executor_counts_per_step(step, call_args)
+    return steps
+
+
 def executor_counts_per_step(step, call_args, steps: int = 4) -> dict[str, float]:
     """What the native executor did per step (`_attnlib_ffi.graph_replay_counts`): calls replayed, run directly,
     recorded into XLA's command buffer (XLA records a command buffer again when it must update it)."""
@@ -154,37 +171,13 @@ def executor_counts_per_step(step, call_args, steps: int = 4) -> dict[str, float
     return {name: (after[name] - before[name]) / steps for name in after}
 
 
-@dataclasses.dataclass(frozen=True)
-class MixedCase:
-    """One serving step: `prompts` prefill chunks (whole prompts) and `decodes` decodes over `decode_length` tokens,
-    GQA `n`/`k` heads of `h`, pages of `page_size` tokens."""
-
-    prompts: tuple[int, ...]
-    decodes: int
-    decode_length: int
-    page_size: int
-    n: int = N
-    k: int = K
-    h: int = H
-
-    @property
-    def q_lengths(self) -> tuple[int, ...]:
-        return self.prompts + (1,) * self.decodes
-
-    @property
-    def kv_lengths(self) -> tuple[int, ...]:
-        return self.prompts + (self.decode_length,) * self.decodes
-
-
-MIXED = {
-    "mixed_8x512to2k_56x2k_p32": MixedCase((512, 768, 1024, 1280, 1536, 1792, 2048, 1024), 56, 2048, 32),
-    "mixed_8x512to2k_56x2k_p64": MixedCase((512, 768, 1024, 1280, 1536, 1792, 2048, 1024), 56, 2048, 64),
-}
-SMOKE_MIXED = {"smoke_mixed": MixedCase((7, 12, 5), 4, 19, 8, n=4, k=2, h=16)}
+PROMPTS = (512, 768, 1024, 1280, 1536, 1792, 2048, 1024)  # mixed steps: 8 prompts and 56 decodes over 2048 tokens
+MIXED = {f"mixed_8x512to2k_56x2k_p{p}": harness.PagedCase(0, 0, N, K, H, p, PROMPTS, 56, 2048) for p in (32, 64)}
+SMOKE_MIXED = {"smoke_mixed": harness.PagedCase(0, 0, 4, 2, 16, 8, (7, 12, 5), decodes=4, decode_length=19)}
 MIXED_PEERS = ("jax_nn_cudnn", "jax_nn_cudnn_two_calls", "jax_nn")
 
 
-def mixed_inputs(case: MixedCase):
+def mixed_inputs(case: harness.PagedCase):
     """Packed queries `[T, N, H]`, the token-major `PagedKVCache` of the step (pages shuffled), `cu_seqlens_q`, and
     the same tokens dense: queries `[B, T_max, N, H]`, keys and values `[B, S, K, H]`, `S` = the longest cache."""
     q_lengths, kv_lengths = np.asarray(case.q_lengths), np.asarray(case.kv_lengths)
@@ -199,9 +192,9 @@ def mixed_inputs(case: MixedCase):
     return q, cache, jnp.asarray(cu), dense_q, k[:, :S], v[:, :S], token_rows
 
 
-def mixed_fns(case: MixedCase, cache, cu):
-    """name -> (attention(x, k, v) of one layer, reads the packed queries and the page pools). The others read the
-    dense queries and caches."""
+def mixed_fns(case: harness.PagedCase, q, cache, cu, dense_q, k, v, token_rows):
+    """name -> (attention(x, k, v) of one layer, its arguments, its output packed): `attnlib` reads the packed queries
+    and the page pools, the others the dense queries and caches."""
     T_max = max(case.q_lengths)
     q_lengths = jnp.asarray(case.q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(case.kv_lengths, jnp.int32)
@@ -228,18 +221,18 @@ def mixed_fns(case: MixedCase, cache, cu):
             x[P:, :1], k[P:], v[P:], key_value_seq_lengths=kv_lengths[P:], implementation="cudnn")  # fmt: skip
         return jnp.concatenate([prompts, jnp.pad(decodes, ((0, 0), (0, T_max - 1), (0, 0), (0, 0)))])
 
-    return {
-        "attnlib": (attnlib_paged, True),
-        "attnlib_dense": (lambda x, k, v: attnlib.attention(
+    dense = {
+        "attnlib_dense": lambda x, k, v: attnlib.attention(
             x, k, v, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, is_causal=True,
-            diagonal_alignment="bottom_right"), False),
-        "jax_nn_cudnn": (jax_nn("cudnn"), False),
-        "jax_nn_cudnn_two_calls": (two_calls, False),
-        "jax_nn": (jax_nn(None), False),
+            diagonal_alignment="bottom_right"),
+        "jax_nn_cudnn": jax_nn("cudnn"), "jax_nn_cudnn_two_calls": two_calls, "jax_nn": jax_nn(None),
     }  # fmt: skip
+    packed = lambda out: out.reshape((-1,) + out.shape[2:])[token_rows]  # noqa: E731
+    return {"attnlib": (attnlib_paged, (q, *cache.pools), lambda out: out)} | {
+        label: (attend, (dense_q, k, v), packed) for label, attend in dense.items()}
 
 
-def run_mixed(case: MixedCase, args) -> dict:
+def run_mixed(case: harness.PagedCase, args) -> dict:
     q, cache, cu, dense_q, k, v, token_rows = mixed_inputs(case)
     kv_of = lambda b, s: (k[b, :s], v[b, :s])  # noqa: E731
     reference = harness.packed_reference(q, kv_of, case.q_lengths, case.kv_lengths, case.n, case.k, case.h)
@@ -248,27 +241,8 @@ def run_mixed(case: MixedCase, args) -> dict:
     row = {"case": dataclasses.asdict(case), "tolerance": tol, "variants": {}}
     row["attnlib_pick"] = attnlib.explain(q, cache, None, cu_seqlens_q=cu, max_seqlen_q=T_max, is_causal=True,
                                           diagonal_alignment="bottom_right").implementation  # fmt: skip
-    steps = {}
-    for label, (attend, packed) in mixed_fns(case, cache, cu).items():
-        call_args = (q, *cache.pools) if packed else (dense_q, k, v)
-        to_packed = (lambda out: out) if packed else (lambda out: out.reshape((-1,) + out.shape[2:])[token_rows])
-        try:
-            row["variants"][label] = harness.checked(to_packed(jax.jit(attend)(*call_args)), reference, tol)
-            if "wrong" in row["variants"][label]:
-                continue
-            for suffix, options in CONFIGS.items():
-                steps[(label, suffix)] = (decode_step(attend, args.mixed_layers, options).lower(*call_args).compile(),
-                                          call_args)  # fmt: skip
-        except Exception as e:  # noqa: BLE001  (reported, not fatal)
-            row["variants"][label] = {"error": harness.error(e)}
-    calls = {(label, f"step_ms{suffix}"): (step, call_args, 5) for (label, suffix), (step, call_args) in steps.items()}
-    for label, times in harness.round_robin(calls, args.rounds, reps=3).items():
-        row["variants"][label].update(times)
-    if row["attnlib_pick"] == "cudnn":
-        for suffix in CONFIGS:
-            if ("attnlib", suffix) in steps:
-                step, call_args = steps[("attnlib", suffix)]
-                row["variants"]["attnlib"][f"executor_per_step{suffix}"] = executor_counts_per_step(step, call_args)
+    fns = mixed_fns(case, q, cache, cu, dense_q, k, v, token_rows)
+    timed_steps(row["variants"], fns, reference, tol, args.mixed_layers, args.rounds, loop=5, reps=3)
     for suffix in CONFIGS:
         ours = row["variants"].get("attnlib", {}).get(f"step_ms{suffix}")
         peers = {p: row["variants"].get(p, {}).get(f"step_ms{suffix}") for p in MIXED_PEERS}
@@ -302,27 +276,10 @@ def main(argv=None):
         reference = harness.reference(x, k, v, key_value_seq_lengths=lengths, is_causal=True,
                                       diagonal_alignment="bottom_right")  # one layer's  # fmt: skip
         tol = harness.tolerance(reference)
-        row, steps = {}, {}
-        for label, attend in layer_fns(lengths, page_table).items():
-            cache = (k_pool, v_pool) if reads_pages(label) else (k, v)
-            try:
-                with harness.graph_replay(label):
-                    single = jax.jit(attend).lower(x, *cache).compile()
-                row[label] = harness.checked(single(x, *cache), reference, tol)
-                if "wrong" in row[label]:
-                    continue
-                for suffix, options in CONFIGS.items():
-                    with harness.graph_replay(label):
-                        step = decode_step(attend, args.layers, options).lower(x, *cache).compile()
-                    steps[(label, suffix)] = (step, (x, *cache))
-            except Exception as e:  # noqa: BLE001
-                row[label] = {"error": harness.error(e)}
-        calls = {(label, f"step_ms{suffix}"): (step, args_, 10) for (label, suffix), (step, args_) in steps.items()}
-        for label, times in harness.round_robin(calls, args.rounds).items():
-            row[label].update(times)
-        for (label, suffix), (step, call_args) in steps.items():
-            if label.startswith("attnlib"):
-                row[label][f"executor_per_step{suffix}"] = executor_counts_per_step(step, call_args)
+        row, same = {}, lambda out: out  # noqa: E731
+        fns = {label: (attend, (x, k_pool, v_pool) if reads_pages(label) else (x, k, v), same)
+               for label, attend in layer_fns(lengths, page_table).items()}  # fmt: skip
+        steps = timed_steps(row, fns, reference, tol, args.layers, args.rounds, loop=10, reps=5)
         for suffix in CONFIGS:
             compare(row, steps, suffix)
         results[name] = row

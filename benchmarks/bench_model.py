@@ -3,31 +3,24 @@
 Usage: python benchmarks/bench_model.py [--json out.json] [--only CONFIG ...] [--framework equinox haiku]
        [--variants NAME ...] [--warmup 2] [--steps 5] [--remat save_attention] [--profile] [--smoke]
 
-The step is `examples/train.py`'s (`make_step`, `make_optimizer`: AdamW, float32 master weights, clipping) on
-`examples/llama.py` (Equinox) or `llama_haiku.py` (Haiku; the same weights, `params_from_equinox`), per-block remat
-(`--remat`: by default `save_attention`, which keeps the attention kernels' results, the peers' alike; `full`
-recomputes everything), bfloat16, the same batch (random tokens; packed configs add segment ids of several documents a
-row). Variants: `attnlib` (the model as written, `implementation=None`; its pick: `attnlib_pick`), `jax_nn`
-(`jax.nn.dot_product_attention`, XLA), `jax_nn_cudnn` (GPU), `splash` (raw splash with 512-blocks, `bench_tpu.py`'s
-`splash_fn`, per key/value head; TPU) and `tokamax` (GPU). jax.nn and tokamax take no segment ids: with documents
-they get the dense `[B, 1, T, T]` mask. A variant that cannot run is recorded as `skipped`, one that fails as `error`.
+The step is `examples/train.py`'s on `llama.py` (Equinox) or `llama_haiku.py` (Haiku, the same weights), per-block
+remat (`--remat`: `save_attention` keeps every core's kernel results, `full` recomputes everything), bfloat16, the same
+batch (packed configs: segment ids of several documents a row). Variants: `attnlib` (the model as written; its pick:
+`attnlib_pick`), `jax_nn` (XLA), `jax_nn_cudnn` (GPU), `splash` (raw, 512-blocks, `bench_tpu.splash_fn`; TPU),
+`tokamax` (GPU); jax.nn and tokamax get documents as a dense `[B, 1, T, T]` mask. One that cannot run: `skipped`.
 
-Per config, framework and variant: `step_ms` (median of `--steps` after `--warmup`; also min / max), `tokens_per_s`,
-`mfu`, `compile_s`, `peak_bytes_in_use` (the process's high-water mark, where the device reports it) and
-`compiled_bytes`, every step's loss and `max_loss_diff_vs_attnlib`; `hlo` (`hlo_and_traces.layout_ops`: the
-transposes and copies of the compiled step and those next to the attention calls); `attention_core` (the core alone on
-the model's shapes, timed by `harness.time_calls`, and `share_of_step`: `num_layers (fwd_bwd + fwd) / step` under
-`--remat full`, `num_layers fwd_bwd / step` otherwise); with `--profile`, `profile`
-(`hlo_and_traces.profile_device_time`: the device time of 2 traced steps and the attention kernels' share, TPU traces).
+Per config, framework and variant: `step_ms` (median of `--steps` after `--warmup`), `tokens_per_s`, `mfu`,
+`compile_s`, `peak_bytes_in_use` (the process's high-water mark), `compiled_bytes`, the losses and
+`max_loss_diff_vs_attnlib`; `hlo` (`hlo_and_traces.layout_ops`: transposes and copies next to the attention calls);
+`attention_core` (the core alone, `harness.time_calls`; `share_of_step` = `num_layers (fwd_bwd + fwd) / step` under
+`--remat full`, `num_layers fwd_bwd / step` otherwise); `--profile`: `profile` (the device time of 2 traced steps and
+the attention kernels' share, `hlo_and_traces.profile_device_time`; TPU traces).
 
 MFU counts model FLOPs (the PaLM convention: forward + backward = 3x forward, remat recomputation not counted):
 `6 P tokens + 12 L N H E`, with `P` the parameters of the matrix multiplies (all but the input embedding and the
 RMSNorm weights), `L` layers, `N` query heads of `H`, and `E` the visible (query, key) pairs summed over rows (causal:
-`T (T + 1) / 2` a row; windows and documents counted exactly, also for a dense-mask core that computes every pair).
-Peaks (dense bf16): H100 / H200 989 TFLOP/s, TPU v5e 197 TFLOP/s; elsewhere `mfu` is null.
-
-`--smoke` runs tiny configs on any backend in seconds (attnlib and jax.nn; the others skipped): a check that the
-script works, not a measurement.
+`T (T + 1) / 2` a row; windows and documents exact). Peaks (dense bf16): H100 / H200 989 TFLOP/s, TPU v5e 197 TFLOP/s;
+elsewhere `mfu` is null. `--smoke`: tiny configs on any backend (attnlib and jax.nn), not a measurement.
 """
 
 import dataclasses

@@ -70,10 +70,10 @@ def compile_variant(label: str, fn, args):
         return jax.jit(fn).lower(*args).compile()
 
 
-def variants(case: Case, direct: bool = False) -> dict:
+def variants(direct: bool = False) -> dict:
     """name -> fn(q, k, v, **kw) for the peers that exist here (and attnlib's cuDNN call without graph replay and with
     replay on every call if `direct`)."""
-    cudnn = lambda q, k, v, **kw: attnlib.attention(q, k, v, implementation="cudnn", **_decode(case, kw))  # noqa: E731
+    cudnn = lambda q, k, v, **kw: attnlib.attention(q, k, v, implementation="cudnn", **kw)  # noqa: E731
     table = {
         "attnlib_cudnn": cudnn,
         "jax_nn_cudnn": lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw),
@@ -88,31 +88,23 @@ def variants(case: Case, direct: bool = False) -> dict:
     return table
 
 
-def _decode(case: Case, kw: dict) -> dict:
-    """attnlib aligns a decode step's query with the last key (jax.nn's causal mask with T=1 sees key 0 only, so
-    the peers run a decode step without `is_causal`)."""
-    if case.t == 1:
-        return dict(kw, is_causal=True, diagonal_alignment="bottom_right")
-    return kw
-
-
-def _peer_kwargs(case: Case, kw: dict) -> dict:
-    return dict(kw, is_causal=False) if case.t == 1 else kw
-
-
 def run_case(name: str, case: Case, rounds: int, direct: bool = False) -> dict:
     q, k, v, dout = harness.normal((case.b, case.t, case.n, case.h), (case.b, case.s, case.k, case.h),
                                    (case.b, case.s, case.k, case.hv), (case.b, case.t, case.n, case.hv))  # fmt: skip
     kw = _kwargs(case)
-    reference = harness.reference(q, k, v, **_decode(case, kw))
+    # A decode step: attnlib aligns its query with the last key; jax.nn's causal mask with T=1 would see key 0 only,
+    # so the peers run it without `is_causal`.
+    ours = dict(kw, is_causal=True, diagonal_alignment="bottom_right") if case.t == 1 else kw
+    peers = dict(kw, is_causal=False) if case.t == 1 else kw
+    reference = harness.reference(q, k, v, **ours)
     tol = harness.tolerance(reference)
     # Rows past a query length are compared nowhere (peers leave them unspecified).
     rows = np.ones((case.b, case.t), bool)
     if "query_seq_lengths" in kw:
         rows = np.arange(case.t)[None, :] < np.asarray(kw["query_seq_lengths"])[:, None]
     row, timed = {}, {}
-    for label, fn in variants(case, direct).items():
-        call_kw = kw if label.startswith("attnlib") else _peer_kwargs(case, kw)
+    for label, fn in variants(direct).items():
+        call_kw = ours if label.startswith("attnlib") else peers
         bound = lambda q, k, v, fn=fn, call_kw=call_kw: fn(q, k, v, **call_kw)  # noqa: E731
         try:
             fwd = compile_variant(label, bound, (q, k, v))

@@ -2,18 +2,14 @@
 
 Usage: python benchmarks/bench_tpu_decode.py [--json out.json] [--only CASE ...] [--smoke]
 
-Decode cases: one query per sequence (bf16) over `length` cached tokens in pages of `page_size`, a pool of exactly
-the pages used, shuffled. Mixed cases: `prompts` whole-prompt prefill chunks and `decodes` decodes over
-`decode_length` tokens, packed (`cu_seqlens_q`). Variants on the same inputs: `attnlib` (`cache.attend(q)` on the
-layout `PagedKVCache.create` picks on a TPU, `"combined"`; its pick: `attnlib_pick`), `attnlib_head_major`,
-`attnlib_token_major` (the bare-array form on token-major pools), `attnlib_xla`, and raw `paged_attention` (head-major
-pools, `q` pre-scaled) and `ragged_paged_attention` (a combined pool), each with the blocks attnlib picks; all but
-`attnlib` and `ragged_paged_attention` decode only.
-
-Each output is checked against a float32 reference first (beyond `4 eps(bf16) max|ref|`: wrong, not timed), then
-timed by `harness.time_calls` (median ms); GB/s counts the visible keys' and values' bytes once. `--smoke`: a tiny
-decode in TPU interpret mode on any backend (the ragged kernel, which interpret mode cannot run in JAX 0.10.2,
-skipped), a check that the script works, not a measurement.
+Decode cases: one query per sequence over `length` cached tokens, pages shuffled in a pool of exactly the pages used;
+mixed cases: whole-prompt prefill chunks plus decodes, packed (`cu_seqlens_q`). Variants (docs/performance.md's
+"Serving from a paged cache"): `attnlib` (`cache.attend(q)` on the layout `PagedKVCache.create` picks on a TPU;
+`attnlib_pick`), `attnlib_head_major`, `attnlib_token_major` (bare token-major pools), `attnlib_xla`, raw
+`paged_attention` and `ragged_paged_attention` (their own layouts, attnlib's blocks); decode only but `attnlib` and
+`ragged_paged_attention`. Each is checked against a float32 reference first (`4 eps(bf16) max|ref|`), then timed by
+`harness.time_calls` (median ms); GB/s counts the visible keys' and values' bytes once. `--smoke`: a tiny decode in
+TPU interpret mode on any backend (the ragged kernel, which interpret mode cannot run in JAX 0.10.2, skipped).
 """
 
 import dataclasses
@@ -30,32 +26,7 @@ import attnlib
 from attnlib._src.backends.pallas_tpu import paged, ragged
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """Decode: `b` sequences of `length` cached tokens, one query each. Mixed: `prompts` prefill chunks of the
-    given lengths plus `decodes` decode queries over `decode_length` tokens (then `b`, `length` are unused)."""
-
-    b: int
-    length: int
-    n: int
-    k: int
-    h: int
-    page_size: int
-    prompts: tuple[int, ...] = ()
-    decodes: int = 0
-    decode_length: int = 0
-
-    @property
-    def mixed(self) -> bool:
-        return bool(self.prompts)
-
-    @property
-    def kv_lengths(self) -> tuple[int, ...]:
-        return self.prompts + (self.decode_length,) * self.decodes if self.mixed else (self.length,) * self.b
-
-    @property
-    def q_lengths(self) -> tuple[int, ...]:
-        return self.prompts + (1,) * self.decodes if self.mixed else (1,) * self.b
+Case = harness.PagedCase
 
 
 CASES = {

@@ -218,6 +218,35 @@ def graph_replay(label: str):
     return mock.patch.dict(os.environ, {"ATTNLIB_CUDNN_GRAPH_REPLAY": mode})
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedCase:
+    """A paged serving step (`bench_decode.py`'s mixed cases, `bench_tpu_decode.py`'s). Decode: `b` sequences of
+    `length` cached tokens, one query each. Mixed: `prompts` prefill chunks of the given lengths plus `decodes` decode
+    queries over `decode_length` tokens (then `b`, `length` are unused). GQA `n`/`k` heads of `h`."""
+
+    b: int
+    length: int
+    n: int
+    k: int
+    h: int
+    page_size: int
+    prompts: tuple[int, ...] = ()
+    decodes: int = 0
+    decode_length: int = 0
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.prompts)
+
+    @property
+    def kv_lengths(self) -> tuple[int, ...]:
+        return self.prompts + (self.decode_length,) * self.decodes if self.mixed else (self.length,) * self.b
+
+    @property
+    def q_lengths(self) -> tuple[int, ...]:
+        return self.prompts + (1,) * self.decodes if self.mixed else (1,) * self.b
+
+
 def token_major_cache(k_pages, v_pages, page_table, lengths) -> attnlib.PagedKVCache:
     """A token-major `PagedKVCache` holding the pools `[P, page_size, K, H]` (every page in use), the page table and
     the lengths."""

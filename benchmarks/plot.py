@@ -1,14 +1,11 @@
-"""Draw the performance page's plots from the committed results in `benchmarks/results/`; it measures nothing, and a
-variant that refused a case, failed or was not run has no bar.
+"""Draw the performance page's plots from the committed results in `benchmarks/results/` (it measures nothing).
 
 Usage: python benchmarks/plot.py tpu [--out docs/images/perf_tpu_v5e.png]
        python benchmarks/plot.py model [--out docs/images/perf_model.png]
 
-`tpu`: from `bench_tpu_v5e.json` (`bench_tpu.py`, TFLOP/s over the visible (query, key) pairs) and
-`bench_tpu_decode_v5e.json` (`bench_tpu_decode.py`, GB/s of the visible keys and values): forward, forward + backward
-and paged-decode panels, each variant side by side per case, as `notebooks/07_performance.ipynb` draws the H200's.
-`model`: one panel per `bench_model_*.json` (`bench_model.py`): each attention core's training-step tokens/s per
-config and framework, attnlib's MFU written over its bar.
+`tpu`: forward, forward + backward and paged-decode panels from `bench_tpu_v5e.json` and `bench_tpu_decode_v5e.json`;
+`model`: a panel of training-step tokens/s per `bench_model_*.json`, attnlib's MFU over its bar. A variant that
+refused a case, failed or was not run has no bar.
 """
 
 import argparse
