@@ -390,20 +390,17 @@ def _summary(result: dict) -> str:
 
 
 def table(results: dict) -> str:
-    lines = [
-        "| config | framework | variant | step ms | tokens/s | MFU | peak GiB | loss | Δloss vs attnlib | attention "
-        "share | transposes / copies (standalone next to attention) |",
-        "|---" * 11 + "|",
-    ]
+    header = ["config", "framework", "variant", "step ms", "tokens/s", "MFU", "peak GiB", "loss", "Δloss vs attnlib",
+              "attention share", "transposes / copies (standalone next to attention)"]  # fmt: skip
+    lines = []
     for name, row in results.items():
         if "skipped" in row:
-            lines.append(f"| {name} | | | skipped: {row['skipped']} |" + " |" * 7)
+            lines.append([name, "", "", f"skipped: {row['skipped']}"] + [""] * 7)
             continue
         for framework, out in row["frameworks"].items():
             for variant, r in out["variants"].items():
                 if "step_ms" not in r:
-                    reason = r.get("skipped") or r.get("error")
-                    lines.append(f"| {name} | {framework} | {variant} | {reason} |" + " |" * 7)
+                    lines.append([name, framework, variant, r.get("skipped") or r.get("error")] + [""] * 7)
                     continue
                 peak = r.get("peak_bytes_in_use")
                 share = r.get("attention_core", {}).get("share_of_step")
@@ -416,8 +413,8 @@ def table(results: dict) -> str:
                     f"{r.get('max_loss_diff_vs_attnlib', float('nan')):.2g}", "—" if share is None else f"{share:.0%}",
                     f"{hlo.get('transposes', '?')} / {hlo.get('copies', '?')} ({near}: {moved / 2**20:.0f} MiB)",
                 ]  # fmt: skip
-                lines.append(f"| {name} | {framework} | {variant} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+                lines.append([name, framework, variant, *cells])
+    return harness.markdown(header, lines)
 
 
 def _versions() -> dict:

@@ -151,18 +151,13 @@ def _kernel_times(row: dict, timed: dict, kind: str, labels, args) -> None:
 def table(results: dict) -> str:
     labels = ["attnlib_cudnn", "jax_nn_cudnn", "tokamax_mosaic", "tokamax_triton"]
     labels += sorted({label for row in results.values() for label in row if label.startswith("attnlib_")} - {*labels})
-    lines = ["| case | " + " | ".join(labels) + " | attnlib vs best peer (fwd / fwd+bwd) |",
-             "|---" * (len(labels) + 2) + "|"]  # fmt: skip
-    for name, row in results.items():
-        cells = []
-        for label in labels:
-            r = row.get(label, {})
-            if "fwd_ms" in r:
-                cells.append(f"{r['fwd_ms']:.3f} / {r.get('fwd_bwd_ms', float('nan')):.3f}")
-            else:
-                cells.append("—" if not r else ("wrong" if "wrong" in r else "error"))
-        speed = " / ".join(f"{row.get(f'{kind}_speed_vs_best_peer', float('nan')):.2f}×" for kind in ("fwd", "fwd_bwd"))
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {speed} |")
+    nan = float("nan")
+    cell = lambda r: (f"{r['fwd_ms']:.3f} / {r.get('fwd_bwd_ms', nan):.3f}" if "fwd_ms" in r else  # noqa: E731
+                      "—" if not r else "wrong" if "wrong" in r else "error")  # fmt: skip
+    speed = lambda row: " / ".join(f"{row.get(f'{k}_speed_vs_best_peer', nan):.2f}×" for k in ("fwd", "fwd_bwd"))  # noqa: E731
+    lines = [harness.markdown(["case", *labels, "attnlib vs best peer (fwd / fwd+bwd)"],
+                              [[name, *(cell(row.get(label, {})) for label in labels), speed(row)]
+                               for name, row in results.items()])]  # fmt: skip
     kernels = [_kernel_line(name, row, kind) for name, row in results.items() for kind in ("fwd", "fwd_bwd")
                if f"{kind}_kernel_vs_best_peer" in row]  # fmt: skip
     if kernels:

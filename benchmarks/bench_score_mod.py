@@ -7,12 +7,17 @@
 - `max_logit`: the cost of `return_max_logit=True` (the graph then writes `score_max` + `score_sum_exp` instead of
   Stats), forward and forward + backward; with sinks (the statistic then takes `max_logit.py`'s separate pass); and
   jax.nn's cuDNN forward.
+- `fp8`: FP8 attention (`fp8="current"`, including its amax reductions, quantization and output dequantization, and
+  pre-quantized E4M3 inputs with `Fp8Scales`, autotuned or the heuristics' first plan) against attnlib's bfloat16
+  call and jax.nn's; forward TFLOP/s count `4 b n t s d` (halved when causal); accuracy: rms / max error against
+  float64 attention on the last 256 query rows of batch 0, at the unquantized and the FP8-dequantized inputs;
+  `--gradients`: that of dq, dk, dv (`gradient_accuracy`).
 - `segments_bound`: packed rows (segment ids, a traced argument) with the rows' exact bound (`tight`), without one
   (`default`: cuDNN with `DEFAULT_SEGMENTS_PER_ROW` behind a `lax.cond` whose other branch is `xla_chunked`), with
   `bound_16/32/64`, with the ids closed over (`concrete`: the bound from their values) and `xla_chunked` alone.
 
-Usage: python benchmarks/bench_score_mod.py [--suite score_mod|max_logit|segments_bound] [--json out.json]
-       [--only SHAPE ...] [--rounds N] [--quick] [--variants NAME ...]
+Usage: python benchmarks/bench_score_mod.py [--suite score_mod|max_logit|segments_bound|fp8] [--json out.json]
+       [--only SHAPE ...] [--rounds N] [--quick] [--variants NAME ...] [--gradients [--no-timing]]
 
 Timing: `harness.best_per_call` (wall clock, best of repetitions of a loop), the variants of a shape round-robin,
 best of `--rounds` (default 3; `segments_bound`: 1).
@@ -20,6 +25,9 @@ best of `--rounds` (default 3; `segments_bound`: 1).
 
 
 import json
+import os
+import sys
+from unittest import mock
 
 import harness  # run as a script: benchmarks/ is on sys.path
 import jax
@@ -112,20 +120,18 @@ def graph_build(cap: float) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| case | variant | fwd ms | fwd+bwd ms | fwd ratio vs cudnn plain causal | fwd+bwd ratio | err |",
-             "|---|---|---|---|---|---|---|"]
+    lines = []
     for case, res in results["cases"].items():
-        rows = res["variants"]
-        base = rows.get("attnlib_cudnn_plain_causal", {})
-        for name, row in rows.items():
+        base = res["variants"].get("attnlib_cudnn_plain_causal", {})
+        for name, row in res["variants"].items():
             if "error" in row:
-                lines.append(f"| {case} | {name} | — | — | — | — | {row['error'][:60]} |")
+                lines.append([case, name, "—", "—", "—", "—", row["error"][:60]])
                 continue
-            rf = row["fwd_ms"] / base["fwd_ms"] if base.get("fwd_ms") else float("nan")
-            rb = row["fwd_bwd_ms"] / base["fwd_bwd_ms"] if base.get("fwd_bwd_ms") else float("nan")
-            lines.append(f"| {case} | {name} | {row['fwd_ms']:.3f} | {row['fwd_bwd_ms']:.3f} | {rf:.3f} | {rb:.3f} | "
-                         f"{row['max_abs_err_vs_f32_row0']:.2g} |")
-    return "\n".join(lines)
+            ratio = lambda kind: row[kind] / base[kind] if base.get(kind) else float("nan")  # noqa: E731
+            lines.append([case, name, f"{row['fwd_ms']:.3f}", f"{row['fwd_bwd_ms']:.3f}", f"{ratio('fwd_ms'):.3f}",
+                          f"{ratio('fwd_bwd_ms'):.3f}", f"{row['max_abs_err_vs_f32_row0']:.2g}"])  # fmt: skip
+    header = ["case", "variant", "fwd ms", "fwd+bwd ms", "fwd ratio vs cudnn plain causal", "fwd+bwd ratio", "err"]
+    return harness.markdown(header, lines)
 
 
 def score_mod(args) -> dict:
@@ -259,14 +265,168 @@ def segments_bound(args) -> dict:
     return results
 
 
-SUITES = {"score_mod": score_mod, "max_logit": max_logit, "segments_bound": segments_bound}
+FP8_SHAPES = {  # name: (b, s, n, k, d, causal)
+    "llama_b1_s8192_64_8_causal": (1, 8192, 64, 8, 128, True),
+    "b4_s4096_32_8_causal": (4, 4096, 32, 8, 128, True),
+    "b4_s4096_32_32_full": (4, 4096, 32, 32, 128, False),
+    "b2_s2048_16_16_full": (2, 2048, 16, 16, 128, False),
+}
+
+
+def prequantize(q, k, v):
+    """E4M3 copies of `q`, `k`, `v` scaled by their amax / 448, and the scales."""
+    scales = [jnp.max(jnp.abs(x.astype(jnp.float32))) / 448.0 for x in (q, k, v)]
+    return [(x.astype(jnp.float32) / s).astype(jnp.float8_e4m3fn) for x, s in zip((q, k, v), scales)], scales
+
+
+def _reference_rows(q, k, v, causal: bool, rows: int = 256) -> np.ndarray:
+    """float64 attention of the last `rows` queries of batch 0, `[rows, n, d]`."""
+    q64, k64, v64 = (np.asarray(x[0].astype(jnp.float32), np.float64) for x in (q, k, v))
+    t, n, d = q64.shape
+    s, kh = k64.shape[0], k64.shape[1]
+    qs = q64[t - rows :]
+    kr, vr = np.repeat(k64, n // kh, axis=1), np.repeat(v64, n // kh, axis=1)
+    logits = np.einsum("ind,jnd->nij", qs, kr, optimize=True) / np.sqrt(d)
+    if causal:
+        i = np.arange(t - rows, t)[:, None] + (s - t)
+        logits = np.where(np.arange(s)[None, :] <= i, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("nij,jnd->ind", p, vr, optimize=True)
+
+
+def _errors(out, exact) -> dict:
+    err = np.abs(np.asarray(out[0, -exact.shape[0] :].astype(jnp.float32), np.float64) - exact)
+    rms = lambda x: float(np.sqrt(np.mean(x**2)))  # noqa: E731
+    return {"rms": rms(err), "max": float(err.max()), "ref_rms": rms(exact)}
+
+
+def fp8_shape(b: int, t: int, n: int, kh: int, d: int, causal: bool, quick: bool, rounds: int) -> dict:
+    q, k, v = harness.normal((b, t, n, d), (b, t, kh, d), (b, t, kh, d), via_float32=True)
+    flops = 4 * b * n * t * t * d * (0.5 if causal else 1.0)
+    exact = _reference_rows(q, k, v, causal)
+    (q8, k8, v8), scales = prequantize(q, k, v)
+    deq = [x.astype(jnp.float32) * s for x, s in zip((q8, k8, v8), scales)]
+    exact_fp8_inputs = _reference_rows(*deq, causal)
+    given = attnlib.Fp8Scales(q=scales[0], k=scales[1], v=scales[2])
+    attend = lambda fp8=None: lambda q, k, v: attnlib.attention(  # noqa: E731
+        q, k, v, is_causal=causal, implementation="cudnn", fp8=fp8)  # fmt: skip
+    table = {  # name: (fn, inputs, differentiable)
+        "attnlib_cudnn_bf16": (attend(), (q, k, v), True),
+        "attnlib_cudnn_fp8_current": (attend("current"), (q, k, v), True),
+        "attnlib_cudnn_fp8_prequantized": (attend(given), (q8, k8, v8), False),
+        "attnlib_cudnn_fp8_prequantized_first_plan": (attend(given), (q8, k8, v8), False),
+        "jax_nn_cudnn_bf16": (lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"), (q, k, v), True),
+    }  # fmt: skip
+    result = {"shape": f"b{b} s{t} {n}/{kh} heads d{d} {'causal' if causal else 'full'}", "variants": {}}
+    timed = {}
+    for name, (fn, args, differentiable) in table.items():
+        try:
+            fwd = jax.jit(fn)
+            if name.endswith("_first_plan"):  # compiled with the heuristics' first plan, not the autotuned one
+                with mock.patch.dict(os.environ, {"ATTNLIB_CUDNN_AUTOTUNE": "0"}):
+                    jax.block_until_ready(fwd(*args))
+            out = jax.block_until_ready(fwd(*args))
+            row = {"err_vs_f64": _errors(out, exact),
+                   "err_vs_f64_on_dequantized_inputs": _errors(out, exact_fp8_inputs)}  # fmt: skip
+            fwd_bwd = None
+            if differentiable:
+                fwd_bwd = jax.jit(harness.grad_fn(fn))
+                jax.block_until_ready(fwd_bwd(q, k, v))
+            timed[name] = (fwd, fwd_bwd, args)
+            result["variants"][name] = row
+        except Exception as e:  # noqa: BLE001  (reported, not fatal)
+            result["variants"][name] = {"error": harness.error(e)}
+    loops = (3, 2) if quick else (20, 10)
+    calls = {(name, "fwd_ms"): (fwd, args, loops[0]) for name, (fwd, _, args) in timed.items()}
+    calls |= {(name, "fwd_bwd_ms"): (fb, (q, k, v), loops[1]) for name, (_, fb, _) in timed.items() if fb is not None}
+    for name, times in harness.round_robin(calls, rounds, reps=3).items():
+        result["variants"][name].update(times)
+        if "fwd_ms" in times:
+            result["variants"][name]["fwd_tflops"] = flops / times["fwd_ms"] / 1e9
+    base = result["variants"].get("attnlib_cudnn_bf16", {})
+    for row in result["variants"].values():
+        if "fwd_ms" in row and "fwd_ms" in base:
+            row["fwd_speedup_vs_attnlib_bf16"] = base["fwd_ms"] / row["fwd_ms"]
+            if "fwd_bwd_ms" in row:
+                row["fwd_bwd_speedup_vs_attnlib_bf16"] = base["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    return result
+
+
+def gradient_accuracy(b=1, t=1024, n=8, kh=2, d=128) -> dict:
+    """Relative rms / max error of dq, dk, dv (causal, bf16 inputs) against float64 gradients at the unquantized and
+    at the FP8-dequantized inputs: attnlib bf16 cuDNN, FP8 cuDNN (16-bit backward) and the `xla` FP8 emulation."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from reference import reference_attention_vjp
+
+    q, k, v, d_out = harness.normal((b, t, n, d), (b, t, kh, d), (b, t, kh, d), (b, t, n, d), seed=1, dtype=jnp.float32)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    (q8, k8, v8), scales = prequantize(q, k, v)
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    exact = reference_attention_vjp(f64(q), f64(k), f64(v), d_out=f64(d_out), is_causal=True)
+    deq = [f64(x) * float(s) for x, s in zip((q8, k8, v8), scales)]
+    exact_deq = reference_attention_vjp(*deq, d_out=f64(d_out), is_causal=True)
+    runs = {"attnlib_cudnn_bf16": ("cudnn", None), "attnlib_cudnn_fp8_current": ("cudnn", "current"),
+            "attnlib_xla_fp8_emulation": ("xla", "current")}  # fmt: skip
+    result = {}
+    for name, (impl, fp8) in runs.items():
+        loss = lambda q, k, v, impl=impl, fp8=fp8: jnp.sum(
+            attnlib.attention(q, k, v, is_causal=True, implementation=impl, fp8=fp8).astype(jnp.float32) * d_out)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        row = {}
+        for label, ref in (("vs_exact", exact), ("vs_exact_at_dequantized", exact_deq)):
+            for g, key in zip(grads, ("query", "key", "value")):
+                err = f64(g) - ref[key]
+                row[f"{label}_d{key}"] = {
+                    "rel_rms": float(np.sqrt(np.mean(err**2)) / np.sqrt(np.mean(ref[key] ** 2))),
+                    "rel_max": float(np.max(np.abs(err)) / np.max(np.abs(ref[key]))),
+                }
+        result[name] = row
+    return result
+
+
+def fp8_table(results: dict) -> str:
+    lines = ["| shape | variant | fwd ms | TF/s | fwd × bf16 | fwd+bwd ms | fwd+bwd × bf16 | rms err (deq.) "
+             "| max err |", "|---|---|---|---|---|---|---|---|---|"]
+    for res in results["shapes"].values():
+        for name, row in res["variants"].items():
+            if "error" in row or "fwd_ms" not in row:
+                lines.append(f"| {res['shape']} | {name} | {row.get('error', '')[:80]} |")
+                continue
+            fb = f"{row['fwd_bwd_ms']:.3f}" if "fwd_bwd_ms" in row else "—"
+            fbx = f"{row['fwd_bwd_speedup_vs_attnlib_bf16']:.2f}" if "fwd_bwd_ms" in row else "—"
+            e = row["err_vs_f64_on_dequantized_inputs"]
+            lines.append(f"| {res['shape']} | {name} | {row['fwd_ms']:.3f} | {row['fwd_tflops']:.0f} | "
+                         f"{row['fwd_speedup_vs_attnlib_bf16']:.2f} | {fb} | {fbx} | {e['rms']:.2g} | {e['max']:.2g} |")
+    return "\n".join(lines)
+
+
+def fp8(args) -> dict:
+    shapes = {"quick": (1, 512, 8, 2, 128, True)} if args.quick else FP8_SHAPES
+    harness.check_names(args.parser, args.only, shapes, "shapes")
+    results = {**harness.device_and_jax(), "attnlib": attnlib.__version__, "shapes": {}}
+    rounds = args.rounds or (1 if args.quick else 3)
+    for name in [] if args.no_timing else args.only or shapes:
+        results["shapes"][name] = fp8_shape(*shapes[name], quick=args.quick, rounds=rounds)
+        print(name, json.dumps(results["shapes"][name]), flush=True)
+    print(fp8_table(results))
+    if args.gradients:
+        results["gradient_accuracy"] = gradient_accuracy(**(dict(t=256) if args.quick else {}))
+        print("gradient_accuracy", json.dumps(results["gradient_accuracy"]), flush=True)
+    return results
+
+
+SUITES = {"score_mod": score_mod, "max_logit": max_logit, "segments_bound": segments_bound, "fp8": fp8}
 
 
 def main(argv=None) -> dict:
     parser = harness.parser(__doc__, only="shapes (cases) of the suite", rounds=None)
     parser.add_argument("--suite", choices=SUITES, default="score_mod")
     parser.add_argument("--rounds", type=int, default=None, help="round-robin rounds (default 3; segments_bound 1)")
-    parser.add_argument("--quick", action="store_true", help="score_mod: small shapes, one round")
+    parser.add_argument("--quick", action="store_true", help="score_mod, fp8: small shapes, one round")
+    parser.add_argument("--gradients", action="store_true", help="fp8: also the gradients' accuracy against float64")
+    parser.add_argument("--no-timing", action="store_true", help="fp8: skip the timed shapes (with --gradients)")
     parser.add_argument("--variants", nargs="*", default=None, help="segments_bound: these (tight always runs)")
     args = parser.parse_args(argv)
     args.parser = parser

@@ -167,6 +167,11 @@ def compiled_bytes(compiled) -> dict | None:
         return None
 
 
+def markdown(header: list[str], rows) -> str:
+    """A Markdown table: `header`, then one line per row of cells."""
+    return "\n".join(f"| {' | '.join(map(str, cells))} |" for cells in [header, ["---"] * len(header), *rows])
+
+
 def check_names(parser, given, known, what: str = "cases") -> None:
     """`parser.error` naming what of `given` is not in `known`."""
     unknown = set(given or ()) - set(known)
