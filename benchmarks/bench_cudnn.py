@@ -204,21 +204,17 @@ def dense(args) -> dict:
     results = {"meta": meta, "rows": rows, "setup": setup, "plans": plans}
     harness.write_json(args.json, results)
 
-    tf = lambda fl, ms: f"{fl / (ms * 1e-3) / 1e12:6.0f}" if ms else "     -"
-    ms = lambda x: f"{x:8.3f}" if x is not None else "       -"
-    print(f"\n{meta}")
-    print(f"{'case':22s} {'pass':7s} {'attnlib ms':>10s} {'TF/s':>6s} {'jax.nn ms':>10s} {'TF/s':>6s} {'ratio':>6s} "
-          f"{'xla ms':>9s} {'raw ms':>8s} {'vs raw':>7s} {'memset':>8s}")
+    cell = lambda x, spec=".3f": format(x, spec) if x else "—"  # noqa: E731
+    lines = []
     for row in rows:
         for kind, fl in (("fwd", row["fwd_flops"]), ("fwd_bwd", row["fwd_bwd_flops"])):
-            a = row.get(f"attnlib_{kind}_ms")
-            c = row.get(f"cudnn_{kind}_ms")
-            x = row.get(f"xla_{kind}_ms")
+            a, c, x = (row.get(f"{impl}_{kind}_ms") for impl in ("attnlib", "cudnn", "xla"))
             raw = row.get("raw_fwd_ms") if kind == "fwd" else None
-            ratio = f"{c / a:6.3f}" if a and c else "     -"
-            vs_raw = f"{raw / a:7.3f}" if a and raw else "      -"
-            print(f"{row['case']:22s} {kind:7s} {ms(a)}   {tf(fl, a)} {ms(c)}   {tf(fl, c)} {ratio} {ms(x)} "
-                  f"{ms(raw)} {vs_raw} {ms(row.get(f'attnlib_memset_{kind}_ms'))}")
+            lines.append([row["case"], kind, cell(a), cell(a and fl / a / 1e9, ".0f"), cell(c),
+                          cell(c and fl / c / 1e9, ".0f"), cell(a and c and c / a), cell(x), cell(raw),
+                          cell(a and raw and raw / a), cell(row.get(f"attnlib_memset_{kind}_ms"))])  # fmt: skip
+    header = ["case", "pass", "attnlib ms", "TF/s", "jax.nn ms", "TF/s", "ratio", "xla ms", "raw ms", "vs raw"]
+    print(f"\n{meta}\n" + harness.markdown([*header, "memset"], lines))
     print("ratio = jax.nn cudnn time / attnlib time (>= 1 means attnlib is at least as fast); "
           "vs raw = raw graph time / attnlib time; memset = attnlib with the memset of padded results (before).")
     print(f"setup: {json.dumps(setup)}")

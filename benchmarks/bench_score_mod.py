@@ -387,19 +387,19 @@ def gradient_accuracy(b=1, t=1024, n=8, kh=2, d=128) -> dict:
 
 
 def fp8_table(results: dict) -> str:
-    lines = ["| shape | variant | fwd ms | TF/s | fwd × bf16 | fwd+bwd ms | fwd+bwd × bf16 | rms err (deq.) "
-             "| max err |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = []
     for res in results["shapes"].values():
         for name, row in res["variants"].items():
             if "error" in row or "fwd_ms" not in row:
-                lines.append(f"| {res['shape']} | {name} | {row.get('error', '')[:80]} |")
+                lines.append([res["shape"], name, row.get("error", "")[:80]] + [""] * 6)
                 continue
-            fb = f"{row['fwd_bwd_ms']:.3f}" if "fwd_bwd_ms" in row else "—"
-            fbx = f"{row['fwd_bwd_speedup_vs_attnlib_bf16']:.2f}" if "fwd_bwd_ms" in row else "—"
+            fb = ["—"] * 2 if "fwd_bwd_ms" not in row else [f"{row['fwd_bwd_ms']:.3f}",
+                                                           f"{row['fwd_bwd_speedup_vs_attnlib_bf16']:.2f}"]  # fmt: skip
             e = row["err_vs_f64_on_dequantized_inputs"]
-            lines.append(f"| {res['shape']} | {name} | {row['fwd_ms']:.3f} | {row['fwd_tflops']:.0f} | "
-                         f"{row['fwd_speedup_vs_attnlib_bf16']:.2f} | {fb} | {fbx} | {e['rms']:.2g} | {e['max']:.2g} |")
-    return "\n".join(lines)
+            lines.append([res["shape"], name, f"{row['fwd_ms']:.3f}", f"{row['fwd_tflops']:.0f}",
+                          f"{row['fwd_speedup_vs_attnlib_bf16']:.2f}", *fb, f"{e['rms']:.2g}", f"{e['max']:.2g}"])
+    return harness.markdown(["shape", "variant", "fwd ms", "TF/s", "fwd × bf16", "fwd+bwd ms", "fwd+bwd × bf16",
+                             "rms err (deq.)", "max err"], lines)  # fmt: skip
 
 
 def fp8(args) -> dict:
