@@ -1,9 +1,9 @@
-"""CPU benchmarks, float32 under `jax.jit`: `plain` times attnlib's `xla` and `xla_chunked` against jax.nn's `xla` and
-reads the compiled memory; `dispatch` times attnlib's automatic choice (`implementation=None`) against them and
-tokamax's `xla_chunked`.
+"""CPU benchmarks, float32 under `jax.jit`, one suite a run (`--suite`): `plain` times attnlib's `xla` and
+`xla_chunked` against jax.nn's `xla` and reads the compiled memory; `dispatch` times attnlib's automatic choice
+(`implementation=None`) against them and tokamax's `xla_chunked`.
 
-Usage: python benchmarks/bench_cpu.py plain [--json out.json] [--lengths 512 2048 16384] [--causal] [--repeats 3]
-       python benchmarks/bench_cpu.py dispatch [--json out.json] [--only SHAPE ...] [--repeats 3] [--quick]
+Usage: python benchmarks/bench_cpu.py --suite plain [--json out.json] [--lengths 512 2048 16384] [--causal]
+       python benchmarks/bench_cpu.py --suite dispatch [--json out.json] [--only SHAPE ...] [--repeats 3] [--quick]
 
 `plain`: batch 1, 8 heads, d64; forward and forward + backward, best of `--repeats` single calls after one warm-up
 (`harness.best_per_call`), and the compiled program's arguments + outputs + temporaries (XLA's memory analysis); a
@@ -149,18 +149,17 @@ def dispatch(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser, commands = harness.subcommands(__doc__, "plain", "dispatch")
-    for sub in commands.values():
-        sub.add_argument("--repeats", type=int, default=3)
-    commands["plain"].add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 16384])
-    commands["plain"].add_argument("--causal", action="store_true")
-    commands["plain"].add_argument("--memory-limit-gb", type=float, default=16.0)
-    commands["dispatch"].add_argument("--only", nargs="*", default=None, help="shape names")
-    commands["dispatch"].add_argument("--quick", action="store_true", help="one tiny shape")
+    parser = harness.parser(__doc__, only="dispatch: shape names")
+    parser.add_argument("--suite", choices=("plain", "dispatch"), required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 16384], help="plain: sequence lengths")
+    parser.add_argument("--causal", action="store_true", help="plain: causal")
+    parser.add_argument("--memory-limit-gb", type=float, default=16.0, help="plain: cases needing more are not run")
+    parser.add_argument("--quick", action="store_true", help="dispatch: one tiny shape")
     args = parser.parse_args(argv)
-    args.parser = commands[args.command]
-    results = {"plain": plain, "dispatch": dispatch}[args.command](args)
-    harness.write_json(args.json, results, indent=2 if args.command == "plain" else 1)
+    args.parser = parser
+    results = {"plain": plain, "dispatch": dispatch}[args.suite](args)
+    harness.write_json(args.json, results, indent=2 if args.suite == "plain" else 1)
     return results
 
 

@@ -46,12 +46,6 @@ def paged(k, v, page_size: int):
     return pool(k), pool(v), page_table
 
 
-def _inputs(b: int, context: int):
-    x, k, v = harness.normal((b, 1, N, H), (b, context, K, H), (b, context, K, H))
-    lengths = jnp.asarray(context - 17 * np.arange(b) % context, jnp.int32)
-    return x, k, v, lengths, *paged(k, v, PAGE)
-
-
 def gather_pages(pool, page_table):
     """A sequence's pages as a dense cache, as a jax.nn user gathers them: `[P, page, K, H]` -> `[B, S, K, H]`."""
     pages = jnp.take(pool, page_table, axis=0)  # [B, pages_per_seq, page, K, H]
@@ -107,10 +101,9 @@ def decode_step(attend, layers: int, options: dict | None = None):
 
 
 def compare(row: dict, steps: dict, suffix: str) -> None:
-    """attnlib's speed against the best peer (`speed_vs_best_peer`: every peer, the dense-cache ones included) and,
-    for the paged variants, against the best peer on the same page pool (`speed_vs_paged_peer`). Where attnlib's
-    paged or dense call trails the best peer, the device's kernel time per step (`kernel_us`) of it, of that peer and
-    of attnlib's dense call (the dense graph beside the paged one), same run."""
+    """attnlib's speed against the best peer (`speed_vs_best_peer`) and, paged, the best on the page pool
+    (`speed_vs_paged_peer`); where it trails, the kernel time per step (`kernel_us`) of it, that peer and attnlib's
+    dense call."""
     key = f"step_ms{suffix}"
     peers = {label: r[key] for label, r in row.items() if not label.startswith("attnlib") and key in r}
     paged_peers = [ms for label, ms in peers.items() if reads_pages(label)]
@@ -272,7 +265,9 @@ def main(argv=None):
     for name, (b, context) in shapes.items():
         if args.only is not None and name not in args.only:
             continue
-        x, k, v, lengths, k_pool, v_pool, page_table = _inputs(b, context)
+        x, k, v = harness.normal((b, 1, N, H), (b, context, K, H), (b, context, K, H))
+        lengths = jnp.asarray(context - 17 * np.arange(b) % context, jnp.int32)
+        k_pool, v_pool, page_table = paged(k, v, PAGE)
         reference = harness.reference(x, k, v, key_value_seq_lengths=lengths, is_causal=True,
                                       diagonal_alignment="bottom_right")  # one layer's  # fmt: skip
         tol = harness.tolerance(reference)

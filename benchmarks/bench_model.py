@@ -20,7 +20,9 @@ MFU counts model FLOPs (the PaLM convention: forward + backward = 3x forward, re
 `6 P tokens + 12 L N H E`, with `P` the parameters of the matrix multiplies (all but the input embedding and the
 RMSNorm weights), `L` layers, `N` query heads of `H`, and `E` the visible (query, key) pairs summed over rows (causal:
 `T (T + 1) / 2` a row; windows and documents exact). Peaks (dense bf16): H100 / H200 989 TFLOP/s, TPU v5e 197 TFLOP/s;
-elsewhere `mfu` is null. `--smoke`: tiny configs on any backend (attnlib and jax.nn), not a measurement.
+elsewhere `mfu` is null.
+
+`--smoke`: tiny configs on any backend (attnlib and jax.nn), not a measurement.
 """
 
 import dataclasses
@@ -93,11 +95,7 @@ VARIANTS = ("attnlib", "jax_nn", "jax_nn_cudnn", "splash", "tokamax")
 FRAMEWORKS = ("equinox", "haiku")
 LEARNING_RATE = 3e-4
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "v5 lite": 197.0, "v5e": 197.0}
-FLOPS_CONVENTION = (
-    "model FLOPs, fwd+bwd = 3x fwd, remat not counted: 6 P tokens + 12 L N H E; P = matmul parameters (all but the "
-    "input embedding and the norm weights), E = visible (query, key) pairs summed over rows (causal T(T+1)/2 a row; "
-    "windows and documents exact)"
-)
+FLOPS_CONVENTION = " ".join(next(p for p in __doc__.split("\n\n") if p.startswith("MFU counts")).split())  # in the JSON
 
 
 def make_batch(config: Config, seed: int = 0) -> tuple[np.ndarray, np.ndarray | None]:

@@ -1,17 +1,14 @@
 """H200 benchmarks of cuDNN options against the plain cuDNN call, in one process, one suite a run (`--suite`):
 
 - `score_mod` (default): score modifiers (`logits_soft_cap`, ALiBi as a `score_mod`, prefix-LM as a `mask_mod`)
-  against the plain causal call, attnlib's `xla_chunked` fallback and tokamax (mosaic), each forward first checked
-  against attnlib's `xla` on float32 copies; then the soft-cap graphs are built in a fresh `ATTNLIB_CACHE_DIR`
-  (seconds per graph) and a second process reports whether it read them from disk.
-- `max_logit`: the cost of `return_max_logit=True` (the graph then writes `score_max` + `score_sum_exp` instead of
-  Stats), forward and forward + backward; with sinks (the statistic then takes `max_logit.py`'s separate pass); and
-  jax.nn's cuDNN forward.
-- `fp8`: FP8 attention (`fp8="current"`, including its amax reductions, quantization and output dequantization, and
-  pre-quantized E4M3 inputs with `Fp8Scales`, autotuned or the heuristics' first plan) against attnlib's bfloat16
-  call and jax.nn's; forward TFLOP/s count `4 b n t s d` (halved when causal); accuracy: rms / max error against
-  float64 attention on the last 256 query rows of batch 0, at the unquantized and the FP8-dequantized inputs;
-  `--gradients`: that of dq, dk, dv (`gradient_accuracy`).
+  against the plain causal call, attnlib's `xla_chunked` fallback and tokamax (mosaic), each checked against `xla`;
+  then the soft-cap graphs' build seconds in a fresh `ATTNLIB_CACHE_DIR` and whether a second process reads them.
+- `max_logit`: the cost of `return_max_logit=True` forward and forward + backward, also with sinks (the statistic
+  then takes `max_logit.py`'s separate pass); and jax.nn's cuDNN forward.
+- `fp8`: `fp8="current"` and pre-quantized `Fp8Scales` inputs (autotuned or the heuristics' first plan) against the
+  bfloat16 call and jax.nn's ([FP8 attention](../docs/fp8.md)); forward TFLOP/s count `4 b n t s d` (halved when
+  causal); rms / max error against float64 (last 256 rows of batch 0), at the unquantized and the dequantized
+  inputs; `--gradients`: that of dq, dk, dv.
 - `segments_bound`: packed rows (segment ids, a traced argument) with the rows' exact bound (`tight`), without one
   (`default`: cuDNN with `DEFAULT_SEGMENTS_PER_ROW` behind a `lax.cond` whose other branch is `xla_chunked`), with
   `bound_16/32/64`, with the ids closed over (`concrete`: the bound from their values) and `xla_chunked` alone.

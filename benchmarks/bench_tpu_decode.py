@@ -57,22 +57,9 @@ def inputs(case: Case):
     return q, k, v, jnp.asarray(table, jnp.int32), jnp.asarray(kv_lengths, jnp.int32), jnp.asarray(cu)
 
 
-def reference(q, k, v, table, case: Case) -> np.ndarray:
-    """float32 bottom-right causal attention of each sequence's queries over its gathered keys, packed."""
-    gather = lambda pool, b, s: pool[table[b]].reshape(-1, case.k, case.h)[:s]  # noqa: E731
-    kv_of = lambda b, s: (gather(k, b, s), gather(v, b, s))  # noqa: E731
-    return harness.packed_reference(q, kv_of, case.q_lengths, case.kv_lengths, case.n, case.k, case.h)
-
-
 def cache_of(k, v, table, lengths, layout: str) -> attnlib.PagedKVCache:
     """A `PagedKVCache` holding the benchmark's token-major pools, in `layout` (converted once, untimed)."""
     return harness.token_major_cache(k, v, table, lengths).to_layout(layout)
-
-
-def combined_pool(k, v):
-    """The raw ragged kernel's own layout: `[P, page_size, 2K, H]`, keys at even and values at odd slots."""
-    P, page, K, H = k.shape
-    return jnp.reshape(jnp.stack([k, v], axis=3), (P, page, 2 * K, H))
 
 
 def variant_fns(case: Case, interpret: bool, q, k, v, table, lengths, cu) -> dict:
@@ -86,7 +73,7 @@ def variant_fns(case: Case, interpret: bool, q, k, v, table, lengths, cu) -> dic
     unpack = (lambda out: out) if case.mixed else (lambda out: out[:, 0])
     attend = lambda impl: jax.jit(lambda q, c: unpack(c.attend(q, implementation=impl, **packed)))  # noqa: E731
     fns = {"attnlib": (attend(impl), (dense_q, cache_of(k, v, table, lengths, "combined")))}
-    pool = combined_pool(k, v)
+    pool = jnp.reshape(jnp.stack([k, v], axis=3), (k.shape[0], case.page_size, 2 * case.k, case.h))  # its own layout
     raw_blocks = ragged.kernel_blocks(q, pool, table, interpret=interpret)
 
     def raw_ragged(q, pool, lengths, table, cu):
@@ -119,7 +106,9 @@ def variant_fns(case: Case, interpret: bool, q, k, v, table, lengths, cu) -> dic
 
 def run_case(case: Case, interpret: bool) -> dict:
     q, k, v, table, lengths, cu = inputs(case)
-    ref = reference(q, k, v, table, case)
+    gather = lambda pool, b, s: pool[table[b]].reshape(-1, case.k, case.h)[:s]  # noqa: E731
+    kv_of = lambda b, s: (gather(k, b, s), gather(v, b, s))  # noqa: E731
+    ref = harness.packed_reference(q, kv_of, case.q_lengths, case.kv_lengths, case.n, case.k, case.h)
     tol = harness.tolerance(ref)
     row = {"shape": dataclasses.asdict(case), "tolerance": tol, "variants": {}}
     fns = variant_fns(case, interpret, q, k, v, table, lengths, cu)
@@ -135,14 +124,11 @@ def run_case(case: Case, interpret: bool) -> dict:
             row["variants"][name] = {"skipped": "TPU interpret mode cannot run JAX's ragged paged-attention kernel"}
             continue
         try:
-            err = float(np.max(np.abs(np.asarray(fn(*args), np.float32) - ref)))
-            result = {"max_err": err}
-            if err <= tol:
+            result = harness.checked(fn(*args), ref, tol)
+            if "wrong" not in result:
                 times = harness.time_calls(fn, args, loops=2 if interpret else 5)
                 ms = 1e3 * statistics.median(times)
                 result |= {"ms": ms, "min_ms": 1e3 * min(times), "gb_s": kv_bytes / ms / 1e6}
-            else:
-                result["wrong"] = True
         except Exception as e:  # noqa: BLE001 - a variant's failure is reported, not fatal
             result = {"error": harness.error_or_oom(e)}
         row["variants"][name] = result

@@ -146,17 +146,6 @@ def parser(doc: str, *, only: str | None = None, rounds: int | None = None) -> a
     return p
 
 
-def subcommands(doc: str, *names: str) -> tuple[argparse.ArgumentParser, dict]:
-    """`parser(doc)` with one required subcommand per name, `{name: its parser}`; `--json` is taken before or after
-    the subcommand (`run_h200.sh` and `run_tpu.sh` put it first)."""
-    p = parser(doc)
-    commands = p.add_subparsers(dest="command", required=True)
-    subs = {name: commands.add_parser(name) for name in names}
-    for sub in subs.values():
-        sub.add_argument("--json", default=argparse.SUPPRESS, help="write the results here")
-    return p, subs
-
-
 def compiled_bytes(compiled) -> dict | None:
     """A compiled executable's argument, output, aliased and temporary bytes (XLA's memory analysis), or None."""
     try:
