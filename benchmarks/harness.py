@@ -214,9 +214,9 @@ def graph_replay(label: str):
 
 @dataclasses.dataclass(frozen=True)
 class PagedCase:
-    """A paged serving step (`bench_decode.py`'s mixed cases, `bench_tpu_decode.py`'s). Decode: `b` sequences of
-    `length` cached tokens, one query each. Mixed: `prompts` prefill chunks of the given lengths plus `decodes` decode
-    queries over `decode_length` tokens (then `b`, `length` are unused). GQA `n`/`k` heads of `h`."""
+    """A paged serving step (`bench_peers.py --suite decode`'s mixed ones, `bench_tpu_decode.py`'s). Decode: `b`
+    sequences of `length` cached tokens, one query each. Mixed: `prompts` prefill chunks plus `decodes` decode queries
+    over `decode_length` tokens (`b`, `length` unused). GQA `n`/`k` heads of `h`."""
 
     b: int
     length: int
