@@ -8,12 +8,10 @@ with loops of 20 forward or 10 forward + backward calls, attnlib and jax.nn's cu
 TFLOP/s over the visible pairs (`harness.flops`); graph set-up times in fresh processes (cold and warm disk cache)
 and each graph's plan.
 
-`ragged`: 1. a packed training batch (lengths drawn from 64..4096 until 32768 tokens, causal, GQA 32/8, d128,
-`cu_seqlens` an argument): THD variants against the same data padded (attnlib and jax.nn cuDNN) and a dense batch of
-the same token count, TFLOP/s over the real sequences' visible pairs, round-robin over 3 rounds (the default THD call
-twice, to show the noise); `--profile`: the THD calls' kernels (`kernel_profile`). 2. Paged decode (B 64, context
-8192, pages of 64, GQA 64/8): the cached K and V bytes per second, against the card's 4.3 TB/s device-to-device copy.
-3. Graph builds: 200 training steps of fresh random lengths traced and lowered, counting the cuDNN graphs built.
+`ragged` (docs/performance.md's packed sequences and paged decoding): a packed training batch's THD variants against
+the same data padded and a dense batch of as many tokens, TFLOP/s over the real sequences' visible pairs, round-robin
+over 3 rounds (`--profile`: the THD calls' kernels); paged decoding's bandwidth against the card's 4.3 TB/s copy; the
+cuDNN graphs that 200 training steps of fresh random lengths build.
 """
 
 import contextlib
@@ -66,14 +64,6 @@ def flops(case: Case) -> tuple[float, float]:
     return harness.flops(pairs * case.n, case.h, case.hv)
 
 
-def memset_rows(on: bool):
-    """Trace attnlib with (`on`) or without the memset of padded results: as on a cuDNN not known to write zeros in
-    padded rows (`support.writes_padding_zeros`)."""
-    from attnlib._src.backends.cudnn import support
-
-    return mock.patch.multiple(support, writes_padding_zeros=lambda version: False) if on else contextlib.nullcontext()
-
-
 def call_kwargs(case: Case) -> dict:
     """The case's keyword arguments, the same for attnlib and jax.nn."""
     kw = dict(is_causal=case.causal, local_window_size=None if case.window is None else (case.window, 0))
@@ -90,7 +80,9 @@ def make_fns(case: Case, impl: str):
         attend = lambda q, k, v: attnlib.attention(q, k, v, implementation="cudnn", **call_kwargs(case))
     else:
         attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl, **call_kwargs(case))
-    return jax.jit(attend), jax.jit(harness.grad_fn(attend))
+    # `attnlib_memset`: traced as on a cuDNN not known to write zeros in padded rows (a memset of the padded results).
+    switches = {"support": {"writes_padding_zeros": lambda version: False}} if impl == "attnlib_memset" else {}
+    return jax.jit(traced_with(attend, switches)), jax.jit(traced_with(harness.grad_fn(attend), switches))
 
 
 def raw_graph_ms(case: Case, q, k, v) -> float | None:
@@ -181,10 +173,8 @@ def dense(args) -> dict:
             try:
                 fwd, fwd_bwd = make_fns(case, impl)
                 loop_f, loop_b = (20, 10) if impl != "xla" else (3, 2)
-                args_qkv = (q, k, v)
-                with memset_rows(impl == "attnlib_memset"):
-                    for key, fn, loop in ((f"{impl}_fwd_ms", fwd, loop_f), (f"{impl}_fwd_bwd_ms", fwd_bwd, loop_b)):
-                        row[key] = min(row.get(key, float("inf")), harness.best_per_call(fn, args_qkv, loop) * 1e3)
+                for key, fn, loop in ((f"{impl}_fwd_ms", fwd, loop_f), (f"{impl}_fwd_bwd_ms", fwd_bwd, loop_b)):
+                    row[key] = min(row.get(key, float("inf")), harness.best_per_call(fn, (q, k, v), loop) * 1e3)
             except Exception as e:  # jax.nn cannot run MLA; xla may run out of memory
                 row[f"{impl}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         try:

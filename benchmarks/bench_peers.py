@@ -8,16 +8,13 @@ Usage: python benchmarks/bench_peers.py [--suite calls|decode] [--json out.json]
 wrt q, k, v), `{kind}_speed_vs_best_peer`; `--direct` adds attnlib's call with the native executor's CUDA-graph
 replay off (`attnlib_cudnn_direct`) and on for every call (`attnlib_cudnn_always`), not peers.
 
-`decode`: a decode step (one jitted `lax.scan` over `--layers` layers of single-token attention on a cache of
-`context` tokens a sequence, lengths `context - 17 b`), attnlib's paged and dense caches (`jax_nn_cudnn_paged`
-gathers the pages first, as a jax.nn user must): `step_ms` with XLA's default flags and `step_ms_min_graph_1` with
-`xla_gpu_graph_min_graph_size=1`, `speed_vs_best_peer`, `speed_vs_paged_peer` (the peers on the page pool); the
-`_direct` / `_always` variants always, `executor_per_step` what the executor did. Mixed steps (`MIXED`, JSON key
-`mixed`): `attnlib` is `cache.attend` on a token-major `PagedKVCache` (`attnlib_pick`: what ran), `attnlib_dense`
-(not a peer) runs on the peers' layout; the peers are jax.nn on the same tokens as one padded dense call with a
-bottom-right causal `mask` (`jax_nn_cudnn`, `jax_nn`: XLA) or as two cuDNN calls, prompts then decodes
-(`jax_nn_cudnn_two_calls`). `--smoke`: a tiny mixed step on any backend (the cuDNN variants report their error off
-a GPU), not a measurement.
+`decode`: the decode loop of docs/performance.md (one jitted `lax.scan` over `--layers` layers), attnlib's paged and
+dense caches: `step_ms` (XLA's default flags), `step_ms_min_graph_1` (`xla_gpu_graph_min_graph_size=1`),
+`speed_vs_best_peer`, `speed_vs_paged_peer` (the peers on the page pool), the `_direct` / `_always` variants and
+`executor_per_step`. Mixed steps (`MIXED`, JSON key `mixed`): `attnlib` is `cache.attend` on a token-major
+`PagedKVCache`, `attnlib_dense` (not a peer) runs on the peers' layout; the peers are jax.nn on the same tokens as one
+padded dense call with a bottom-right causal `mask` (`jax_nn_cudnn`, `jax_nn`) or as two cuDNN calls
+(`jax_nn_cudnn_two_calls`). `--smoke`: a tiny mixed step on any backend, not a measurement.
 
 Each variant is checked against a float32 reference first (a wrong one is not timed, one that cannot run reports
 its error), then timed round-robin (`harness.round_robin`, best of `--rounds`); where attnlib trails the best peer,

@@ -1,8 +1,7 @@
 """What a compiled call does, read from its HLO text and from JAX's own profiler (CUPTI on a GPU; no Nsight needed):
 `layout_ops` (the transposes and copies next to the attention custom calls), `device_op_times` /
 `profile_device_time` (per step, the device time of the XLA ops and the attention kernels' part; `bench_model.py`)
-and `kernel_profile` (per call: each kernel's device time, their sum, and the span from the first kernel's start to
-the last one's end; span minus kernel time is where the device idles inside a call, wall time minus span dispatch).
+and `kernel_profile` (per call, each kernel's device time and the span they cover).
 """
 
 import collections
@@ -290,7 +289,8 @@ def kernel_profile(fn, args, calls: int = 10, plane_prefix: str = "/device:GPU:0
 
     Returns:
         {"kernels": [{"name", "launches", "us"}] (per call, longest first, at most `top`), "kernel_us",
-         "span_us" (first kernel start to last kernel end), "launches"} — each per call.
+         "span_us" (first kernel start to last kernel end), "launches"} — each per call. Span minus kernel time is
+        where the device idles inside a call (launch gaps, host round trips); wall time minus span is dispatch.
     """
     for _ in range(2):
         jax.block_until_ready(fn(*args))
