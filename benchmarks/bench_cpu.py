@@ -5,12 +5,10 @@
 Usage: python benchmarks/bench_cpu.py --suite plain [--json out.json] [--lengths 512 2048 16384] [--causal]
        python benchmarks/bench_cpu.py --suite dispatch [--json out.json] [--only SHAPE ...] [--repeats 3] [--quick]
 
-`plain`: batch 1, 8 heads, d64; forward and forward + backward, best of `--repeats` single calls after one warm-up
-(`harness.best_per_call`), and the compiled program's arguments + outputs + temporaries (XLA's memory analysis); a
-case that needs more than `--memory-limit-gb` is reported as not run, with what it would need.
-`dispatch`: eight shapes (causal and full, MHA and GQA, 256–8192 tokens), best and median of `--repeats` calls after
-two warm-up calls, round-robin: one call of every variant per round, so that a slow or fast spell of the machine (this
-VM's speed drifts by up to 2x for minutes) falls on all of them alike. tokamax is optional (it needs Python 3.12).
+`plain`: batch 1, 8 heads, d64, best of `--repeats` single calls (`harness.best_per_call`), and the compiled program's
+arguments + outputs + temporaries (XLA's memory analysis); one needing more than `--memory-limit-gb` is not run.
+`dispatch`: eight shapes, best and median of `--repeats` calls, round-robin: one call of every variant a round, so
+that a slow or fast spell of this VM (its speed drifts by up to 2x for minutes) falls on all alike.
 """
 
 import platform

@@ -177,17 +177,15 @@ def table(results: dict) -> str:
     lines = [harness.markdown(["case", *labels, "attnlib vs best peer (fwd / fwd+bwd)"],
                               [[name, *(cell(row.get(label, {})) for label in labels), speed(row)]
                                for name, row in results.items()])]  # fmt: skip
-    kernels = [_kernel_line(name, row, kind) for name, row in results.items() for kind in ("fwd", "fwd_bwd")
-               if f"{kind}_kernel_vs_best_peer" in row]  # fmt: skip
-    if kernels:
-        lines += ["", "Where attnlib trails, device kernel time per call (same run):", *kernels]
+    trails = [(name, row, kind) for name, row in results.items() for kind in ("fwd", "fwd_bwd")
+              if f"{kind}_kernel_vs_best_peer" in row]  # fmt: skip
+    if trails:
+        lines += ["", "Where attnlib trails, device kernel time per call (same run):"]
+    for name, row, kind in trails:
+        mine, ratio = row["attnlib_cudnn"][f"{kind}_kernel_us"], row[f"{kind}_kernel_vs_best_peer"]
+        lines.append(f"- {name}, {kind}: attnlib's kernels {mine:.1f} µs a call, best peer's {ratio * mine:.1f} "
+                     f"({ratio:.2f}×)")  # fmt: skip
     return "\n".join(lines)
-
-
-def _kernel_line(name: str, row: dict, kind: str) -> str:
-    mine = row["attnlib_cudnn"][f"{kind}_kernel_us"]
-    ratio = row[f"{kind}_kernel_vs_best_peer"]
-    return f"- {name}, {kind}: attnlib's kernels {mine:.1f} µs a call, best peer's {ratio * mine:.1f} ({ratio:.2f}×)"
 
 
 def calls(args) -> dict:

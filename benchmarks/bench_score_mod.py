@@ -16,8 +16,7 @@
 Usage: python benchmarks/bench_score_mod.py [--suite score_mod|max_logit|segments_bound|fp8] [--json out.json]
        [--only SHAPE ...] [--rounds N] [--quick] [--variants NAME ...] [--gradients [--no-timing]]
 
-Timing: `harness.best_per_call` (wall clock, best of repetitions of a loop), the variants of a shape round-robin,
-best of `--rounds` (default 3; `segments_bound`: 1).
+Timing: `harness.round_robin`, best of `--rounds` (default 3; `segments_bound`: 1).
 """
 
 

@@ -2,14 +2,13 @@
 
 Usage: python benchmarks/bench_tpu_decode.py [--json out.json] [--only CASE ...] [--smoke]
 
-Decode cases: one query per sequence over `length` cached tokens, pages shuffled in a pool of exactly the pages used;
-mixed cases: whole-prompt prefill chunks plus decodes, packed (`cu_seqlens_q`). Variants (docs/performance.md's
-"Serving from a paged cache"): `attnlib` (`cache.attend(q)` on the layout `PagedKVCache.create` picks on a TPU;
-`attnlib_pick`), `attnlib_head_major`, `attnlib_token_major` (bare token-major pools), `attnlib_xla`, raw
-`paged_attention` and `ragged_paged_attention` (their own layouts, attnlib's blocks); decode only but `attnlib` and
-`ragged_paged_attention`. Each is checked against a float32 reference first (`4 eps(bf16) max|ref|`), then timed by
-`harness.time_calls` (median ms); GB/s counts the visible keys' and values' bytes once. `--smoke`: a tiny decode in
-TPU interpret mode on any backend (the ragged kernel, which interpret mode cannot run in JAX 0.10.2, skipped).
+Decode cases (one query per sequence, pages shuffled) and mixed ones (whole-prompt prefill chunks plus decodes,
+packed); the variants are docs/performance.md's "Serving from a paged cache": `attnlib` (`cache.attend(q)` on the
+layout `PagedKVCache.create` picks; `attnlib_pick`), `attnlib_head_major`, `attnlib_token_major`, `attnlib_xla`, raw
+`paged_attention` and `ragged_paged_attention` (decode only but `attnlib` and `ragged_paged_attention`). Each is
+checked against a float32 reference first, then timed by `harness.time_calls` (median ms); GB/s counts the visible
+keys' and values' bytes once. `--smoke`: a tiny decode in TPU interpret mode on any backend (the ragged kernel, which
+interpret mode cannot run in JAX 0.10.2, skipped).
 """
 
 import dataclasses
