@@ -154,11 +154,8 @@ print(json.dumps({"trace_and_graphs_s": t2 - t1, "xla_compile_s": t3 - t2, "firs
 def dense(args) -> dict:
     import cudnn
 
-    device = jax.devices()[0]
-    meta = {
-        "device": device.device_kind, "jax": jax.__version__, "cudnn_frontend": cudnn.__version__,
-        "cudnn_backend": cudnn.backend_version(),
-    }
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "cudnn_frontend": cudnn.__version__,
+            "cudnn_backend": cudnn.backend_version()}  # fmt: skip
     rows = []
     for case in CASES:
         shapes = (case.b, case.t, case.n, case.h), (case.b, case.t, case.k, case.h), (case.b, case.t, case.k, case.hv)

@@ -39,8 +39,7 @@ CASES = {
 }
 SMOKE_CASES = {"smoke_gqa": Case(3, 40, 4, 2, 64, 8)}
 DECODE_ONLY = ("attnlib_head_major", "attnlib_token_major", "attnlib_xla", "paged_attention")
-RAGGED_KERNEL = ("attnlib", "ragged_paged_attention")
-"""The variants that run JAX's ragged paged-attention kernel (on a TPU; skipped by `--smoke`)."""
+RAGGED_KERNEL = ("attnlib", "ragged_paged_attention")  # they run JAX's ragged paged-attention kernel (not in --smoke)
 
 
 def inputs(case: Case):

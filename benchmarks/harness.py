@@ -75,10 +75,8 @@ def time_calls(fn, args, *, target_s: float = 0.05, max_loop: int = 20, loops: i
 def normal(*shapes, seed: int = 0, dtype=jnp.bfloat16, via_float32: bool = False) -> list:
     """One standard normal array per shape, from `jax.random.split(jax.random.key(seed), len(shapes))`; drawn in
     float32 and cast with `via_float32`."""
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
-    if via_float32:
-        return [jax.random.normal(key, shape, jnp.float32).astype(dtype) for key, shape in zip(keys, shapes)]
-    return [jax.random.normal(key, shape, dtype) for key, shape in zip(keys, shapes)]
+    keys, drawn = jax.random.split(jax.random.key(seed), len(shapes)), jnp.float32 if via_float32 else dtype
+    return [jax.random.normal(key, shape, drawn).astype(dtype) for key, shape in zip(keys, shapes)]
 
 
 def grad_fn(f, dout=None):
