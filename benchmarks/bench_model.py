@@ -3,62 +3,26 @@
 Usage: python benchmarks/bench_model.py [--json out.json] [--only CONFIG ...] [--framework equinox haiku]
        [--variants NAME ...] [--warmup 2] [--steps 5] [--remat save_attention] [--profile] [--smoke]
 
-The step is `examples/train.py`'s (`make_step`, `make_optimizer`): forward, backward and the optax update (AdamW,
-float32 master weights, gradient clipping) of `examples/llama.py` (Equinox) or `examples/llama_haiku.py` (Haiku),
-per-layer remat, bfloat16 compute, donated parameters and optimizer state. The remat (`--remat`) is by default
-`save_attention`: each block is recomputed in the backward pass except its attention kernel, whose results are kept
-(`attnlib.checkpoint_policies.save_attention`; the peers' kernels are kept alike); `full` recomputes everything.
-Both frameworks start from the same weights (`llama_haiku.params_from_equinox`) and see the same batch (random tokens;
-packed configs add segment ids of several documents per row). Variants, one attention core each, everything else equal
-(`q` `[B, T, N, H]`, `k`, `v` `[B, T, K, H]`, causal, the config's window and documents):
+The step is `examples/train.py`'s on `llama.py` (Equinox) or `llama_haiku.py` (Haiku, the same weights), per-block
+remat (`--remat`: `save_attention` keeps every core's kernel results, `full` recomputes everything), bfloat16, the same
+batch (packed configs: segment ids of several documents a row). Variants: `attnlib` (the model as written; its pick:
+`attnlib_pick`), `jax_nn` (XLA), `jax_nn_cudnn` (GPU), `splash` (raw, 512-blocks, `bench_tpu.splash_fn`; TPU),
+`tokamax` (GPU); jax.nn and tokamax get documents as a dense `[B, 1, T, T]` mask. One that cannot run: `skipped`.
 
-- `attnlib`: the model as written: `attnlib.equinox` / `attnlib.haiku.DotProductAttention`, `implementation=None`
-  (what it picks: `attnlib_pick`, from `attnlib.explain`, and the custom calls in the step's HLO).
-- `jax_nn`: `jax.nn.dot_product_attention(implementation=None)` (JAX 0.10: the XLA path, scores materialized).
-- `jax_nn_cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`; GPU only.
-- `splash`: raw `jax.experimental.pallas.ops.tpu.splash_attention` with 512-blocks (`bench_tpu.py`'s
-  `splash_fn`), `make_splash_mqa_single_device` per key/value head, segment ids as splash `SegmentIds`, `q`
-  pre-scaled, the transposes to its `[heads, T, H]` layout inside the core; TPU only.
-- `tokamax`: `tokamax.dot_product_attention` (its automatic choice); GPU only, where `import tokamax` works.
-
-jax.nn and tokamax take no segment ids: with documents their core gets the dense `[B, 1, T, T]` mask built from the
-segment ids (`seg[:, None, :, None] == seg[:, None, None, :]`, plus `is_causal`); jax.nn's cuDNN path turns it into
-an additive bias. A variant that cannot run here is recorded with `skipped` and the reason; one that fails with
-`error` (`out of memory` when it is that).
-
-Per config, framework and variant: `step_ms` (median of `--steps` timed steps after `--warmup` steps; every step ends
-in `block_until_ready`; also min / max), `tokens_per_s` (`B T` / step), `mfu`, `compile_s`, memory (`peak_bytes_in_use`
-from `device.memory_stats()` where the device has it: a high-water mark of the whole process, so a later variant
-reads at least an earlier one's peak; and `compiled_bytes`, the step executable's argument / output / temporary bytes,
-per variant), the loss of every step and `max_loss_diff_vs_attnlib` (the largest difference from attnlib's loss at
-the same step: same weights, same batch; bfloat16 noise), and the layer overhead:
-
-- `hlo` (`hlo_and_traces.layout_ops`): in the compiled HLO of the step (`jax.jit(step).lower(...).compile().as_text()`),
-  the `transpose` and `copy` instructions (all computations, fused ones included), the attention custom calls (cuDNN,
-  Mosaic TPU, Triton, Mosaic GPU targets) and, for their operands and results, the transposes / copies that produce or
-  consume them directly (through bitcasts and tuples, into and out of wrapped computations such as command buffers):
-  `feeding` / `consuming`, each `standalone` (a transpose or copy, or a fusion of nothing else: an extra pass over the
-  tensor) and `in_fusion` (a fusion that computes and also writes a transposed layout); `traced_in_attention`:
-  transposes / copies whose source location lies under a scope named like attention. The model's projections write
-  `[B, T, N, H]`: the target is zero standalone copies around attnlib's call.
-- `attention_core`: the core alone on the model's shapes: forward and forward + backward (the gradient of
-  `sum(out * dout)` wrt q, k, v) timed as `bench_tpu.py` does (`harness.time_calls`), and `share_of_step` =
-  `num_layers (fwd_bwd + fwd) / step` under `--remat full` (which runs each layer's forward twice), `num_layers
-  fwd_bwd / step` otherwise: the attention share of the step, an estimate from isolated calls.
-- `profile` (`--profile`, `hlo_and_traces.profile_device_time`): 2 more steps under the JAX profiler; per step,
-  `device_ms` (the device's XLA ops summed), `attention_ms` (the attention custom calls among them) and
-  `attention_share`: the measured share, where the backend's trace has an "XLA Ops" line (the TPU's; elsewhere
-  `skipped`).
+Per config, framework and variant: `step_ms` (median of `--steps` after `--warmup`), `tokens_per_s`, `mfu`,
+`compile_s`, `peak_bytes_in_use` (the process's high-water mark), `compiled_bytes`, the losses and
+`max_loss_diff_vs_attnlib`; `hlo` (`hlo_and_traces.layout_ops`: transposes and copies next to the attention calls);
+`attention_core` (the core alone, `harness.time_calls`; `share_of_step` = `num_layers (fwd_bwd + fwd) / step` under
+`--remat full`, `num_layers fwd_bwd / step` otherwise); `--profile`: `profile` (the device time of 2 traced steps and
+the attention kernels' share, `hlo_and_traces.profile_device_time`; TPU traces).
 
 MFU counts model FLOPs (the PaLM convention: forward + backward = 3x forward, remat recomputation not counted):
 `6 P tokens + 12 L N H E`, with `P` the parameters of the matrix multiplies (all but the input embedding and the
 RMSNorm weights), `L` layers, `N` query heads of `H`, and `E` the visible (query, key) pairs summed over rows (causal:
-`T (T + 1) / 2` a row, i.e. `12 L T^2 D / 2` for `D = N H`; windows and documents counted exactly: the useful FLOPs,
-also for a dense-mask core that computes every pair). Peaks (dense bf16): H100 / H200 989 TFLOP/s, TPU v5e 197
-TFLOP/s; elsewhere `mfu` is null.
+`T (T + 1) / 2` a row; windows and documents exact). Peaks (dense bf16): H100 / H200 989 TFLOP/s, TPU v5e 197 TFLOP/s;
+elsewhere `mfu` is null.
 
-`--smoke` runs tiny configs on any backend in seconds (attnlib and jax.nn; the others recorded as skipped): a check
-that the script works, not a measurement.
+`--smoke`: tiny configs on any backend (attnlib and jax.nn), not a measurement.
 """
 
 import dataclasses
@@ -131,15 +95,7 @@ VARIANTS = ("attnlib", "jax_nn", "jax_nn_cudnn", "splash", "tokamax")
 FRAMEWORKS = ("equinox", "haiku")
 LEARNING_RATE = 3e-4
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "v5 lite": 197.0, "v5e": 197.0}
-FLOPS_CONVENTION = (
-    "model FLOPs, fwd+bwd = 3x fwd, remat not counted: 6 P tokens + 12 L N H E; P = matmul parameters (all but the "
-    "input embedding and the norm weights), E = visible (query, key) pairs summed over rows (causal T(T+1)/2 a row; "
-    "windows and documents exact)"
-)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Data and FLOPs
+FLOPS_CONVENTION = " ".join(next(p for p in __doc__.split("\n\n") if p.startswith("MFU counts")).split())  # in the JSON
 
 
 def make_batch(config: Config, seed: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
@@ -186,10 +142,6 @@ def peak_tflops(device) -> float | None:
     return next((peak for name, peak in PEAK_TFLOPS.items() if name in kind), None)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Attention cores: fn(q, k, v, segment_ids) -> out
-
-
 def _segment_mask(segment_ids):
     """`[B, 1, T, T]` True where query and key are in the same document."""
     if segment_ids is None:
@@ -201,13 +153,6 @@ def _segment_mask(segment_ids):
 def _window(config: Config):
     w = config.model.sliding_window
     return None if w is None else (w, 0)
-
-
-def splash_core(config: Config):
-    """Raw splash attention on `[B, T, N, H]` (see the module docstring): `bench_tpu.splash_fn`, causal."""
-    m = config.model
-    case = bench_tpu.Case(config.batch, config.seq, m.num_heads, m.num_kv_heads, m.head_dim, True, m.sliding_window)
-    return bench_tpu.splash_fn(case, default=False, interpret=False, per_kv_head=True)
 
 
 def attention_core(variant: str, config: Config) -> Callable:
@@ -230,7 +175,9 @@ def attention_core(variant: str, config: Config) -> Callable:
         if platform != "tpu":
             raise NotImplementedError("raw splash attention needs a TPU (interpret mode is too slow for a model step); "
                                       f"this device is a {platform}")  # fmt: skip
-        return splash_core(config)
+        m = config.model  # raw splash on [B, T, N, H], causal (bench_tpu.splash_fn)
+        case = bench_tpu.Case(config.batch, config.seq, m.num_heads, m.num_kv_heads, m.head_dim, True, m.sliding_window)
+        return bench_tpu.splash_fn(case, default=False, interpret=False, per_kv_head=True)
     if variant == "tokamax":
         if platform != "gpu":
             raise NotImplementedError(f"tokamax is benchmarked on GPUs only; this device is a {platform}")
@@ -242,20 +189,6 @@ def attention_core(variant: str, config: Config) -> Callable:
             q, k, v, mask=_segment_mask(s), is_causal=True, local_window_size=window
         )
     raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
-
-
-def attention_mask_note(variant: str, config: Config) -> str | None:
-    if config.documents is None:
-        return None
-    if variant in ("attnlib", "splash"):
-        return "segment ids"
-    if variant == "jax_nn_cudnn":
-        return "dense [B, 1, T, T] mask from the segment ids (jax.nn's cuDNN path: an additive bias)"
-    return "dense [B, 1, T, T] mask from the segment ids"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Models
 
 
 def build(framework: str, config: Config, core: Callable | None):
@@ -294,25 +227,6 @@ def build(framework: str, config: Config, core: Callable | None):
     raise ValueError(f"unknown framework {framework!r}; known: {FRAMEWORKS}")
 
 
-# Running
-
-
-def _memory_stats() -> dict | None:
-    try:
-        return jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _compiled_bytes(compiled) -> dict | None:
-    try:
-        m = compiled.memory_analysis()
-        return {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
-                "aliased": int(m.alias_size_in_bytes), "temporaries": int(m.temp_size_in_bytes)}
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def time_attention_core(core: Callable, config: Config, segment_ids, loops: int, target_s: float = 0.05) -> dict:
     """The core alone on the model's shapes (bf16): fwd and fwd+bwd ms, as `harness.time_calls` times them."""
     m = config.model
@@ -338,9 +252,10 @@ def run_variant(framework: str, variant: str, config: Config, batch, *, warmup: 
         core_fn = attention_core(variant, config)
     except NotImplementedError as e:
         return {"skipped": str(e)}
-    note = attention_mask_note(variant, config)
-    if note:
-        result["attention_mask"] = note
+    if config.documents is not None:  # how the core sees the documents
+        dense = "dense [B, 1, T, T] mask from the segment ids"
+        result["attention_mask"] = {"attnlib": "segment ids", "splash": "segment ids", "jax_nn_cudnn": dense +
+                                    " (jax.nn's cuDNN path: an additive bias)"}.get(variant, dense)  # fmt: skip
     tokens, segment_ids = batch
     try:
         params, loss_fn = build(framework, config, None if variant == "attnlib" else core_fn)
@@ -351,7 +266,7 @@ def run_variant(framework: str, variant: str, config: Config, batch, *, warmup: 
         start = time.perf_counter()
         compiled = step.lower(params, opt_state, *args).compile()
         result["compile_s"] = time.perf_counter() - start
-        result["compiled_bytes"] = _compiled_bytes(compiled)
+        result["compiled_bytes"] = harness.compiled_bytes(compiled)
         try:
             result["hlo"] = layout_ops(compiled.as_text())
         except Exception as e:  # noqa: BLE001
@@ -386,8 +301,7 @@ def run_variant(framework: str, variant: str, config: Config, batch, *, warmup: 
         loss=losses[0],
     )
     result["mfu"] = None if peak is None else peak["flops"] / step_s / (peak["tflops"] * 1e12)
-    stats = _memory_stats()
-    result["peak_bytes_in_use"] = None if not stats else stats.get("peak_bytes_in_use")
+    result["peak_bytes_in_use"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     core = time_attention_core(core_fn, config, segment_ids, loops=2 if smoke else 5, target_s=0.005 if smoke else 0.05)
     if "fwd_ms" in core and "fwd_bwd_ms" in core:
         recomputed_forward = core["fwd_ms"] if config.model.remat is True else 0.0  # --remat full
@@ -397,20 +311,15 @@ def run_variant(framework: str, variant: str, config: Config, batch, *, warmup: 
 
 
 def attnlib_pick(config: Config, segment_ids) -> str:
-    """`attnlib.explain(...).implementation` for the model's attention call, traced as under `jit`."""
+    """`attnlib.explain(...).implementation` for the model's attention call, on shapes only (the segment ids not
+    concrete, as under `jit`)."""
     m = config.model
     q = jax.ShapeDtypeStruct((config.batch, config.seq, m.num_heads, m.head_dim), m.dtype)
     kv = jax.ShapeDtypeStruct((config.batch, config.seq, m.num_kv_heads, m.head_dim), m.dtype)
     s = None if segment_ids is None else jax.ShapeDtypeStruct(segment_ids.shape, jnp.int32)
-    picked = {}
-
-    def probe(q, k, v, s):
-        picked["pick"] = attnlib.explain(q, k, v, is_causal=True, local_window_size=_window(config), q_segment_ids=s)
-        return q
-
     try:
-        jax.eval_shape(probe, q, kv, kv, s)
-        return str(picked["pick"].implementation)
+        pick = attnlib.explain(q, kv, kv, is_causal=True, local_window_size=_window(config), q_segment_ids=s)
+        return str(pick.implementation)
     except Exception as e:  # noqa: BLE001
         return f"explain failed: {harness.error(e, 200)}"
 
@@ -474,20 +383,17 @@ def _summary(result: dict) -> str:
 
 
 def table(results: dict) -> str:
-    lines = [
-        "| config | framework | variant | step ms | tokens/s | MFU | peak GiB | loss | Δloss vs attnlib | attention "
-        "share | transposes / copies (standalone next to attention) |",
-        "|---" * 11 + "|",
-    ]
+    header = ["config", "framework", "variant", "step ms", "tokens/s", "MFU", "peak GiB", "loss", "Δloss vs attnlib",
+              "attention share", "transposes / copies (standalone next to attention)"]  # fmt: skip
+    lines = []
     for name, row in results.items():
         if "skipped" in row:
-            lines.append(f"| {name} | | | skipped: {row['skipped']} |" + " |" * 7)
+            lines.append([name, "", "", f"skipped: {row['skipped']}"] + [""] * 7)
             continue
         for framework, out in row["frameworks"].items():
             for variant, r in out["variants"].items():
                 if "step_ms" not in r:
-                    reason = r.get("skipped") or r.get("error")
-                    lines.append(f"| {name} | {framework} | {variant} | {reason} |" + " |" * 7)
+                    lines.append([name, framework, variant, r.get("skipped") or r.get("error")] + [""] * 7)
                     continue
                 peak = r.get("peak_bytes_in_use")
                 share = r.get("attention_core", {}).get("share_of_step")
@@ -500,8 +406,8 @@ def table(results: dict) -> str:
                     f"{r.get('max_loss_diff_vs_attnlib', float('nan')):.2g}", "—" if share is None else f"{share:.0%}",
                     f"{hlo.get('transposes', '?')} / {hlo.get('copies', '?')} ({near}: {moved / 2**20:.0f} MiB)",
                 ]  # fmt: skip
-                lines.append(f"| {name} | {framework} | {variant} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+                lines.append([name, framework, variant, *cells])
+    return harness.markdown(header, lines)
 
 
 def _versions() -> dict:

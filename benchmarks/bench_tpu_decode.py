@@ -2,27 +2,13 @@
 
 Usage: python benchmarks/bench_tpu_decode.py [--json out.json] [--only CASE ...] [--smoke]
 
-Decode cases: one decode step (one query per sequence, bf16) over a paged KV cache whose sequences are all `length`
-tokens long, pages of `page_size` tokens in a pool of exactly the pages they use, shuffled. Mixed cases: one serving
-step of `prompts` prefill chunks (each a whole prompt: its keys are its own tokens) and `decodes` single-token
-decodes over caches of `decode_length` tokens, packed (THD, `cu_seqlens_q`). Variants, side by side on the same
-inputs:
-- `attnlib`: `cache.attend(q)` (`implementation=None`) on a cache in the layout `PagedKVCache.create` picks on a TPU
-  (`"combined"`); the pick (`attnlib.explain`) is recorded as `attnlib_pick`.
-- `attnlib_head_major`: the same on a `"head_major"` cache (decode only).
-- `attnlib_token_major`: the bare-array form on token-major pools: each call lays the pools out head-major (decode).
-- `attnlib_xla`: the token-major cache with `implementation="xla"` (pages gathered, plain JAX; decode).
-- `paged_attention`: raw `jax.experimental.pallas.ops.tpu.paged_attention` on its own head-major pools
-  (`[K, P, page_size, H]`), `q` pre-scaled, `pages_per_compute_block` as attnlib picks it (decode).
-- `ragged_paged_attention`: raw `jax.experimental.pallas.ops.tpu.ragged_paged_attention` on its own combined pool
-  (`[P, page_size, 2K, H]`) with the blocks attnlib picks (`ragged.kernel_blocks`: the kernel's tuned table where it
-  has the shape; its default for long caches overflows a v5e's scoped VMEM).
-
-Each output is checked against a float32 reference of the gathered sequences first (a variant beyond
-`4 eps(bf16) max|ref|` is marked wrong and not timed), then timed as `bench_tpu.py` does (`harness.time_calls`:
-median ms per call). Bandwidth counts the key and value bytes of the visible tokens once. `--smoke` runs a tiny
-decode in TPU interpret mode on any backend (the variants of the ragged kernel, which interpret mode cannot run in
-JAX 0.10.2, are skipped): a check that the script works, not a measurement.
+Decode cases (one query per sequence, pages shuffled) and mixed ones (whole-prompt prefill chunks plus decodes,
+packed); the variants are docs/performance.md's "Serving from a paged cache": `attnlib` (`cache.attend(q)` on the
+layout `PagedKVCache.create` picks; `attnlib_pick`), `attnlib_head_major`, `attnlib_token_major`, `attnlib_xla`, raw
+`paged_attention` and `ragged_paged_attention` (decode only but `attnlib` and `ragged_paged_attention`). Each is
+checked against a float32 reference first, then timed by `harness.time_calls` (median ms); GB/s counts the visible
+keys' and values' bytes once. `--smoke`: a tiny decode in TPU interpret mode on any backend (the ragged kernel, which
+interpret mode cannot run in JAX 0.10.2, skipped).
 """
 
 import dataclasses
@@ -39,32 +25,7 @@ import attnlib
 from attnlib._src.backends.pallas_tpu import paged, ragged
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """Decode: `b` sequences of `length` cached tokens, one query each. Mixed: `prompts` prefill chunks of the
-    given lengths plus `decodes` decode queries over `decode_length` tokens (then `b`, `length` are unused)."""
-
-    b: int
-    length: int
-    n: int
-    k: int
-    h: int
-    page_size: int
-    prompts: tuple[int, ...] = ()
-    decodes: int = 0
-    decode_length: int = 0
-
-    @property
-    def mixed(self) -> bool:
-        return bool(self.prompts)
-
-    @property
-    def kv_lengths(self) -> tuple[int, ...]:
-        return self.prompts + (self.decode_length,) * self.decodes if self.mixed else (self.length,) * self.b
-
-    @property
-    def q_lengths(self) -> tuple[int, ...]:
-        return self.prompts + (1,) * self.decodes if self.mixed else (1,) * self.b
+Case = harness.PagedCase
 
 
 CASES = {
@@ -78,8 +39,7 @@ CASES = {
 }
 SMOKE_CASES = {"smoke_gqa": Case(3, 40, 4, 2, 64, 8)}
 DECODE_ONLY = ("attnlib_head_major", "attnlib_token_major", "attnlib_xla", "paged_attention")
-RAGGED_KERNEL = ("attnlib", "ragged_paged_attention")
-"""The variants that run JAX's ragged paged-attention kernel (on a TPU; skipped by `--smoke`)."""
+RAGGED_KERNEL = ("attnlib", "ragged_paged_attention")  # they run JAX's ragged paged-attention kernel (not in --smoke)
 
 
 def inputs(case: Case):
@@ -95,22 +55,9 @@ def inputs(case: Case):
     return q, k, v, jnp.asarray(table, jnp.int32), jnp.asarray(kv_lengths, jnp.int32), jnp.asarray(cu)
 
 
-def reference(q, k, v, table, case: Case) -> np.ndarray:
-    """float32 bottom-right causal attention of each sequence's queries over its gathered keys, packed."""
-    gather = lambda pool, b, s: pool[table[b]].reshape(-1, case.k, case.h)[:s]  # noqa: E731
-    kv_of = lambda b, s: (gather(k, b, s), gather(v, b, s))  # noqa: E731
-    return harness.packed_reference(q, kv_of, case.q_lengths, case.kv_lengths, case.n, case.k, case.h)
-
-
 def cache_of(k, v, table, lengths, layout: str) -> attnlib.PagedKVCache:
     """A `PagedKVCache` holding the benchmark's token-major pools, in `layout` (converted once, untimed)."""
     return harness.token_major_cache(k, v, table, lengths).to_layout(layout)
-
-
-def combined_pool(k, v):
-    """The raw ragged kernel's own layout: `[P, page_size, 2K, H]`, keys at even and values at odd slots."""
-    P, page, K, H = k.shape
-    return jnp.reshape(jnp.stack([k, v], axis=3), (P, page, 2 * K, H))
 
 
 def variant_fns(case: Case, interpret: bool, q, k, v, table, lengths, cu) -> dict:
@@ -124,7 +71,7 @@ def variant_fns(case: Case, interpret: bool, q, k, v, table, lengths, cu) -> dic
     unpack = (lambda out: out) if case.mixed else (lambda out: out[:, 0])
     attend = lambda impl: jax.jit(lambda q, c: unpack(c.attend(q, implementation=impl, **packed)))  # noqa: E731
     fns = {"attnlib": (attend(impl), (dense_q, cache_of(k, v, table, lengths, "combined")))}
-    pool = combined_pool(k, v)
+    pool = jnp.reshape(jnp.stack([k, v], axis=3), (k.shape[0], case.page_size, 2 * case.k, case.h))  # its own layout
     raw_blocks = ragged.kernel_blocks(q, pool, table, interpret=interpret)
 
     def raw_ragged(q, pool, lengths, table, cu):
@@ -157,7 +104,9 @@ def variant_fns(case: Case, interpret: bool, q, k, v, table, lengths, cu) -> dic
 
 def run_case(case: Case, interpret: bool) -> dict:
     q, k, v, table, lengths, cu = inputs(case)
-    ref = reference(q, k, v, table, case)
+    gather = lambda pool, b, s: pool[table[b]].reshape(-1, case.k, case.h)[:s]  # noqa: E731
+    kv_of = lambda b, s: (gather(k, b, s), gather(v, b, s))  # noqa: E731
+    ref = harness.packed_reference(q, kv_of, case.q_lengths, case.kv_lengths, case.n, case.k, case.h)
     tol = harness.tolerance(ref)
     row = {"shape": dataclasses.asdict(case), "tolerance": tol, "variants": {}}
     fns = variant_fns(case, interpret, q, k, v, table, lengths, cu)
@@ -173,14 +122,11 @@ def run_case(case: Case, interpret: bool) -> dict:
             row["variants"][name] = {"skipped": "TPU interpret mode cannot run JAX's ragged paged-attention kernel"}
             continue
         try:
-            err = float(np.max(np.abs(np.asarray(fn(*args), np.float32) - ref)))
-            result = {"max_err": err}
-            if err <= tol:
+            result = harness.checked(fn(*args), ref, tol)
+            if "wrong" not in result:
                 times = harness.time_calls(fn, args, loops=2 if interpret else 5)
                 ms = 1e3 * statistics.median(times)
                 result |= {"ms": ms, "min_ms": 1e3 * min(times), "gb_s": kv_bytes / ms / 1e6}
-            else:
-                result["wrong"] = True
         except Exception as e:  # noqa: BLE001 - a variant's failure is reported, not fatal
             result = {"error": harness.error_or_oom(e)}
         row["variants"][name] = result

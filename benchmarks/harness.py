@@ -1,20 +1,18 @@
-"""What the benchmark scripts share: timing loops, inputs, checks against a reference, error strings, argument checks,
-JSON files, and the settings switched around one variant. Scripts import it by name: a script's own folder is on
-`sys.path` when it runs.
-
-Timing. `best_per_call` (the GPU scripts'): wall clock under `jax.jit`, `warmup` calls (2), then `reps` repetitions of
-a loop of `loop` calls ending in one `block_until_ready`; the best per-call mean. `time_calls` (the TPU scripts'):
-`warmup` calls, then `loops` loops of about `target_s` each (at most `max_loop` calls, the count set by the last
-warm-up call); every loop's per-call mean.
+"""What the benchmark scripts share: timing loops, inputs, checks against a reference, error strings, argument
+parsing, JSON files, fresh processes and the settings switched around one variant. Scripts import it by name: a
+script's own folder is on `sys.path` when it runs. `best_per_call` times the GPU scripts, `time_calls` the TPU ones.
 """
 
 import argparse
-import contextlib
+import collections
 import dataclasses
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +33,24 @@ def best_per_call(fn, args, loop: int, reps: int = 10, warmup: int = 2) -> float
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - start) / loop)
     return best
+
+
+def round_robin(timed: dict, rounds: int, reps: int = 5) -> dict:
+    """`{(label, field): (fn, args, loop)}` timed round-robin, each call once a round (`best_per_call`), so that the
+    device's state when its turn comes favours none: `{label: {field: best ms a call over the rounds}}`; a call that
+    raised gets `{field with "_ms" -> "_error" (else + "_error"): message}` instead and is not timed again."""
+    out = collections.defaultdict(dict)
+    for _ in range(rounds):
+        for (label, field), (fn, args, loop) in timed.items():
+            failed = field.replace("_ms", "_error", 1) if "_ms" in field else f"{field}_error"
+            if failed in out[label]:
+                continue
+            try:
+                ms = best_per_call(fn, args, loop, reps) * 1e3
+                out[label][field] = min(out[label].get(field, float("inf")), ms)
+            except Exception as e:  # noqa: BLE001  (reported, not fatal: e.g. a peer without a backward)
+                out[label][failed] = error(e, 200)
+    return out
 
 
 def time_calls(fn, args, *, target_s: float = 0.05, max_loop: int = 20, loops: int = 5, warmup: int = 2) -> list:
@@ -59,10 +75,8 @@ def time_calls(fn, args, *, target_s: float = 0.05, max_loop: int = 20, loops: i
 def normal(*shapes, seed: int = 0, dtype=jnp.bfloat16, via_float32: bool = False) -> list:
     """One standard normal array per shape, from `jax.random.split(jax.random.key(seed), len(shapes))`; drawn in
     float32 and cast with `via_float32`."""
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
-    if via_float32:
-        return [jax.random.normal(key, shape, jnp.float32).astype(dtype) for key, shape in zip(keys, shapes)]
-    return [jax.random.normal(key, shape, dtype) for key, shape in zip(keys, shapes)]
+    keys, drawn = jax.random.split(jax.random.key(seed), len(shapes)), jnp.float32 if via_float32 else dtype
+    return [jax.random.normal(key, shape, drawn).astype(dtype) for key, shape in zip(keys, shapes)]
 
 
 def grad_fn(f, dout=None):
@@ -86,6 +100,13 @@ def flops(pairs: int, h: int, hv: int) -> tuple[float, float]:
     """Forward and forward + backward FLOPs of `pairs` visible (query, key) pairs summed over rows and heads, the
     cuDNN frontend's convention: `2 pairs (H + Hv)` and `2 pairs (4 H + 3 Hv)`."""
     return 2.0 * pairs * (h + hv), 2.0 * pairs * (4 * h + 3 * hv)
+
+
+def reference(q, k, v, **kw) -> np.ndarray:
+    """attnlib's `xla` implementation on float32 copies of `q`, `k`, `v` at the highest matmul precision."""
+    with jax.default_matmul_precision("highest"):
+        out = attnlib.attention(*(x.astype(jnp.float32) for x in (q, k, v)), implementation="xla", **kw)
+    return np.asarray(out, np.float32)
 
 
 def tolerance(reference) -> float:
@@ -123,6 +144,21 @@ def parser(doc: str, *, only: str | None = None, rounds: int | None = None) -> a
     return p
 
 
+def compiled_bytes(compiled) -> dict | None:
+    """A compiled executable's argument, output, aliased and temporary bytes (XLA's memory analysis), or None."""
+    try:
+        m = compiled.memory_analysis()
+        return {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+                "aliased": int(m.alias_size_in_bytes), "temporaries": int(m.temp_size_in_bytes)}  # fmt: skip
+    except Exception:  # noqa: BLE001  (a backend without the analysis)
+        return None
+
+
+def markdown(header: list[str], rows) -> str:
+    """A Markdown table: `header`, then one line per row of cells."""
+    return "\n".join(f"| {' | '.join(map(str, cells))} |" for cells in [header, ["---"] * len(header), *rows])
+
+
 def check_names(parser, given, known, what: str = "cases") -> None:
     """`parser.error` naming what of `given` is not in `known`."""
     unknown = set(given or ()) - set(known)
@@ -142,6 +178,20 @@ def write_json(path: str | None, data, indent: int = 1) -> None:
             json.dump(data, f, indent=indent)
 
 
+def fresh_processes(snippet: str, runs: int = 2, **env: str) -> list[dict]:
+    """The JSON printed last by each of `runs` fresh Python processes running `snippet` in turn on one new, empty
+    ATTNLIB_CACHE_DIR (the first builds the cuDNN graphs that the next read from disk), `env` set; `{"error":
+    stderr}` for a process that failed."""
+    results = []
+    with tempfile.TemporaryDirectory() as cache:
+        for _ in range(runs):
+            done = subprocess.run([sys.executable, "-c", snippet], env=dict(os.environ, ATTNLIB_CACHE_DIR=cache, **env),
+                                  capture_output=True, text=True)  # fmt: skip
+            results.append({"error": done.stderr[-2000:]} if done.returncode else
+                           json.loads(done.stdout.strip().splitlines()[-1]))  # fmt: skip
+    return results
+
+
 def tokamax_or_none(stdout: bool = False):
     """The `tokamax` module, a benchmark-only peer, or None (the reason printed, to stderr unless `stdout`)."""
     try:
@@ -153,43 +203,40 @@ def tokamax_or_none(stdout: bool = False):
         return None
 
 
-@contextlib.contextmanager
-def environ(name: str, value: str):
-    """The environment variable `name` set to `value` inside, as before after."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-
-
-def replay_mode(label: str) -> str:
-    """ATTNLIB_CUDNN_GRAPH_REPLAY for a variant: "0" for `*_direct`, "always" for `*_always`, else "" (each call's
-    own choice, `executor.replays`)."""
-    return "0" if label.endswith("_direct") else "always" if label.endswith("_always") else ""
-
-
 def graph_replay(label: str):
-    """ATTNLIB_CUDNN_GRAPH_REPLAY of `label` (`replay_mode`) for the executables compiled inside (the extension reads
-    it per executable)."""
-    return environ("ATTNLIB_CUDNN_GRAPH_REPLAY", replay_mode(label))
+    """ATTNLIB_CUDNN_GRAPH_REPLAY for the executables compiled inside (the extension reads it per executable): "0"
+    for a `*_direct` variant, "always" for `*_always`, else "" (each call's own choice, `executor.replays`)."""
+    mode = "0" if label.endswith("_direct") else "always" if label.endswith("_always") else ""
+    return mock.patch.dict(os.environ, {"ATTNLIB_CUDNN_GRAPH_REPLAY": mode})
 
 
-@contextlib.contextmanager
-def patched(target, **values):
-    """Attributes of `target` (a module) set to `values` inside, restored after."""
-    saved = {name: getattr(target, name) for name in values}
-    for name, value in values.items():
-        setattr(target, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(target, name, value)
+@dataclasses.dataclass(frozen=True)
+class PagedCase:
+    """A paged serving step (`bench_peers.py --suite decode`'s mixed ones, `bench_tpu_decode.py`'s). Decode: `b`
+    sequences of `length` cached tokens, one query each. Mixed: `prompts` prefill chunks plus `decodes` decode queries
+    over `decode_length` tokens (`b`, `length` unused). GQA `n`/`k` heads of `h`."""
+
+    b: int
+    length: int
+    n: int
+    k: int
+    h: int
+    page_size: int
+    prompts: tuple[int, ...] = ()
+    decodes: int = 0
+    decode_length: int = 0
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.prompts)
+
+    @property
+    def kv_lengths(self) -> tuple[int, ...]:
+        return self.prompts + (self.decode_length,) * self.decodes if self.mixed else (self.length,) * self.b
+
+    @property
+    def q_lengths(self) -> tuple[int, ...]:
+        return self.prompts + (1,) * self.decodes if self.mixed else (1,) * self.b
 
 
 def token_major_cache(k_pages, v_pages, page_table, lengths) -> attnlib.PagedKVCache:

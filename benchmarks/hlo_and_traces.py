@@ -1,13 +1,7 @@
-"""What a compiled call does, read from its HLO text and from JAX's own profiler (CUPTI on a GPU; no Nsight needed).
-
-- `layout_ops`: the transposes and copies next to the attention custom calls in a compiled module's HLO text.
-- `device_op_times` / `profile_device_time`: per step, the device time of the XLA ops in a profiler trace, the
-  attention kernels' part apart (`bench_model.py`; a TPU trace names each op by its HLO line).
-- `kernel_profile(fn, args, calls)`: runs `fn(*args)` `calls` times under `jax.profiler.trace`, reads the trace back
-  with `jax.profiler.ProfileData`, and returns, per call: the device time of each kernel (summed over its launches),
-  the sum of all kernel time, and the span from the call's first kernel start to its last kernel end. Span minus
-  kernel time is where the device idles inside a call (launch gaps, host round trips); wall time minus span is
-  dispatch.
+"""What a compiled call does, read from its HLO text and from JAX's own profiler (CUPTI on a GPU; no Nsight needed):
+`layout_ops` (the transposes and copies next to the attention custom calls), `device_op_times` /
+`profile_device_time` (per step, the device time of the XLA ops and the attention kernels' part; `bench_model.py`)
+and `kernel_profile` (per call, each kernel's device time and the span they cover).
 """
 
 import collections
@@ -295,7 +289,8 @@ def kernel_profile(fn, args, calls: int = 10, plane_prefix: str = "/device:GPU:0
 
     Returns:
         {"kernels": [{"name", "launches", "us"}] (per call, longest first, at most `top`), "kernel_us",
-         "span_us" (first kernel start to last kernel end), "launches"} — each per call.
+         "span_us" (first kernel start to last kernel end), "launches"} — each per call. Span minus kernel time is
+        where the device idles inside a call (launch gaps, host round trips); wall time minus span is dispatch.
     """
     for _ in range(2):
         jax.block_until_ready(fn(*args))

@@ -18,7 +18,8 @@
 #   bench:SCRIPT[:SECONDS]      benchmarks/SCRIPT.py --json OUT_DIR/SCRIPT.json (extra args in $ATTNLIB_ARGS_SCRIPT,
 #                               else $ATTNLIB_BENCH_ARGS); SCRIPT@TAG runs SCRIPT again with $ATTNLIB_ARGS_SCRIPT_TAG
 #                               into OUT_DIR/SCRIPT_TAG.json
-# Example: bash benchmarks/run_h200.sh $OUT tests:300 bench:bench_peers:240 bench:bench_decode:120
+# Example: bash benchmarks/run_h200.sh $OUT tests:300 bench:bench_peers:240 bench:bench_peers@decode:120
+#   (with ATTNLIB_ARGS_bench_peers_decode="--suite decode")
 #
 # Needs jax with CUDA, the build requirements of the README's GPU install (offline, $ATTNLIB_FIND_LINKS must hold a
 # cmake wheel too: a pip-installed cmake is an entry-point script that pip's isolated build cannot import, so

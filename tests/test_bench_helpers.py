@@ -1,6 +1,6 @@
 """CPU checks of benchmark helpers whose results feed a decision (the per-kernel profile of `hlo_and_traces.py`, the
 timing loops and checks of `harness.py`), of `bench_tpu.py` (its case table, FLOP convention and `--smoke` mode) and of
-the `--smoke` modes of `bench_tpu_decode.py` and `bench_decode.py`."""
+the `--smoke` modes of `bench_tpu_decode.py` and `bench_peers.py --suite decode`."""
 
 import importlib.util
 import json
@@ -137,13 +137,13 @@ def test_bench_tpu_decode_smoke_runs_on_the_cpu(tmp_path, monkeypatch):
 
 
 def test_bench_decode_smoke_runs_a_mixed_step_on_the_cpu(tmp_path, monkeypatch):
-    """`bench_decode.py --smoke`: a tiny mixed prefill + decode step, attnlib on a token-major cache and jax.nn on the
-    same tokens as one dense call, each checked against the reference before it is timed; the variants that name
-    cuDNN report their error off a GPU."""
-    bench = _load("bench_decode", monkeypatch)
+    """`bench_peers.py --suite decode --smoke`: a tiny mixed prefill + decode step, attnlib on a token-major cache and
+    jax.nn on the same tokens as one dense call, each checked against the reference before it is timed; the variants
+    that name cuDNN report their error off a GPU."""
+    bench = _load("bench_peers", monkeypatch)
     out = tmp_path / "decode.json"
     with jax.numpy_dtype_promotion("standard"):  # as the script runs (jax.nn's XLA path mixes bfloat16 and float32)
-        bench.main(["--smoke", "--rounds", "1", "--mixed-layers", "2", "--json", str(out)])
+        bench.main(["--suite", "decode", "--smoke", "--rounds", "1", "--mixed-layers", "2", "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["smoke"] and result["shapes"] == {}
     row = result["mixed"]["smoke_mixed"]

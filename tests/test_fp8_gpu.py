@@ -134,7 +134,7 @@ def test_gradients_are_the_16_bit_backward_at_the_dequantized_inputs(case):
     """The backward graph is attention's 16-bit backward at q̂, k̂, v̂ (as bfloat16) with the FP8 forward's own
     output and statistics; checked against that math in float64 with test_cudnn_gpu.py's gradient tolerance
     (`8 eps · max|expected|`, `rtol = eps`). How far that is from the exact gradient (E4M3's output rounding enters
-    `D`) is measured by benchmarks/bench_fp8.py, not asserted here."""
+    `D`) is measured by benchmarks/bench_score_mod.py --suite fp8, not asserted here."""
     q, k, v, kw = _inputs(case, jnp.bfloat16, seed=3)
     d_out = jax.random.normal(jax.random.key(4), q.shape, jnp.float32).astype(jnp.bfloat16)
     attend = lambda q, k, v: attnlib.attention(  # noqa: E731

@@ -97,7 +97,7 @@ def test_self_check_runs():
 
 
 def test_automatic_choice_between_the_plain_implementations_is_per_platform(monkeypatch):
-    """A CPU runs xla_chunked at every size (measured faster, benchmarks/bench_cpu_dispatch.py); elsewhere small
+    """A CPU runs xla_chunked at every size (measured faster, benchmarks/bench_cpu.py --suite dispatch); elsewhere small
     scores are left to xla."""
     from attnlib._src.backends.base import Context
 
