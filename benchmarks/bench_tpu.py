@@ -20,20 +20,13 @@ Variants, side by side on the same bf16 inputs (`[B, T, N, H]`):
   others: the transposes to splash's `[N, T, H]` layout and back, and the scaling, are inside it.
 - `splash_default`: the same with splash's default `BlockSizes` (`BlockSizes.get_default()`: 128 everywhere).
 
-Per case and variant: the forward output is first checked against a float32 reference computed on the same inputs
-by plain XLA (einsum + softmax at `Precision.HIGHEST`, 1024 query rows at a time so that it fits in HBM): max |err|
-is reported, and a variant beyond `4 eps(bf16) max|ref|` is marked wrong and not timed. Then forward and
-forward + backward (the gradient of `sum(out * dout)` with respect to q, k, v) are timed, round-robin over the
-variants, `--rounds` rounds of `harness.time_calls` (wall clock under `jax.jit`, 2 warm-up calls, then loops of calls
-ending in one `block_until_ready`, each loop about 50 ms, at most 20 calls), 5 loops a round; the median per-call
-time over all loops is reported (and the minimum). Out of memory (compiling or running) is reported as "out of
-memory" for that variant. TFLOP/s count only the visible (query, key) pairs exactly, as `bench_cudnn.py`: with `E`
-visible pairs per batch row and head, forward = `2 E B N (H + Hv)`, forward + backward = `2 E B N (4 H + 3 Hv)`
-(3.5x).
-
-The summary gives attnlib's default speed-up over `splash` and `splash_default` (their time / attnlib's), forward and
-forward + backward. `--smoke` runs tiny shapes on any backend (splash with `interpret=True`, few repetitions): a
-check that the script works, not a measurement.
+Per case and variant the forward output is checked first (against plain XLA at `Precision.HIGHEST`, or for a
+feature row attnlib's `xla_chunked` in float32; beyond `4 eps(bf16) max|ref|` it is marked wrong, not timed; splash's
+nearest call to a feature row is not checked), then forward and forward + backward (gradient of `sum(out * dout)`
+w.r.t. q, k, v, and a bias) are timed round-robin by `harness.time_calls`: median (and minimum) per call. TFLOP/s
+count the visible (query, key) pairs exactly: forward `2 E B N (H + Hv)`, forward + backward `2 E B N (4 H + 3 Hv)`.
+The summary gives attnlib's speed-up over `splash` and `splash_default`. `--smoke`: tiny shapes on any backend
+(splash interpreted), a check that the script works. Methodology: docs/performance.md#tpu.
 """
 
 import dataclasses
