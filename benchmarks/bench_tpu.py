@@ -224,7 +224,7 @@ def variant_fns(case: Case, names, interpret: bool) -> dict:
                                                                                **_kwargs(case, *x))  # fmt: skip
             elif name in ("splash", "splash_default"):
                 call = splash_fn(case, default=name == "splash_default", interpret=interpret)
-                table[name] = lambda q, k, v, *x, call=call: call(q, k, v, None, x)
+                table[name] = lambda q, k, v, *x, call=call: call(q, k, v, None, x)[..., : case.hv or case.h]
             else:
                 raise ValueError(f"unknown variant {name!r}; known: {VARIANTS}")
         except Exception as e:  # noqa: BLE001  (reported, not fatal)
