@@ -497,6 +497,26 @@ def test_a_mask_mod_without_arguments_is_evaluated_on_the_host(monkeypatch):
     assert list(np.ravel(bm.kv_count)) == [1, 2, 3, 4] and int(np.sum(bm.q_count)) == 10
 
 
+def test_a_long_mask_mod_is_mapped_on_the_host_block_by_block():
+    """At 8k x 8k (67M evaluations, evaluated a band of query blocks at a time) the documents and prefix-LM
+    `mask_mod`s give exactly the tiles they touch: the bench_tpu rows' shapes (blocks of 128 queries, 512 keys)."""
+    from attnlib._src import modifiers
+    from attnlib._src.backends.pallas_tpu.flex import block_map
+
+    qi, kj = np.arange(64)[:, None], np.arange(16)[None, :]
+    docs = modifiers.describe(None, lambda b, h, i, j: i // 512 == j // 512, ())
+    np.testing.assert_array_equal(block_map.static_mask_mod(docs, 2, 32, 8192, 8192, 0, 128, 512), qi // 4 == kj)
+    prefix = modifiers.describe(None, lambda b, h, i, j: (j <= i) | (j < 1024), ())
+    want = (kj * 512 <= qi * 128 + 127) | (kj < 2)  # a key block starting at or before the tile's last query
+    np.testing.assert_array_equal(block_map.static_mask_mod(prefix, 2, 32, 8192, 8192, 0, 128, 512), want)
+    # bottom-right (offset S - T) and ragged edges: 1000 queries over 1300 keys, blocks of 128 x 256
+    tiles = block_map.static_mask_mod(prefix, 1, 1, 1000, 1300, 300, 128, 256)
+    i, j = np.arange(1000)[:, None] + 300, np.arange(1300)[None, :]
+    dense = np.zeros((1024, 1536), bool)
+    dense[:1000, :1300] = (j <= i) | (j < 1024)
+    np.testing.assert_array_equal(tiles, dense.reshape(8, 128, 6, 256).any(axis=(1, 3)))
+
+
 def test_runtime_structure_reduces_the_map_on_the_device(monkeypatch):
     """Padding lengths: tiles past a row's lengths are skipped, per batch row, from a map reduced on the device
     (the grid keeps every key block; the lists end early)."""

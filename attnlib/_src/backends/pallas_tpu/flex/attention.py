@@ -84,7 +84,8 @@ def _block_map(config: AttentionConfig, plan: Plan, fixed, args=()) -> block_map
     offset = plan.S - plan.T if config.diagonal_alignment == "bottom_right" else 0
     mask_mod = None
     if plan.mask_mod is not None and not plan.modifiers.has_traced_consts:
-        mask_mod = block_map.static_mask_mod(plan.modifiers, plan.B, plan.K * plan.G, plan.T, plan.S, offset)
+        mask_mod = block_map.static_mask_mod(plan.modifiers, plan.B, plan.K * plan.G, plan.T, plan.S, offset,
+                                             plan.block_q, plan.block_k)  # fmt: skip
     visits = block_map.static_visits(plan, offset, mask_mod)
     return block_map.from_visits(visits, per_batch=False, static=True)
 

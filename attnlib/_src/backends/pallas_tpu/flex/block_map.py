@@ -27,9 +27,12 @@ from . import elementwise
 from .plan import Plan
 
 
-MAX_STATIC_MASK_MOD_ELEMENTS = 2**24
+MAX_STATIC_MASK_MOD_ELEMENTS = 2**30
 """A `mask_mod` is evaluated on the host over at most this many (batch, head, query, key) elements for the static
-map; a larger one is applied in the kernel only (its tiles are computed)."""
+map (`CHUNK_ELEMENTS` at a time); a larger one is applied in the kernel only (its tiles are computed)."""
+
+CHUNK_ELEMENTS = 2**22
+"""Host evaluations of a `mask_mod` per step: bounded memory (a few arrays of this many elements)."""
 
 _BIG = 2**29
 """Sentinel of an empty block's ranges: differences of two stay inside int32."""
@@ -70,10 +73,10 @@ def from_visits(visits, *, per_batch: bool, static: bool) -> BlockMap:
     return BlockMap(kv_list, kv_count, q_list, q_count, per_batch, width_k, width_q)
 
 
-def static_visits(plan: Plan, offset: int, mask_mod_visible: np.ndarray | None) -> np.ndarray:
+def static_visits(plan: Plan, offset: int, mask_mod_tiles_: np.ndarray | None) -> np.ndarray:
     """bool `[1, nq, nk]` on the host: tiles holding a real query row `i < T` and key `j < S` with `j - (i + offset)`
     in the band (per tile, from the range of `j - i`: its rows and keys are contiguous) and, with
-    `mask_mod_visible [T, S]`, the `mask_mod` true somewhere in the tile."""
+    `mask_mod_tiles_ [nq, nk]` (`static_mask_mod`), the `mask_mod` true somewhere in the tile."""
     i0 = np.arange(plan.nq)[:, None] * plan.block_q
     i1 = np.minimum(i0 + plan.block_q, plan.T) - 1
     j0 = np.arange(plan.nk)[None, :] * plan.block_k
@@ -87,30 +90,36 @@ def static_visits(plan: Plan, offset: int, mask_mod_visible: np.ndarray | None) 
         if right is not None:
             hi = np.minimum(hi, right)
         visible = visible & (lo <= hi)
-    if mask_mod_visible is not None:
-        padded = np.zeros((plan.Tp, plan.Sp), bool)
-        padded[: plan.T, : plan.S] = mask_mod_visible
-        visible = visible & padded.reshape(plan.nq, plan.block_q, plan.nk, plan.block_k).any(axis=(1, 3))
+    if mask_mod_tiles_ is not None:
+        visible = visible & mask_mod_tiles_
     return visible[None]
 
 
 @functools.lru_cache(maxsize=64)
-def static_mask_mod(modifiers, B: int, N: int, T: int, S: int, offset: int) -> np.ndarray | None:
-    """bool `[T, S]`: whether `mask_mod` (no arguments, concrete constants) lets some (batch, head) see the pair,
-    on positions `i + offset`, `j`; None when that takes more than `MAX_STATIC_MASK_MOD_ELEMENTS` evaluations."""
+def static_mask_mod(modifiers, B: int, N: int, T: int, S: int, offset: int, block_q: int, block_k: int):
+    """bool `[nq, nk]`: the tiles of `block_q` queries by `block_k` keys where `mask_mod` (no arguments, concrete
+    constants) lets some (batch, head) see a pair, on positions `i + offset`, `j`; evaluated on the host a band of
+    query blocks at a time (`CHUNK_ELEMENTS`); None when that takes more than `MAX_STATIC_MASK_MOD_ELEMENTS`."""
     closed = modifiers.mask_jaxpr
     nb = B if elementwise.reads(closed, 0) else 1
     nh = N if elementwise.reads(closed, 1) else 1
     if nb * nh * T * S > MAX_STATIC_MASK_MOD_ELEMENTS:
         return None
-    fn = jex.jaxpr_as_fun(closed)
+    fn = jnp.vectorize(lambda *x: jex.jaxpr_as_fun(closed)(*x)[0])
+    nq, nk = -(-T // block_q), -(-S // block_k)
+    Sp = nk * block_k
+    rows = max(1, CHUNK_ELEMENTS // (nb * nh * Sp * block_q)) * block_q  # query rows per step, whole blocks
+    b = np.arange(nb, dtype=np.int32)[:, None, None, None]
+    h = np.arange(nh, dtype=np.int32)[None, :, None, None]
+    k = np.arange(Sp, dtype=np.int32)[None, None, None, :]
+    tiles = []
     with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
-        b = np.arange(nb, dtype=np.int32)[:, None, None, None]
-        h = np.arange(nh, dtype=np.int32)[None, :, None, None]
-        q = (np.arange(T, dtype=np.int32) + offset)[None, None, :, None]
-        k = np.arange(S, dtype=np.int32)[None, None, None, :]
-        out = jnp.vectorize(lambda *x: fn(*x)[0])(b, h, q, k)
-        return np.asarray(out).any(axis=(0, 1))
+        for start in range(0, nq * block_q, rows):
+            i = np.arange(start, start + rows, dtype=np.int32)
+            q = (i + offset)[None, None, :, None]
+            seen = np.asarray(fn(b, h, q, k)).any(axis=(0, 1)) & (i[:, None] < T) & (k[0, 0] < S)
+            tiles.append(seen.reshape(rows // block_q, block_q, nk, block_k).any(axis=(1, 3)))
+    return np.concatenate(tiles)[:nq]
 
 
 def _block_range(values, valid, block: int):
