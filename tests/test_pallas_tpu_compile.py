@@ -354,14 +354,7 @@ def _flex_program(case, dtype, **more):
     kw, names, extras = flex_cases._split(case, {**flex_cases._kwargs(case), **more})
 
     def loss(q, k, v, *extras):
-        full = dict(kw)
-        for (name, args, floats), x in zip(names, extras, strict=True):
-            if name == "score_mod_args":
-                args = list(args)
-                for i, a in zip(floats, x, strict=True):
-                    args[i] = a
-                x = tuple(args)
-            full[name] = x
+        full = flex_cases.with_extras(kw, names, extras)
         out, lse = attnlib.attention(q, k, v, implementation=attnlib.PallasTpu(), return_residual=True, **full)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 

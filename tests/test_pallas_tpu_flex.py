@@ -270,19 +270,25 @@ def _split(case: Case, kw: dict):
     return kw, names, primals
 
 
+def with_extras(kw: dict, names, extras) -> dict:
+    """`kw` with the differentiated arrays `extras` (`_split`'s `names`) put back in their places."""
+    full = dict(kw)
+    for (name, args, floats), x in zip(names, extras, strict=True):
+        if name == "score_mod_args":
+            args = list(args)
+            for i, a in zip(floats, x, strict=True):
+                args[i] = a
+            x = tuple(args)
+        full[name] = x
+    return full
+
+
 def _run(case: Case, dtype, implementation, **more):
     q, k, v = _arrays(case, dtype)
     kw, names, extras = _split(case, {**_kwargs(case), **more})
 
     def f(q, k, v, *extras):
-        full = dict(kw)
-        for (name, args, floats), x in zip(names, extras, strict=True):
-            if name == "score_mod_args":
-                args = list(args)
-                for i, a in zip(floats, x, strict=True):
-                    args[i] = a
-                x = tuple(args)
-            full[name] = x
+        full = with_extras(kw, names, extras)
         return attnlib.attention(q, k, v, implementation=implementation, return_residual=True, **full)
 
     (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v, *extras)
