@@ -579,6 +579,27 @@ def test_a_traced_closure_declines_and_falls_back():
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_bfloat16_score_mod_arg_gets_its_gradient():
+    """A bfloat16 `score_mod_args` array is a float: its gradient is computed (NumPy's `issubdtype` does not count
+    bfloat16 as a float; the kernel once returned no gradient for it, a silent zero), as `xla` gives it."""
+    case = CASES["score_mod_alibi"]
+    q, k, v = _arrays(case, jnp.float32)
+    slopes = jnp.asarray([0.1, -0.2, 0.3, 0.25, -0.15, 0.05], jnp.bfloat16)[:, None, None]
+    alibi_16 = lambda s, b, h, i, j, slope: alibi(s, b, h, i, j, slope.astype(jnp.float32))  # noqa: E731
+
+    def grad(implementation):
+        def loss(m):
+            out = attnlib.attention(q, k, v, is_causal=True, score_mod=alibi_16, score_mod_args=(m,),
+                                    implementation=implementation)  # fmt: skip
+            return jnp.sum(out)
+
+        return jax.jit(jax.grad(loss))(slopes)
+
+    got, want = grad(INTERPRET), grad("xla")
+    assert got.dtype == jnp.bfloat16 and float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0
+    assert_grad_close(got, np.asarray(want.astype(jnp.float32), np.float64), jnp.bfloat16, what="d slopes")
+
+
 def test_the_kernel_option_picks_splash_or_the_flex_kernel():
     """`PallasTpu(kernel=...)`: "flex" runs the flex kernel on a call splash serves (and matches the reference),
     "splash" declines what splash cannot serve, naming it; "auto" is splash first."""

@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Any
 
+import jax.numpy as jnp
+
 
 LANES = 128
 """Splash's key blocks are whole multiples of the TPU's 128 lanes; attnlib pads lengths and head dims to it."""
@@ -21,6 +23,13 @@ CANDIDATES = (512, 256, 128)
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def heads_major(x, length: int, dim: int):
+    """`[B, L, heads, D]` -> `[B, heads, length, dim]`, zero-padded (the Pallas kernels' key / value operands; zero
+    columns change no score, padded positions are hidden by the kernels)."""
+    x = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
+    return jnp.transpose(x, (0, 2, 1, 3))
 
 
 def _largest_dividing(length: int) -> int:

@@ -186,15 +186,16 @@ class PallasTpu(Implementation):
             return feature_reason(config) or kernel.decline_reason(config, on_tpu=not self.interpret)
         if config.typed_varying:
             return TYPED_VARYING  # splash's kernels and attnlib's flex kernel alike
-        splash_reason = None if self.kernel == "flex" else self.splash_reason(config)
-        if splash_reason is None and self.kernel != "flex":
-            return None
-        flex_reason = None if self.kernel == "splash" else flex_support.decline_reason(config)
-        if flex_reason is None and self.kernel != "splash":
-            return None
-        return "; ".join(
-            r for r in (splash_reason, flex_reason and f"{flex_support.NAME}: {flex_reason}") if r is not None
-        ) + ("" if self.kernel == "auto" else f" (kernel={self.kernel!r})")
+        reasons = []  # one per kernel this instance may run, in order; any that serves the call accepts it
+        if self.kernel != "flex":
+            if (splash_reason := self.splash_reason(config)) is None:
+                return None
+            reasons.append(splash_reason)
+        if self.kernel != "splash":
+            if (flex_reason := flex_support.decline_reason(config)) is None:
+                return None
+            reasons.append(f"{flex_support.NAME}: {flex_reason}")
+        return "; ".join(reasons) + ("" if self.kernel == "auto" else f" (kernel={self.kernel!r})")
 
     def _runs_flex(self, config: AttentionConfig) -> str | None:
         """Why a dense or THD call this implementation serves runs the flex kernel (None: it runs splash)."""

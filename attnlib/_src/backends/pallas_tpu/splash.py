@@ -236,12 +236,6 @@ def _segment_ids(problem: canonical.Problem, lay: Layout) -> tuple[jax.Array | N
     return q_ids, kv_ids
 
 
-def _heads_major(x: jax.Array, length: int, dim: int) -> jax.Array:
-    """`[B, L, heads, D]` -> `[B, heads, length, dim]`, zero-padded."""
-    x = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
-    return jnp.transpose(x, (0, 2, 1, 3))
-
-
 def attention(config: AttentionConfig, inputs: AttentionInputs, lay: Layout) -> tuple[jax.Array, jax.Array]:
     """`(out, lse)` in the caller's layout (`Implementation.attention`)."""
     problem = canonical.canonicalize(config, inputs)
@@ -251,9 +245,9 @@ def attention(config: AttentionConfig, inputs: AttentionInputs, lay: Layout) -> 
     q_ids, kv_ids = _segment_ids(problem, lay)
     out, lse = _splash(
         lay.kernel,
-        _heads_major(q, lay.q_len, lay.head_dim),
-        _heads_major(problem.key, lay.kv_len, lay.head_dim),
-        _heads_major(problem.value, lay.kv_len, lay.value_head_dim),
+        blocks.heads_major(q, lay.q_len, lay.head_dim),
+        blocks.heads_major(problem.key, lay.kv_len, lay.head_dim),
+        blocks.heads_major(problem.value, lay.kv_len, lay.value_head_dim),
         q_ids,
         kv_ids,
         problem.sinks,

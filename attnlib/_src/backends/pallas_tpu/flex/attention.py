@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .... import canonical
+from .... import argument_checks, canonical
 from ....band import Band
 from ....config import AttentionConfig, AttentionInputs
 from ... import kernel_settings, scores
+from .. import blocks
 from . import block_map, operands
 from .backward import dkv, dq
 from .forward import forward
@@ -29,8 +30,8 @@ def _blocks(config: AttentionConfig, block_sizes: tuple[int, int] | None) -> tup
     in multiples of 128, no larger than the padded lengths."""
     if block_sizes is not None:
         return block_sizes
-    lanes = lambda n: -(-max(n, 1) // LANES) * LANES
     block_q = max(LANES, TILE_ROWS // config.group_size // LANES * LANES)
+    lanes = lambda n: blocks.round_up(max(n, 1), LANES)
     return min(block_q, lanes(config.q_len)), min(TILE_KEYS, lanes(config.kv_len))
 
 
@@ -49,17 +50,16 @@ def plan_of(config: AttentionConfig, problem: canonical.Problem, interpret: bool
     S = problem.key.shape[1]
     K = config.num_kv_heads
     bq, bk = _blocks(config, block_sizes)
-    Tp, Sp = -(-max(T, 1) // bq) * bq, -(-max(S, 1) // bk) * bk
-    sizes = (B, K, N // K, Tp, Sp)
+    sizes = (B, K, N // K, blocks.round_up(max(T, 1), bq), blocks.round_up(max(S, 1), bk))
     band = Band.from_mask(is_causal=config.is_causal, window=config.window)
     mods = config.modifiers
     arg_grads = ()
     if mods is not None and mods.score_jaxpr is not None:
-        arg_grads = tuple(i for i, d in enumerate(mods.arg_dtypes) if np.issubdtype(d, np.floating))
-    lanes = lambda d: -(-d // LANES) * LANES
+        arg_grads = tuple(i for i, d in enumerate(mods.arg_dtypes) if argument_checks.is_float(d))
     return Plan(
         B=B, K=K, G=N // K, T=T, S=S, block_q=bq, block_k=bk,
-        head_dim=lanes(H), value_head_dim=lanes(problem.value.shape[-1]), dtype=np.dtype(problem.query.dtype),
+        head_dim=blocks.round_up(H, LANES), value_head_dim=blocks.round_up(problem.value.shape[-1], LANES),
+        dtype=np.dtype(problem.query.dtype),
         band=(band.left, band.right) if band.bounded else None, soft_cap=config.logits_soft_cap,
         bias=None if problem.bias is None else array_spec(problem.bias.shape, problem.bias.dtype, sizes),
         mask=None if problem.mask is None else array_spec(problem.mask.shape, np.bool_, sizes),
@@ -92,9 +92,7 @@ def _block_map(config: AttentionConfig, plan: Plan, fixed, args=()) -> block_map
 
 def _operands(plan: Plan, scale, q, k, v, bias, sinks, args, fixed) -> operands.Operands:
     H, Hv = plan.head_dim, plan.value_head_dim
-    kv = lambda x, d: jnp.transpose(
-        jnp.pad(x, ((0, 0), (0, plan.Sp - x.shape[1]), (0, 0), (0, d - x.shape[3]))), (0, 2, 1, 3)
-    )
+    kv = lambda x, d: blocks.heads_major(x, plan.Sp, d)
     return operands.Operands(
         scale=jnp.reshape(scale.astype(jnp.float32), (1,)),
         seeds=fixed["seeds"],

@@ -20,9 +20,9 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from .... import argument_checks
 from ....config import AttentionConfig
 from ... import scores
 from .. import blocks
@@ -152,11 +152,11 @@ def precision_of(config: AttentionConfig) -> jax.lax.Precision:
 
 def storage_dtype(dtype) -> Any:
     """How an array broadcastable to the scores is stored for the kernel: floats as they are (64-bit narrowed),
-    bools as int8, other integers as int32. (`jnp.issubdtype`: NumPy's own does not count bfloat16 as a float.)"""
+    bools as int8, other integers as int32 (`argument_checks.is_float`: NumPy's `issubdtype` misses bfloat16)."""
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return np.dtype("int8")
-    if jnp.issubdtype(dtype, jnp.floating):
+    if argument_checks.is_float(dtype):
         return np.dtype("float32") if dtype == np.float64 else dtype
     if dtype == np.uint32:
         return dtype
