@@ -410,6 +410,7 @@ FLEX_SHAPES = {  # (B, T, S, N, K, H, Hv, kwargs): realistic shapes on the flex 
     "alibi_causal_gqa8_4k": (2, 4096, 4096, 32, 4, 128, 128, "alibi"),
     "mla_192_128_causal_2k": (2, 2048, 2048, 16, 16, 192, 128, "causal"),
     "bias_dropout_2k": (2, 2048, 2048, 16, 16, 64, 64, "bias_dropout"),
+    "bias_per_tile_4k": (2, 4096, 4096, 16, 16, 128, 128, "bias"),  # bench_tpu's row: dbias written in place
     "document_mask_mod_8k": (1, 8192, 8192, 16, 8, 128, 128, "documents"),
 }
 
@@ -429,6 +430,8 @@ def test_flex_realistic_shapes_compile_and_fit_a_v5e(name, v5e_chip):
     elif kind == "bias_dropout":
         extra = (jnp.zeros((1, N, T, S), jnp.bfloat16),)
         kw = dict(dropout_rate=0.1, dropout_key=jax.random.key(0))
+    elif kind == "bias":
+        extra = (jnp.zeros((B, N, T, S), jnp.bfloat16),)
     else:
         kw = dict(mask_mod=lambda b, h, i, j: (i // 1024 == j // 1024) & (j <= i))
 

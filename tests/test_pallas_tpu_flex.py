@@ -144,6 +144,13 @@ CASES = {
     "bias_bfloat16": Case(
         n=3, k=3, kwargs=(("bias", _f32((2, 3, 37, 53), 24).astype(jnp.bfloat16)),), extras=("bias",)
     ),
+    # A bias with no broadcast dim: its gradient is written in place, and the tiles the causal mask and the lengths
+    # skip must read 0.
+    "bias_in_place_skipped_tiles": Case(
+        kwargs=(("bias", _f32((2, 6, 37, 53), 25)), ("is_causal", True),
+                ("key_value_seq_lengths", np.asarray([29, 53], np.int32))),
+        extras=("bias",),
+    ),  # fmt: skip
     "mask_array": Case(kwargs=(("mask", rng(4).random((2, 1, 37, 53)) > 0.3),)),
     # priority 4: MLA
     "mla": Case(h=24, hv=16, kwargs=(("is_causal", True),)),
@@ -180,7 +187,8 @@ CASES = {
 
 FAST = ("dense_gqa", "causal_bottom_right_empty_rows", "lengths_causal", "thd_window", "sinks_soft_cap_mqa",
         "array_scale", "score_mod_alibi", "score_mod_nested_ops", "mask_mod_prefix_lm", "modifiers_with_args",
-        "thd_modifiers_by_sequence", "bias_heads", "bias_mha", "bias_bfloat16", "mask_array", "mla", "bottom_right_lengths",
+        "thd_modifiers_by_sequence", "bias_heads", "bias_mha", "bias_bfloat16", "bias_in_place_skipped_tiles",
+        "mask_array", "mla", "bottom_right_lengths",
         "kv_segments_own_structure")  # fmt: skip
 
 COMBINATIONS = {
@@ -456,8 +464,8 @@ def _maps(monkeypatch):
     from attnlib._src.backends.pallas_tpu.flex import block_map
 
     built = []
-    original = block_map.from_visits
-    monkeypatch.setattr(block_map, "from_visits", lambda *a, **kw: built.append(original(*a, **kw)) or built[-1])
+    original = block_map.from_tiles
+    monkeypatch.setattr(block_map, "from_tiles", lambda *a, **kw: built.append(original(*a, **kw)) or built[-1])
     return built
 
 
@@ -489,8 +497,29 @@ def test_static_masks_skip_their_tiles_and_shrink_the_grid(monkeypatch):
     assert not bm.per_batch and bm.width_k == 3 and bm.width_q == 3
     assert list(np.ravel(bm.kv_count)) == [2, 3, 3, 3, 3, 2]  # the diagonal block and its neighbours
     assert list(np.ravel(bm.kv_list)[3:6]) == [0, 1, 2]
+    assert not bm.any_full and not np.any(bm.kv_full)  # a band 9 wide covers no 16 x 16 tile
     assert grids == [(2, 2, 6, 3)]
     _check(case, jnp.float32, INTERPRET)
+
+
+def test_wholly_visible_tiles_run_unmasked(monkeypatch):
+    """Causal over 64 x 80 keys (bottom-right) in 16-blocks: the tiles below the diagonal are flagged full (the
+    kernels skip every mask there), the diagonal ones and the padded key block are not; the numbers are the
+    reference's with both bodies."""
+    _force_flex(monkeypatch)
+    built = _maps(monkeypatch)
+    case = Case(t=64, s=72, kwargs=(("is_causal", True), ("diagonal_alignment", "bottom_right")))
+    _check(case, jnp.float32, INTERPRET)
+    bm = built[0]
+    assert bm.any_full and bm.any_partial
+    count, lists, full = np.ravel(bm.kv_count), np.reshape(bm.kv_list, (4, -1)), np.reshape(bm.kv_full, (4, -1))
+    i, j = np.arange(64)[:, None] + 8, np.arange(80)[None, :]
+    dense = (j <= i) & (j < 72)
+    want = dense.reshape(4, 16, 5, 16).all(axis=(1, 3))
+    for qi in range(4):
+        assert list(full[qi, : count[qi]]) == [int(want[qi, kj]) for kj in lists[qi, : count[qi]]]
+        assert not full[qi, count[qi] :].any()
+    assert want.sum() == 6  # key block 0 for query blocks 1-3, block 1 for 2-3, block 2 for 3
 
 
 def test_a_mask_mod_without_arguments_is_evaluated_on_the_host(monkeypatch):
@@ -511,16 +540,22 @@ def test_a_long_mask_mod_is_mapped_on_the_host_block_by_block():
 
     qi, kj = np.arange(64)[:, None], np.arange(16)[None, :]
     docs = modifiers.describe(None, lambda b, h, i, j: i // 512 == j // 512, ())
-    np.testing.assert_array_equal(block_map.static_mask_mod(docs, 2, 32, 8192, 8192, 0, 128, 512), qi // 4 == kj)
+    tiles = block_map.static_mask_mod(docs, 2, 32, 8192, 8192, 0, 128, 512)
+    np.testing.assert_array_equal(tiles.visits, qi // 4 == kj)
+    np.testing.assert_array_equal(tiles.full, qi // 4 == kj)  # each visited tile lies inside one document
     prefix = modifiers.describe(None, lambda b, h, i, j: (j <= i) | (j < 1024), ())
-    want = (kj * 512 <= qi * 128 + 127) | (kj < 2)  # a key block starting at or before the tile's last query
-    np.testing.assert_array_equal(block_map.static_mask_mod(prefix, 2, 32, 8192, 8192, 0, 128, 512), want)
+    tiles = block_map.static_mask_mod(prefix, 2, 32, 8192, 8192, 0, 128, 512)
+    np.testing.assert_array_equal(tiles.visits, (kj * 512 <= qi * 128 + 127) | (kj < 2))  # starts by the last query
+    np.testing.assert_array_equal(tiles.full, (kj * 512 + 511 <= qi * 128) | (kj < 2))  # ends by the first
     # bottom-right (offset S - T) and ragged edges: 1000 queries over 1300 keys, blocks of 128 x 256
     tiles = block_map.static_mask_mod(prefix, 1, 1, 1000, 1300, 300, 128, 256)
     i, j = np.arange(1000)[:, None] + 300, np.arange(1300)[None, :]
     dense = np.zeros((1024, 1536), bool)
     dense[:1000, :1300] = (j <= i) | (j < 1024)
-    np.testing.assert_array_equal(tiles, dense.reshape(8, 128, 6, 256).any(axis=(1, 3)))
+    np.testing.assert_array_equal(tiles.visits, dense.reshape(8, 128, 6, 256).any(axis=(1, 3)))
+    padded = np.ones((1024, 1536), bool)  # the mask_mod's part of `full`: padding is `static_tiles`' business
+    padded[:1000, :1300] = dense[:1000, :1300]
+    np.testing.assert_array_equal(tiles.full, padded.reshape(8, 128, 6, 256).all(axis=(1, 3)))
 
 
 def test_runtime_structure_reduces_the_map_on_the_device(monkeypatch):
@@ -534,6 +569,10 @@ def test_runtime_structure_reduces_the_map_on_the_device(monkeypatch):
     bm = built[0]
     assert bm.per_batch and bm.width_k == 4
     np.testing.assert_array_equal(np.reshape(bm.kv_count, (2, 4)), [[1, 2, 2, 2], [1, 2, 3, 4]])
+    # full: below the diagonal and inside the row's keys (the second block of row 0 holds 4 of its 16 keys)
+    want_full = [[[0, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]],
+                 [[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]]  # fmt: skip
+    np.testing.assert_array_equal(np.reshape(bm.kv_full, (2, 4, 4)), want_full)
     _check(case, jnp.float32, INTERPRET)
 
 
@@ -644,6 +683,32 @@ def test_tpu_flex_dropout(name):
     keep = np.asarray(dropout_keep_mask(key, rate, (B, case.n, case.t, case.s)))
     _check(case, jnp.bfloat16, attnlib.PallasTpu(), ref_more=dict(dropout_keep=keep), dropout_rate=rate,
            dropout_key=key)  # fmt: skip
+
+
+TPU_TILES = {  # several 128-key blocks, so that wholly visible tiles (the unmasked body) occur on the TPU too
+    "causal_bottom_right": Case(t=300, s=460, kwargs=(("is_causal", True), ("diagonal_alignment", "bottom_right"))),
+    "alibi_window": Case(
+        t=384, s=384, kwargs=(("score_mod", alibi), ("score_mod_args", (_f32((6, 1, 1), 31),)),
+                              ("local_window_size", (200, 0))), extras=("score_mod_args",),
+    ),  # fmt: skip
+    "documents_mask_mod": Case(
+        t=384, s=512, kwargs=(("mask_mod", lambda b, h, i, j: i // 192 == j // 256),),
+    ),
+}
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", list(TPU_TILES))
+def test_tpu_sized_tiles_interpreted(name, monkeypatch):
+    _force_flex(monkeypatch)
+    _check(TPU_TILES[name], jnp.float32, attnlib.PallasTpu(interpret=True, flex_blocks=(32, 128)))
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("name", list(TPU_TILES))
+def test_tpu_flex_full_and_partial_tiles(name, monkeypatch):
+    _force_flex(monkeypatch)
+    _check(TPU_TILES[name], jnp.bfloat16, attnlib.PallasTpu(flex_blocks=(32, 128)))
 
 
 # float32 under "highest" on a TPU (the flex kernel, with the device's own float32 costs in the bound):
@@ -759,7 +824,8 @@ def test_skipped_tiles_are_neither_loaded_nor_computed(monkeypatch):
     [(37, 53, (5, 3), 0), (53, 37, (None, 0), -16), (40, 40, (7, None), 0), (29, 61, (2, -3), 32), (64, 64, None, 0)],
 )
 def test_static_tiles_match_the_elementwise_band(t, s, band, offset):
-    """The host map from each tile's range of `j - i` equals `any` of the elementwise band over the tile."""
+    """The host map from each tile's range of `j - i` equals `any` of the elementwise band over the tile, and its
+    full tiles `all` of it."""
     from attnlib._src.backends.pallas_tpu.flex import block_map
     from attnlib._src.backends.pallas_tpu.flex.plan import Plan
 
@@ -773,5 +839,6 @@ def test_static_tiles_match_the_elementwise_band(t, s, band, offset):
         d = j - (i + offset)
         want &= (d >= -band[0]) if band[0] is not None else True
         want &= (d <= band[1]) if band[1] is not None else True
-    want = want.reshape(plan.nq, 8, plan.nk, 16).any(axis=(1, 3))
-    np.testing.assert_array_equal(block_map.static_visits(plan, offset, None)[0], want)
+    tiles = block_map.static_tiles(plan, offset, None)
+    np.testing.assert_array_equal(tiles.visits[0], want.reshape(plan.nq, 8, plan.nk, 16).any(axis=(1, 3)))
+    np.testing.assert_array_equal(tiles.full[0], want.reshape(plan.nq, 8, plan.nk, 16).all(axis=(1, 3)))

@@ -4,7 +4,7 @@ The forward and the two backward kernels (`forward.py`, `backward.py`) run under
 (the caller's x64, precision and promotion settings do not reach the kernels' tracing; the precision of their
 matrix products is the plan's). Around the kernels: the row term `D = rowsum(dO·O) - dlse`, the gradients of the
 sinks (`dsink[n] = -Σ p_sink D`, the sink being a logit with no value), of a runtime scale (`<dQ_unscaled, q>`),
-of `bias` and float `score_mod_args` (the per-tile partials summed to their shapes).
+of `bias` and float `score_mod_args` (written in place, or per-tile partials summed to their shapes).
 """
 
 import dataclasses
@@ -74,20 +74,20 @@ def _block_map(config: AttentionConfig, plan: Plan, fixed, args=()) -> block_map
     grouped `score_mod_args`, which a `mask_mod` reads there)."""
     mask_mod_args = plan.mask_mod is not None and bool(plan.args)
     if runtime_structure(config) or mask_mod_args:
-        visits = block_map.runtime_visits(plan, fixed["q_seg_t"], fixed["q_pos_t"], fixed["kv_seg_t"],
-                                          fixed["kv_pos_t"], fixed["mask"])  # fmt: skip
+        tiles = block_map.runtime_tiles(plan, fixed["q_seg_t"], fixed["q_pos_t"], fixed["kv_seg_t"],
+                                        fixed["kv_pos_t"], fixed["mask"])  # fmt: skip
         if plan.mask_mod is not None:
-            visits = visits & block_map.mask_mod_tiles(
-                plan, fixed["q_seg_t"], fixed["q_pos_t"], fixed["kv_pos_t"], args
-            )
-        return block_map.from_visits(visits, per_batch=True, static=False)
+            tiles = tiles & block_map.mask_mod_tiles(plan, fixed["q_seg_t"], fixed["q_pos_t"], fixed["kv_pos_t"], args)
+        return block_map.from_tiles(tiles, per_batch=True, static=False)
     offset = plan.S - plan.T if config.diagonal_alignment == "bottom_right" else 0
     mask_mod = None
     if plan.mask_mod is not None and not plan.modifiers.has_traced_consts:
         mask_mod = block_map.static_mask_mod(plan.modifiers, plan.B, plan.K * plan.G, plan.T, plan.S, offset,
                                              plan.block_q, plan.block_k)  # fmt: skip
-    visits = block_map.static_visits(plan, offset, mask_mod)
-    return block_map.from_visits(visits, per_batch=False, static=True)
+    tiles = block_map.static_tiles(plan, offset, mask_mod)
+    if plan.mask_mod is not None and mask_mod is None:  # the mask_mod is applied in the kernel on every tile
+        tiles = tiles._replace(full=np.zeros_like(tiles.full))
+    return block_map.from_tiles(tiles, per_batch=False, static=True)
 
 
 def _operands(plan: Plan, scale, q, k, v, bias, sinks, args, fixed) -> operands.Operands:
@@ -110,7 +110,7 @@ def _operands(plan: Plan, scale, q, k, v, bias, sinks, args, fixed) -> operands.
 def _forward(plan, scale, q, k, v, bias, sinks, args, fixed, bmap):
     with kernel_settings.as_written():
         ops = _operands(plan, scale, q, k, v, bias, sinks, args, fixed)
-        out, lse = forward(plan, ops, bmap["kv_list"], bmap["kv_count"])
+        out, lse = forward(plan, ops, bmap["kv_list"], bmap["kv_count"], bmap["kv_full"])
     return out, lse
 
 
@@ -134,8 +134,8 @@ def _flex_bwd(plan, residuals, cotangents):
         do = operands.to_rows(plan, d_out.astype(q.dtype), plan.value_head_dim)
         d_lse_rows = operands.to_rows(plan, d_lse.astype(jnp.float32)[..., None], 1)
         di = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True) - d_lse_rows
-        dk, dv = dkv(plan, ops, do, lse, di, bmap["q_list"], bmap["q_count"])
-        dq_rows, partials = dq(plan, ops, do, lse, di, bmap["kv_list"], bmap["kv_count"])
+        dk, dv = dkv(plan, ops, do, lse, di, bmap["q_list"], bmap["q_count"], bmap["q_full"])
+        dq_rows, written = dq(plan, ops, do, lse, di, bmap["kv_list"], bmap["kv_count"], bmap["kv_full"])
     dq_unscaled = operands.from_rows(plan, dq_rows, q.shape[-1])
     d_scale = jnp.sum(dq_unscaled * q.astype(jnp.float32)).astype(scale.dtype)
     d_q = (dq_unscaled * scale.astype(jnp.float32)).astype(q.dtype)
@@ -144,10 +144,10 @@ def _flex_bwd(plan, residuals, cotangents):
     d_v = crop(dv, v.shape[1], v.shape[3]).astype(v.dtype)
     d_bias = None
     if bias is not None:
-        d_bias = operands.grouped_gradient(plan, partials.pop(0), plan.bias, bias.shape).astype(bias.dtype)
+        d_bias = operands.grouped_gradient(plan, written.pop(0), plan.bias, bias.shape).astype(bias.dtype)
     d_args = [None] * len(args)
-    for i, partial in zip(plan.arg_grads, partials, strict=True):
-        d_args[i] = operands.grouped_gradient(plan, partial, plan.args[i], args[i].shape).astype(args[i].dtype)
+    for i, grad in zip(plan.arg_grads, written, strict=True):
+        d_args[i] = operands.grouped_gradient(plan, grad, plan.args[i], args[i].shape).astype(args[i].dtype)
     d_sinks = None
     if sinks is not None:
         lse_t = operands.from_rows(plan, lse, 1)[..., 0]  # [B, T, N]
@@ -185,8 +185,9 @@ def attend(config: AttentionConfig, problem: canonical.Problem, plan: Plan):
         args = tuple(operands.grouped(plan, kernel_settings.narrowed(a), spec)
                      for a, spec in zip(problem.score_mod_args, plan.args, strict=True))  # fmt: skip
         bm = _block_map(config, plan, fixed, args)
-    plan = dataclasses.replace(plan, map_per_batch=bm.per_batch, width_q=bm.width_q, width_k=bm.width_k)
-    bmap = {n: jnp.asarray(getattr(bm, n)) for n in ("kv_list", "kv_count", "q_list", "q_count")}
+    plan = dataclasses.replace(plan, map_per_batch=bm.per_batch, width_q=bm.width_q, width_k=bm.width_k,
+                               any_full=bm.any_full, any_partial=bm.any_partial)  # fmt: skip
+    bmap = {n: jnp.asarray(getattr(bm, n)) for n in ("kv_list", "kv_count", "kv_full", "q_list", "q_count", "q_full")}
     fixed = {n: x for n, x in fixed.items() if not n.endswith("_t")}
     scale = scores.logit_scale(config, problem.scale, jnp.float32)
     narrow = lambda x: None if x is None else kernel_settings.narrowed(x)

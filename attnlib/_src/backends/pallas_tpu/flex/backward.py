@@ -10,8 +10,9 @@ multiplies `dO` for dV. `dS` then goes back through the soft cap and `score_mod`
   block. dK carries the logit scale.
 - dQ: grid `(B, K, nq, width_k)`, the key blocks innermost; `dS·K` without the scale (the caller scales it and
   derives the gradient of a runtime scale from it). The gradients of `bias` and float `score_mod_args` are written
-  per tile into per-tile partial outputs (`operands.gradient_shape`, zero-initialised through input/output
-  aliasing, summed over broadcast dims by the caller), so no block is written by two grid steps.
+  per tile (`operands.gradient_shape`, zero-initialised through input/output aliasing, so skipped tiles read 0):
+  in place, in the array's dtype, for an array with no broadcast dim; otherwise into float32 per-tile partials that
+  the caller sums over the broadcast dims. No block is written by two grid steps.
 
 Every output block is written by exactly one sequence of grid steps, with no atomics: the backward is deterministic.
 """
@@ -24,14 +25,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import body, partitioned
-from .operands import gradient_shape, gradient_spec, Operands, specs
-from .plan import Plan
+from .operands import gradient_dtype, gradient_shape, gradient_spec, Operands, specs
+from .plan import Plan, vmem_limit
 
 
-def _probabilities(plan: Plan, r: dict, kj):
+def _probabilities(plan: Plan, r: dict, kj, full: bool):
     """`(tile, p, p_kept, dp)` of one tile: probabilities from the saved `lse`, those dropout keeps (scaled) and
     `dP = dO·vᵀ` (dropout applied)."""
-    t = body.tile(plan, r, backward=True)
+    t = body.tile(plan, r, full=full, backward=True)
     p = jnp.exp(body.masked(t) - body.row_shift(r["lse"][...]))
     dp = body.dot_t(r["do"][...], r["v"][...], plan.precision)
     p_kept = p
@@ -43,7 +44,7 @@ def _probabilities(plan: Plan, r: dict, kj):
     return t, p, p_kept, dp
 
 
-def _dkv_kernel(plan: Plan, names: list[str], q_list, q_count, *refs):
+def _dkv_kernel(plan: Plan, names: list[str], q_list, q_count, q_full, *refs):
     n_in = len(names)
     r = dict(zip(names, refs[:n_in], strict=True))
     dk_ref, dv_ref, dk_scr, dv_scr = refs[n_in:]
@@ -55,13 +56,14 @@ def _dkv_kernel(plan: Plan, names: list[str], q_list, q_count, *refs):
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-    @pl.when(i < q_count[row])
-    def _compute():
-        t, p, p_kept, dp = _probabilities(plan, r, kj)
+    def step(full: bool):
+        t, p, p_kept, dp = _probabilities(plan, r, kj, full)
         do, q = r["do"][...], r["q"][...]
         dv_scr[...] += body.dot_tn(p_kept.astype(do.dtype), do, plan.precision)
         ds, _ = t.backward(p * (dp - r["di"][...]))
         dk_scr[...] += body.dot_tn(ds.astype(q.dtype), q, plan.precision)
+
+    body.each_tile_kind(plan, i < q_count[row], q_full[row * plan.width_q + i], step)
 
     @pl.when(i == plan.width_q - 1)
     def _finish():
@@ -72,6 +74,8 @@ def _dkv_kernel(plan: Plan, names: list[str], q_list, q_count, *refs):
 def _reduce_to(plan: Plan, x: jax.Array, spec) -> jax.Array:
     """A tile's `[rows, bk]` gradient summed over the broadcast dims of `spec`: the block of `gradient_shape`."""
     x = jnp.reshape(x, (plan.G, plan.block_q, plan.block_k))
+    if spec.per_tile:
+        return x
     if not spec.has_heads:
         x = jnp.sum(x, axis=0, keepdims=True)
     if not spec.has_q:
@@ -81,7 +85,7 @@ def _reduce_to(plan: Plan, x: jax.Array, spec) -> jax.Array:
     return jnp.reshape(x, (x.shape[0] * x.shape[1], x.shape[2]))
 
 
-def _dq_kernel(plan: Plan, names: list[str], n_grads: int, kv_list, kv_count, *refs):
+def _dq_kernel(plan: Plan, names: list[str], n_grads: int, kv_list, kv_count, kv_full, *refs):
     n_in = len(names)
     r = dict(zip(names, refs[:n_in], strict=True))
     outs = refs[n_in + n_grads :]  # after the inputs and the zeros the gradients alias (not read)
@@ -99,16 +103,17 @@ def _dq_kernel(plan: Plan, names: list[str], n_grads: int, kv_list, kv_count, *r
         for ref in grad_refs:
             ref[...] = jnp.zeros(ref.shape, ref.dtype)
 
-    @pl.when(j < kv_count[row])
-    def _compute():
+    def step(full: bool):
         kj = kv_list[row * plan.width_k + j]
-        t, p, _, dp = _probabilities(plan, r, kj)
+        t, p, _, dp = _probabilities(plan, r, kj, full)
         ds, d_args = t.backward(p * (dp - r["di"][...]))
         k = r["k"][...]
         dq_scr[...] += body.dot(ds.astype(k.dtype), k, plan.precision)
         grads = ([ds] if plan.bias is not None else []) + d_args
         for ref, g, spec in zip(grad_refs, grads, grad_specs, strict=True):
             ref[...] = _reduce_to(plan, g, spec).astype(ref.dtype)
+
+    body.each_tile_kind(plan, j < kv_count[row], kv_full[row * plan.width_k + j], step)
 
     @pl.when(j == plan.width_k - 1)
     def _finish():
@@ -117,7 +122,9 @@ def _dq_kernel(plan: Plan, names: list[str], n_grads: int, kv_list, kv_count, *r
 
 def _settings(plan: Plan, semantics: tuple[str, ...]) -> dict:
     return dict(
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=semantics, vmem_limit_bytes=vmem_limit(plan, backward=True)
+        ),
         interpret=plan.interpret,
     )
 
@@ -127,17 +134,17 @@ def _named(ops: Operands, do, lse, di) -> dict:
     return dict({n: x for n, x in ops._asdict().items() if n != "sinks"}, do=do, lse=lse, di=di)
 
 
-def dkv(plan: Plan, ops: Operands, do, lse, di, q_list, q_count) -> tuple[jax.Array, jax.Array]:
+def dkv(plan: Plan, ops: Operands, do, lse, di, q_list, q_count, q_full) -> tuple[jax.Array, jax.Array]:
     """`(dk [B, K, S', H'], dv [B, K, S', Hv'])` in float32."""
-    named = dict(_named(ops, do, lse, di), q_list=q_list, q_count=q_count)
+    named = dict(_named(ops, do, lse, di), q_list=q_list, q_count=q_count, q_full=q_full)
     dk, dv = partitioned.call(plan, "dkv", named, ("k", "v"), _dkv_call)
     return dk, dv
 
 
 def _dkv_call(plan: Plan, named: dict) -> tuple[jax.Array, jax.Array]:
-    q_list, q_count = named.pop("q_list").reshape(-1), named.pop("q_count").reshape(-1)
+    lists = [named.pop(n).reshape(-1) for n in ("q_list", "q_count", "q_full")]
 
-    def coords(b, kh, kj, i, q_list, q_count):
+    def coords(b, kh, kj, i, q_list, q_count, q_full):
         row = (b if plan.map_per_batch else 0) * plan.nk + kj
         return b, kh, q_list[row * plan.width_q + i], kj
 
@@ -147,7 +154,7 @@ def _dkv_call(plan: Plan, named: dict) -> tuple[jax.Array, jax.Array]:
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, plan, names),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(plan.B, plan.K, plan.nk, plan.width_q),
             in_specs=in_specs,
             out_specs=[key_spec(H), key_spec(Hv)],
@@ -159,36 +166,37 @@ def _dkv_call(plan: Plan, named: dict) -> tuple[jax.Array, jax.Array]:
         ],
         name="attnlib_flex_dkv",
         **_settings(plan, ("parallel", "parallel", "parallel", "arbitrary")),
-    )(q_list, q_count, *arrays)
+    )(*lists, *arrays)
     return dk, dv
 
 
-def dq(plan: Plan, ops: Operands, do, lse, di, kv_list, kv_count) -> tuple[jax.Array, list[jax.Array]]:
-    """`(dq [B, K, nq * rows, H'] float32 without the scale, [per-tile partial gradients of bias and of each
-    differentiated score_mod_arg])`."""
-    named = dict(_named(ops, do, lse, di), kv_list=kv_list, kv_count=kv_count)
-    n_grads = (plan.bias is not None) + len(plan.arg_grads)
-    outs = partitioned.call(plan, "dq", named, ("dq",) + ("partial",) * n_grads, _dq_call)
+def dq(plan: Plan, ops: Operands, do, lse, di, kv_list, kv_count, kv_full) -> tuple[jax.Array, list[jax.Array]]:
+    """`(dq [B, K, nq * rows, H'] float32 without the scale, [the gradients of bias and of each differentiated
+    score_mod_arg as written, `operands.gradient_shape`])`."""
+    named = dict(_named(ops, do, lse, di), kv_list=kv_list, kv_count=kv_count, kv_full=kv_full)
+    grad_specs = ([plan.bias] if plan.bias is not None else []) + [plan.args[i] for i in plan.arg_grads]
+    kinds = tuple("in_place" if s.per_tile else "partial" for s in grad_specs)
+    outs = partitioned.call(plan, "dq", named, ("dq",) + kinds, _dq_call)
     return outs[0], list(outs[1:])
 
 
 def _dq_call(plan: Plan, named: dict) -> tuple[jax.Array, ...]:
-    kv_list, kv_count = named.pop("kv_list").reshape(-1), named.pop("kv_count").reshape(-1)
+    lists = [named.pop(n).reshape(-1) for n in ("kv_list", "kv_count", "kv_full")]
 
-    def coords(b, kh, qi, j, kv_list, kv_count):
+    def coords(b, kh, qi, j, kv_list, kv_count, kv_full):
         row = (b if plan.map_per_batch else 0) * plan.nq + qi
         return b, kh, qi, kv_list[row * plan.width_k + j]
 
     arrays, in_specs, names = specs(plan, named, coords)
     grad_specs = ([plan.bias] if plan.bias is not None else []) + [plan.args[i] for i in plan.arg_grads]
-    zeros = [jnp.zeros(gradient_shape(plan, s), jnp.float32) for s in grad_specs]
+    zeros = [jnp.zeros(gradient_shape(plan, s), gradient_dtype(s)) for s in grad_specs]
     H = plan.head_dim
     row_spec = pl.BlockSpec((None, None, plan.rows, H), lambda b, kh, qi, j, *_: (b, kh, qi, 0))
-    n_before = 2 + len(arrays)  # the scalar-prefetch lists and the inputs come before the zeros
+    n_before = len(lists) + len(arrays)  # the scalar-prefetch lists and the inputs come before the zeros
     outs = pl.pallas_call(
         functools.partial(_dq_kernel, plan, names, len(zeros)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(plan.B, plan.K, plan.nq, plan.width_k),
             in_specs=in_specs + [pl.BlockSpec(memory_space=pl.ANY) for _ in zeros],
             out_specs=[row_spec] + [gradient_spec(plan, s, coords) for s in grad_specs],
@@ -199,5 +207,5 @@ def _dq_call(plan: Plan, named: dict) -> tuple[jax.Array, ...]:
         input_output_aliases={n_before + i: 1 + i for i in range(len(zeros))},
         name="attnlib_flex_dq",
         **_settings(plan, ("parallel", "parallel", "parallel", "arbitrary")),
-    )(kv_list, kv_count, *arrays, *zeros)
+    )(*lists, *arrays, *zeros)
     return tuple(outs)

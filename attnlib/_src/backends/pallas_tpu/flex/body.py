@@ -16,6 +16,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from .... import dropout as dropout_lib
 from . import elementwise
@@ -28,7 +29,7 @@ class Tile:
 
     Attributes:
         s: f32 `[rows, bk]` final scores (after the soft cap).
-        allowed: bool `[rows, bk]`.
+        allowed: bool `[rows, bk]`, or None where all are.
         backward: `ds (w.r.t. s) -> (ds_raw (w.r.t. scale·q·kᵀ + bias), [d arg for plan.arg_grads])`.
     """
 
@@ -62,24 +63,28 @@ def dot_tn(a: jax.Array, b: jax.Array, precision) -> jax.Array:
                                precision=precision)  # fmt: skip
 
 
-def tile(plan: Plan, refs: dict, *, backward: bool = False) -> Tile:
-    """The scores and visibility of the tile whose query and key blocks are loaded in `refs`; `backward`: with the
-    chain rule back through the modifiers (`Tile.backward`, the `score_mod` evaluated once, under `jax.vjp`)."""
+def tile(plan: Plan, refs: dict, *, full: bool, backward: bool = False) -> Tile:
+    """The scores and visibility of the tile whose query and key blocks are loaded in `refs`; `full`: a tile every
+    pair of which is visible (`block_map.py`: no mask is evaluated, only `score_mod`'s -inf still hides); `backward`:
+    with the chain rule back through the modifiers (`Tile.backward`, the `score_mod` evaluated once, under
+    `jax.vjp`)."""
     shape = (plan.rows, plan.block_k)
-    q_seg, kv_seg = refs["q_seg"][...], refs["kv_seg"][...]  # [rows, 1], [1, bk]
-    allowed = (q_seg != 0) & (q_seg == kv_seg)
+    allowed = None
     q_pos = kv_pos = None
     if plan.needs_positions:
         q_pos, kv_pos = refs["q_pos"][...], refs["kv_pos"][...]
-    if plan.band is not None:
-        offset = kv_pos - q_pos
-        left, right = plan.band
-        if left is not None:
-            allowed = allowed & (offset >= -left)
-        if right is not None:
-            allowed = allowed & (offset <= right)
-    if plan.mask is not None:
-        allowed = allowed & (_grouped_block(plan, refs["mask"], jnp.int32) != 0)
+    if not full:
+        q_seg, kv_seg = refs["q_seg"][...], refs["kv_seg"][...]  # [rows, 1], [1, bk]
+        allowed = (q_seg != 0) & (q_seg == kv_seg)
+        if plan.band is not None:
+            offset = kv_pos - q_pos
+            left, right = plan.band
+            if left is not None:
+                allowed = allowed & (offset >= -left)
+            if right is not None:
+                allowed = allowed & (offset <= right)
+        if plan.mask is not None:
+            allowed = allowed & (_grouped_block(plan, refs["mask"], jnp.int32) != 0)
 
     s = dot_t(refs["q"][...], refs["k"][...], plan.precision) * refs["scale"][0]
     if plan.bias is not None:
@@ -88,11 +93,11 @@ def tile(plan: Plan, refs: dict, *, backward: bool = False) -> Tile:
     args: list = []
     indices: tuple = ()
     if plan.modifiers is not None:
-        batch = jnp.maximum(q_seg - 1, 0) if plan.thd else refs["batch"][...]
+        batch = jnp.maximum(refs["q_seg"][...] - 1, 0) if plan.thd else refs["batch"][...]
         head = refs["head"][...]
         indices = (batch, head, q_pos, kv_pos)
         args = [_grouped_block(plan, refs[f"arg{i}"], dtype) for i, dtype in enumerate(plan.modifiers.arg_dtypes)]
-        if plan.mask_mod is not None:
+        if plan.mask_mod is not None and not full:
             keep = elementwise.evaluate(plan.mask_mod, plan.mask_mod.consts, (*indices, *args), shape)
             allowed = allowed & keep.astype(bool)
 
@@ -113,7 +118,8 @@ def tile(plan: Plan, refs: dict, *, backward: bool = False) -> Tile:
             s, vjp = jax.vjp(modified, s_raw, *float_args)
         else:
             s = modified(s_raw, *float_args)
-        allowed = allowed & (s >= np.finfo(np.float32).min)
+        finite = s >= np.finfo(np.float32).min
+        allowed = finite if allowed is None else allowed & finite
     if plan.soft_cap is not None:
         c = jnp.float32(plan.soft_cap)
         s = c * jnp.tanh(s / c)
@@ -140,8 +146,19 @@ def dropout_keep(plan: Plan, refs: dict, kj) -> jax.Array:
     )
 
 
+def each_tile_kind(plan: Plan, visited, full_flag, step: Callable[[bool], None]) -> None:
+    """Run `step(full)` for a visited grid step: the unmasked body on a wholly visible tile (`full_flag` 1), the
+    masked one otherwise; each body is traced only where the block map holds such tiles (`Plan.any_full`,
+    `Plan.any_partial`)."""
+    if plan.any_full and plan.any_partial:
+        pl.when(visited & (full_flag != 0))(lambda: step(True))
+        pl.when(visited & (full_flag == 0))(lambda: step(False))
+    else:
+        pl.when(visited)(lambda: step(plan.any_full))
+
+
 def masked(t: Tile) -> jax.Array:
-    return jnp.where(t.allowed, t.s, hidden())
+    return t.s if t.allowed is None else jnp.where(t.allowed, t.s, hidden())
 
 
 def row_shift(row_max: jax.Array) -> jax.Array:

@@ -16,10 +16,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import body, partitioned
 from .operands import Operands, specs
-from .plan import hidden, Plan
+from .plan import hidden, Plan, vmem_limit
 
 
-def _kernel(plan: Plan, names: list[str], kv_list, kv_count, *refs):
+def _kernel(plan: Plan, names: list[str], kv_list, kv_count, kv_full, *refs):
     n_in = len(names)
     r = dict(zip(names, refs[:n_in], strict=True))
     o_ref, lse_ref, m_scr, l_scr, acc_scr = refs[n_in:]
@@ -32,10 +32,9 @@ def _kernel(plan: Plan, names: list[str], kv_list, kv_count, *refs):
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    @pl.when(j < kv_count[row])
-    def _compute():
+    def step(full: bool):
         kj = kv_list[row * plan.width_k + j]
-        t = body.tile(plan, r)
+        t = body.tile(plan, r, full=full)
         s = body.masked(t)
         m_prev = m_scr[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
@@ -48,6 +47,8 @@ def _kernel(plan: Plan, names: list[str], kv_list, kv_count, *refs):
         v = r["v"][...]
         acc_scr[...] = acc_scr[...] * rescale + body.dot(p.astype(v.dtype), v, plan.precision)
         m_scr[...] = m_new
+
+    body.each_tile_kind(plan, j < kv_count[row], kv_full[row * plan.width_k + j], step)
 
     @pl.when(j == plan.width_k - 1)
     def _finish():
@@ -69,17 +70,17 @@ def _kernel(plan: Plan, names: list[str], kv_list, kv_count, *refs):
         lse_ref[...] = lse
 
 
-def forward(plan: Plan, ops: Operands, kv_list, kv_count) -> tuple[jax.Array, jax.Array]:
+def forward(plan: Plan, ops: Operands, kv_list, kv_count, kv_full) -> tuple[jax.Array, jax.Array]:
     """`(out [B, K, nq * rows, Hv'], lse [B, K, nq * rows, 1] float32)`; lists `[Bm, ...]` (`block_map.BlockMap`)."""
-    named = dict(ops._asdict(), kv_list=kv_list, kv_count=kv_count)
+    named = dict(ops._asdict(), kv_list=kv_list, kv_count=kv_count, kv_full=kv_full)
     return partitioned.call(plan, "forward", named, ("out", "lse"), _forward_call)
 
 
 def _forward_call(plan: Plan, named: dict) -> tuple[jax.Array, jax.Array]:
     """The forward `pallas_call` on one shard."""
-    kv_list, kv_count = named.pop("kv_list").reshape(-1), named.pop("kv_count").reshape(-1)
+    lists = [named.pop(n).reshape(-1) for n in ("kv_list", "kv_count", "kv_full")]
 
-    def coords(b, kh, qi, j, kv_list, kv_count):
+    def coords(b, kh, qi, j, kv_list, kv_count, kv_full):
         row = (b if plan.map_per_batch else 0) * plan.nq + qi
         return b, kh, qi, kv_list[row * plan.width_k + j]
 
@@ -89,7 +90,7 @@ def _forward_call(plan: Plan, named: dict) -> tuple[jax.Array, jax.Array]:
     out, lse = pl.pallas_call(
         functools.partial(_kernel, plan, names),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(B, K, plan.nq, plan.width_k),
             in_specs=in_specs,
             out_specs=[row_spec(plan.value_head_dim), row_spec(1)],
@@ -103,8 +104,9 @@ def _forward_call(plan: Plan, named: dict) -> tuple[jax.Array, jax.Array]:
             jax.ShapeDtypeStruct((B, K, R, plan.value_head_dim), plan.dtype),
             jax.ShapeDtypeStruct((B, K, R, 1), jnp.float32),
         ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+                                             vmem_limit_bytes=vmem_limit(plan, backward=False)),
         interpret=plan.interpret,
         name="attnlib_flex_forward",
-    )(kv_list, kv_count, *arrays)
+    )(*lists, *arrays)
     return out, lse

@@ -153,25 +153,38 @@ def specs(plan: Plan, named: dict, coords: Coords) -> tuple[list, list, list[str
 
 
 def gradient_shape(plan: Plan, spec: ArraySpec) -> tuple[int, ...]:
-    """The per-tile partial gradient of a grouped array: `[B, K, nq, nk, R, C]` with `R = G|1 * block_q|1`,
-    `C = block_k|1` (one block per tile, summed by `grouped_gradient`)."""
+    """Where the dQ kernel writes the gradient of a grouped array. An array with no broadcast dim
+    (`ArraySpec.per_tile`): the gradient itself, `spec.shape` in `spec.dtype` (each tile writes its own block once).
+    Otherwise per-tile float32 partials `[B, K, nq, nk, R, C]` with `R = G|1 * block_q|1`, `C = block_k|1` (one block
+    per tile, summed over the broadcast dims by `grouped_gradient`)."""
+    if spec.per_tile:
+        return spec.shape
     tq = plan.block_q if spec.has_q else 1
     tk = plan.block_k if spec.has_k else 1
     g = plan.G if spec.has_heads else 1
     return (plan.B, plan.K, plan.nq, plan.nk, g * tq, tk)
 
 
+def gradient_dtype(spec: ArraySpec):
+    return spec.dtype if spec.per_tile else np.dtype("float32")
+
+
 def gradient_spec(plan: Plan, spec: ArraySpec, coords: Coords) -> pl.BlockSpec:
+    if spec.per_tile:
+        return _grouped_spec(plan, spec, coords)
     shape = gradient_shape(plan, spec)
     return pl.BlockSpec((None, None, None, None, *shape[4:]), lambda *idx: (*coords(*idx), 0, 0))
 
 
-def grouped_gradient(plan: Plan, partial: jax.Array, spec: ArraySpec, shape4: tuple[int, ...]) -> jax.Array:
-    """Per-tile partials `[B, K, nq, nk, R, C]` -> the gradient of the rank-4 array of shape `shape4`."""
+def grouped_gradient(plan: Plan, written: jax.Array, spec: ArraySpec, shape4: tuple[int, ...]) -> jax.Array:
+    """The dQ kernel's gradient output (`gradient_shape`) -> the gradient of the rank-4 array of shape `shape4`."""
+    b, n, t, s = shape4
+    if spec.per_tile:
+        return jnp.reshape(written, (b, n) + spec.shape[3:])[:, :, :t, :s]
     g = plan.G if spec.has_heads else 1
     tq = plan.block_q if spec.has_q else 1
     tk = plan.block_k if spec.has_k else 1
-    x = jnp.reshape(partial, (plan.B, plan.K, plan.nq, plan.nk, g, tq, tk))
+    x = jnp.reshape(written, (plan.B, plan.K, plan.nq, plan.nk, g, tq, tk))
     x = jnp.transpose(x, (0, 1, 4, 2, 5, 3, 6))  # [B, K, g, nq, tq, nk, tk]
     if not spec.has_q:
         x = jnp.sum(x, axis=3, keepdims=True)
@@ -182,6 +195,5 @@ def grouped_gradient(plan: Plan, partial: jax.Array, spec: ArraySpec, shape4: tu
         x = jnp.sum(x, axis=1, keepdims=True)
     if not spec.has_batch:
         x = jnp.sum(x, axis=0, keepdims=True)
-    b, n, t, s = shape4
     x = jnp.reshape(x, (x.shape[0], n, x.shape[3], x.shape[4]))
     return x[:, :, :t, :s]

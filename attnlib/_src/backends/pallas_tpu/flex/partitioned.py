@@ -36,6 +36,7 @@ _DIMS: dict[str, tuple[Dim, ...]] = {
     "head": (KV_HEADS, None, None),
     "batch": (BATCH, None, None),
     "partial": (BATCH, KV_HEADS, None, None, None, None),
+    "in_place": (BATCH, KV_HEADS, None, None, None),
 }
 
 
@@ -47,7 +48,7 @@ def dims_of(plan: Plan, name: str, x: jax.Array) -> tuple[Dim, ...]:
         batch = BATCH if x.shape[0] == plan.B else None
         heads = KV_HEADS if x.shape[1] == plan.K else None
         return (batch, heads, None, None, None)
-    if name.endswith(("_list", "_count")):
+    if name.endswith(("_list", "_count", "_full")):
         return (BATCH if plan.map_per_batch else None, None)
     return (None,) * x.ndim  # the scale, dropout seeds, per-row constants: replicated
 

@@ -29,11 +29,14 @@ from .. import blocks
 
 
 LANES = blocks.LANES
-TILE_ROWS = 512
+TILE_ROWS = 1024
 """Query rows per tile the default blocks aim at (`G · block_q`, `block_q` a multiple of 128, at least 128)."""
-TILE_KEYS = 512
+TILE_KEYS = 1024
 """Keys per tile by default (fewer for shorter key sequences). Splash ran 3.7–8.0x faster on a v5e with 512-blocks
 than with 128 (docs/implementations.md); the flex kernel's blocks are not measured on a TPU yet."""
+
+RAISED_VMEM = 96 * 2**20
+"""Scoped VMEM the kernels may use where Mosaic's default is too small (a v5e core has 128 MiB): `vmem_limit`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,12 @@ class ArraySpec:
     def has_k(self) -> bool:
         return self.shape[4] != 1
 
+    @property
+    def per_tile(self) -> bool:
+        """Every tile of the grid reads its own block (no broadcast dim): its gradient is written in place, block by
+        block, rather than as per-tile partials summed afterwards (`operands.gradient_shape`)."""
+        return self.has_batch and self.has_heads and self.has_q and self.has_k
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -82,6 +91,8 @@ class Plan:
     map_per_batch: the block map differs per batch row (read from runtime data).
     width_q, width_k: the grid's inner extent: most query blocks a key block visits (`dkv` kernel) and most key
         blocks a query block visits (forward and `dq` kernels).
+    any_full, any_partial: some visited tile is wholly visible / partly hidden (`block_map.BlockMap`): the kernels
+        hold the unmasked and the masked body only where they can meet them.
     """
 
     B: int
@@ -109,6 +120,8 @@ class Plan:
     map_per_batch: bool = False
     width_q: int = 0
     width_k: int = 0
+    any_full: bool = True
+    any_partial: bool = True
 
     @property
     def Tp(self) -> int:
@@ -141,6 +154,15 @@ class Plan:
     @property
     def mask_mod(self):
         return None if self.modifiers is None else self.modifiers.mask_jaxpr
+
+
+def vmem_limit(plan: Plan, *, backward: bool) -> int | None:
+    """The scoped VMEM of a kernel (None: Mosaic's default). The backward kernels' float32 temporaries (and a bias
+    block's gradient) at 1024 x 1024 tiles ran out of the default on a v5e (ALiBi, bias, dropout, MLA, float32); the
+    forward fitted, and ran 4–15 % slower under the raised limit, so it keeps the default up to that tile size."""
+    if backward or plan.rows * plan.block_k > TILE_ROWS * TILE_KEYS:
+        return RAISED_VMEM
+    return None
 
 
 def precision_of(config: AttentionConfig) -> jax.lax.Precision:
