@@ -1,14 +1,15 @@
 """TPU benchmark: attnlib's implementations against jax.nn and raw splash attention, one process.
 
 Usage: python benchmarks/bench_tpu.py [--json out.json] [--only CASE ... (run in that order)] [--rounds 1]
-       [--variants NAME ...] [--smoke]
+       [--variants NAME ...] [--flex-blocks BQxBK ...] [--smoke]
 
 Variants, side by side on the same bf16 inputs (`[B, T, N, H]`):
 - `attnlib`: `attnlib.attention(implementation=None)`; the implementation it picks (`attnlib.explain`) is recorded
   as `attnlib_pick`.
 - `attnlib_pallas_tpu`, `attnlib_xla_chunked`, `attnlib_xla`: `implementation=` that name (an implementation this
   build lacks is reported with its error); `attnlib_flex`: `attnlib.PallasTpu(kernel="flex")`, attnlib's own kernel
-  also where splash serves.
+  also where splash serves; `--flex-blocks 256x1024 ...` adds `attnlib_flex@256x1024` and so on, the same with
+  `flex_blocks=(256, 1024)` (query tokens per block, keys per block: the sweep behind the kernel's default tiles).
 - `jax_nn`: `jax.nn.dot_product_attention(implementation="xla")`.
 - `splash`: raw `jax.experimental.pallas.ops.tpu.splash_attention` with `BlockSizes` of 512 wherever the lengths allow
   (`min(512, T)` query rows and `min(512, S)` keys for `block_q`, `block_kv`, `block_kv_compute`, `block_q_dkv`,
@@ -32,6 +33,7 @@ The summary gives attnlib's speed-up over `splash` and `splash_default`. `--smok
 import dataclasses
 import json
 import math
+import re
 import statistics
 import time
 
@@ -209,8 +211,9 @@ def variant_fns(case: Case, names, interpret: bool) -> dict:
         try:
             if name == "attnlib":
                 table[name] = lambda q, k, v, *x: attnlib.attention(q, k, v, **_kwargs(case, *x))
-            elif name == "attnlib_flex":  # attnlib's own Pallas kernel, also where splash would serve
-                flex = attnlib.PallasTpu(kernel="flex")
+            elif name.startswith("attnlib_flex"):  # attnlib's own Pallas kernel, also where splash would serve
+                blocks = tuple(map(int, name.split("@")[1].split("x"))) if "@" in name else None
+                flex = attnlib.PallasTpu(kernel="flex", flex_blocks=blocks, interpret=interpret)
                 table[name] = lambda q, k, v, *x: attnlib.attention(q, k, v, implementation=flex, **_kwargs(case, *x))
             elif name.startswith("attnlib_"):
                 impl = name[len("attnlib_") :]
@@ -335,7 +338,7 @@ def run_case(case: Case, names, rounds: int, *, interpret: bool = False, loops: 
 
 
 def table(results: dict) -> str:
-    labels = [label for label in VARIANTS if any(label in row["variants"] for row in results.values())]
+    labels = list(dict.fromkeys(label for row in results.values() for label in row["variants"]))
     lines = [
         "| case | attnlib picks | " + " | ".join(labels) + " | attnlib vs splash | attnlib vs splash_default |",
         "|---" * (len(labels) + 4) + "|",
@@ -363,12 +366,16 @@ def table(results: dict) -> str:
 def main(argv=None):
     parser = harness.parser(__doc__, only="cases, run in that order", rounds=1)
     parser.add_argument("--variants", nargs="*", default=None, help=f"a subset of {VARIANTS}")
+    parser.add_argument("--flex-blocks", nargs="*", default=(), help="flex kernel tiles to add, as BQxBK (256x1024)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, splash interpreted, few repetitions")
     args = parser.parse_args(argv)
     cases = SMOKE_CASES if args.smoke else {**CASES, **FEATURE_CASES}
     harness.check_names(parser, args.only, cases)
     harness.check_names(parser, args.variants, VARIANTS, "variants")
-    names = tuple(args.variants or VARIANTS)
+    for blocks in args.flex_blocks:
+        if not re.fullmatch(r"\d+x\d+", blocks):
+            parser.error(f"--flex-blocks takes BQxBK such as 256x1024; got {blocks!r}")
+    names = tuple(args.variants or VARIANTS) + tuple(f"attnlib_flex@{b}" for b in args.flex_blocks)
     results = {}
     started = time.perf_counter()
     for name in args.only or cases:

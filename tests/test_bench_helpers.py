@@ -88,13 +88,14 @@ def test_bench_tpu_smoke_runs_one_case_on_the_cpu(tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     variants = ["attnlib", "attnlib_pallas_tpu", "attnlib_xla_chunked", "splash"]
     bench = _load("bench_tpu", monkeypatch)
-    bench.main(["--smoke", "--only", "smoke_gqa_window", "--variants", *variants, "--json", str(out)])
+    bench.main(["--smoke", "--only", "smoke_gqa_window", "--variants", *variants, "--flex-blocks", "64x128",
+                "--json", str(out)])  # fmt: skip
     result = json.loads(out.read_text())
     assert result["smoke"] and "visible" in result["flops"]
     row = result["cases"]["smoke_gqa_window"]
     assert row["attnlib_pick"] in ("xla_chunked", "xla", "pallas_tpu")
-    assert set(row["variants"]) == set(variants)
-    for label in ("attnlib", "attnlib_xla_chunked", "splash"):
+    assert set(row["variants"]) == {*variants, "attnlib_flex@64x128"}
+    for label in ("attnlib", "attnlib_xla_chunked", "splash", "attnlib_flex@64x128"):
         r = row["variants"][label]
         assert r["max_err"] <= row["tolerance"], r
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_tflops"] > 0, r
