@@ -115,7 +115,8 @@ def test_bench_tpu_feature_rows(tmp_path, monkeypatch):
     assert bench.flops(docs)[0] == 2 * 4 * 512**2 * 4
     assert bench.flops(bench.Case(1, 5, 1, 1, 4, feature="mla", hv=2))[0] == 2 * 15 * (4 + 2)
     out = tmp_path / "bench.json"
-    bench.main(["--smoke", "--only", "smoke_alibi", "smoke_bias", "--variants", "attnlib", "splash", "--json", str(out)])
+    args = ["--smoke", "--only", "smoke_alibi", "smoke_bias", "--variants", "attnlib", "splash", "--json", str(out)]
+    bench.main(args)
     for name, row in json.loads(out.read_text())["cases"].items():
         assert row["variants"]["attnlib"]["max_err"] <= row["tolerance"], name
         assert row["variants"]["attnlib"]["fwd_bwd_ms"] > 0 and row["variants"]["splash"]["fwd_ms"] > 0

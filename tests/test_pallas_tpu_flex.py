@@ -522,6 +522,29 @@ def test_wholly_visible_tiles_run_unmasked(monkeypatch):
     assert want.sum() == 6  # key block 0 for query blocks 1-3, block 1 for 2-3, block 2 for 3
 
 
+def test_a_map_of_every_tile_needs_no_zeroed_gradients(monkeypatch):
+    """A dense call with a `[B, N, T, S]` bias visits every tile: the dQ kernel writes the bias gradient in place with
+    no zero-filled operand aliased to it (one less pass over `B·N·T·S`), and the gradient is the reference's."""
+    built = _maps(monkeypatch)
+    case = CASES["bias_bfloat16"]
+    _check(case, jnp.float32, INTERPRET)
+    assert built[0].every_tile
+    q, k, v = _arrays(case, jnp.float32)
+    bias = jnp.asarray(dict(case.kwargs)["bias"], jnp.float32)
+    loss = lambda q, bias: jnp.sum(attnlib.attention(q, k, v, bias, implementation=INTERPRET))
+    aliases = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call" and "dq" in str(eqn.params["name"]):
+                aliases.append(eqn.params["input_output_aliases"])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(jax.grad(loss, argnums=1))(q, bias).jaxpr)
+    assert aliases == [()]
+
+
 def test_a_mask_mod_without_arguments_is_evaluated_on_the_host(monkeypatch):
     """A causal `mask_mod`: the lower triangle of 4 x 4 tiles (10 of 16) is visited."""
     built = _maps(monkeypatch)

@@ -185,8 +185,10 @@ def attend(config: AttentionConfig, problem: canonical.Problem, plan: Plan):
         args = tuple(operands.grouped(plan, kernel_settings.narrowed(a), spec)
                      for a, spec in zip(problem.score_mod_args, plan.args, strict=True))  # fmt: skip
         bm = _block_map(config, plan, fixed, args)
-    plan = dataclasses.replace(plan, map_per_batch=bm.per_batch, width_q=bm.width_q, width_k=bm.width_k,
-                               any_full=bm.any_full, any_partial=bm.any_partial)  # fmt: skip
+    plan = dataclasses.replace(
+        plan, map_per_batch=bm.per_batch, width_q=bm.width_q, width_k=bm.width_k, any_full=bm.any_full,
+        any_partial=bm.any_partial, every_tile=bm.every_tile,
+    )  # fmt: skip
     bmap = {n: jnp.asarray(getattr(bm, n)) for n in ("kv_list", "kv_count", "kv_full", "q_list", "q_count", "q_full")}
     fixed = {n: x for n, x in fixed.items() if not n.endswith("_t")}
     scale = scores.logit_scale(config, problem.scale, jnp.float32)

@@ -10,7 +10,8 @@ multiplies `dO` for dV. `dS` then goes back through the soft cap and `score_mod`
   block. dK carries the logit scale.
 - dQ: grid `(B, K, nq, width_k)`, the key blocks innermost; `dS·K` without the scale (the caller scales it and
   derives the gradient of a runtime scale from it). The gradients of `bias` and float `score_mod_args` are written
-  per tile (`operands.gradient_shape`, zero-initialised through input/output aliasing, so skipped tiles read 0):
+  per tile (`operands.gradient_shape`, zero-initialised through input/output aliasing, so skipped tiles read 0,
+  unless the block map visits every tile):
   in place, in the array's dtype, for an array with no broadcast dim; otherwise into float32 per-tile partials that
   the caller sums over the broadcast dims. No block is written by two grid steps.
 
@@ -85,14 +86,20 @@ def _reduce_to(plan: Plan, x: jax.Array, spec) -> jax.Array:
     return jnp.reshape(x, (x.shape[0] * x.shape[1], x.shape[2]))
 
 
-def _dq_kernel(plan: Plan, names: list[str], n_grads: int, kv_list, kv_count, kv_full, *refs):
+def _gradient_specs(plan: Plan) -> list:
+    """The `ArraySpec`s of the arrays whose gradient the dQ kernel writes: the bias, then the float `score_mod_args`."""
+    return ([plan.bias] if plan.bias is not None else []) + [plan.args[i] for i in plan.arg_grads]
+
+
+def _dq_kernel(plan: Plan, names: list[str], n_aliased: int, kv_list, kv_count, kv_full, *refs):
     n_in = len(names)
     r = dict(zip(names, refs[:n_in], strict=True))
-    outs = refs[n_in + n_grads :]  # after the inputs and the zeros the gradients alias (not read)
+    grad_specs = _gradient_specs(plan)
+    n_grads = len(grad_specs)
+    outs = refs[n_in + n_aliased :]  # after the inputs and the zeros the gradients alias (not read)
     dq_ref, grad_refs, (dq_scr,) = outs[0], outs[1 : 1 + n_grads], outs[1 + n_grads :]
     b, kh, qi, j = (pl.program_id(a) for a in range(4))
     row = (b if plan.map_per_batch else 0) * plan.nq + qi
-    grad_specs = ([plan.bias] if plan.bias is not None else []) + [plan.args[i] for i in plan.arg_grads]
 
     @pl.when(j == 0)
     def _init():
@@ -174,8 +181,7 @@ def dq(plan: Plan, ops: Operands, do, lse, di, kv_list, kv_count, kv_full) -> tu
     """`(dq [B, K, nq * rows, H'] float32 without the scale, [the gradients of bias and of each differentiated
     score_mod_arg as written, `operands.gradient_shape`])`."""
     named = dict(_named(ops, do, lse, di), kv_list=kv_list, kv_count=kv_count, kv_full=kv_full)
-    grad_specs = ([plan.bias] if plan.bias is not None else []) + [plan.args[i] for i in plan.arg_grads]
-    kinds = tuple("in_place" if s.per_tile else "partial" for s in grad_specs)
+    kinds = tuple("in_place" if s.per_tile else "partial" for s in _gradient_specs(plan))
     outs = partitioned.call(plan, "dq", named, ("dq",) + kinds, _dq_call)
     return outs[0], list(outs[1:])
 
@@ -188,8 +194,9 @@ def _dq_call(plan: Plan, named: dict) -> tuple[jax.Array, ...]:
         return b, kh, qi, kv_list[row * plan.width_k + j]
 
     arrays, in_specs, names = specs(plan, named, coords)
-    grad_specs = ([plan.bias] if plan.bias is not None else []) + [plan.args[i] for i in plan.arg_grads]
-    zeros = [jnp.zeros(gradient_shape(plan, s), gradient_dtype(s)) for s in grad_specs]
+    grad_specs = _gradient_specs(plan)
+    # Skipped tiles must read 0: their blocks start as aliased zeros, unless the map visits every tile.
+    zeros = [] if plan.every_tile else [jnp.zeros(gradient_shape(plan, s), gradient_dtype(s)) for s in grad_specs]
     H = plan.head_dim
     row_spec = pl.BlockSpec((None, None, plan.rows, H), lambda b, kh, qi, j, *_: (b, kh, qi, 0))
     n_before = len(lists) + len(arrays)  # the scalar-prefetch lists and the inputs come before the zeros
@@ -203,7 +210,7 @@ def _dq_call(plan: Plan, named: dict) -> tuple[jax.Array, ...]:
             scratch_shapes=[pltpu.VMEM((plan.rows, H), jnp.float32)],
         ),
         out_shape=[jax.ShapeDtypeStruct((plan.B, plan.K, plan.nq * plan.rows, H), jnp.float32)]
-        + [jax.ShapeDtypeStruct(z.shape, z.dtype) for z in zeros],
+        + [jax.ShapeDtypeStruct(gradient_shape(plan, s), gradient_dtype(s)) for s in grad_specs],
         input_output_aliases={n_before + i: 1 + i for i in range(len(zeros))},
         name="attnlib_flex_dq",
         **_settings(plan, ("parallel", "parallel", "parallel", "arbitrary")),

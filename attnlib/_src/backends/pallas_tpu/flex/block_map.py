@@ -45,7 +45,7 @@ class BlockMap(NamedTuple):
     tile is wholly visible), `q_list [Bm, nk * width_q]`, `q_count [Bm, nk]`, `q_full [Bm, nk * width_q]` (`Bm` = B
     when `per_batch`, else 1; each kernel call flattens its shard's lists for SMEM). `any_full` / `any_partial`:
     whether some visited tile is wholly visible / partly hidden (static maps; both True for runtime ones), so the
-    kernels are traced with the tile kinds they meet."""
+    kernels are traced with the tile kinds they meet; `every_tile`: a static map that visits every tile."""
 
     kv_list: jax.Array | np.ndarray
     kv_count: jax.Array | np.ndarray
@@ -58,6 +58,7 @@ class BlockMap(NamedTuple):
     width_q: int
     any_full: bool = True
     any_partial: bool = True
+    every_tile: bool = False
 
 
 class Tiles(NamedTuple):
@@ -97,8 +98,9 @@ def from_tiles(tiles: Tiles, *, per_batch: bool, static: bool) -> BlockMap:
     q_list, q_count, q_full = _lists(Tiles(*(xp.swapaxes(x, 1, 2) for x in tiles)), width_q, xp)
     any_full = bool((tiles.full & visits).any()) if static else True
     any_partial = bool((visits & ~tiles.full).any()) if static else True
+    every_tile = bool(visits.all()) if static else False
     return BlockMap(kv_list, kv_count, kv_full, q_list, q_count, q_full, per_batch, width_k, width_q, any_full,
-                    any_partial)  # fmt: skip
+                    any_partial, every_tile)  # fmt: skip
 
 
 def static_tiles(plan: Plan, offset: int, mask_mod_tiles_: Tiles | None) -> Tiles:

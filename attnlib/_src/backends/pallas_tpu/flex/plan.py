@@ -93,6 +93,7 @@ class Plan:
         blocks a query block visits (forward and `dq` kernels).
     any_full, any_partial: some visited tile is wholly visible / partly hidden (`block_map.BlockMap`): the kernels
         hold the unmasked and the masked body only where they can meet them.
+    every_tile: the (static) block map visits every tile: no gradient block is left for zeros to fill.
     """
 
     B: int
@@ -122,6 +123,7 @@ class Plan:
     width_k: int = 0
     any_full: bool = True
     any_partial: bool = True
+    every_tile: bool = False
 
     @property
     def Tp(self) -> int:
