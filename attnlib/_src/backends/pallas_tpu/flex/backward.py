@@ -75,7 +75,7 @@ def _dkv_kernel(plan: Plan, names: list[str], q_list, q_count, q_full, *refs):
 def _reduce_to(plan: Plan, x: jax.Array, spec) -> jax.Array:
     """A tile's `[rows, bk]` gradient summed over the broadcast dims of `spec`: the block of `gradient_shape`."""
     x = jnp.reshape(x, (plan.G, plan.block_q, plan.block_k))
-    if spec.per_tile:
+    if spec.in_place:
         return x
     if not spec.has_heads:
         x = jnp.sum(x, axis=0, keepdims=True)
@@ -181,7 +181,7 @@ def dq(plan: Plan, ops: Operands, do, lse, di, kv_list, kv_count, kv_full) -> tu
     """`(dq [B, K, nq * rows, H'] float32 without the scale, [the gradients of bias and of each differentiated
     score_mod_arg as written, `operands.gradient_shape`])`."""
     named = dict(_named(ops, do, lse, di), kv_list=kv_list, kv_count=kv_count, kv_full=kv_full)
-    kinds = tuple("in_place" if s.per_tile else "partial" for s in _gradient_specs(plan))
+    kinds = tuple("in_place" if s.in_place else "partial" for s in _gradient_specs(plan))
     outs = partitioned.call(plan, "dq", named, ("dq",) + kinds, _dq_call)
     return outs[0], list(outs[1:])
 

@@ -154,10 +154,10 @@ def specs(plan: Plan, named: dict, coords: Coords) -> tuple[list, list, list[str
 
 def gradient_shape(plan: Plan, spec: ArraySpec) -> tuple[int, ...]:
     """Where the dQ kernel writes the gradient of a grouped array. An array with no broadcast dim
-    (`ArraySpec.per_tile`): the gradient itself, `spec.shape` in `spec.dtype` (each tile writes its own block once).
+    (`ArraySpec.in_place`): the gradient itself, `spec.shape` in `spec.dtype` (each tile writes its own block once).
     Otherwise per-tile float32 partials `[B, K, nq, nk, R, C]` with `R = G|1 * block_q|1`, `C = block_k|1` (one block
     per tile, summed over the broadcast dims by `grouped_gradient`)."""
-    if spec.per_tile:
+    if spec.in_place:
         return spec.shape
     tq = plan.block_q if spec.has_q else 1
     tk = plan.block_k if spec.has_k else 1
@@ -166,11 +166,11 @@ def gradient_shape(plan: Plan, spec: ArraySpec) -> tuple[int, ...]:
 
 
 def gradient_dtype(spec: ArraySpec):
-    return spec.dtype if spec.per_tile else np.dtype("float32")
+    return spec.dtype if spec.in_place else np.dtype("float32")
 
 
 def gradient_spec(plan: Plan, spec: ArraySpec, coords: Coords) -> pl.BlockSpec:
-    if spec.per_tile:
+    if spec.in_place:
         return _grouped_spec(plan, spec, coords)
     shape = gradient_shape(plan, spec)
     return pl.BlockSpec((None, None, None, None, *shape[4:]), lambda *idx: (*coords(*idx), 0, 0))
@@ -179,7 +179,7 @@ def gradient_spec(plan: Plan, spec: ArraySpec, coords: Coords) -> pl.BlockSpec:
 def grouped_gradient(plan: Plan, written: jax.Array, spec: ArraySpec, shape4: tuple[int, ...]) -> jax.Array:
     """The dQ kernel's gradient output (`gradient_shape`) -> the gradient of the rank-4 array of shape `shape4`."""
     b, n, t, s = shape4
-    if spec.per_tile:
+    if spec.in_place:
         return jnp.reshape(written, (b, n) + spec.shape[3:])[:, :, :t, :s]
     g = plan.G if spec.has_heads else 1
     tq = plan.block_q if spec.has_q else 1

@@ -55,9 +55,9 @@ def dims_of(plan: Plan, name: str, x: jax.Array) -> tuple[Dim, ...]:
 
 def localize(plan: Plan, local: dict) -> Plan:
     """The plan of one shard: batch rows and key/value heads from the local query rows; the broadcastable arrays'
-    specs from their local shapes."""
+    specs from their local shapes (how their gradient is written stays the whole problem's)."""
     B, K = local["q"].shape[:2]
-    spec = lambda x, old: None if x is None else ArraySpec(tuple(x.shape), old.dtype)
+    spec = lambda x, old: None if x is None else ArraySpec(tuple(x.shape), old.dtype, old.in_place)
     args = tuple(spec(local[f"arg{i}"], s) for i, s in enumerate(plan.args))
     return dataclasses.replace(
         plan, B=B, K=K, bias=spec(local.get("bias"), plan.bias), mask=spec(local.get("mask"), plan.mask), args=args

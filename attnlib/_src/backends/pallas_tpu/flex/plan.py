@@ -42,10 +42,14 @@ RAISED_VMEM = 96 * 2**20
 @dataclasses.dataclass(frozen=True)
 class ArraySpec:
     """An array broadcastable to `[B, N, T, S]`, grouped `[B|1, K|1, G|1, T'|1, S'|1]` (`shape`) in `dtype` (the
-    kernel's storage dtype: float arrays as given, integers as int32, bools as int8)."""
+    kernel's storage dtype: float arrays as given, integers as int32, bools as int8). `in_place`: the array has no
+    broadcast dim (its shape is the whole problem's), so the dQ kernel writes its gradient in place, each tile its own
+    block, rather than as per-tile partials summed afterwards (`operands.gradient_shape`); decided on the whole problem
+    and kept by each shard's plan, whose local sizes could make a broadcast dim look whole."""
 
     shape: tuple[int, int, int, int, int]
     dtype: Any
+    in_place: bool = False
 
     @property
     def has_batch(self) -> bool:
@@ -62,12 +66,6 @@ class ArraySpec:
     @property
     def has_k(self) -> bool:
         return self.shape[4] != 1
-
-    @property
-    def per_tile(self) -> bool:
-        """Every tile of the grid reads its own block (no broadcast dim): its gradient is written in place, block by
-        block, rather than as per-tile partials summed afterwards (`operands.gradient_shape`)."""
-        return self.has_batch and self.has_heads and self.has_q and self.has_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +190,8 @@ def array_spec(shape4: tuple[int, int, int, int], dtype, plan_sizes: tuple[int, 
     B, K, G, Tp, Sp = plan_sizes
     b, n, t, s = shape4
     heads = (K, G) if n != 1 else (1, 1)
-    return ArraySpec((b, *heads, Tp if t != 1 else 1, Sp if s != 1 else 1), storage_dtype(dtype))
+    grouped = (b, *heads, Tp if t != 1 else 1, Sp if s != 1 else 1)
+    return ArraySpec(grouped, storage_dtype(dtype), in_place=grouped == plan_sizes)
 
 
 def hidden() -> float:
