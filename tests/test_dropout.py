@@ -92,6 +92,38 @@ def test_applied_mask_thd(impl):
     np.testing.assert_array_equal(got, want)
 
 
+def _murmur_chain_numpy(seeds, rate, b, n, i, j):
+    """The documented mask from its definition, in NumPy uint32 arithmetic: MurmurHash3's finaliser chained over the
+    batch row, head, query and key (each word `index * odd constant + constant`), kept where the hash >= rate * 2^32."""
+
+    def fmix(x):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x85EBCA6B)
+        x = x ^ (x >> np.uint32(13))
+        x = x * np.uint32(0xC2B2AE35)
+        return x ^ (x >> np.uint32(16))
+
+    u = lambda x: np.asarray(x, np.uint64).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        h = fmix(seeds[0] ^ fmix(u(b) * np.uint32(0x9E3779B1) + seeds[1]))
+        h = fmix(h ^ (u(n) * np.uint32(0x85EBCA77) + np.uint32(0x27D4EB2F)))
+        h = fmix(h ^ (u(i) * np.uint32(0xC2B2AE3D) + np.uint32(0x165667B1)))
+        h = fmix(h ^ (u(j) * np.uint32(0x27D4EB2F) + np.uint32(0x9E3779B1)))
+    return h >= np.uint32(min(round(rate * 2.0**32), 2**32 - 1))
+
+
+def test_the_mask_is_the_murmur_chain_it_is_defined_as():
+    """`dropout_keep_mask` (whose hash applies the finaliser's first xor-shift to each side before they meet) equals
+    the chain computed from its definition in NumPy, bit for bit."""
+    from attnlib._src.dropout import dropout_seeds
+
+    key, rate, shape = jax.random.key(11), 0.3, (3, 5, 41, 67)
+    seeds = np.asarray(dropout_seeds(key))
+    b, n, i, j = np.ix_(*(np.arange(d) for d in shape))
+    want = _murmur_chain_numpy(seeds, rate, b, n, i, j)
+    np.testing.assert_array_equal(np.asarray(dropout_keep_mask(key, rate, shape)), want)
+
+
 def test_implementations_share_the_mask():
     # documented in attnlib._src.dropout: the plain-JAX implementations drop the same probabilities for one key
     key, rate = jax.random.key(8), 0.5
