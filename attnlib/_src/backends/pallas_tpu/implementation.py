@@ -138,7 +138,7 @@ class PallasTpu(Implementation):
         interpret: run the Pallas kernels in interpret mode: slow, but on any backend (CPU included); for tests.
             Defaults to False: off a TPU the implementation then declines ("no TPU visible to JAX").
         flex_blocks: `(block_q, block_k)` of attnlib's flex kernel: query tokens (times the GQA group) and keys per
-            tile. None (the default) for tiles of about 512 query rows and 512 keys (`flex/attention.py`); multiples
+            tile. None (the default) for tiles of about 1024 query rows and 1024 keys (`flex/plan.py`); multiples
             of 8, and on a TPU `block_q` a multiple of 16 and `block_k` of 128 (interpret-mode tests use small
             blocks so that every case has several).
         kernel: which kernel serves dense and THD calls: `"auto"` (the default) splash where it serves the call
@@ -211,7 +211,7 @@ class PallasTpu(Implementation):
         return float32_precision_reason(config) or feature_reason(config) or _backward_kernels_reason()
 
     def kernel_note(self, config: AttentionConfig, context: Context) -> str | None:
-        if config.layout == "paged" or self.decline_reason(config, context) is not None:
+        if config.layout == "paged":
             return None
         why = self._runs_flex(config)
         return None if why is None else f"runs {flex_support.NAME} ({why})"

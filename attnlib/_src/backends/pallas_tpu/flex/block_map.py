@@ -115,17 +115,25 @@ def static_tiles(plan: Plan, offset: int, mask_mod_tiles_: Tiles | None) -> Tile
     visible = (i0 <= i1) & (j0 <= j1)
     full = (i0 + plan.block_q <= plan.T) & (j0 + plan.block_k <= plan.S)
     if plan.band is not None:
-        left, right = plan.band
-        lo, hi = j0 - i1 - offset, j1 - i0 - offset  # the offsets `j - (i + offset)` the tile holds
-        if left is not None:
-            full = full & (lo >= -left)
-            lo = np.maximum(lo, -left)
-        if right is not None:
-            full = full & (hi <= right)
-            hi = np.minimum(hi, right)
-        visible = visible & (lo <= hi)
+        some, every = _band_tiles(plan.band, j0 - i1 - offset, j1 - i0 - offset)  # its offsets `j - (i + offset)`
+        visible, full = visible & some, full & every
     tiles = Tiles(visible[None], (full & visible)[None])
     return tiles if mask_mod_tiles_ is None else tiles & Tiles(*(x[None] for x in mask_mod_tiles_))
+
+
+def _band_tiles(band: tuple[int | None, int | None], lo, hi):
+    """`(some, every)` for tiles whose offsets (key position minus query position) span `[lo, hi]` (NumPy or JAX
+    arrays): whether some offset lies in the band `[-left, right]` (the two ranges meet) and whether all do."""
+    left, right = band
+    some, every = lo <= hi, None
+    if left is not None:
+        some, every = some & (hi >= -left), lo >= -left
+    if right is not None:
+        some = some & (lo <= right)
+        every = hi <= right if every is None else every & (hi <= right)
+    if left is not None and right is not None and -left > right:  # an empty band
+        some = some & False
+    return some, every
 
 
 @functools.lru_cache(maxsize=64)
@@ -183,16 +191,10 @@ def runtime_tiles(plan: Plan, q_seg, q_pos, kv_seg, kv_pos, mask) -> Tiles:
     if plan.band is not None:
         qp_lo, qp_hi = _block_range(q_pos, q_ok, bq)
         kp_lo, kp_hi = _block_range(kv_pos, kv_ok, bk)
-        left, right = plan.band
         lo = kp_lo[:, None, :] - qp_hi[:, :, None]  # a range holding every offset `kv_pos - q_pos` of the tile
         hi = kp_hi[:, None, :] - qp_lo[:, :, None]
-        if left is not None:
-            full = full & (lo >= -left)
-            lo = jnp.maximum(lo, -left)
-        if right is not None:
-            full = full & (hi <= right)
-            hi = jnp.minimum(hi, right)
-        visits = visits & (lo <= hi)
+        some, every = _band_tiles(plan.band, lo, hi)
+        visits, full = visits & some, full & every
     if mask is not None:
         b, k, g, t, s = mask.shape
         tq, tk = (plan.nq, bq) if t != 1 else (1, 1), (plan.nk, bk) if s != 1 else (1, 1)

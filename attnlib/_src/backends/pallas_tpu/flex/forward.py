@@ -2,9 +2,10 @@
 
 Grid `(B, K, nq, width_k)`: batch row, key/value head, query block (each `rows = G · block_q` query rows), and the
 step along the query block's list of key blocks (`block_map.py`), innermost and sequential ("arbitrary"); a step
-the map flags wholly visible runs without masks (`body.each_tile_kind`). The running max, denominator and output accumulator live in float32 VMEM scratch; the last step divides, adds the
-sinks (one more logit per row, in the denominator only) and writes the output and the log-sum-exp (`hidden_score`
-for a row that sees nothing, whose output is 0, as `xla_chunked`'s).
+the map flags wholly visible runs without masks (`body.each_tile_kind`). The running max, denominator and output
+accumulator live in float32 VMEM scratch; the last step divides, adds the sinks (one more logit per row, in the
+denominator only) and writes the output and the log-sum-exp (`hidden_score` for a row that sees nothing, whose
+output is 0, as `xla_chunked`'s).
 """
 
 import functools

@@ -32,8 +32,9 @@ LANES = blocks.LANES
 TILE_ROWS = 1024
 """Query rows per tile the default blocks aim at (`G · block_q`, `block_q` a multiple of 128, at least 128)."""
 TILE_KEYS = 1024
-"""Keys per tile by default (fewer for shorter key sequences). Splash ran 3.7–8.0x faster on a v5e with 512-blocks
-than with 128 (docs/implementations.md); the flex kernel's blocks are not measured on a TPU yet."""
+"""Keys per tile by default (fewer for shorter key sequences). On a v5e (plain causal, bf16, 2026-12-07) 1024 x 1024
+tiles ran GQA 32/8 at 8k in 12.0 / 42.5 ms forward / forward + backward against 19.2 / 56.1 with 512 x 512, and MHA
+at 4k in 2.0 / 7.2 against 2.8 / 8.6 (the block sweep in `bench_tpu_features_v5e.json`)."""
 
 RAISED_VMEM = 96 * 2**20
 """Scoped VMEM the kernels may use where Mosaic's default is too small (a v5e core has 128 MiB): `vmem_limit`."""
