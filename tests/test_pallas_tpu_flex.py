@@ -405,6 +405,12 @@ DROPOUT = {
     "thd_sinks": Case(
         t=47, s=47, batch=(), kwargs=(("cu_seqlens_q", np.asarray([0, 12, 13, 40], np.int32)), ("sinks", _f32(6, 13)))
     ),
+    # The written gradients (a bias in place, a score_mod_arg as partials) take dropout's scale per element.
+    "bias_score_mod_soft_cap": Case(
+        kwargs=(("bias", _f32((2, 6, 37, 53), 26)), ("score_mod", alibi), ("score_mod_args", (_f32((6, 1, 1), 4),)),
+                ("logits_soft_cap", 2.5), ("is_causal", True)),
+        extras=("bias", "score_mod_args"),
+    ),  # fmt: skip
 }
 
 

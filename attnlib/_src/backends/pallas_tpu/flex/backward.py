@@ -4,7 +4,8 @@ of float `score_mod_args`) over the key blocks of each query block.
 Both recompute each tile's probabilities from the forward's saved log-sum-exp (`p = exp(s - lse)`, 0 on hidden
 entries and on rows that see nothing) and take the row term `D = rowsum(dO · O) - dlse` (as splash's: the `lse`
 cotangent enters through it), so `dS = P (dP - D)`, with dropout's kept mask applied to `dP` and to the `P` that
-multiplies `dO` for dV. `dS` then goes back through the soft cap and `score_mod` (`body.Tile.backward`).
+multiplies `dO` for dV (its `1 / (1 - rate)` once per output element: `_tile_gradient`). `dS` then goes back
+through the soft cap and `score_mod` (`body.Tile.backward`).
 
 - dK/dV: grid `(B, K, nk, width_q)`, the query blocks innermost; float32 VMEM accumulators, written once per key
   block. dK carries the logit scale.
@@ -30,19 +31,27 @@ from .operands import gradient_dtype, gradient_shape, gradient_spec, Operands, s
 from .plan import Plan, vmem_limit
 
 
-def _probabilities(plan: Plan, r: dict, kj, full: bool):
-    """`(tile, p, p_kept, dp)` of one tile: probabilities from the saved `lse`, those dropout keeps (scaled) and
-    `dP = dO·vᵀ` (dropout applied)."""
+def _tile_gradient(plan: Plan, r: dict, kj, full: bool):
+    """`(tile, p_kept, ds)` of one tile: probabilities from the saved `lse` (those dropout keeps, unscaled) and the
+    score gradient `P (dP - D)` before the soft cap and `score_mod`, with dropout's `1 / (1 - rate)` left out
+    (`dropout_scale`): `P (keep · dO·vᵀ / (1 - rate) - D) = P (keep · dO·vᵀ - (1 - rate) D) / (1 - rate)`, so the
+    scale costs one multiply per row here and one per output element, not two per element of each tile."""
     t = body.tile(plan, r, full=full, backward=True)
     p = jnp.exp(body.masked(t) - body.row_shift(r["lse"][...]))
     dp = body.dot_t(r["do"][...], r["v"][...], plan.precision)
+    di = r["di"][...]
     p_kept = p
     if plan.dropout_rate > 0:
         keep = body.dropout_keep(plan, r, kj)
-        scale = 1.0 / (1.0 - plan.dropout_rate)
-        p_kept = jnp.where(keep, p * scale, 0.0)
-        dp = jnp.where(keep, dp * scale, 0.0)
-    return t, p, p_kept, dp
+        p_kept = jnp.where(keep, p, 0.0)
+        dp = jnp.where(keep, dp, 0.0)
+        di = di * (1.0 - plan.dropout_rate)
+    return t, p_kept, p * (dp - di)
+
+
+def dropout_scale(plan: Plan) -> float:
+    """`1 / (1 - rate)`: the factor `_tile_gradient` leaves out of `p_kept` and `ds` (1 without dropout)."""
+    return 1.0 / (1.0 - plan.dropout_rate)
 
 
 def _dkv_kernel(plan: Plan, names: list[str], q_list, q_count, q_full, *refs):
@@ -58,18 +67,18 @@ def _dkv_kernel(plan: Plan, names: list[str], q_list, q_count, q_full, *refs):
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
     def step(full: bool):
-        t, p, p_kept, dp = _probabilities(plan, r, kj, full)
+        t, p_kept, ds = _tile_gradient(plan, r, kj, full)
         do, q = r["do"][...], r["q"][...]
         dv_scr[...] += body.dot_tn(p_kept.astype(do.dtype), do, plan.precision)
-        ds, _ = t.backward(p * (dp - r["di"][...]))
+        ds, _ = t.backward(ds)
         dk_scr[...] += body.dot_tn(ds.astype(q.dtype), q, plan.precision)
 
     body.each_tile_kind(plan, i < q_count[row], q_full[row * plan.width_q + i], step)
 
     @pl.when(i == plan.width_q - 1)
     def _finish():
-        dk_ref[...] = dk_scr[...] * r["scale"][0]
-        dv_ref[...] = dv_scr[...]
+        dk_ref[...] = dk_scr[...] * (r["scale"][0] * dropout_scale(plan))
+        dv_ref[...] = dv_scr[...] * dropout_scale(plan) if plan.dropout_rate > 0 else dv_scr[...]
 
 
 def _reduce_to(plan: Plan, x: jax.Array, spec) -> jax.Array:
@@ -112,8 +121,10 @@ def _dq_kernel(plan: Plan, names: list[str], n_aliased: int, kv_list, kv_count, 
 
     def step(full: bool):
         kj = kv_list[row * plan.width_k + j]
-        t, p, _, dp = _probabilities(plan, r, kj, full)
-        ds, d_args = t.backward(p * (dp - r["di"][...]))
+        t, _, ds = _tile_gradient(plan, r, kj, full)
+        if grad_specs and plan.dropout_rate > 0:  # the written gradients need the scale per element
+            ds = ds * dropout_scale(plan)
+        ds, d_args = t.backward(ds)
         k = r["k"][...]
         dq_scr[...] += body.dot(ds.astype(k.dtype), k, plan.precision)
         grads = ([ds] if plan.bias is not None else []) + d_args
@@ -124,7 +135,10 @@ def _dq_kernel(plan: Plan, names: list[str], n_aliased: int, kv_list, kv_count, 
 
     @pl.when(j == plan.width_k - 1)
     def _finish():
-        dq_ref[...] = dq_scr[...]
+        if grad_specs or plan.dropout_rate == 0:
+            dq_ref[...] = dq_scr[...]
+        else:
+            dq_ref[...] = dq_scr[...] * dropout_scale(plan)
 
 
 def _settings(plan: Plan, semantics: tuple[str, ...]) -> dict:
