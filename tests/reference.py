@@ -54,10 +54,11 @@ __all__ = [
 
 
 class _float64_jax:
-    """`jax_enable_x64` and standard dtype promotion while the caller's functions run in float64."""
+    """`jax_enable_x64`, standard dtype promotion and the CPU while the caller's functions run in float64."""
 
     def __enter__(self):
-        self._contexts = [jax.enable_x64(True), jax.numpy_dtype_promotion("standard")]
+        cpu = jax.devices("cpu")[0]  # a row at a time: not worth a dispatch to an accelerator
+        self._contexts = [jax.enable_x64(True), jax.numpy_dtype_promotion("standard"), jax.default_device(cpu)]
         for c in self._contexts:
             c.__enter__()
 
@@ -232,11 +233,14 @@ class _Problem:
             self.args.append(np.broadcast_to(a, full).reshape(B, N, T, S))
         self.float_args = [m for m, a in enumerate(self.args) if np.issubdtype(a.dtype, np.floating)]
         if score_mod is not None or mask_mod is not None:
+            # The caller's functions are written for one element; each runs over a row's keys under `vmap`.
+            per_key = (0,) * len(self.args)
+            over_row = lambda f, first: jax.jit(jax.vmap(f, in_axes=(*first, None, None, None, 0, *per_key)))
             with _float64_jax():
-                self._score = None if score_mod is None else jax.jit(score_mod)
+                self._score = None if score_mod is None else over_row(score_mod, (0,))
                 argnums = (0,) + tuple(5 + m for m in self.float_args)
-                self._score_grad = None if score_mod is None else jax.jit(jax.grad(score_mod, argnums=argnums))
-                self._mask = None if mask_mod is None else jax.jit(mask_mod)
+                self._score_grad = None if score_mod is None else over_row(jax.grad(score_mod, argnums), (0,))
+                self._mask = None if mask_mod is None else over_row(mask_mod, ())
 
     def positions(self, b: int, i: int) -> tuple[int, np.ndarray]:
         """`(q_idx, kv_idx [S])`: query `i`'s aligned position and the keys' positions within its sequence."""
@@ -288,14 +292,14 @@ class _Problem:
             vis &= (k_pos >= diag - left) & (k_pos <= diag + right)
         if self.mask_mod is not None:
             with _float64_jax():
-                for jj in np.flatnonzero(vis):
-                    vis[jj] = bool(self._mask(*self._element(b, n, i, jj, diag, k_pos)[1:]))
+                vis &= np.asarray(self._mask(*self._row(b, n, i, diag, k_pos)))
         return vis
 
-    def _element(self, b, n, i, j, q_idx, kv_idx):
-        """NumPy scalars `(batch, head, q_idx, kv_idx, *args)` of element `(b, n, i, j)` for score_mod/mask_mod."""
-        idx = (np.int32(self.batch_index(b, i)), np.int32(n), np.int32(q_idx), np.int32(kv_idx[j]))
-        return (None,) + idx + tuple(a[b, n, i, j] for a in self.args)
+    def _row(self, b, n, i, q_idx, kv_idx):
+        """`(batch, head, q_idx, kv_idx [S], *args [S])` of row `(b, n, i)` for score_mod / mask_mod: the scalars
+        each element sees, the per-key ones along the row."""
+        idx = (np.int32(self.batch_index(b, i)), np.int32(n), np.int32(q_idx), np.asarray(kv_idx, np.int32))
+        return idx + tuple(a[b, n, i] for a in self.args)
 
     def row_scores(self, b: int, n: int, i: int):
         """`(s_raw, s_mod, s, vis)`: float64 `[S]` logits of one row with bias; after score_mod (= s_raw without
@@ -309,25 +313,17 @@ class _Problem:
         if self.score_mod is not None:
             diag, k_pos = self.positions(b, i)
             with _float64_jax():
-                for j in np.flatnonzero(vis):
-                    _, *rest = self._element(b, n, i, j, diag, k_pos)
-                    s_mod[j] = float(self._score(np.float64(s_raw[j]), *rest))
+                s_mod = np.where(vis, np.asarray(self._score(s_raw, *self._row(b, n, i, diag, k_pos))), s_raw)
             vis = vis & (s_mod != -np.inf)
         s = s_mod if self.cap is None else self.cap * np.tanh(s_mod / self.cap)
         return s_raw, s_mod, s, vis
 
     def score_mod_grads(self, b: int, n: int, i: int, s_raw, vis):
         """`(df/dscore [S], [df/darg [S] for each float arg])` of score_mod at the visible keys (0 elsewhere)."""
-        dscore = np.zeros(self.S)
-        dargs = [np.zeros(self.S) for _ in self.float_args]
         diag, k_pos = self.positions(b, i)
         with _float64_jax():
-            for j in np.flatnonzero(vis):
-                _, *rest = self._element(b, n, i, j, diag, k_pos)
-                g = self._score_grad(np.float64(s_raw[j]), *rest)
-                dscore[j] = float(g[0])
-                for m in range(len(self.float_args)):
-                    dargs[m][j] = float(g[1 + m])
+            g = self._score_grad(s_raw, *self._row(b, n, i, diag, k_pos))
+        dscore, *dargs = (np.where(vis, np.asarray(x, np.float64), 0.0) for x in g)
         return dscore, dargs
 
     def row_softmax(self, b: int, n: int, i: int):
