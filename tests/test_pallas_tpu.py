@@ -505,10 +505,36 @@ def _textbook_float32(q, k, v, visible, scale, soft_cap):
     return out, lse
 
 
+def _textbook_flash_grads_float32(q, k, v, visible, scale, soft_cap, d_out, d_lse):
+    """The gradients `(dq, dk, dv)` of `_textbook_float32`, written the way a flash backward computes them (float32,
+    full-precision products): probabilities recomputed from the `lse` (`p = exp(s - lse)`), so the device's `log`
+    enters them as well as its `exp`; `D = rowsum(dO · O) - dlse`, `dS = P (dP - D)`, through the soft cap."""
+    out, lse = _textbook_float32(q, k, v, visible, scale, soft_cap)
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    hi = jax.lax.Precision.HIGHEST
+    raw = jnp.einsum("btnh,bsnh->bnts", q, k, precision=hi) * scale
+    s = raw if soft_cap is None else soft_cap * jnp.tanh(raw / soft_cap)
+    seen = jnp.isfinite(lse)[..., None]
+    p = jnp.where(visible & seen, jnp.exp(s - jnp.where(seen, lse[..., None], 0.0)), 0.0)
+    d_out, out = d_out.astype(jnp.float32), out.astype(jnp.float32)
+    dv = jnp.einsum("bnts,btnh->bsnh", p, d_out, precision=hi)
+    dp = jnp.einsum("btnh,bsnh->bnts", d_out, v, precision=hi)
+    row = jnp.transpose(jnp.sum(d_out * out, axis=-1), (0, 2, 1)) - d_lse  # [B, N, T]
+    ds = p * (dp - row[..., None])
+    if soft_cap is not None:
+        ds = ds * (1.0 - jnp.square(s / soft_cap))
+    dq = jnp.einsum("bnts,bsnh->btnh", ds, k, precision=hi) * scale
+    dk = jnp.einsum("bnts,btnh->bsnh", ds, q, precision=hi) * scale
+    fold = lambda x: jnp.sum(jnp.reshape(x, (*x.shape[:2], x.shape[2] // group, group, x.shape[3])), axis=3)
+    return dq, fold(dk), fold(dv)
+
+
 def _assert_tpu_float32_close(case: Case, implementation):
     """attnlib's float32 `(out, lse, dq, dk, dv)` against the float64 reference, allowed float32's host tolerance
     plus twice the largest error of `_textbook_float32` on the same device: what the device's float32 arithmetic
-    (its `exp`, `log`, `tanh`) costs any implementation there."""
+    (its `exp`, `log`, `tanh`) costs any implementation there. For the gradients, the larger error of its two
+    backward forms: JAX's autodiff of it, and the flash form (`_textbook_flash_grads_float32`)."""
     (q, k, v), out, lse, grads, d_out, d_lse = _run(case, jnp.float32, implementation)
     kw, args, ref_out, ref_lse, ref_grads = _reference(case, q, k, v, d_out, d_lse)
     empty = np.isinf(ref_lse)
@@ -518,30 +544,43 @@ def _assert_tpu_float32_close(case: Case, implementation):
     (tb_out, tb_lse), tb_vjp = jax.vjp(jax.jit(textbook), q, k, v)
     tb_lse = jnp.transpose(tb_lse, (0, 2, 1))  # [B, T, N], as attnlib returns it
     assert tb_lse.shape == lse.shape == ref_lse.shape
-    tb_grads = jax.jit(tb_vjp)((d_out, jnp.transpose(jnp.where(empty, 0.0, d_lse), (0, 2, 1))))
+    tb_d_lse = jnp.transpose(jnp.where(empty, 0.0, d_lse), (0, 2, 1))
+    tb_grads = jax.jit(tb_vjp)((d_out, tb_d_lse))
+    flash = lambda q, k, v, d_out, d_lse: _textbook_flash_grads_float32(
+        q, k, v, visible, float(scale), kw.get("logits_soft_cap"), d_out, d_lse
+    )
+    flash_grads = jax.jit(flash)(q, k, v, d_out, tb_d_lse)
 
-    def check(actual, tb, expected, tol, what, by_max=False):
+    def check(actual, tbs, expected, tol, what, by_max=False):
         e = np.asarray(expected, np.float64)
         fin = np.isfinite(e)
-        tb = np.asarray(tb, np.float64)
-        assert np.array_equal(np.isfinite(tb), fin), f"textbook {what}: non-finite where the reference is not"
-        tb_err = float(np.max(np.abs(tb[fin] - e[fin]), initial=0.0))
+        tb_err = 0.0
+        for tb in tbs if isinstance(tbs, tuple) else (tbs,):
+            tb = np.asarray(tb, np.float64)
+            assert np.array_equal(np.isfinite(tb), fin), f"textbook {what}: non-finite where the reference is not"
+            tb_err = max(tb_err, float(np.max(np.abs(tb[fin] - e[fin]), initial=0.0)))
         device = tb_err / max(1.0, float(np.abs(e[fin]).max(initial=0.0))) if by_max else tb_err
         assert_close(actual, expected, Tol(tol.atol + 2 * device, tol.rtol), what=what, scale_atol_by_max=by_max)
+        device_terms[what] = device
+
+    device_terms = {}
 
     check(out, tb_out, ref_out, OUT_TOL[np.dtype(jnp.float32)], "out")
     check(lse, tb_lse, ref_lse, LSE_TOL[np.dtype(jnp.float32)], "lse")
-    for name, g, tb in zip(("query", "key", "value"), grads, tb_grads):
+    for name, g, tb, tb_flash in zip(("query", "key", "value"), grads, tb_grads, flash_grads, strict=True):
         assert g.dtype == jnp.float32
-        check(g, tb, ref_grads[name], GRAD_TOL[np.dtype(jnp.float32)], f"d{name}", by_max=True)
+        check(g, (tb, tb_flash), ref_grads[name], GRAD_TOL[np.dtype(jnp.float32)], f"d{name}", by_max=True)
+    return device_terms
 
 
 # Fast tier: "soft_cap_gqa" (the device's `tanh` too); "causal_bottom_right" is `full`.
 @pytest.mark.parametrize("name", _params(["causal_bottom_right", "soft_cap_gqa"], ("causal_bottom_right",)))
 def test_float32_device_bound_on_cpu_is_the_host_tolerance(name):
     """On a CPU the textbook formula is float32-exact, so `_assert_tpu_float32_close` is the host tolerance: interpret
-    mode (float32 kept) passes it."""
-    _assert_tpu_float32_close(CASES[name], INTERPRET)
+    mode (float32 kept) passes it, and both textbook forms are float32-exact here (what they add on a TPU is the
+    device's, not a slip of theirs)."""
+    device_terms = _assert_tpu_float32_close(CASES[name], INTERPRET)
+    assert max(device_terms.values()) < 2e-6, device_terms
 
 
 FLOAT32_CASES = ["dense", "causal_bottom_right", "segments_cross", "soft_cap_gqa"]
