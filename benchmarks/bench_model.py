@@ -1,10 +1,12 @@
 """Model benchmark: the training step of the Llama-shaped model of `examples/`, with only the attention core swapped.
 
 Usage: python benchmarks/bench_model.py [--json out.json] [--only CONFIG ...] [--framework equinox haiku]
-       [--variants NAME ...] [--warmup 2] [--steps 5] [--remat save_attention] [--profile] [--smoke]
+       [--variants NAME ...] [--warmup 2] [--steps 5] [--remat save_attention] [--optimizer adamw] [--profile]
+       [--smoke]
 
 The step is `examples/train.py`'s on `llama.py` (Equinox) or `llama_haiku.py` (Haiku, the same weights), per-block
-remat (`--remat`: `save_attention` keeps every core's kernel results, `full` recomputes everything), bfloat16, the same
+remat (`--remat`: `save_attention` keeps every core's kernel results, `full` recomputes everything), bfloat16,
+`--optimizer`'s update (`adamw`: `train.make_optimizer`'s; `sgd`: plain SGD, an update that costs little), the same
 batch (packed configs: segment ids of several documents a row). Variants: `attnlib` (the model as written; its pick:
 `attnlib_pick`), `jax_nn` (XLA), `jax_nn_cudnn` (GPU), `splash` (raw, 512-blocks, `bench_tpu.splash_fn`; TPU),
 `tokamax` (GPU); jax.nn and tokamax get documents as a dense `[B, 1, T, T]` mask. One that cannot run: `skipped`.
@@ -39,6 +41,7 @@ import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from hlo_and_traces import layout_ops, profile_device_time
 
 
@@ -91,6 +94,7 @@ REMAT_CHOICES = {"none": False, "full": True} | {
     if name != "full"
 }  # llama.LlamaConfig.remat by name; the policies that keep attnlib's kernels keep every peer's too
 DEFAULT_REMAT = "save_attention"
+OPTIMIZERS = ("adamw", "sgd")
 VARIANTS = ("attnlib", "jax_nn", "jax_nn_cudnn", "splash", "tokamax")
 FRAMEWORKS = ("equinox", "haiku")
 LEARNING_RATE = 3e-4
@@ -245,8 +249,17 @@ def time_attention_core(core: Callable, config: Config, segment_ids, loops: int,
     return result
 
 
+def make_optimizer(name: str, steps: int):
+    """`train.make_optimizer`'s AdamW over `steps` (`adamw`) or plain SGD (`sgd`), at `LEARNING_RATE`."""
+    if name == "sgd":
+        return optax.sgd(LEARNING_RATE)
+    if name == "adamw":
+        return train.make_optimizer(LEARNING_RATE, steps)
+    raise ValueError(f"unknown optimizer {name!r}; known: {OPTIMIZERS}")
+
+
 def run_variant(framework: str, variant: str, config: Config, batch, *, warmup: int, steps: int, peak,
-                smoke: bool = False, profile: bool = False) -> dict:  # fmt: skip
+                smoke: bool = False, profile: bool = False, optimizer: str = "adamw") -> dict:  # fmt: skip
     result: dict = {}
     try:
         core_fn = attention_core(variant, config)
@@ -259,9 +272,9 @@ def run_variant(framework: str, variant: str, config: Config, batch, *, warmup: 
     tokens, segment_ids = batch
     try:
         params, loss_fn = build(framework, config, None if variant == "attnlib" else core_fn)
-        optimizer = train.make_optimizer(LEARNING_RATE, warmup + steps)
-        opt_state = optimizer.init(params)
-        step = train.make_step(loss_fn, optimizer)
+        update = make_optimizer(optimizer, warmup + steps)
+        opt_state = update.init(params)
+        step = train.make_step(loss_fn, update)
         args = (tokens, segment_ids)
         start = time.perf_counter()
         compiled = step.lower(params, opt_state, *args).compile()
@@ -332,7 +345,8 @@ def param_shapes(config: Config):
 
 
 def run_config(name: str, config: Config, frameworks, variants, *, warmup: int, steps: int, smoke: bool = False,
-               profile: bool = False, on_result: Callable[[dict], None] = lambda row: None) -> dict:  # fmt: skip
+               profile: bool = False, optimizer: str = "adamw",
+               on_result: Callable[[dict], None] = lambda row: None) -> dict:  # fmt: skip
     """One config: every framework and variant; `on_result(row)` after each variant (the row so far)."""
     device = jax.devices()[0]
     if config.gpu_only and device.platform != "gpu":
@@ -350,7 +364,8 @@ def run_config(name: str, config: Config, frameworks, variants, *, warmup: int, 
         out = row["frameworks"][framework] = {"variants": {}}
         for variant in variants:
             out["variants"][variant] = result = run_variant(
-                framework, variant, config, batch, warmup=warmup, steps=steps, peak=peak, smoke=smoke, profile=profile
+                framework, variant, config, batch, warmup=warmup, steps=steps, peak=peak, smoke=smoke, profile=profile,
+                optimizer=optimizer,
             )
             print(f"{name} {framework} {variant}: {_summary(result)}", flush=True)
             on_result(row)
@@ -429,6 +444,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="tiny configs on any backend: the script works")
     parser.add_argument("--remat", choices=REMAT_CHOICES, default=DEFAULT_REMAT, help="per-block remat of every config "
                         "(llama.LlamaConfig.remat: none, full, or a policy that keeps the attention kernels' results)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="the step's update: adamw "
+                        "(train.make_optimizer) or sgd")
     parser.add_argument("--profile", action="store_true", help="also trace 2 steps of each variant: device time and "
                         "the attention kernels' share (TPU traces)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -445,8 +462,8 @@ def main(argv=None) -> dict:
     device = jax.devices()[0]
     header = {"device": str(device), "device_kind": device.device_kind, "platform": device.platform,
               "versions": _versions(), "smoke": args.smoke, "warmup": warmup, "steps": steps,
-              "learning_rate": LEARNING_RATE, "remat": args.remat, "peak_tflops": peak_tflops(device),
-              "flops": FLOPS_CONVENTION}  # fmt: skip
+              "learning_rate": LEARNING_RATE, "optimizer": args.optimizer, "remat": args.remat,
+              "peak_tflops": peak_tflops(device), "flops": FLOPS_CONVENTION}  # fmt: skip
     print(json.dumps(header), flush=True)
     results = {}
     started = time.perf_counter()
@@ -457,7 +474,8 @@ def main(argv=None) -> dict:
 
     for name in args.only or configs:
         row = run_config(name, configs[name], args.framework, variants, warmup=warmup, steps=steps, smoke=args.smoke,
-                         profile=args.profile, on_result=lambda row, name=name: save(name, row))  # fmt: skip
+                         profile=args.profile, optimizer=args.optimizer,
+                         on_result=lambda row, name=name: save(name, row))  # fmt: skip
         save(name, row)
     print(table(results))
     print(f"total {time.perf_counter() - started:.1f} s")

@@ -285,3 +285,19 @@ def test_bench_model_smoke_writes_json(tmp_path):
     assert variants["attnlib"]["attention_mask"] == "segment ids"
     assert variants["jax_nn"]["attention_mask"].startswith("dense")
     assert row["frameworks"]["haiku"]["max_loss_diff_vs_attnlib"] == variants["jax_nn"]["max_loss_diff_vs_attnlib"]
+
+
+def test_bench_model_optimizers():
+    """`--optimizer sgd` steps by `-LEARNING_RATE * grad`; `adamw` is `train.make_optimizer`'s; an unknown name is
+    refused."""
+    bench = _bench_model()
+    params = {"w": np.asarray([1.0, -2.0], np.float32)}
+    grads = {"w": np.asarray([0.5, 4.0], np.float32)}
+    sgd, adamw = bench.make_optimizer("sgd", 5), bench.make_optimizer("adamw", 5)
+    with jax.numpy_dtype_promotion("standard"):  # optax's schedules, as in the smoke run
+        updates, _ = sgd.update(grads, sgd.init(params), params)
+        np.testing.assert_allclose(updates["w"], -bench.LEARNING_RATE * grads["w"], rtol=1e-6)
+        updates, _ = adamw.update(grads, adamw.init(params), params)
+    assert not np.allclose(updates["w"], -bench.LEARNING_RATE * grads["w"])  # AdamW's first (warm-up) step differs
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'"):
+        bench.make_optimizer("adam", 5)
