@@ -871,3 +871,22 @@ def test_static_tiles_match_the_elementwise_band(t, s, band, offset):
     tiles = block_map.static_tiles(plan, offset, None)
     np.testing.assert_array_equal(tiles.visits[0], want.reshape(plan.nq, 8, plan.nk, 16).any(axis=(1, 3)))
     np.testing.assert_array_equal(tiles.full[0], want.reshape(plan.nq, 8, plan.nk, 16).all(axis=(1, 3)))
+
+
+def test_a_mask_mod_left_to_the_kernel_leaves_no_tile_full():
+    """A `mask_mod` the host did not evaluate (traced constants, or too large) runs in the kernel on every tile, so
+    `static_tiles` flags no tile wholly visible (the unmasked body would skip it); evaluated, its full tiles show."""
+    from attnlib._src import modifiers
+    from attnlib._src.backends.pallas_tpu.flex import block_map
+    from attnlib._src.backends.pallas_tpu.flex.plan import Plan
+
+    causal = modifiers.describe(None, lambda b, h, i, j: j <= i, ())
+    plan = Plan(B=1, K=1, G=1, T=64, S=64, block_q=16, block_k=16, head_dim=128, value_head_dim=128, dtype=np.float32,
+                band=None, soft_cap=None, bias=None, mask=None, args=(), arg_grads=(), modifiers=causal, thd=False,
+                dropout_rate=0.0, sinks=False, precision=None, interpret=True)  # fmt: skip
+    left = block_map.static_tiles(plan, 0, None)
+    assert left.visits.all() and not left.full.any()
+    evaluated = block_map.static_tiles(plan, 0, block_map.static_mask_mod(causal, 1, 1, 64, 64, 0, 16, 16))
+    qi, kj = np.arange(4)[:, None], np.arange(4)[None, :]
+    np.testing.assert_array_equal(evaluated.visits[0], kj <= qi)
+    np.testing.assert_array_equal(evaluated.full[0], kj < qi)

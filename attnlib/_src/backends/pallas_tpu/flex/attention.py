@@ -84,10 +84,7 @@ def _block_map(config: AttentionConfig, plan: Plan, fixed, args=()) -> block_map
     if plan.mask_mod is not None and not plan.modifiers.has_traced_consts:
         mask_mod = block_map.static_mask_mod(plan.modifiers, plan.B, plan.K * plan.G, plan.T, plan.S, offset,
                                              plan.block_q, plan.block_k)  # fmt: skip
-    tiles = block_map.static_tiles(plan, offset, mask_mod)
-    if plan.mask_mod is not None and mask_mod is None:  # the mask_mod is applied in the kernel on every tile
-        tiles = tiles._replace(full=np.zeros_like(tiles.full))
-    return block_map.from_tiles(tiles, per_batch=False, static=True)
+    return block_map.from_tiles(block_map.static_tiles(plan, offset, mask_mod), per_batch=False, static=True)
 
 
 def _operands(plan: Plan, scale, q, k, v, bias, sinks, args, fixed) -> operands.Operands:

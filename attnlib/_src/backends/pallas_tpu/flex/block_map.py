@@ -62,7 +62,8 @@ class BlockMap(NamedTuple):
 
 
 class Tiles(NamedTuple):
-    """bool `[Bm, nq, nk]` maps: `visits` (some pair visible) and `full` (every pair visible; within `visits`)."""
+    """bool `[Bm, nq, nk]` maps: `visits` (some pair visible) and `full` (every pair visible; within `visits`, as
+    `static_tiles` and `runtime_tiles` make it and `&` keeps it)."""
 
     visits: jax.Array | np.ndarray
     full: jax.Array | np.ndarray
@@ -81,7 +82,7 @@ def _lists(tiles: Tiles, width: int, xp):
     j = xp.arange(width, dtype=np.int32)
     inside = j < count[..., None]
     chosen = xp.where(inside, order[..., :width], last)
-    full = xp.take_along_axis(tiles.full & visits, chosen, axis=-1) & inside
+    full = xp.take_along_axis(tiles.full, chosen, axis=-1) & inside
     Bm = visits.shape[0]
     flat = lambda x: x.reshape(Bm, -1).astype(np.int32)
     return flat(chosen), flat(count), flat(full)
@@ -96,7 +97,7 @@ def from_tiles(tiles: Tiles, *, per_batch: bool, static: bool) -> BlockMap:
     width_q = max(1, int(visits.sum(-2).max())) if static else nq
     kv_list, kv_count, kv_full = _lists(tiles, width_k, xp)
     q_list, q_count, q_full = _lists(Tiles(*(xp.swapaxes(x, 1, 2) for x in tiles)), width_q, xp)
-    any_full = bool((tiles.full & visits).any()) if static else True
+    any_full = bool(tiles.full.any()) if static else True
     any_partial = bool((visits & ~tiles.full).any()) if static else True
     every_tile = bool(visits.all()) if static else False
     return BlockMap(kv_list, kv_count, kv_full, q_list, q_count, q_full, per_batch, width_k, width_q, any_full,
@@ -107,7 +108,8 @@ def static_tiles(plan: Plan, offset: int, mask_mod_tiles_: Tiles | None) -> Tile
     """`[1, nq, nk]` on the host. Visited: tiles holding a real query row `i < T` and key `j < S` with
     `j - (i + offset)` in the band (per tile, from the range of `j - i`: its rows and keys are contiguous) and, with
     `mask_mod_tiles_ [nq, nk]` (`static_mask_mod`), the `mask_mod` true somewhere in the tile. Full: no padded row or
-    key, the whole range inside the band, the `mask_mod` true everywhere."""
+    key, the whole range inside the band, the `mask_mod` true everywhere (none where the plan's `mask_mod` was not
+    evaluated here: the kernel then applies it on every tile)."""
     i0 = np.arange(plan.nq)[:, None] * plan.block_q
     i1 = np.minimum(i0 + plan.block_q, plan.T) - 1
     j0 = np.arange(plan.nk)[None, :] * plan.block_k
@@ -117,8 +119,11 @@ def static_tiles(plan: Plan, offset: int, mask_mod_tiles_: Tiles | None) -> Tile
     if plan.band is not None:
         some, every = _band_tiles(plan.band, j0 - i1 - offset, j1 - i0 - offset)  # its offsets `j - (i + offset)`
         visible, full = visible & some, full & every
-    tiles = Tiles(visible[None], (full & visible)[None])
-    return tiles if mask_mod_tiles_ is None else tiles & Tiles(*(x[None] for x in mask_mod_tiles_))
+    if mask_mod_tiles_ is not None:
+        visible, full = visible & mask_mod_tiles_.visits, full & mask_mod_tiles_.full
+    elif plan.mask_mod is not None:
+        full = np.zeros_like(full)
+    return Tiles(visible[None], (full & visible)[None])
 
 
 def _band_tiles(band: tuple[int | None, int | None], lo, hi):
