@@ -8,8 +8,9 @@ The step is `examples/train.py`'s on `llama.py` (Equinox) or `llama_haiku.py` (H
 remat (`--remat`: `save_attention` keeps every core's kernel results, `full` recomputes everything), bfloat16,
 `--optimizer`'s update (`adamw`: `train.make_optimizer`'s; `sgd`: plain SGD, an update that costs little), the same
 batch (packed configs: segment ids of several documents a row). Variants: `attnlib` (the model as written; its pick:
-`attnlib_pick`), `jax_nn` (XLA), `jax_nn_cudnn` (GPU), `splash` (raw, 512-blocks, `bench_tpu.splash_fn`; TPU),
-`tokamax` (GPU); jax.nn and tokamax get documents as a dense `[B, 1, T, T]` mask. One that cannot run: `skipped`.
+`attnlib_pick`), `jax_nn` (XLA), `jax_nn_cudnn` (GPU), `splash` (raw, 512-blocks, `bench_tpu.splash_fn`: the MQA
+kernel per key/value head; TPU), `splash_grouped` (the same, GQA through splash's MHA kernel; TPU), `tokamax`
+(GPU); jax.nn and tokamax get documents as a dense `[B, 1, T, T]` mask. One that cannot run: `skipped`.
 
 Per config, framework and variant: `step_ms` (median of `--steps` after `--warmup`), `tokens_per_s`, `mfu`,
 `compile_s`, `peak_bytes_in_use` (the process's high-water mark), `compiled_bytes`, the losses and
@@ -95,7 +96,7 @@ REMAT_CHOICES = {"none": False, "full": True} | {
 }  # llama.LlamaConfig.remat by name; the policies that keep attnlib's kernels keep every peer's too
 DEFAULT_REMAT = "save_attention"
 OPTIMIZERS = ("adamw", "sgd")
-VARIANTS = ("attnlib", "jax_nn", "jax_nn_cudnn", "splash", "tokamax")
+VARIANTS = ("attnlib", "jax_nn", "jax_nn_cudnn", "splash", "splash_grouped", "tokamax")
 FRAMEWORKS = ("equinox", "haiku")
 LEARNING_RATE = 3e-4
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "v5 lite": 197.0, "v5e": 197.0}
@@ -175,13 +176,14 @@ def attention_core(variant: str, config: Config) -> Callable:
         return lambda q, k, v, s: jax.nn.dot_product_attention(
             q, k, v, mask=_segment_mask(s), is_causal=True, local_window_size=window, implementation=impl
         )
-    if variant == "splash":
+    if variant in ("splash", "splash_grouped"):
         if platform != "tpu":
             raise NotImplementedError("raw splash attention needs a TPU (interpret mode is too slow for a model step); "
                                       f"this device is a {platform}")  # fmt: skip
         m = config.model  # raw splash on [B, T, N, H], causal (bench_tpu.splash_fn)
         case = bench_tpu.Case(config.batch, config.seq, m.num_heads, m.num_kv_heads, m.head_dim, True, m.sliding_window)
-        return bench_tpu.splash_fn(case, default=False, interpret=False, per_kv_head=True)
+        grouped = variant == "splash_grouped"
+        return bench_tpu.splash_fn(case, default=False, interpret=False, per_kv_head=not grouped, grouped=grouped)
     if variant == "tokamax":
         if platform != "gpu":
             raise NotImplementedError(f"tokamax is benchmarked on GPUs only; this device is a {platform}")
@@ -267,7 +269,8 @@ def run_variant(framework: str, variant: str, config: Config, batch, *, warmup: 
         return {"skipped": str(e)}
     if config.documents is not None:  # how the core sees the documents
         dense = "dense [B, 1, T, T] mask from the segment ids"
-        result["attention_mask"] = {"attnlib": "segment ids", "splash": "segment ids", "jax_nn_cudnn": dense +
+        result["attention_mask"] = {"attnlib": "segment ids", "splash": "segment ids", "splash_grouped": "segment ids",
+                                    "jax_nn_cudnn": dense +
                                     " (jax.nn's cuDNN path: an additive bias)"}.get(variant, dense)  # fmt: skip
     tokens, segment_ids = batch
     try:

@@ -20,14 +20,17 @@ Variants, side by side on the same bf16 inputs (`[B, T, N, H]`):
   pre-scaled by `1/sqrt(H)` (splash does not scale). The timed function takes the same `[B, T, N, H]` arrays as the
   others: the transposes to splash's `[N, T, H]` layout and back, and the scaling, are inside it.
 - `splash_default`: the same with splash's default `BlockSizes` (`BlockSizes.get_default()`: 128 everywhere).
+- `splash_grouped`: as `splash`, but GQA through `make_splash_mha_single_device` with `K` key/value heads (splash's
+  own grouping: `N/K` query heads read each key/value head), vmapped over the batch only: the wiring attnlib's
+  `pallas_tpu` uses. On MHA rows it is `splash`'s call.
 
 Per case and variant the forward output is checked first (against plain XLA at `Precision.HIGHEST`, or for a
 feature row attnlib's `xla_chunked` in float32; beyond `4 eps(bf16) max|ref|` it is marked wrong, not timed; splash's
 nearest call to a feature row is not checked), then forward and forward + backward (gradient of `sum(out * dout)`
 w.r.t. q, k, v, and a bias) are timed round-robin by `harness.time_calls`: median (and minimum) per call. TFLOP/s
 count the visible (query, key) pairs exactly: forward `2 E B N (H + Hv)`, forward + backward `2 E B N (4 H + 3 Hv)`.
-The summary gives attnlib's speed-up over `splash` and `splash_default`. `--smoke`: tiny shapes on any backend
-(splash interpreted), a check that the script works. Methodology: docs/performance.md#tpu.
+The summary gives attnlib's speed-up over `splash`, `splash_default` and `splash_grouped`. `--smoke`: tiny shapes on
+any backend (splash interpreted), a check that the script works. Methodology: docs/performance.md#tpu.
 """
 
 import dataclasses
@@ -88,7 +91,8 @@ SMOKE_CASES = {  # splash's blocks are multiples of 128 rows, even in interpret 
 KINDS = ("fwd", "fwd_bwd")
 
 VARIANTS = ("attnlib", "attnlib_pallas_tpu", "attnlib_flex", "attnlib_xla_chunked", "attnlib_xla", "jax_nn", "splash",
-            "splash_default")
+            "splash_default", "splash_grouped")
+SPLASH_PEERS = ("splash", "splash_default", "splash_grouped")
 
 
 def _kwargs(case: Case, *extra) -> dict:
@@ -149,16 +153,17 @@ def _splash_blocks(case: Case, default: bool):
     )  # fmt: skip
 
 
-def splash_fn(case: Case, *, default: bool, interpret: bool, per_kv_head: bool = False):
+def splash_fn(case: Case, *, default: bool, interpret: bool, per_kv_head: bool = False, grouped: bool = False):
     """`fn(q, k, v, segment_ids=None) -> out`, all `[B, T, N, H]`, through raw splash attention (see the module
-    docstring); `per_kv_head`: the MQA kernel per key/value head also for MHA (`bench_model.py`'s cores), which
-    alone takes segment ids `[B, T]` (one `SegmentIds` of a batch row for all its heads)."""
+    docstring); `per_kv_head`: the MQA kernel per key/value head also for MHA; `grouped`: the MHA kernel over all
+    `N` query heads against the `K` key/value heads, GQA included (`splash_grouped`). Segment ids `[B, T]` (one
+    `SegmentIds` of a batch row for all its heads) go to either kernel vmapped over the batch."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
         splash_attention_mask as mask_lib,
     )
 
-    per_kv_head = per_kv_head or case.feature == "documents"  # segment ids: the MQA kernel per key/value head
+    per_kv_head = (per_kv_head or case.feature == "documents") and not grouped  # segment ids: a kernel per row
     shape = (case.s, case.s)
     if case.feature == "prefix_lm":
         rows, cols = np.arange(case.s)[:, None], np.arange(case.s)[None, :]
@@ -170,7 +175,7 @@ def splash_fn(case: Case, *, default: bool, interpret: bool, per_kv_head: bool =
     else:
         one = mask_lib.FullMask(shape)
     group = case.n // case.k
-    mha = group == 1 and not per_kv_head
+    mha = grouped or (group == 1 and not per_kv_head)
     heads = case.n if mha else group
     mask = mask_lib.MultiHeadMask([one] * heads)
     make = kernel_lib.make_splash_mha_single_device if mha else kernel_lib.make_splash_mqa_single_device
@@ -190,7 +195,11 @@ def splash_fn(case: Case, *, default: bool, interpret: bool, per_kv_head: bool =
         q = q * jnp.asarray(scale, q.dtype)
         to_heads = lambda x: jnp.transpose(x, (0, 2, 1, 3))  # [B, T, N, H] -> [B, N, T, H]
         if mha:  # one kernel over all heads, vmapped over the batch
-            return to_heads(jax.vmap(kernel)(to_heads(q), to_heads(k), to_heads(v)))
+            if segment_ids is None:
+                return to_heads(jax.vmap(kernel)(to_heads(q), to_heads(k), to_heads(v)))
+            ids = kernel_lib.SegmentIds(q=segment_ids, kv=segment_ids)
+            with_ids = lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids)
+            return to_heads(jax.vmap(with_ids)(to_heads(q), to_heads(k), to_heads(v), ids))
         # GQA: [B, T, K, G, H] -> [B, K, G, T, H] against [B, K, S, H]; vmapped over batch and key/value heads
         q5 = jnp.transpose(jnp.reshape(q, (b, t, case.k, group, h)), (0, 2, 3, 1, 4))
         if segment_ids is None:
@@ -225,8 +234,9 @@ def variant_fns(case: Case, names, interpret: bool) -> dict:
                     raise NotImplementedError(f"jax.nn has no {case.feature}")
                 table[name] = lambda q, k, v, *x: jax.nn.dot_product_attention(q, k, v, implementation="xla",
                                                                                **_kwargs(case, *x))  # fmt: skip
-            elif name in ("splash", "splash_default"):
-                call = splash_fn(case, default=name == "splash_default", interpret=interpret)
+            elif name in SPLASH_PEERS:
+                call = splash_fn(case, default=name == "splash_default", interpret=interpret,
+                                 grouped=name == "splash_grouped")  # fmt: skip
                 table[name] = lambda q, k, v, *x, call=call: call(q, k, v, None, x)[..., : case.hv or case.h]
             else:
                 raise ValueError(f"unknown variant {name!r}; known: {VARIANTS}")
@@ -329,7 +339,7 @@ def run_case(case: Case, names, rounds: int, *, interpret: bool = False, loops: 
         result[f"{kind}_min_ms"] = min(times) * 1e3
         result[f"{kind}_tflops"] = row["flops"][kind] / (result[f"{kind}_ms"] * 1e-3) / 1e12
     mine = row["variants"].get("attnlib", {})
-    for peer in ("splash", "splash_default"):
+    for peer in SPLASH_PEERS:
         theirs = row["variants"].get(peer, {})
         for kind in ("fwd", "fwd_bwd"):
             if f"{kind}_ms" in mine and f"{kind}_ms" in theirs:
@@ -340,8 +350,8 @@ def run_case(case: Case, names, rounds: int, *, interpret: bool = False, loops: 
 def table(results: dict) -> str:
     labels = list(dict.fromkeys(label for row in results.values() for label in row["variants"]))
     lines = [
-        "| case | attnlib picks | " + " | ".join(labels) + " | attnlib vs splash | attnlib vs splash_default |",
-        "|---" * (len(labels) + 4) + "|",
+        "| case | attnlib picks | " + " | ".join(labels) + "".join(f" | attnlib vs {p}" for p in SPLASH_PEERS) + " |",
+        "|---" * (len(labels) + 2 + len(SPLASH_PEERS)) + "|",
     ]
     for name, row in results.items():
         cells = []
@@ -357,9 +367,9 @@ def table(results: dict) -> str:
                 cells.append("—" if not r else "error")
         speed = [
             " / ".join(f"{row.get(f'attnlib_vs_{peer}', {}).get(kind, float('nan')):.2f}×" for kind in KINDS)
-            for peer in ("splash", "splash_default")
+            for peer in SPLASH_PEERS
         ]
-        lines.append(f"| {name} | {row.get('attnlib_pick')} | " + " | ".join(cells) + f" | {speed[0]} | {speed[1]} |")
+        lines.append(f"| {name} | {row.get('attnlib_pick')} | " + " | ".join(cells + speed) + " |")
     return "\n".join(lines)
 
 

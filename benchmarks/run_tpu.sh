@@ -12,7 +12,7 @@
 # The machine has jax/jaxlib and libtpu (on a preset PYTHONPATH: this script appends to it, never replaces it) and
 # no registry. The pure-Python wheels it lacks travel in .whl-tpu (carry it), fetched here with:
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
-#     --platform any -d .whl-tpu jaxtyping wadler-lindig beartype equinox dm-haiku jmp tabulate
+#     --platform any -d .whl-tpu jaxtyping wadler-lindig beartype equinox dm-haiku jmp tabulate optax chex toolz
 # absl-py comes from the machine's own wheel index (/opt/pypi), as the device tool's TPU page says.
 set -uo pipefail
 out=${1:?output directory}; shift

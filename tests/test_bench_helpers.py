@@ -86,7 +86,7 @@ def test_bench_tpu_smoke_runs_one_case_on_the_cpu(tmp_path, monkeypatch):
     """`--smoke` on the CPU: splash interpreted, every variant checked against the reference before it is timed; an
     implementation this build lacks is reported, not fatal."""
     out = tmp_path / "bench.json"
-    variants = ["attnlib", "attnlib_pallas_tpu", "attnlib_xla_chunked", "splash"]
+    variants = ["attnlib", "attnlib_pallas_tpu", "attnlib_xla_chunked", "splash", "splash_grouped"]
     bench = _load("bench_tpu", monkeypatch)
     bench.main(["--smoke", "--only", "smoke_gqa_window", "--variants", *variants, "--flex-blocks", "64x128",
                 "--json", str(out)])  # fmt: skip
@@ -95,13 +95,27 @@ def test_bench_tpu_smoke_runs_one_case_on_the_cpu(tmp_path, monkeypatch):
     row = result["cases"]["smoke_gqa_window"]
     assert row["attnlib_pick"] in ("xla_chunked", "xla", "pallas_tpu")
     assert set(row["variants"]) == {*variants, "attnlib_flex@64x128"}
-    for label in ("attnlib", "attnlib_xla_chunked", "splash", "attnlib_flex@64x128"):
+    for label in ("attnlib", "attnlib_xla_chunked", "splash", "splash_grouped", "attnlib_flex@64x128"):
         r = row["variants"][label]
         assert r["max_err"] <= row["tolerance"], r
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_tflops"] > 0, r
     pallas = row["variants"]["attnlib_pallas_tpu"]
     assert "fwd_ms" in pallas or "error" in pallas
-    assert set(row["attnlib_vs_splash"]) == {"fwd", "fwd_bwd"}
+    assert set(row["attnlib_vs_splash"]) == set(row["attnlib_vs_splash_grouped"]) == {"fwd", "fwd_bwd"}
+
+
+def test_bench_splash_wirings_agree_on_segment_ids(monkeypatch):
+    """Raw splash's two GQA wirings (the MQA kernel per key/value head, the MHA kernel over all heads) give the same
+    result on one call with segment ids `[B, T]` (interpreted): the model benchmark's `splash` and `splash_grouped`."""
+    bench = _load("bench_tpu", monkeypatch)
+    case = bench.Case(2, 256, 4, 2, 64)
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 256, n, 64), jnp.bfloat16) for i, n in enumerate((4, 2, 2)))
+    ids = jnp.asarray(np.repeat(np.array([[1, 2], [3, 3]]), 128, axis=1), jnp.int32)
+    per_kv_head = bench.splash_fn(case, default=False, interpret=True, per_kv_head=True)(q, k, v, ids)
+    grouped = bench.splash_fn(case, default=False, interpret=True, grouped=True)(q, k, v, ids)
+    np.testing.assert_allclose(np.asarray(grouped, np.float32), np.asarray(per_kv_head, np.float32), atol=2e-2)
+    plain = bench.splash_fn(case, default=False, interpret=True, grouped=True)(q, k, v)
+    assert np.max(np.abs(np.asarray(plain, np.float32) - np.asarray(grouped, np.float32))) > 0.1  # the ids matter
 
 
 def test_bench_tpu_feature_rows(tmp_path, monkeypatch):
