@@ -270,8 +270,8 @@ def test_bench_model_smoke_writes_json(tmp_path):
     assert row["attnlib_pick"] in ("xla", "xla_chunked")
     assert set(row["frameworks"]) == {"haiku"}
     variants = row["frameworks"]["haiku"]["variants"]
-    assert set(variants) == {"attnlib", "jax_nn", "jax_nn_cudnn", "splash", "tokamax"}
-    for name in ("jax_nn_cudnn", "splash", "tokamax"):
+    assert set(variants) == {"attnlib", "jax_nn", "jax_nn_cudnn", "splash", "splash_grouped", "tokamax"}
+    for name in ("jax_nn_cudnn", "splash", "splash_grouped", "tokamax"):
         assert "skipped" in variants[name], variants[name]
     for name in ("attnlib", "jax_nn"):
         r = variants[name]
