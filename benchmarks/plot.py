@@ -39,6 +39,7 @@ DECODE = [
 MODEL = [
     ("attnlib (automatic)", "attnlib"),
     ("raw splash, 512-blocks", "splash"),
+    ("raw splash, GQA in its MHA kernel", "splash_grouped"),
     ("tokamax", "tokamax"),
     ("jax.nn cuDNN", "jax_nn_cudnn"),
     ("jax.nn (XLA)", "jax_nn"),
@@ -107,8 +108,12 @@ def model(out: str) -> None:
     files = sorted(RESULTS.glob("bench_model_*.json"))
     if not files:
         raise SystemExit(f"no bench_model_*.json in {RESULTS}")
-    fig, axes = plt.subplots(1, len(files), figsize=(6 * len(files), 4.2), squeeze=False)
-    for ax, path in zip(axes[0], files):
+    columns = min(2, len(files))
+    rows = -(-len(files) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7 * columns, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(files) :]:
+        ax.set_visible(False)
+    for ax, path in zip(axes.flat, files):
         result = json.loads(path.read_text())
         groups = []  # (label, {variant: row}) per config and framework that attnlib ran in
         for name, config in result["configs"].items():
@@ -117,8 +122,8 @@ def model(out: str) -> None:
                     groups.append((f"{name}\n{framework}", rows["variants"]))
         present = [(label, key) for label, key in MODEL if any(v.get(key, {}).get("step_ms") for _, v in groups)]
         tokens = lambda i, key: (groups[i][1].get(key, {}).get("tokens_per_s") or np.nan) / 1e3  # noqa: E731
-        title = (f"{result.get('device_kind', result.get('device'))}, remat {result.get('remat', 'full')}: "
-                 f"{path.name} (attnlib's MFU over its bar)")  # fmt: skip
+        title = (f"{result.get('device_kind', result.get('device'))}, remat {result.get('remat', 'full')}, "
+                 f"{result.get('optimizer', 'adamw')}\n{path.name} (attnlib's MFU over its bar)")  # fmt: skip
         drawn = _bars(ax, range(len(groups)), present, tokens, title, "thousand tokens / s (training step)",
                       {"loc": "upper right"})  # fmt: skip
         for bar, (_, rows) in zip(drawn.get("attnlib", ()), groups):
