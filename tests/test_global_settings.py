@@ -30,7 +30,17 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_grad_close, assert_lse_close, assert_out_close, normal, rng, to_f64, Tol
+from helpers import (
+    assert_close,
+    assert_grad_close,
+    assert_lse_close,
+    assert_out_close,
+    normal,
+    on_a_simulated_tpu,
+    rng,
+    to_f64,
+    Tol,
+)
 from reference import reference_attention, reference_attention_vjp
 
 import attnlib
@@ -354,11 +364,14 @@ def ragged_fn(name: str):
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=_sid, indirect=True)
 @pytest.mark.parametrize("name", [p for p in IMPLS if p.id in PALLAS])
-def test_ragged_paged_kernel(name, setting):
+def test_ragged_paged_kernel(name, setting, monkeypatch):
     """A mixed prefill + decode step on a `"combined"` cache: JAX's ragged paged-attention kernel. Interpret mode
-    cannot run it in JAX 0.10.2 (`tests/test_paged_serving.py`): on a CPU the test reads the traced kernel only."""
+    cannot run it (`tests/test_paged_serving.py`; `PallasTpu(interpret=True)` raises): the interpret case reads the
+    kernel as traced for a TPU (`on_a_simulated_tpu`), the TPU case also runs it."""
     queries, cache, _, expected = ragged_case()
-    traced = ragged_fn(name).trace(queries, cache)
+    if name == "pallas_tpu_interpret":
+        on_a_simulated_tpu(monkeypatch)
+    traced = ragged_fn("pallas_tpu").trace(queries, cache)
     assert_kernels_as_written(traced)
     if name == "pallas_tpu":
         out = ragged_fn(name)(queries, cache)

@@ -4,10 +4,10 @@ float64 reference.
 
 Each expected output is the float64 reference (`tests/reference.py`) run per sequence on that sequence's own tokens
 (kept here in NumPy, never read back from the cache), bottom-right causal: so appends, page tables, layouts and the
-packing of ragged queries are all checked. JAX's ragged paged-attention kernel cannot run in TPU interpret mode in
-JAX 0.10.2 (it reshapes a VMEM ref); on CPU its calls go to `helpers.ragged_paged_stand_in` (attnlib's wiring around
-the kernel), on a TPU (`tpu` marker) to the kernel itself; `tests/test_pallas_tpu_compile.py` compiles it for a
-v5e with libtpu.
+packing of ragged queries are all checked. JAX's ragged paged-attention kernel cannot run in Pallas interpret mode
+(JAX 0.10.2 to 0.12.1: it reshapes a VMEM ref; `PallasTpu(interpret=True)` raises for it); on CPU its calls go to
+`helpers.ragged_paged_stand_in` (attnlib's wiring around the kernel), on a TPU (`tpu` marker) to the kernel itself;
+`tests/test_pallas_tpu_compile.py` compiles it for a v5e with libtpu.
 """
 
 import dataclasses
@@ -168,6 +168,19 @@ def test_head_major_decode_runs_the_paged_kernel_on_the_pools_as_they_are():
     cache = _filled_cache(batch, "head_major", jnp.bfloat16, keys, values)
     assert cache.pools[0].shape == (batch.k, batch.num_pages, batch.page_size, 128)  # padded once, at create
     out = cache.attend(jnp.asarray(queries[:, None], jnp.bfloat16), implementation=INTERPRET)
+    assert_out_close(out[:, 0], _expected(batch, keys, values, queries), jnp.bfloat16)
+
+
+def test_interpret_mode_on_a_combined_cache_names_the_limit_and_the_ways_out():
+    """Without the stand-in: JAX's ragged kernel cannot be interpreted, so `PallasTpu(interpret=True)` raises at trace
+    time, naming the layout, the limit and what runs instead (before: an AttributeError from inside Pallas)."""
+    batch = Batch(chunk=(1, 1, 1, 1), padding_rows=0)
+    keys, values, queries = _tokens(batch, jnp.bfloat16)
+    cache = _filled_cache(batch, "combined", jnp.bfloat16, keys, values)
+    q = jnp.asarray(queries[:, None], jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"(?s)combined.*interpret mode.*xla.*to_layout"):
+        jax.jit(lambda q, c: c.attend(q, implementation=INTERPRET)).lower(q, cache)
+    out = cache.to_layout("head_major").attend(q, implementation=INTERPRET)  # the way out it names
     assert_out_close(out[:, 0], _expected(batch, keys, values, queries), jnp.bfloat16)
 
 

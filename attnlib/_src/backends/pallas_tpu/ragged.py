@@ -28,7 +28,7 @@ from ...config import AttentionConfig, AttentionInputs
 from .. import kernel_settings
 from ..base import Fallback, fallback_gradients
 from . import partitioning
-from .paged import interpret_mode, output_only_reason, PagedPlan, TPU_PAGE_SIZE_MULTIPLE
+from .paged import output_only_reason, PagedPlan, TPU_PAGE_SIZE_MULTIPLE
 
 
 def _kv_heads_tile(num_kv_heads: int, dtype: np.dtype) -> bool:
@@ -91,6 +91,15 @@ QUERIES_PER_BLOCK = 32
 """Query tokens per kernel step where the table has no entry (the kernel's own default)."""
 
 
+INTERPRET_UNSUPPORTED = (
+    "pallas_tpu: a \"combined\" paged cache runs JAX's ragged_paged_attention kernel, which Pallas interpret mode "
+    "cannot run (JAX 0.10.2 to 0.12.1: the kernel reshapes a VMEM ref, which neither the HLO interpreter nor TPU "
+    "interpret mode implements), so PallasTpu(interpret=True) cannot serve it. Run it on a TPU; off a TPU use "
+    "implementation='xla' or 'xla_chunked', or a \"head_major\" or \"token_major\" cache (cache.to_layout(...)), "
+    "whose decode kernel interprets."
+)
+
+
 def kernel_blocks(q, pool, page_table, *, interpret: bool) -> dict:
     """`num_kv_pages_per_block` and `num_queries_per_block` for the kernel: its table tuned per TPU generation
     where that has the shape, else `KV_BLOCK_TOKENS` / `QUERIES_PER_BLOCK`."""
@@ -116,6 +125,8 @@ def ragged_kernel(q, pool, kv_lens, page_table, cu_q_lens, *, scale, window_left
     `[B]`, the page table `[B, pages_per_seq]` (entries inside the pool) and `cu_q_lens` `[B + 1]`."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
+    if interpret:
+        raise NotImplementedError(INTERPRET_UNSUPPORTED)
     num_seqs = jnp.array([page_table.shape[0]], jnp.int32)
     blocks = kernel_blocks(q, pool, page_table, interpret=interpret)
     kernel = functools.partial(
@@ -123,10 +134,7 @@ def ragged_kernel(q, pool, kv_lens, page_table, cu_q_lens, *, scale, window_left
         sliding_window=None if window_left is None else window_left + 1, soft_cap=soft_cap, **blocks,
     )  # fmt: skip
     with kernel_settings.as_written():
-        if not interpret:
-            return kernel()
-        with interpret_mode():
-            return kernel()
+        return kernel()
 
 
 def _kernel(plan: PagedPlan, query, pool, kv_lens, page_table, cu_q):
