@@ -157,13 +157,12 @@ def splash_fn(case: Case, *, default: bool, interpret: bool, per_kv_head: bool =
     """`fn(q, k, v, segment_ids=None) -> out`, all `[B, T, N, H]`, through raw splash attention (see the module
     docstring); `per_kv_head`: the MQA kernel per key/value head also for MHA; `grouped`: the MHA kernel over all
     `N` query heads against the `K` key/value heads, GQA included (`splash_grouped`). Segment ids `[B, T]` (one
-    `SegmentIds` of a batch row for all its heads) go to either kernel vmapped over the batch."""
+    `SegmentIds` of a batch row for all its heads; the documents row makes its own) reach either kernel."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
         splash_attention_mask as mask_lib,
     )
 
-    per_kv_head = (per_kv_head or case.feature == "documents") and not grouped  # segment ids: a kernel per row
     shape = (case.s, case.s)
     if case.feature == "prefix_lm":
         rows, cols = np.arange(case.s)[:, None], np.arange(case.s)[None, :]
@@ -194,20 +193,14 @@ def splash_fn(case: Case, *, default: bool, interpret: bool, per_kv_head: bool =
         b, t, n, h = q.shape
         q = q * jnp.asarray(scale, q.dtype)
         to_heads = lambda x: jnp.transpose(x, (0, 2, 1, 3))  # [B, T, N, H] -> [B, N, T, H]
+        ids = None if segment_ids is None else kernel_lib.SegmentIds(q=segment_ids, kv=segment_ids)
+        with_ids = lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids)
         if mha:  # one kernel over all heads, vmapped over the batch
-            if segment_ids is None:
-                return to_heads(jax.vmap(kernel)(to_heads(q), to_heads(k), to_heads(v)))
-            ids = kernel_lib.SegmentIds(q=segment_ids, kv=segment_ids)
-            with_ids = lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids)
             return to_heads(jax.vmap(with_ids)(to_heads(q), to_heads(k), to_heads(v), ids))
         # GQA: [B, T, K, G, H] -> [B, K, G, T, H] against [B, K, S, H]; vmapped over batch and key/value heads
         q5 = jnp.transpose(jnp.reshape(q, (b, t, case.k, group, h)), (0, 2, 3, 1, 4))
-        if segment_ids is None:
-            out = jax.vmap(jax.vmap(kernel))(q5, to_heads(k), to_heads(v))  # [B, K, G, T, H]
-        else:
-            ids = kernel_lib.SegmentIds(q=segment_ids, kv=segment_ids)
-            per_head = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids), in_axes=(0, 0, 0, None))
-            out = jax.vmap(per_head)(q5, to_heads(k), to_heads(v), ids)
+        per_head = jax.vmap(with_ids, in_axes=(0, 0, 0, None))
+        out = jax.vmap(per_head)(q5, to_heads(k), to_heads(v), ids)  # [B, K, G, T, H]
         return jnp.reshape(jnp.transpose(out, (0, 3, 1, 2, 4)), (b, t, n, h))
 
     return fn
