@@ -51,7 +51,10 @@ KERNELS = ("auto", "splash", "flex")
 
 
 def tpu_visible() -> bool:
-    """Whether JAX sees a TPU."""
+    """Whether JAX sees a TPU: attached, or the calls traced now placed on one of a deviceless topology
+    (`jax.default_device` or `jax.set_mesh`, compiling ahead of time for a slice from a host without one)."""
+    if placement.placement_platform() == "tpu":
+        return True
     try:
         return any(d.platform == "tpu" for d in jax.devices())
     except RuntimeError:

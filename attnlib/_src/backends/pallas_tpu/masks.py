@@ -106,16 +106,19 @@ def _kernel(spec: Kernel, save_residuals: bool) -> Any:
     import jax
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    from .. import kernel_settings
+    from .. import kernel_settings, placement
 
-    # Concrete tables even when first built inside a trace, and the same whatever the settings of the first call.
-    with jax.ensure_compile_time_eval(), kernel_settings.as_written():
-        return splash.make_splash_mha(
-            _splash_mask(spec.mask),
-            block_sizes=spec.block_sizes,
-            save_residuals=save_residuals,
-            attn_logits_soft_cap=spec.soft_cap,
-            head_shards=1,
-            q_seq_shards=1,
-            interpret=spec.interpret,
-        )
+    def build() -> Any:
+        # Concrete tables even when first built inside a trace, and the same whatever the settings of the first call.
+        with jax.ensure_compile_time_eval(), kernel_settings.as_written():
+            return splash.make_splash_mha(
+                _splash_mask(spec.mask),
+                block_sizes=spec.block_sizes,
+                save_residuals=save_residuals,
+                attn_logits_soft_cap=spec.soft_cap,
+                head_shards=1,
+                q_seq_shards=1,
+                interpret=spec.interpret,
+            )
+
+    return placement.built_on_host(build)

@@ -47,8 +47,9 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from .. import kernel_settings, partition_rules as rules
+from .. import kernel_settings, partition_rules as rules, placement
 from ..partition_rules import BATCH, Dim, GROUP, KV_HEADS
+from . import mesh_call
 
 
 SPLITTABLE = frozenset({BATCH, KV_HEADS, GROUP})
@@ -154,8 +155,41 @@ def call(
     (`kernel_settings.as_written`) with 64-bit operands narrowed to 32 bits. `kv_heads_ok(local)`: whether the
     kernel takes a shard of `local` key/value heads (a split it does not take keeps the heads whole)."""
     operands = [None if x is None else kernel_settings.narrowed(x) for x in operands]
+    mesh = mesh_call.visible_mesh([x for x in operands if x is not None])
     with kernel_settings.as_written():
+        if mesh_call.needs_wrapping(mesh):
+            return _on_mesh(fn, signature, operands, kv_heads_ok, mesh)
         return _call(fn, signature, operands, kv_heads_ok)
+
+
+def _on_mesh(
+    fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Array | None],
+    kv_heads_ok: Callable[[int], bool] | None, mesh: Any,
+) -> Any:
+    """The call as a `shard_map` over `mesh`'s free axes (`mesh_call`): each device's call is local there."""
+    present = [i for i, x in enumerate(operands) if x is not None]
+    arrays = [x for x in operands if x is not None]
+    q, kv = arrays[0], arrays[1]
+    b, n, k = q.shape[0], q.shape[1], kv.shape[signature.kv_heads_axis] // signature.kv_slots
+    in_dims = [signature.dims_of_input(i, n, k) for i in present]
+    out_dims = [signature.dims_of_output(i, n, k) for i in range(len(signature.outputs))]
+
+    def local(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        full: list[jax.Array | None] = [None] * len(operands)
+        for i, x in zip(present, xs):
+            full[i] = x
+        outs = _call(fn, signature, full, kv_heads_ok)
+        return outs if isinstance(outs, tuple) else (outs,)
+
+    description = (
+        f"attnlib pallas_tpu: the {signature.kernel} {signature.name} call",
+        f"{signature.kernel} call splits {signature.splits}",
+    )
+    outs = mesh_call.call(
+        local, mesh, arrays, [signature.inputs[i] for i in present], in_dims, out_dims, signature.outputs,
+        description, b, n, k, SPLITTABLE, kv_heads_ok,
+    )  # fmt: skip
+    return outs if len(outs) > 1 else outs[0]
 
 
 def _call(
@@ -182,7 +216,7 @@ def _call(
     # `custom_partitioning` takes no closed-over constants, and splash's block tables are NumPy constants of its
     # kernels: they become leading operands, replicated (each shard's call closes over its own copy again).
     closed = jax.make_jaxpr(run)(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays))
-    consts = [jnp.asarray(c) for c in closed.consts]
+    consts = placement.built_on_host(lambda: [jnp.asarray(c) for c in closed.consts])
     nc = len(consts)
     const_dims = [(None,) * c.ndim for c in consts]
 

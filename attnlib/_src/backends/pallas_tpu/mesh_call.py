@@ -1,0 +1,149 @@
+"""Kernel calls on a mesh JAX shows at trace time: each one a `jax.shard_map` over the mesh's free axes.
+
+A Mosaic kernel is one custom call XLA cannot partition. `custom_partitioning` would carry attnlib's rule to XLA's
+partitioner, but libtpu never calls its callbacks (jax-ml/jax#38196: "Custom emitter for CustomSPMDPartitioning not
+found" on every multi-chip TPU program). Where the program's mesh is visible while the call is traced, attnlib needs
+no callback: it wraps the call in `jax.shard_map` over the axes not already manual, with the split its rule chooses
+(`partition_rules.choose_split`: batch and heads, GQA groups whole), so each chip runs the kernel on its shard and
+XLA moves nothing the rule keeps in place. The mesh is visible
+
+- through the operands' types under explicit axes (`AxisType.Explicit`): their specs are the caller's layout, and the
+  rule follows it (what it cannot split, XLA reshards, logged once);
+- through `jax.set_mesh` with automatic axes, or an operand's sharding (a committed `NamedSharding` argument of a
+  `jit`, or an abstract one of an ahead-of-time trace): the mesh is known, the layout is not. The call then splits
+  its batch over the axes not named like a tensor-parallel axis (`HEAD_AXIS_NAMES`) that divide it, and its heads
+  over the rest (`automatic_layout`), logged once at INFO; XLA reshards operands laid out otherwise.
+
+Inside `jax.shard_map` the manual axes are the caller's: only the remaining ones (if any) are wrapped. A mesh of one
+device, or none at all, leaves the call to `partitioning` unchanged.
+"""
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, PartitionSpec
+
+from ... import logs
+from .. import partition_rules as rules
+from ..partition_rules import BATCH, Dim
+
+
+HEAD_AXIS_NAMES = frozenset({"model", "tensor", "tp", "mp", "heads", "head"})
+"""Mesh axis names that, with automatic axes, split the heads (tensor parallelism) rather than the batch."""
+
+
+def _has_axes(mesh: Any) -> bool:
+    return mesh is not None and not getattr(mesh, "empty", True)
+
+
+def visible_mesh(operands: Sequence[jax.Array]) -> Any | None:
+    """The abstract mesh a call traced now runs over: `jax.set_mesh`'s (or the one JAX sets under explicit axes and
+    inside `shard_map`), else the mesh of an operand's `NamedSharding` type; None when neither shows one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if _has_axes(mesh):
+        return mesh
+    for x in operands:
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        candidate = getattr(sharding, "mesh", None)
+        if _has_axes(candidate):
+            return candidate
+    return None
+
+
+def free_axes(mesh: Any) -> tuple[str, ...]:
+    """The axes of `mesh` not manual (not already split by an enclosing `shard_map`)."""
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+
+
+def needs_wrapping(mesh: Any | None) -> bool:
+    """Whether a kernel call over `mesh` is wrapped: its free axes span more than one device, and some are explicit
+    (the layout is in the types) or its devices are TPUs (where `custom_partitioning` is not reached). Automatic axes
+    elsewhere (interpret mode on CPU devices) keep the `custom_partitioning` rule, which sees the operands' layout
+    when XLA partitions."""
+    if mesh is None or math.prod(mesh.shape[a] for a in free_axes(mesh)) == 1:
+        return False
+    platform = getattr(getattr(mesh, "abstract_device", None), "platform", None)
+    return any(_explicit(mesh, a) for a in free_axes(mesh)) or platform == "tpu"
+
+
+def _explicit(mesh: Any, axis: str) -> bool:
+    return mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
+
+
+def automatic_layout(
+    mesh: Any, q_dims: tuple[Dim, ...], axes: Sequence[str], b: int, n: int, k: int
+) -> tuple[tuple[str, ...], ...]:
+    """Per-dim mesh axes attnlib gives a query (dims `q_dims`) whose layout it cannot see: the batch takes the axes
+    `axes` not named in `HEAD_AXIS_NAMES` while their product divides it, the heads the rest."""
+    heads_dim = rules.query_heads(n, k)
+    batch: list[str] = []
+    heads: list[str] = []
+    for a in axes:
+        if mesh.shape[a] == 1:
+            continue
+        if a not in HEAD_AXIS_NAMES and b % (rules.size(mesh, tuple(batch)) * mesh.shape[a]) == 0:
+            batch.append(a)
+        else:
+            heads.append(a)
+    return tuple(tuple(batch) if d == BATCH else tuple(heads) if d == heads_dim else () for d in q_dims)
+
+
+def _spec(split: rules.Split, dims: tuple[Dim, ...]) -> PartitionSpec:
+    return PartitionSpec(*(split.axes(d) or None for d in dims))
+
+
+def call(
+    local: Callable[..., tuple[jax.Array, ...]], mesh: Any, arrays: Sequence[jax.Array], kinds: Sequence[str],
+    in_dims: Sequence[tuple[Dim, ...]], out_dims: Sequence[tuple[Dim, ...]], out_kinds: Sequence[str],
+    description: tuple[str, str], b: int, n: int, k: int, allowed: frozenset[str],
+    kv_heads_ok: Callable[[int], bool] | None,
+) -> tuple[jax.Array, ...]:
+    """`local(*shards)` (the kernel call on one device's operands) as a `shard_map` over `mesh`'s free axes, split
+    as attnlib's rule chooses for the query's visible layout (or `automatic_layout`). `description`: the call's name
+    and what it splits, for the log. Key/value gradients (`out_kinds` "k", "v") of a split that divides the GQA
+    groups are summed over those axes, as the rule's own partition does."""
+    axes = free_axes(mesh)
+    q_type = rules.mesh_axes(getattr(jax.typeof(arrays[0]), "sharding", None), len(in_dims[0]))
+    seen = tuple(tuple(a for a in d if a in axes and _explicit(mesh, a)) for d in q_type)
+    automatic = [a for a in axes if not _explicit(mesh, a)]
+    if automatic:
+        guessed = automatic_layout(mesh, in_dims[0], automatic, b, n, k)
+        seen = tuple(s + g for s, g in zip(seen, guessed))
+    split = rules.choose_split(mesh, in_dims[0], seen, b, n, k, allowed, kv_heads_ok=kv_heads_ok)
+    name, splits = description
+    if automatic:
+        idle = [a for a in axes if mesh.shape[a] > 1 and a not in split.batch + split.heads]
+        message = (
+            f"{name} runs under a mesh whose automatic axes {automatic} hide how its operands are laid out: it splits "
+            f"the batch over {list(split.batch)} and the heads over {list(split.heads)}"
+            + (f" (every device along {idle} computes the same shard)" if idle else "")
+            + "; XLA reshards operands laid out otherwise (with explicit axes, `AxisType.Explicit`, the call follows "
+            "the operands' layout)"
+        )
+        logs.log_once(("automatic layout", message), logging.WARNING if idle else logging.INFO, message)
+    incoming = [rules.mesh_axes(getattr(jax.typeof(x), "sharding", None), len(d)) for x, d in zip(arrays, in_dims)]
+    chosen = [tuple(split.axes(dim) for dim in d) for d in in_dims]
+    rules.log_resharded(name, f"a {splits}", kinds, in_dims, incoming, chosen)
+
+    def body(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        outs = local(*xs)
+        if not split.group_axes:
+            return outs
+        import jax.numpy as jnp
+
+        return tuple(
+            jax.lax.psum(o.astype(jnp.float32), split.group_axes).astype(o.dtype) if kind in ("k", "v") else o
+            for o, kind in zip(outs, out_kinds)
+        )
+
+    in_specs = tuple(_spec(split, d) for d in in_dims)
+    out_specs = tuple(_spec(split, d) for d in out_dims)
+    if not automatic:  # explicit axes: the operands' types must name the specs the `shard_map` takes
+        arrays = [jax.sharding.reshard(x, spec) for x, spec in zip(arrays, in_specs)]
+    wrapped = jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset(axes), check_vma=False
+    )
+    return tuple(wrapped(*arrays))
