@@ -443,3 +443,54 @@ def test_ragged_serving_step_without_the_rule_runs_whole(monkeypatch):
     expected, out, _, _, traced = _serving_on_a_mesh(monkeypatch, SERVING["gqa"])
     assert {shapes for shapes in traced} == {((expected.shape[0], 8, 128), (11, 16, 4, 128))}, traced
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The ways a program shows its mesh (`mesh_call`, `unseen_mesh`): each equal to the unsharded call
+
+
+MODES = ("explicit", "callbacks_unreached", "unseen")
+"""`explicit`: a mesh with explicit axes under `jax.set_mesh` (every kernel call a `shard_map` with the caller's
+layout); `callbacks_unreached`: a plain mesh and `NamedSharding` arguments on a platform whose compiler never calls
+`custom_partitioning` back (a TPU: here the CPU made one of them), so each call is a `shard_map` with attnlib's own
+layout; `unseen`: `jit(..., in_shardings=...)` on unsharded arguments there, so each call is lowered through Pallas's
+HLO interpreter."""
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["gqa_sinks", "mqa_groups_split", "flex_alibi_segments", "flex_dropout"])
+def test_each_way_of_showing_the_mesh_equals_the_unsharded_call(name, mode, monkeypatch, caplog):
+    from attnlib._src.backends.pallas_tpu import mesh_call
+
+    case = CASES[name]
+    fn, diff, rest = program(case)
+    expected = fn(diff, rest)
+    if mode == "explicit":
+        m = jax.make_mesh(MESH_SHAPE, ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+        with jax.set_mesh(m):
+            diff_s, rest_s = place(diff, m), place(rest, m)
+            compiled = fn.lower(diff_s, rest_s).compile()
+            actual = compiled(diff_s, rest_s)
+        (_, (out, lse)), _ = actual
+        q_spec = tuple(sharding_of("query", diff["query"], m).spec)
+        assert tuple(jax.typeof(out).sharding.spec) == q_spec[:3] + (None,)
+        assert tuple(jax.typeof(lse).sharding.spec) == q_spec[:3]
+    else:
+        monkeypatch.setattr(mesh_call, "PLATFORMS_WITHOUT_CALLBACKS", ("tpu", "cpu"))
+        m = mesh()
+        if mode == "callbacks_unreached":
+            diff_s, rest_s = place(diff, m), place(rest, m)
+            compiled = fn.lower(diff_s, rest_s).compile()
+        else:
+            shardings = ({k: sharding_of(k, v, m) for k, v in diff.items()},
+                         {k: sharding_of(k, v, m) for k, v in rest.items()})  # fmt: skip
+            jitted = jax.jit(fn.__wrapped__ if hasattr(fn, "__wrapped__") else fn, in_shardings=shardings)
+            diff_s, rest_s = diff, rest
+            with caplog.at_level(logging.WARNING, logger="attnlib"):
+                compiled = jitted.lower(diff, rest).compile()
+            assert any("HLO interpreter" in r.getMessage() for r in caplog.records)
+        actual = compiled(diff_s, rest_s)
+    text = compiled.as_text()
+    if mode != "unseen":
+        assert all_gathers(text) == 0, text
+    compare(actual, expected)

@@ -19,6 +19,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from . import explicit_axes
 from .backends import placement
 
 
@@ -99,9 +100,11 @@ class PoolLayout:
         self, pools: tuple[jax.Array, ...], page: jax.Array, slot: jax.Array, k_new: jax.Array, v_new: jax.Array
     ) -> tuple[jax.Array, ...]:
         """`pools` with token `t` of `k_new [T, K, H]` / `v_new [T, K, Hv]` written at page `page[t]`, slot
-        `slot[t]`; tokens whose page is out of range (`P`) are dropped."""
+        `slot[t]`; tokens whose page is out of range (`P`) are dropped. Under explicit mesh axes the tokens are
+        typed as the scatter writes them: whole, their heads split as the pool's."""
         if self.name == "token_major":
             k_pool, v_pool = pools
+            k_new, v_new = (explicit_axes.like_dims(x, pool, (None, 2, 3)) for x, pool in zip((k_new, v_new), pools))
             return (
                 k_pool.at[page, slot].set(k_new.astype(k_pool.dtype), mode="drop"),
                 v_pool.at[page, slot].set(v_new.astype(v_pool.dtype), mode="drop"),
@@ -111,6 +114,7 @@ class PoolLayout:
             pad = lambda x, d: jnp.pad(x, ((0, 0), (0, 0), (0, d - x.shape[-1])))
             k_rows = jnp.swapaxes(pad(k_new, k_pool.shape[-1]), 0, 1)  # [K, T, H']
             v_rows = jnp.swapaxes(pad(v_new, v_pool.shape[-1]), 0, 1)
+            k_rows, v_rows = (explicit_axes.like_dims(x, p, (0, None, 3)) for x, p in zip((k_rows, v_rows), pools))
             return (
                 k_pool.at[:, page, slot].set(k_rows.astype(k_pool.dtype), mode="drop"),
                 v_pool.at[:, page, slot].set(v_rows.astype(v_pool.dtype), mode="drop"),
@@ -120,6 +124,7 @@ class PoolLayout:
         pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, D - x.shape[-1]))).astype(pool.dtype)
         T, K = k_new.shape[:2]
         both = jnp.reshape(jnp.stack([pad(k_new), pad(v_new)], axis=2), (T, 2 * K, D))  # k, v interleaved
+        both = explicit_axes.like_dims(both, pool, (None, 2, 3))
         return (pool.at[page, slot].set(both, mode="drop"),)
 
     def to_token_major(self, pools: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:

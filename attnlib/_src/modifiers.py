@@ -151,13 +151,21 @@ def _aval_text(x: Any) -> str:
     return f"a value of type {type(x).__name__}"
 
 
+def trace_without_mesh(fn: Callable, *avals: jax.ShapeDtypeStruct, return_shape: bool = False):
+    """`jax.make_jaxpr(fn, return_shape=return_shape)(*avals)` with no mesh in context: the jaxpr records none and
+    replays under any (a scalar function's jaxpr is the same on every mesh; where it runs, a mesh's explicit axes may
+    have been made automatic: `explicit_axes.on_automatic_axes`)."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return jax.make_jaxpr(fn, return_shape=return_shape)(*avals)
+
+
 def _trace(name: str, signature: str, fn: Any, avals: Sequence[jax.ShapeDtypeStruct]) -> tuple[jex.ClosedJaxpr, Any]:
     """`jax.make_jaxpr(fn)(*avals)` and the output's shape structure, with errors that name `name`."""
     if not callable(fn):
         raise TypeError(f"`{name}` must be a callable `{signature}`. Got {_what(fn)}.")
     shown = ", ".join(_aval_text(a) for a in avals)
     try:
-        return jax.make_jaxpr(fn, return_shape=True)(*avals)
+        return trace_without_mesh(fn, *avals, return_shape=True)
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [""])[0]
         raise (TypeError if isinstance(e, TypeError) else ValueError)(

@@ -10,7 +10,7 @@ quarter less work when `T = S`.
 import jax
 import jax.numpy as jnp
 
-from .. import canonical
+from .. import canonical, explicit_axes
 from ..band import Band
 from ..config import AttentionConfig
 from . import scores
@@ -127,7 +127,10 @@ def _backward_chunk(config: AttentionConfig, problem: canonical.Problem, out, ls
     correction = correction - jnp.reshape(f32(d_lse), (B, K, G * T))
     inv_l = 1.0 / row_sum
     highest = jax.lax.Precision.HIGHEST
-    dv = jnp.einsum("bkrs,bkrh->bskh", p, f32(do_rows) * inv_l[..., None], precision=highest)
+    # summed over the query rows of each key head: also across shards where the group is split (MQA over a mesh axis)
+    keys_split = lambda x, y: explicit_axes.sharding_from((x, 0), (x, 3), (x, 1), (y, 3))
+    dv_rows = f32(do_rows) * inv_l[..., None]
+    dv = jnp.einsum("bkrs,bkrh->bskh", p, dv_rows, precision=highest, out_sharding=keys_split(p, dv_rows))
     dp = jnp.einsum(
         "bkrh,bskh->bkrs", do_rows, problem.value, preferred_element_type=acc_dtype,
         precision=scores.precision(problem.value.dtype),
@@ -136,7 +139,8 @@ def _backward_chunk(config: AttentionConfig, problem: canonical.Problem, out, ls
     dbias = None
     if problem.bias is not None:
         reduce_axes = tuple(a for a in range(4) if problem.bias.shape[a] == 1)
-        ds_n = jnp.reshape(ds, (B, N, T, problem.key.shape[1]))
+        S = problem.key.shape[1]
+        ds_n = jnp.reshape(jnp.reshape(ds, (B, K, G, T, S)), (B, N, T, S))  # in two steps: each keeps a split K
         dbias = jnp.sum(ds_n, axis=reduce_axes, keepdims=True).astype(problem.bias.dtype)
     d_scale = None
     if config.scale is None:
@@ -148,7 +152,7 @@ def _backward_chunk(config: AttentionConfig, problem: canonical.Problem, out, ls
     else:
         ds = ds * jnp.asarray(config.scale, ds.dtype)
         dq = jnp.einsum("bkrs,bskh->bkrh", ds, f32(problem.key), precision=highest)
-    dk = jnp.einsum("bkrs,bkrh->bskh", ds, f32(q_rows), precision=highest)
+    dk = jnp.einsum("bkrs,bkrh->bskh", ds, f32(q_rows), precision=highest, out_sharding=keys_split(ds, q_rows))
     d_sinks = None
     if problem.sinks is not None:
         d_sinks = scores.sinks_gradient(config, problem.sinks, lse, jnp.reshape(correction, (B, K, G, T)))

@@ -16,7 +16,7 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
-from .. import dropout as dropout_lib, masks, positions as positions_lib
+from .. import dropout as dropout_lib, explicit_axes, masks, modifiers as modifiers_lib, positions as positions_lib
 from ..canonical import Problem
 from ..config import AttentionConfig
 from ..modifiers import Modifiers
@@ -72,8 +72,10 @@ def rows_dot(p: jax.Array, x: jax.Array, **kwargs) -> jax.Array:
 
 
 def keys_dot(p: jax.Array, query_rows: jax.Array, **kwargs) -> jax.Array:
-    """`[B, K, G, T, s] x [B, K, G, T, X] -> [B, s, K, X]` (`Pᵀ.dO`, or `dSᵀ.q`), summed over the group."""
-    return jnp.einsum("bkrs,bkrx->bskx", rows(p), rows(query_rows), **kwargs)
+    """`[B, K, G, T, s] x [B, K, G, T, X] -> [B, s, K, X]` (`Pᵀ.dO`, or `dSᵀ.q`), summed over the group (split over a
+    mesh axis when the query heads are and the key/value heads are not, MQA: then summed across the shards)."""
+    out_sharding = explicit_axes.sharding_from((p, 0), (p, 4), (p, 1), (query_rows, 4))
+    return jnp.einsum("bkrs,bkrx->bskx", rows(p), rows(query_rows), out_sharding=out_sharding, **kwargs)
 
 
 def hidden_score(dtype) -> float:
@@ -244,9 +246,15 @@ class ModifierFns(NamedTuple):
     mask: Callable | None
 
 
-def _jaxpr_fn(closed: jex.ClosedJaxpr, consts) -> Callable:
-    fn = jex.jaxpr_as_fun(jex.ClosedJaxpr(closed.jaxpr, list(consts)))
-    return lambda *args: fn(*args)[0]
+class JaxprFn(NamedTuple):
+    """A modifier's traced jaxpr evaluated with `consts` in place of the arrays it closed over; called as the
+    function."""
+
+    jaxpr: jex.ClosedJaxpr
+    consts: tuple
+
+    def __call__(self, *args):
+        return jex.jaxpr_as_fun(jex.ClosedJaxpr(self.jaxpr.jaxpr, list(self.consts)))(*args)[0]
 
 
 def modifier_fns(modifiers: Modifiers, score_consts=None, mask_consts=None) -> ModifierFns:
@@ -259,10 +267,35 @@ def modifier_fns(modifiers: Modifiers, score_consts=None, mask_consts=None) -> M
     """
     score, mask = modifiers.score_mod, modifiers.mask_mod
     if score is not None and score_consts is not None:
-        score = _jaxpr_fn(modifiers.score_jaxpr, score_consts)
+        score = JaxprFn(modifiers.score_jaxpr, tuple(score_consts))
     if mask is not None and mask_consts is not None:
-        mask = _jaxpr_fn(modifiers.mask_jaxpr, mask_consts)
+        mask = JaxprFn(modifiers.mask_jaxpr, tuple(mask_consts))
     return ModifierFns(score, mask)
+
+
+def traced_fns(modifiers: Modifiers, score_dtype) -> ModifierFns:
+    """The caller's functions traced on scalars of the call's dtypes (the score in `score_dtype`), the arrays they
+    close over (traced ones included) as the jaxprs' constants: the same computation as `modifier_fns(modifiers)`,
+    whose closures `elementwise` can pass on as operands (`xla` under explicit mesh axes)."""
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    args = tuple(jax.ShapeDtypeStruct((), d) for d in modifiers.arg_dtypes)
+    trace = lambda fn, *avals: None if fn is None else modifiers_lib.trace_without_mesh(fn, *avals)
+    score = trace(modifiers.score_mod, jax.ShapeDtypeStruct((), score_dtype), *(index,) * 4, *args)
+    mask = trace(modifiers.mask_mod, *(index,) * 4, *args)
+    as_fn = lambda closed: None if closed is None else JaxprFn(closed, tuple(closed.consts))
+    return ModifierFns(as_fn(score), as_fn(mask))
+
+
+def elementwise(fn: Callable, *operands, out_sharding) -> jax.Array:
+    """`jnp.vectorize(fn)(*operands)`. Under explicit mesh axes (`out_sharding` given) it runs on automatic ones
+    (`explicit_axes.on_automatic_axes`), a `JaxprFn`'s constants entering as operands (arrays closed over there would
+    stay typed on the explicit axes)."""
+    consts = fn.consts if isinstance(fn, JaxprFn) else ()
+
+    def run(consts, *operands):
+        return jnp.vectorize(fn._replace(consts=tuple(consts)) if isinstance(fn, JaxprFn) else fn)(*operands)
+
+    return explicit_axes.on_automatic_axes(run, consts, *operands, out_sharding=out_sharding)
 
 
 def modifier_indices(
@@ -290,18 +323,20 @@ def grouped_args(config: AttentionConfig, args) -> tuple[jax.Array, ...]:
 
 def apply_score_mod(fn: Callable, s: jax.Array, indices, args) -> jax.Array:
     """`score_mod` of every score of `s [B, K, G, T, s]`, element by element, in `s`'s dtype."""
-    return jnp.vectorize(fn)(s, *indices, *args).astype(s.dtype)
+    return elementwise(fn, s, *indices, *args, out_sharding=explicit_axes.sharding_like(s, s.shape)).astype(s.dtype)
 
 
-def apply_mask_mod(fn: Callable, indices, args) -> jax.Array:
-    """Bool `mask_mod` of every (row, head, query, key) of the block, broadcastable to `[B, K, G, T, s]`."""
-    return jnp.vectorize(fn)(*indices, *args).astype(bool)
+def apply_mask_mod(fn: Callable, indices, args, like: jax.Array) -> jax.Array:
+    """Bool `mask_mod` of every (row, head, query, key) of the block, broadcastable to `[B, K, G, T, s]`; `like`
+    is the block's scores, whose sharding the result takes under explicit axes."""
+    out_sharding = explicit_axes.sharding_like(like, jnp.broadcast_shapes(*(jnp.shape(x) for x in (*indices, *args))))
+    return elementwise(fn, *indices, *args, out_sharding=out_sharding).astype(bool)
 
 
 def modify(fns: ModifierFns, s: jax.Array, allowed: jax.Array, indices, args) -> tuple[jax.Array, jax.Array]:
     """Raw scores and visibility -> `score_mod`-ified scores and visibility AND `mask_mod` AND (modified != -inf)."""
     if fns.mask is not None:
-        allowed = allowed & apply_mask_mod(fns.mask, indices, args)
+        allowed = allowed & apply_mask_mod(fns.mask, indices, args, like=s)
     if fns.score is not None:
         s = apply_score_mod(fns.score, s, indices, args)
         allowed = allowed & ~is_neg_inf(s)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import canonical
+from .. import canonical, explicit_axes
 from ..band import Band
 from ..positions import TokenPositions
 
@@ -148,14 +148,18 @@ def rows_of(x: jax.Array, q_start, rows: int, axis: int = 3) -> jax.Array:
 
 
 def set_rows(x: jax.Array, rows: jax.Array, q_start, axis: int = 3) -> jax.Array:
-    """`x` with its rows from `q_start` replaced by `rows`."""
-    return rows if rows.shape == x.shape else jax.lax.dynamic_update_slice_in_dim(x, rows, q_start, axis=axis)
+    """`x` with its rows from `q_start` replaced by `rows` (typed like `rows` under explicit axes)."""
+    if rows.shape == x.shape:
+        return rows
+    return jax.lax.dynamic_update_slice_in_dim(explicit_axes.like(x, rows), rows, q_start, axis=axis)
 
 
 def add_at(acc: jax.Array, x: jax.Array, starts, *, overwrite: bool = False) -> jax.Array:
-    """`acc` with `x` added at `starts`, or written there when `overwrite` (no other tile touches that part)."""
+    """`acc` with `x` added at `starts`, or written there when `overwrite` (no other tile touches that part); typed
+    like `x` under explicit axes."""
     if x.shape == acc.shape:
         return x if overwrite else acc + x
+    acc = explicit_axes.like(acc, x)
     starts = tuple(jnp.asarray(i, jnp.int32) for i in starts)  # one index type (Python ints are int64 under x64)
     if not overwrite:
         x = jax.lax.dynamic_slice(acc, starts, x.shape) + x

@@ -6,7 +6,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from .. import canonical, fp8 as fp8_lib
+from .. import canonical, explicit_axes, fp8 as fp8_lib
 from ..config import AttentionConfig, AttentionInputs
 from . import scores
 from .base import Context, Implementation
@@ -25,10 +25,13 @@ def attend(config: AttentionConfig, problem: canonical.Problem) -> tuple[jax.Arr
     s = scores.raw_scores(config, q5, problem.key, problem.bias, scale=problem.scale)  # [B, K, G, T, S]
     allowed = scores.visible(config, problem, 0, S, problem.mask)
     if config.modifiers is not None:
-        # score_mod and mask_mod as written, vectorised; autodiff differentiates them (closures included).
+        # score_mod and mask_mod as written, vectorised; autodiff differentiates them (closures included). Under
+        # explicit mesh axes they run on automatic ones, the arrays they close over entering as operands: traced.
         indices = scores.modifier_indices(config, problem, 0, S)
         args = scores.grouped_args(config, problem.score_mod_args)
-        s, allowed = scores.modify(scores.modifier_fns(config.modifiers), s, allowed, indices, args)
+        explicit = explicit_axes.any_explicit(problem)
+        fns = scores.traced_fns(config.modifiers, s.dtype) if explicit else scores.modifier_fns(config.modifiers)
+        s, allowed = scores.modify(fns, s, allowed, indices, args)
     s = scores.soft_cap(config, s)
     sinks = None if problem.sinks is None else scores.grouped_sinks(config, problem.sinks)
     if config.fp8 is not None:

@@ -25,7 +25,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from .. import canonical, fp8 as fp8_lib, varying
+from .. import canonical, explicit_axes, fp8 as fp8_lib, varying
 from ..band import Band
 from ..config import AttentionConfig, AttentionInputs
 from . import one_block, placement, scores
@@ -101,7 +101,7 @@ class _Modifiers:
         """Backward: as `apply`, plus `vjp(ds_mod) -> (ds_raw, d_float_args (grouped blocks), d_float_consts)`."""
         indices, args = self.block_inputs(k_start, block)
         if self.fns.mask is not None:
-            allowed = allowed & scores.apply_mask_mod(self.fns.mask, indices, tuple(map(self.vary, args)))
+            allowed = allowed & scores.apply_mask_mod(self.fns.mask, indices, tuple(map(self.vary, args)), like=s)
         if self.fns.score is None:
             return s, allowed, None
 
@@ -159,7 +159,7 @@ def _max_visible(config: AttentionConfig, tiles: Tiles, problem: canonical.Probl
         return set_rows(best, row_best, q_start)
 
     empty = jnp.full((B, K, G, T), hidden, acc_dtype)
-    return jax.lax.fori_loop(0, tiles.num_steps, body, varying.like_inputs(empty, problem))
+    return explicit_axes.fori_loop(tiles.num_steps, body, varying.like_inputs(empty, problem), problem)
 
 
 def _forward(config: AttentionConfig, tiles: Tiles, problem: canonical.Problem, mods: _Modifiers | None):
@@ -198,7 +198,8 @@ def _forward(config: AttentionConfig, tiles: Tiles, problem: canonical.Problem, 
         jnp.zeros((B, K, G, T), acc_dtype),
         jnp.zeros((B, K, G, T, Hv), acc_dtype),
     )
-    row_max, denominator, acc = jax.lax.fori_loop(0, tiles.num_steps, body, varying.like_inputs(init, problem))
+    init = varying.like_inputs(init, problem)
+    row_max, denominator, acc = explicit_axes.fori_loop(tiles.num_steps, body, init, problem)
 
     if problem.sinks is not None:
         sinks = scores.grouped_sinks(config, problem.sinks)
@@ -262,7 +263,8 @@ def _forward_fp8(config: AttentionConfig, tiles: Tiles, problem: canonical.Probl
         return tuple(set_rows(x, y, q_start) for x, y in zip(carry, new, strict=True))
 
     init = (jnp.zeros((B, K, G, T), jnp.float32), jnp.zeros((B, K, G, T, Hv), jnp.float32))
-    denominator, acc = jax.lax.fori_loop(0, tiles.num_steps, body, varying.like_inputs(init, problem))
+    init = varying.like_inputs(init, problem)
+    denominator, acc = explicit_axes.fori_loop(tiles.num_steps, body, init, problem)
     if problem.sinks is not None:
         denominator = denominator + jnp.exp(sinks - shift)
     has_mass = denominator > 0
@@ -397,7 +399,8 @@ def _backward(
             for c in (mods.score_consts[i] for i in float_consts)
         ),
     )
-    dq, dk, dv, dbias, d_args, d_consts = jax.lax.fori_loop(0, tiles.num_steps, body, init)
+    loop_inputs = (problem, out, lse, d_out, d_lse)
+    dq, dk, dv, dbias, d_args, d_consts = explicit_axes.fori_loop(tiles.num_steps, body, init, loop_inputs)
     d_scale = None
     if config.scale is None:
         d_scale, dq = scale_gradient(config, problem.scale, dq, q5)

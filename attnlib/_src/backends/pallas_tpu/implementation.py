@@ -11,7 +11,7 @@ from ... import logs
 from ...config import AttentionConfig, AttentionInputs
 from .. import placement
 from ..base import Context, Implementation
-from . import blocks, paged, ragged
+from . import blocks, mesh_call, paged, ragged
 from .flex import support as flex_support
 
 
@@ -214,10 +214,12 @@ class PallasTpu(Implementation):
         return float32_precision_reason(config) or feature_reason(config) or _backward_kernels_reason()
 
     def kernel_note(self, config: AttentionConfig, context: Context) -> str | None:
-        if config.layout == "paged":
-            return None
-        why = self._runs_flex(config)
-        return None if why is None else f"runs {flex_support.NAME} ({why})"
+        notes = []
+        if config.layout != "paged" and (why := self._runs_flex(config)) is not None:
+            notes.append(f"runs {flex_support.NAME} ({why})")
+        if (on_mesh := mesh_call.explain(jax.sharding.get_abstract_mesh())) is not None:
+            notes.append(on_mesh)
+        return ", and ".join(notes) or None
 
     def declines_loudly(self) -> bool:
         # A call placed on a TPU that falls back to plain JAX loses most of its speed: say so loudly. Elsewhere it is
@@ -225,11 +227,17 @@ class PallasTpu(Implementation):
         return placement.placement_platform() == "tpu"
 
     def attention(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
-        from . import splash  # the kernels load when a call is traced, not at import
-
         reason = self.decline_reason(config, context)
         if reason is not None:
             raise NotImplementedError(f"pallas_tpu: {reason}")
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh_call.explicit_axes(mesh):
+            run = lambda inputs: self._attention(config, inputs, context)  # noqa: E731
+            return mesh_call.with_automatic_axes(run, inputs, mesh)
+        return self._attention(config, inputs, context)
+
+    def _attention(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
+        from . import splash  # the kernels load when a call is traced, not at import
         if config.layout == "paged" and config.kv_layout == "combined":
             return ragged.attention(config, inputs, interpret=self.interpret, fallback=context.fallback)
         if config.layout == "paged":

@@ -18,9 +18,12 @@ Inside `jax.shard_map` the manual axes are the caller's: only the remaining ones
 device, or none at all, leaves the call to `partitioning` unchanged.
 """
 
+import contextlib
+import contextvars
+import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -30,6 +33,9 @@ from ... import logs
 from .. import partition_rules as rules
 from ..partition_rules import BATCH, Dim
 
+
+PLATFORMS_WITHOUT_CALLBACKS = ("tpu",)
+"""Platforms whose compiler never calls `custom_partitioning`'s callbacks (libtpu: jax-ml/jax#38196)."""
 
 HEAD_AXIS_NAMES = frozenset({"model", "tensor", "tp", "mp", "heads", "head"})
 """Mesh axis names that, with automatic axes, split the heads (tensor parallelism) rather than the batch."""
@@ -66,11 +72,78 @@ def needs_wrapping(mesh: Any | None) -> bool:
     if mesh is None or math.prod(mesh.shape[a] for a in free_axes(mesh)) == 1:
         return False
     platform = getattr(getattr(mesh, "abstract_device", None), "platform", None)
-    return any(_explicit(mesh, a) for a in free_axes(mesh)) or platform == "tpu"
+    return any(_explicit(mesh, a) for a in free_axes(mesh)) or platform in PLATFORMS_WITHOUT_CALLBACKS
+
+
+def explain(mesh: Any) -> str | None:
+    """What a call traced now does on `mesh` (`jax.set_mesh`'s), for `attnlib.explain`: None where it runs as on one
+    device (no mesh shown, or one XLA partitions through the rule's callbacks)."""
+    if not _has_axes(mesh) or not needs_wrapping(mesh):
+        return None
+    axes = {a: mesh.shape[a] for a in free_axes(mesh)}
+    if explicit_axes(mesh):
+        layout = "split as its operands' types say"
+    else:
+        layout = f"the batch split first, the heads over axes named {sorted(HEAD_AXIS_NAMES)}"
+    return f"runs each kernel call on every device's shard of the mesh {axes} (a `jax.shard_map`: {layout})"
 
 
 def _explicit(mesh: Any, axis: str) -> bool:
     return mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
+
+
+_CALLER_LAYOUT: contextvars.ContextVar[tuple[tuple[str, ...], tuple[str, ...]] | None] = contextvars.ContextVar(
+    "attnlib_pallas_tpu_caller_layout", default=None
+)
+"""The mesh axes of the caller's batch and query heads, while a call with explicit axes runs under automatic ones."""
+
+
+@contextlib.contextmanager
+def _caller_layout(batch: tuple[str, ...], heads: tuple[str, ...]) -> Iterator[None]:
+    token = _CALLER_LAYOUT.set((batch, heads))
+    try:
+        yield
+    finally:
+        _CALLER_LAYOUT.reset(token)
+
+
+def explicit_axes(mesh: Any) -> tuple[str, ...]:
+    """The explicit axes of the mesh a call traced now runs over (those `jax.sharding.auto_axes` can free)."""
+    return tuple(a for a in free_axes(mesh) if _explicit(mesh, a)) if _has_axes(mesh) else ()
+
+
+def _result_spec(q_spec: tuple[Any, ...], rank: int) -> PartitionSpec:
+    """The spec of a result of rank `rank` of a call whose query (`[*B, T, N, H]`, THD `[T, N, H]`) has `q_spec`:
+    the output drops the head dim's split, `lse` the head dim, `max_logit` the tokens and the head dim."""
+    q_rank = len(q_spec)
+    if rank == q_rank:
+        return PartitionSpec(*q_spec[:-1], None)
+    if rank == q_rank - 1:
+        return PartitionSpec(*q_spec[:-1])
+    return PartitionSpec(*q_spec[:-3], q_spec[-2])
+
+
+def with_automatic_axes(run: Callable[[Any], tuple[jax.Array, ...]], inputs: Any, mesh: Any) -> tuple[jax.Array, ...]:
+    """`run(inputs)` (an implementation's results for its `AttentionInputs`) with `mesh`'s explicit axes made
+    automatic inside (`jax.sharding.auto_axes`): the kernels' layout work (reshapes that split the heads into GQA
+    groups, padding) then needs no sharding of its own, and each kernel call splits as the caller's query does (its
+    batch and heads axes, `_CALLER_LAYOUT`). The results carry the query's spec (the output's head dim and `lse`'s
+    last dim unsplit)."""
+    q_spec = tuple(rules.mesh_axes(jax.typeof(inputs.query).sharding, inputs.query.ndim))
+    batch = tuple(a for d in q_spec[:-3] for a in d)
+    names = [f.name for f in dataclasses.fields(inputs)]
+    leaves, tree = jax.tree.flatten(tuple(getattr(inputs, n) for n in names))
+
+    def inner(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        values = jax.tree.unflatten(tree, xs)
+        with _caller_layout(batch, q_spec[-2]):
+            return tuple(run(dataclasses.replace(inputs, **dict(zip(names, values)))))
+
+    axes = explicit_axes(mesh)
+    shapes = jax.eval_shape(jax.sharding.auto_axes(inner, axes=axes, out_sharding=PartitionSpec()), *leaves)
+    spec = tuple(d or None for d in q_spec)
+    out_sharding = tuple(_result_spec(spec, len(x.shape)) for x in shapes)
+    return tuple(jax.sharding.auto_axes(inner, axes=axes, out_sharding=out_sharding)(*leaves))
 
 
 def automatic_layout(
@@ -109,7 +182,14 @@ def call(
     q_type = rules.mesh_axes(getattr(jax.typeof(arrays[0]), "sharding", None), len(in_dims[0]))
     seen = tuple(tuple(a for a in d if a in axes and _explicit(mesh, a)) for d in q_type)
     automatic = [a for a in axes if not _explicit(mesh, a)]
-    if automatic:
+    typed = not automatic  # every free axis explicit: the operands' types must name the specs the `shard_map` takes
+    caller = _CALLER_LAYOUT.get()
+    if automatic and caller is not None:  # explicit axes made automatic around the call: the caller's layout
+        heads_dim = rules.query_heads(n, k)
+        named = {BATCH: caller[0], heads_dim: caller[1]}
+        seen = tuple(s + tuple(a for a in named.get(d, ()) if a in automatic) for s, d in zip(seen, in_dims[0]))
+        automatic = []
+    elif automatic:
         guessed = automatic_layout(mesh, in_dims[0], automatic, b, n, k)
         seen = tuple(s + g for s, g in zip(seen, guessed))
     split = rules.choose_split(mesh, in_dims[0], seen, b, n, k, allowed, kv_heads_ok=kv_heads_ok)
@@ -141,7 +221,7 @@ def call(
 
     in_specs = tuple(_spec(split, d) for d in in_dims)
     out_specs = tuple(_spec(split, d) for d in out_dims)
-    if not automatic:  # explicit axes: the operands' types must name the specs the `shard_map` takes
+    if typed:
         arrays = [jax.sharding.reshard(x, spec) for x, spec in zip(arrays, in_specs)]
     wrapped = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset(axes), check_vma=False

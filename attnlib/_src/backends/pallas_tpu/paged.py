@@ -25,7 +25,7 @@ from ...band import Band
 from ...config import AttentionConfig, AttentionInputs
 from .. import kernel_settings
 from ..base import Fallback, fallback_gradients
-from . import blocks, partitioning
+from . import blocks, partitioning, unseen_mesh
 
 
 BLOCK_TOKENS = 512
@@ -127,17 +127,13 @@ def _head_major_pool(pool: jax.Array, head_dim: int, kv_layout: str) -> jax.Arra
 
 def interpret_mode():
     """A context in which JAX's bundled paged kernels (which take no `interpret` argument) run in Pallas interpret
-    mode: its HLO interpreter, as `interpret=True` gives splash's kernels. Not TPU interpret mode
-    (`pltpu.force_tpu_interpret_mode()`, which also checks races and bounds): that one simulates the chip through
-    ordered callbacks, which XLA's partitioner cannot split (a `custom_partitioning` of one fails to compile on
-    more than one device), while the HLO interpreter's program has no effects, so an interpreted call partitions
-    as on a TPU (`partitioning`). Tests run TPU interpret mode's race detector around `PallasTpu(interpret=False)`,
-    with the call unpartitioned."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    # The context's value is what every `pallas_call` traced under it takes as `interpret`: True is the HLO
-    # interpreter, an `InterpretParams` TPU interpret mode.
-    return pltpu.force_tpu_interpret_mode(True)  # type: ignore[arg-type]
+    mode: its HLO interpreter (`unseen_mesh.hlo_interpreter`), as `interpret=True` gives splash's kernels. Not TPU
+    interpret mode (`pltpu.force_tpu_interpret_mode()`, which also checks races and bounds): that one simulates the
+    chip through ordered callbacks, which XLA's partitioner cannot split (a `custom_partitioning` of one fails to
+    compile on more than one device), while the HLO interpreter's program has no effects, so an interpreted call
+    partitions as on a TPU (`partitioning`). Tests run TPU interpret mode's race detector around
+    `PallasTpu(interpret=False)`, with the call unpartitioned."""
+    return unseen_mesh.hlo_interpreter()
 
 
 def decode_kernel(query, k_pool, v_pool, lengths, table, *, soft_cap, pages_per_block, interpret):

@@ -49,7 +49,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 
 from .. import kernel_settings, partition_rules as rules, placement
 from ..partition_rules import BATCH, Dim, GROUP, KV_HEADS
-from . import mesh_call
+from . import mesh_call, unseen_mesh
 
 
 SPLITTABLE = frozenset({BATCH, KV_HEADS, GROUP})
@@ -73,6 +73,8 @@ class Signature:
     input_dims: tuple[tuple[Dim, ...], ...] | None = None
     """Explicit dims of every input (attnlib's flex kernel, whose operands vary per call), instead of `dims`."""
     output_dims: tuple[tuple[Dim, ...], ...] | None = None
+    interpretable: bool = True
+    """Whether Pallas's HLO interpreter runs the kernel (`unseen_mesh`: the call on a mesh nothing showed)."""
 
     def dims_of_input(self, i: int, n: int, k: int) -> tuple[Dim, ...]:
         return self.input_dims[i] if self.input_dims is not None else dims(self.inputs[i], n, k)
@@ -103,6 +105,7 @@ RAGGED = Signature(
     "forward", ("packed_q", "combined_pool", "kv_lens", "seq_table", "cu_q_lens"), ("packed_q",),
     "ragged paged-attention", kv_heads_axis=2, kv_slots=2, folds=False,
     splits="only head dims, GQA groups whole (its packed tokens mix the sequences, its pool is shared by them)",
+    interpretable=False,
 )  # fmt: skip
 """`ragged.ragged_kernel`: packed queries `[T, N, D']`, the combined pool `[P, page_size, 2K, D']` (slot `2k` key
 head `k`, `2k + 1` its value head: the axis is `(k pair)`, so a contiguous split keeps the pairs whole), kv lengths
@@ -264,9 +267,16 @@ def _call(
         **sizes,
     )  # fmt: skip
 
+    def interpreted(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        with unseen_mesh.hlo_interpreter(), kernel_settings.as_written():
+            return run(*xs[nc:])
+
     @jax.custom_batching.custom_vmap
     def one_call(*xs: jax.Array) -> tuple[jax.Array, ...]:
-        return tuple(partitioned(*xs))
+        return unseen_mesh.call(
+            lambda *ys: tuple(partitioned(*ys)), interpreted if signature.interpretable else None,
+            (signature.kernel, signature.name), *xs,
+        )  # fmt: skip
 
     @one_call.def_vmap
     def folded(axis_size: int, in_batched: list[bool], *xs: jax.Array) -> tuple[Any, Any]:

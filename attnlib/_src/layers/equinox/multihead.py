@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import jax.random as jrandom
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped
 
-from ... import dispatch
+from ... import dispatch, explicit_axes
 from .. import _common
 from ._shared import _default_dtype, _dropout_plan
 
@@ -354,7 +354,11 @@ class MultiheadAttention(eqx.Module):
             implementation=self.implementation,
         )
         attn = attn.reshape(query_seq_length, -1)
-        return jax.vmap(self.output_proj)(attn)
+        # Under explicit mesh axes the heads may be split over an axis that the output projection sums over: XLA's
+        # partitioner places that sum, and the output is typed like `query`.
+        out_sharding = explicit_axes.sharding_like(query, (query_seq_length, self.output_size))
+        project = lambda proj, x: jax.vmap(proj)(x)
+        return explicit_axes.on_automatic_axes(project, self.output_proj, attn, out_sharding=out_sharding)
 
     def _project(self, proj: eqx.nn.Linear, x: Array, num_heads: int) -> Array:
         seq_length, _ = x.shape

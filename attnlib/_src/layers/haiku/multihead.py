@@ -8,7 +8,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from ... import dispatch
+from ... import dispatch, explicit_axes
 from .. import _common
 from ._shared import _dropout, _sinks
 
@@ -191,7 +191,13 @@ class MultiHeadAttention(hk.Module):
             final_projection = hk.Linear(
                 self.model_size, w_init=self.w_init, with_bias=self.with_bias, b_init=self.b_init
             )
-            return final_projection(attn)  # [T', D']
+            # Under explicit mesh axes the heads may be split over an axis that the projection sums over: XLA's
+            # partitioner places that sum, and the output is typed like `query`.
+            out_sharding = explicit_axes.sharding_like(query, (*leading_dims, sequence_length, self.model_size))
+            if out_sharding is None:
+                return final_projection(attn)  # [T', D']
+            project = _reading_automatic(final_projection)
+            return explicit_axes.on_automatic_axes(project, attn, out_sharding=out_sharding)
 
     @hk.transparent
     def _linear_projection(self, x: jax.Array, head_size: int, num_heads: int, name: str | None = None) -> jax.Array:
@@ -200,3 +206,17 @@ class MultiHeadAttention(hk.Module):
         )(x)
         *leading_dims, _ = x.shape
         return y.reshape((*leading_dims, num_heads, head_size))
+
+
+def _reading_automatic(fn: Callable) -> Callable:
+    """`fn` with the Haiku parameters it reads typed on automatic axes (`explicit_axes.to_automatic`): inside
+    `explicit_axes.on_automatic_axes` only the operands are retyped, and the parameters come from Haiku's frame."""
+
+    def getter(next_getter, value, context):
+        return next_getter(explicit_axes.to_automatic(value))
+
+    def wrapped(*args):
+        with hk.custom_getter(getter):
+            return fn(*args)
+
+    return wrapped

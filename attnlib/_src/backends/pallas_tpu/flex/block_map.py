@@ -25,6 +25,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from ... import placement
 from . import elementwise
 from .plan import Plan
 
@@ -159,17 +160,20 @@ def static_mask_mod(modifiers, B: int, N: int, T: int, S: int, offset: int, bloc
     b = np.arange(nb, dtype=np.int32)[:, None, None, None]
     h = np.arange(nh, dtype=np.int32)[None, :, None, None]
     k = np.arange(Sp, dtype=np.int32)[None, None, None, :]
-    some, every = [], []
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
-        for start in range(0, nq * block_q, rows):
-            i = np.arange(start, start + rows, dtype=np.int32)
-            q = (i + offset)[None, None, :, None]
-            keep = np.asarray(fn(b, h, q, k)).astype(bool)
-            real = (i[:, None] < T) & (k[0, 0] < S)
-            by_tile = lambda x, reduce: reduce(x.reshape(rows // block_q, block_q, nk, block_k), axis=(1, 3))
-            some.append(by_tile(keep.any(axis=(0, 1)) & real, np.any))
-            every.append(by_tile(keep.all(axis=(0, 1)) | ~real, np.all))
-    return Tiles(np.concatenate(some)[:nq], np.concatenate(every)[:nq])
+    def evaluate() -> Tiles:
+        some, every = [], []
+        with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+            for start in range(0, nq * block_q, rows):
+                i = np.arange(start, start + rows, dtype=np.int32)
+                q = (i + offset)[None, None, :, None]
+                keep = np.asarray(fn(b, h, q, k)).astype(bool)
+                real = (i[:, None] < T) & (k[0, 0] < S)
+                by_tile = lambda x, reduce: reduce(x.reshape(rows // block_q, block_q, nk, block_k), axis=(1, 3))
+                some.append(by_tile(keep.any(axis=(0, 1)) & real, np.any))
+                every.append(by_tile(keep.all(axis=(0, 1)) | ~real, np.all))
+        return Tiles(np.concatenate(some)[:nq], np.concatenate(every)[:nq])
+
+    return placement.built_on_host(evaluate)
 
 
 def _block_range(values, valid, block: int):
