@@ -89,11 +89,23 @@ def _task_call(opts: _Options, task: _Task, qt, kt, vt, aux, q_pos, k_pos):
 def _set_rows(x, start: int, update):
     """`x` with `update` written at `start` along axis 1: `x.at[:, start : start + n].set(update)`.
 
-    `dynamic_update_slice`, not a scatter: a scatter over a static slice carries an empty int32 indices constant,
-    which `shard_map` hoists into an operand of `sdy.manual_computation`; Shardy's canonicalizer
-    (ManualComputationUnusedInputsPattern) segfaults on such zero-size operands (jaxlib 0.11.2, XLA:CPU).
+    A concatenation of `x`'s other rows and `update`, neither a scatter nor a `dynamic_update_slice`:
+    - a scatter over a static slice carries an empty int32 indices constant, which `shard_map` hoists into an operand
+      of `sdy.manual_computation`; Shardy's canonicalizer (ManualComputationUnusedInputsPattern) segfaults on such
+      zero-size operands (jaxlib 0.11.2, XLA:CPU);
+    - a `dynamic_update_slice` (an in-place fusion) inside a `lax.switch` branch whose float32 result is converted to
+      bfloat16 after the switch (the last step's output, dQ) does not compile for a TPU (libtpu 0.0.42): the
+      bfloat16 folding narrows the conditional's result but not the in-place fusion at the branch's root, and copy
+      insertion fails with "Can't deep copy instruction ...: given shape tree of indices to copy has incompatible
+      shapes: f32[...] vs. bf16[...]" (`tests/test_context_parallel_tpu.py`).
+    The copy of the other rows is elementwise work of the size of `x`, small next to the step's attention.
     """
-    return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=1)
+    n, length = update.shape[1], x.shape[1]
+    parts = [x[:, :start]] if start else []
+    parts.append(update.astype(x.dtype))
+    if start + n < length:
+        parts.append(x[:, start + n :])
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
 def _add_rows(x, start: int, update):
