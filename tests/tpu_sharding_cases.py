@@ -460,8 +460,10 @@ HLO interpreter."""
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["gqa_sinks", "mqa_groups_split", "flex_alibi_segments", "flex_dropout"])
 def test_each_way_of_showing_the_mesh_equals_the_unsharded_call(name, mode, monkeypatch, caplog):
+    from attnlib._src import logs
     from attnlib._src.backends.pallas_tpu import mesh_call
 
+    monkeypatch.setattr(logs, "_logged", set())  # the warning is logged once per process: forget earlier cases'
     case = CASES[name]
     fn, diff, rest = program(case)
     expected = fn(diff, rest)
@@ -491,6 +493,8 @@ def test_each_way_of_showing_the_mesh_equals_the_unsharded_call(name, mode, monk
             assert any("HLO interpreter" in r.getMessage() for r in caplog.records)
         actual = compiled(diff_s, rest_s)
     text = compiled.as_text()
-    if mode != "unseen":
-        assert all_gathers(text) == 0, text
+    if mode != "unseen":  # at most a per-head parameter's gradient (ALiBi's slopes), never q, k, v or their gradients
+        gathered = [int(np.prod([int(d) for d in shape.split(",") if d])) for shape in re.findall(
+            r"= \w+\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", text)]  # fmt: skip
+        assert all(size <= case.N for size in gathered), gathered
     compare(actual, expected)
