@@ -16,9 +16,15 @@ Two ways in:
 
 The projections produce `[B, T, N, H]` (THD: `[T, N, H]`) directly, the layout `attnlib.attention` takes, so no
 transpose sits between a projection and the attention call.
+
+On a device mesh with explicit axes (`make_mesh`, `jax.set_mesh`), the same code runs data and tensor parallel:
+`param_shardings` splits the heads and the MLP's hidden units over a `model` axis (Megatron-LM's layout), and the few
+ops whose result layout JAX cannot infer name it (`laid_out_like`, `embed_tokens`, `kv_heads_for`). Without a mesh
+they are the plain ops.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +118,52 @@ def _normal(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int, dtype: Any) 
     return (jax.random.normal(key, shape, jnp.float32) / fan_in**0.5).astype(dtype)
 
 
+def laid_out_like(x: Array, extra_dims: int = 0) -> jax.sharding.NamedSharding | None:
+    """The sharding in `x`'s type, with `extra_dims` whole dims appended, when the program runs on a mesh with
+    explicit axes (`jax.set_mesh` of an `AxisType.Explicit` mesh: `train.py --mesh`); None otherwise.
+
+    Under explicit axes JAX types every array with its sharding and asks, where it cannot tell, how a result is laid
+    out: a contraction over a dim split over a mesh axis (the output projections sum over the heads or hidden units
+    split over `model`: a sum across shards), or rows gathered from a table by sharded token ids. Those ops take this
+    as their `out_sharding` (None, the default, elsewhere).
+    """
+    sharding = jax.typeof(x).sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec) + extra_dims)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def embed_tokens(table: Float[Array, "V D"], tokens: Int[Array, "..."]) -> Float[Array, "... D"]:
+    """`table[tokens]`, its rows laid out as the tokens are (under explicit axes: `laid_out_like`)."""
+    return table.at[tokens].get(out_sharding=laid_out_like(tokens, extra_dims=1))
+
+
+def kv_heads_for(w: Float[Array, "D K H"], query: Float[Array, "... N H"]) -> Float[Array, "D K2 H"]:
+    """The key or value projection `w` as the query's head layout needs it: `w` itself, unless explicit mesh axes
+    split the query heads over more devices than `w` has heads evenly (`train.py --mesh model=4` on 2 key/value heads).
+
+    JAX cannot type a split of grouped-query attention's groups across shards (the `[N] -> [K, N/K]` reshape of the
+    query heads has no single layout then; `jax.nn.dot_product_attention` fails the same way). So, as Megatron-LM does
+    when the tensor-parallel degree exceeds the key/value heads, each device holds the key/value heads its own query
+    heads read: `w`'s heads are repeated (each `r` times, `K * r` the least common multiple of `K` and the device
+    count) and split over the query heads' axes. The forward moves no data (each device keeps its slice); the copies'
+    gradients sum back into `w`. The attention sees `K * r` key/value heads, which divide the query heads.
+    """
+    sharding = laid_out_like(query)
+    axes = None if sharding is None else sharding.spec[-2]
+    if axes is None:
+        return w
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    devices = math.prod(sharding.mesh.shape[a] for a in axes)
+    repeats = devices // math.gcd(w.shape[1], devices)
+    if repeats == 1:
+        return w
+    spec = jax.sharding.PartitionSpec(None, axes, None)
+    return jax.sharding.reshard(jnp.repeat(w, repeats, axis=1), jax.sharding.NamedSharding(sharding.mesh, spec))
+
+
 def _lead(x: Array, ndim: int) -> Array:
     """`x` with leading axes of size 1 up to rank `ndim` (explicit broadcasting: works under
     `jax_numpy_rank_promotion="raise"`)."""
@@ -184,8 +236,9 @@ class Attention(eqx.Module):
         the static bound `max_seqlen_q` of one sequence's new tokens)."""
         proj = lambda w: jnp.einsum("...d,dnh->...nh", x, w.astype(x.dtype))
         q = rope(proj(self.wq), positions, self.theta)  # [B, T, N, H] (THD: [T, N, H])
-        k = rope(proj(self.wk), positions, self.theta)  # [B, T, K, H]
-        v = proj(self.wv)
+        wk, wv = (self.wk, self.wv) if cache is not None else (kv_heads_for(w, q) for w in (self.wk, self.wv))
+        k = rope(proj(wk), positions, self.theta)  # [B, T, K, H]
+        v = proj(wv)
         if cache is None:  # training: causal within each row (within each document with segment ids)
             out = self.core(q, k, v, q_segment_ids=segment_ids)
         else:  # serving: the new tokens join the cache first, so each query sees itself
@@ -197,7 +250,9 @@ class Attention(eqx.Module):
                 local_window_size=self.core.local_window_size,
                 implementation=self.core.implementation,
             )
-        return jnp.einsum("...nh,nhd->...d", out, self.wo.astype(x.dtype)), cache
+        # A sum over the heads: across devices when they are split (tensor parallelism), laid out as `x` is.
+        out = jnp.einsum("...nh,nhd->...d", out, self.wo.astype(x.dtype), out_sharding=laid_out_like(x))
+        return out, cache
 
 
 class MLP(eqx.Module):
@@ -216,7 +271,8 @@ class MLP(eqx.Module):
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         gate = jax.nn.silu(x @ self.w_gate.astype(x.dtype))
-        return (gate * (x @ self.w_up.astype(x.dtype))) @ self.w_down.astype(x.dtype)
+        hidden = gate * (x @ self.w_up.astype(x.dtype))  # [..., F]: split over `model` under tensor parallelism
+        return jnp.matmul(hidden, self.w_down.astype(x.dtype), out_sharding=laid_out_like(x))
 
 
 class Block(eqx.Module):
@@ -312,7 +368,7 @@ class Llama(eqx.Module):
             positions: `[B, T]` rotary positions. Defaults to `0, 1, ...` restarting at each document.
         """
         tokens, segment_ids, positions = training_inputs(tokens, segment_ids, positions)
-        x = self.embed[tokens].astype(self.config.dtype)
+        x = embed_tokens(self.embed, tokens).astype(self.config.dtype)
         hidden, _ = self._blocks(x, positions, segment_ids=segment_ids)
         return self.logits(hidden)
 
@@ -341,7 +397,7 @@ class Llama(eqx.Module):
             `(hidden, caches)`: final-normed hidden states `[T, D]` (`model.logits(hidden[i])` is the next-token
             prediction after token `i`) and the caches with the new tokens appended.
         """
-        x = self.embed[tokens].astype(self.config.dtype)
+        x = embed_tokens(self.embed, tokens).astype(self.config.dtype)
         return self._blocks(x, positions, caches, cu_seqlens=cu_seqlens, max_seqlen_q=max_seqlen_q)
 
     def make_caches(
@@ -387,3 +443,68 @@ def loss(
 
 def num_params(model: Llama) -> int:
     return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+
+
+# Sharding: `train.py --mesh` and `generate.py --mesh` run the model on a device mesh with explicit axes.
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`"data=2,model=4"` as `{"data": 2, "model": 4}`: mesh axis sizes by name, `data` and `model` only."""
+    axes = {}
+    for part in text.split(","):
+        name, _, size = (s.strip() for s in part.partition("="))
+        if name not in ("data", "model") or name in axes or not size.isdigit() or int(size) < 1:
+            raise ValueError(
+                f"`--mesh` must name `data` and/or `model` with their sizes, as data=2,model=4. Got {text!r}."
+            )
+        axes[name] = int(size)
+    return axes
+
+
+def make_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
+    """A mesh of the first `prod(sizes)` of `jax.devices()` with these axes, all `AxisType.Explicit` ("sharding in
+    types": every array's type carries its sharding; run the program under `jax.set_mesh(mesh)`)."""
+    count = math.prod(axes.values())
+    if count > jax.device_count():
+        raise ValueError(
+            f"`--mesh` needs {count} devices, this machine has {jax.device_count()} (on a CPU, simulate more with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count}). Got {axes}."
+        )
+    explicit = (jax.sharding.AxisType.Explicit,) * len(axes)
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=explicit, devices=jax.devices()[:count])
+
+
+SPLIT_DIMS = {"wq": 1, "wk": 1, "wv": 1, "w_gate": 1, "w_up": 1, "wo": 0, "w_down": 0}
+"""Tensor parallelism (Megatron-LM's), by parameter name: the dim each matrix splits over the `model` axis. The query,
+key and value projections `[D, heads, H]` and the MLP's gate and up projections `[D, F]` by output features (heads,
+hidden units), the output projections `wo` `[N, H, D]` and `w_down` `[F, D]` by input features: each device computes
+its heads' attention and its hidden units' MLP on its own, and the output projections' sums over heads and hidden units
+are a block's only communication in the forward (one all-reduce each). Everything else (embeddings, head, norms) is
+replicated."""
+
+
+def param_shardings(params: Any, mesh: jax.sharding.Mesh, *, replicate_kv: bool = True) -> Any:
+    """The `NamedSharding` of each parameter of the Equinox `Llama` (its arrays, as `eqx.partition` gives them) or of
+    `llama_haiku`'s parameters (the same names) on `mesh`: `SPLIT_DIMS` over `model`, replicated without a `model`
+    axis (the `data` axis splits the batch, not the parameters).
+
+    Key/value projections whose heads `model` does not divide stay replicated when `replicate_kv` (the training
+    forward then repeats them for the query heads: `kv_heads_for`); otherwise that is an error, as is a split dim
+    `model` does not divide.
+    """
+    size = dict(mesh.shape).get("model", 1)
+
+    def sharding(path, p) -> jax.sharding.NamedSharding:
+        name = getattr(path[-1], "name", getattr(path[-1], "key", None))  # Equinox: a field; Haiku: a dict key
+        dim = SPLIT_DIMS.get(name) if size > 1 else None
+        spec = [None] * p.ndim
+        if dim is not None and p.shape[dim] % size == 0:
+            spec[dim] = "model"
+        elif dim is not None and not (replicate_kv and name in ("wk", "wv")):
+            raise ValueError(
+                f"`--mesh` model={size} must divide dim {dim} of `{name}`, which it splits. "
+                f"Got {jax.tree_util.keystr(path)} of shape {p.shape}."
+            )
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+    return jax.tree_util.tree_map_with_path(sharding, params)

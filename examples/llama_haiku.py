@@ -3,8 +3,9 @@
 The same model, layer for layer: pre-norm blocks of RMSNorm, grouped-query attention with rotary positions
 (`attnlib.haiku.DotProductAttention` on `[B, T, N, H]` projections, no transposes), a SwiGLU MLP, optional per-block
 remat (`hk.remat`), optional Mistral-style sliding window; float32 parameters, bfloat16 compute (by default). It takes
-`llama.py`'s `LlamaConfig` and uses its `rope` and `training_inputs`, and `params_from_equinox` turns an Equinox
-`llama.Llama` into this model's parameters (the same weights give the same logits).
+`llama.py`'s `LlamaConfig` and uses its `rope`, `training_inputs` and layout helpers (on a mesh with explicit axes:
+`train.py --framework haiku --mesh ...`), and `params_from_equinox` turns an Equinox `llama.Llama` into this model's
+parameters (the same weights give the same logits).
 
     import haiku as hk, jax
     import llama_haiku
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 # examples/ is on sys.path when these files run as scripts
-from llama import LlamaConfig, remat_policy, rope, training_inputs
+from llama import embed_tokens, kv_heads_for, laid_out_like, LlamaConfig, remat_policy, rope, training_inputs
 
 import attnlib.haiku
 
@@ -75,6 +76,7 @@ class Attention(hk.Module):
         wo = _weight("wo", (c.num_heads, c.head_dim, c.dim), c.num_heads * c.head_dim, c.param_dtype)
         proj = lambda w: jnp.einsum("btd,dnh->btnh", x, w.astype(x.dtype))
         q = rope(proj(wq), positions, c.rope_theta)  # [B, T, N, H]
+        wk, wv = kv_heads_for(wk, q), kv_heads_for(wv, q)  # unchanged unless explicit axes split the groups
         k = rope(proj(wk), positions, c.rope_theta)  # [B, T, K, H]
         v = proj(wv)
         if self.core is None:
@@ -85,7 +87,8 @@ class Attention(hk.Module):
             out = core(q, k, v, q_segment_ids=segment_ids)
         else:
             out = self.core(q, k, v, segment_ids)
-        return jnp.einsum("btnh,nhd->btd", out, wo.astype(x.dtype))
+        # A sum over the heads: across devices when they are split (tensor parallelism), laid out as `x` is.
+        return jnp.einsum("btnh,nhd->btd", out, wo.astype(x.dtype), out_sharding=laid_out_like(x))
 
 
 class MLP(hk.Module):
@@ -101,7 +104,8 @@ class MLP(hk.Module):
         w_up = _weight("w_up", (c.dim, c.hidden_dim), c.dim, c.param_dtype)
         w_down = _weight("w_down", (c.hidden_dim, c.dim), c.hidden_dim, c.param_dtype)
         gate = jax.nn.silu(x @ w_gate.astype(x.dtype))
-        return (gate * (x @ w_up.astype(x.dtype))) @ w_down.astype(x.dtype)
+        hidden = gate * (x @ w_up.astype(x.dtype))  # [B, T, F]: split over `model` under tensor parallelism
+        return jnp.matmul(hidden, w_down.astype(x.dtype), out_sharding=laid_out_like(x))
 
 
 class Block(hk.Module):
@@ -138,7 +142,7 @@ class Llama(hk.Module):
         c = self.config
         tokens, segment_ids, positions = training_inputs(tokens, segment_ids, positions)
         embed = _weight("embed", (c.vocab_size, c.dim), c.dim, c.param_dtype)
-        x = embed[tokens].astype(c.dtype)
+        x = embed_tokens(embed, tokens).astype(c.dtype)
         checkpoint, policy = remat_policy(c)
         for i in range(c.num_layers):
             block = Block(c, self.core, name=f"layer_{i}")
