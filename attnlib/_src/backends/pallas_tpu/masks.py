@@ -1,9 +1,11 @@
 """Splash masks and kernels, built once per static configuration.
 
 Splash describes the causal / window structure of a call with a static mask over the padded `[T', S']` grid
-(`CausalMask` / `LocalMask` with an `offset`, or `FullMask`) and turns it into block tables on the host (NumPy
-work: its `MaskInfo`). `kernel` caches the kernel object per `Kernel` description with `functools.lru_cache`, so a
-configuration's tables are built once per process, not per call or per trace. Sequence structure that varies per
+(`CausalMask` / `LocalMask` with an `offset`, or `FullMask`) and turns it into block tables on the host: its
+`MaskInfo`, which `mask_info.py` builds from the mask's band in a few NumPy passes (splash's own `make_splash_mha`
+evaluates the mask block by block in Python, quadratic in the length: issue #77). `kernel` caches the kernel object
+per `Kernel` description with `functools.lru_cache`, so a configuration's tables are built once per process, not per
+call or per trace. Sequence structure that varies per
 call (padding, segments, THD) is not part of the mask: it reaches the kernel as segment ids (`splash.py`).
 """
 
@@ -21,14 +23,15 @@ class MaskSpec:
         q_len, kv_len: the padded lengths `T'`, `S'`.
         offset: added to a query's index to align it with the keys (`S - T` for `diagonal_alignment="bottom_right"`,
             else 0).
-        window: `"local"`: `(left, right)` keys visible around the aligned query (causal folds into `right <= 0`).
+        window: `"local"`: `(left, right)` keys visible around the aligned query (causal folds into `right <= 0`; a
+            None side is unbounded, as in splash's `LocalMask`).
     """
 
     kind: Literal["full", "causal", "local"]
     q_len: int
     kv_len: int
     offset: int = 0
-    window: tuple[int, int] | None = None
+    window: tuple[int | None, int | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,11 @@ def mask_spec(
     return MaskSpec("full", q_len, kv_len)
 
 
-def _splash_mask(spec: MaskSpec) -> Any:
+@functools.lru_cache(maxsize=128)
+def splash_mask(spec: MaskSpec) -> Any:
+    """Splash's `MultiHeadMask` of `spec`: one head, shared by every head. Cached, so that the kernels of one mask
+    share its `mask_function` (a static argument of splash's kernels), as splash's own cached mask processing made
+    them."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     shape = (spec.q_len, spec.kv_len)
@@ -104,20 +111,20 @@ def kernel(spec: Kernel, save_residuals: bool = True) -> Any:
 @functools.lru_cache(maxsize=128)
 def _kernel(spec: Kernel, save_residuals: bool) -> Any:
     import jax
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     from .. import kernel_settings, placement
+    from . import mask_info
 
     def build() -> Any:
         # Concrete tables even when first built inside a trace, and the same whatever the settings of the first call.
+        # The tables are what `splash.make_splash_mha(splash_mask(spec.mask), head_shards=1, q_seq_shards=1, ...)`
+        # builds, from the band's structure instead of block by block in Python (`mask_info.py`).
         with jax.ensure_compile_time_eval(), kernel_settings.as_written():
-            return splash.make_splash_mha(
-                _splash_mask(spec.mask),
-                block_sizes=spec.block_sizes,
+            return mask_info.splash_kernel(
+                spec.mask,
+                spec.block_sizes,
                 save_residuals=save_residuals,
                 attn_logits_soft_cap=spec.soft_cap,
-                head_shards=1,
-                q_seq_shards=1,
                 interpret=spec.interpret,
             )
 
