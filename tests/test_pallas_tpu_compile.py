@@ -41,7 +41,8 @@ def v5e_chip() -> jax.sharding.Sharding:
         # libtpu takes a machine-wide lock when it loads; no chip is used here, so pytest-xdist workers may share it.
         env.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         devices = topologies.get_topology_desc("v5e:2x2", "tpu").devices
-    return jax.sharding.SingleDeviceSharding(devices[0])
+    # (`jax.sharding.SingleDeviceSharding` itself is deprecated in JAX 0.12.1)
+    return jax.sharding.make_single_device_sharding(devices[0])
 
 
 @pytest.fixture(autouse=True)
