@@ -3,7 +3,7 @@
 Run from the repository root on a GPU machine where the native extension is built:
 
     python tests/gpu_sharding_check.py            # everything below (mock-2 and mock-8: 16 s and 5 s on an H200)
-    python tests/gpu_sharding_check.py --only mock-2 mock-8 one-device dropout chunked
+    python tests/gpu_sharding_check.py --only mock-2 mock-8 explicit-2 explicit-8 one-device dropout chunked
 
 Each part runs in its own subprocess (a mocked topology must be set before JAX starts its GPU backend; a compile that
 hangs is cut at `--timeout` seconds and reported, not waited for):
@@ -13,8 +13,15 @@ hangs is cut at `--timeout` seconds and reported, not waited for):
   hold 0 all-gathers and the cuDNN custom calls must see the local batch and heads, except dropout, which is kept
   whole (gathered; every call on the global batch). `jax.nn`'s cuDNN attention is compiled the same way for
   comparison. Prints trace/lower, graph-build and compile times.
+- `explicit-2`, `explicit-8`: the same combos and topologies with JAX's explicit sharding: the mesh's axes
+  `AxisType.Explicit` under `jax.set_mesh`, the operands typed `P("data", None, "model")` (sinks `P("model")`, the
+  bias `P(None, "model")`, lengths `P("data")`). Besides 0 all-gathers and the local batch and heads in every cuDNN
+  call (dropout: kept whole, as above), each result's type must carry the operands' shardings: the output the
+  query's spec, each gradient its primal's (`Cudnn` runs its layout work under `jax.sharding.auto_axes`,
+  `mesh_visibility.with_automatic_axes`; the graph calls partition by their rule as under automatic axes).
 - `one-device`: a one-device mesh runs the sharded program on the GPU: same result as the unsharded jit, and its
-  speed (median of timed runs) within 5 % of it.
+  speed (median of timed runs) within 5 % of it; and the same program under a one-device mesh with explicit axes
+  (`jax.set_mesh`): bitwise the unsharded jit's results, typed with the operands' specs.
 - `dropout`: whether a shard's graph (batch 1 of 2, or heads 2 of 4) with the same or a shifted Philox offset draws
   the unsharded call's mask for its slice: prints EQUAL or DIFFERENT (a measurement; DIFFERENT on cuDNN 9.27, which
   is why `partitioning.py` keeps dropout calls whole).
@@ -43,7 +50,7 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("mock-2", "mock-8", "one-device", "dropout", "chunked")
+PARTS = ("mock-2", "mock-8", "explicit-2", "explicit-8", "one-device", "dropout", "chunked")
 # XLA's GPU autotuner stalls on a mocked topology's backward programs (past 240 s on the H200, 2026-12-06; the same
 # program compiles in 0.1 s with it off, 0.2 s on one real device): the mocked compiles check partitioning, not speed.
 MOCK_COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0}
@@ -102,8 +109,19 @@ def jax_key():
     return jax.random.key(7)
 
 
-def child_mock(topology: str) -> dict:
+def _spec_of(info) -> tuple:
+    """The partition spec of a traced result (`Traced.out_info`), one entry per dim (None: whole)."""
+    spec = tuple(info.sharding.spec)
+    return tuple(e or None for e in spec + (None,) * (len(info.shape) - len(spec)))
+
+
+def child_mock(topology: str, mode: str = "automatic") -> dict:
+    """`mode`: "automatic" (a mesh of `AxisType.Auto` axes, shardings on the operands) or "explicit"
+    (`AxisType.Explicit` axes under `jax.set_mesh`: the shardings in the operands' types, which the results must
+    carry)."""
     jax = _setup(topology)
+    import contextlib
+
     import jax.numpy as jnp
     import numpy as np
 
@@ -112,9 +130,13 @@ def child_mock(topology: str) -> dict:
 
     devices = jax.devices()
     D = len(devices)
-    print(f"[{topology}] {D} devices ({len(jax.local_devices())} local): {devices[0].device_kind}", flush=True)
+    explicit = mode == "explicit"
+    print(f"[{topology}, {mode} axes] {D} devices ({len(jax.local_devices())} local): {devices[0].device_kind}",
+          flush=True)  # fmt: skip
     data, model = (D // 2, 2)
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(data, model), ("data", "model"))
+    axis_type = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(data, model), ("data", "model"), axis_types=(axis_type,) * 2)
+    in_mesh = (lambda: jax.set_mesh(mesh)) if explicit else contextlib.nullcontext
     P = jax.sharding.PartitionSpec
     B, T, S, N, K, H = 2 * data, 1000, 1536, 8, 2, 128
     combos, (q, k, v) = _combos(jnp, np, B, T, S, N, K, H)
@@ -157,9 +179,11 @@ def child_mock(topology: str) -> dict:
             built.clear()
             t0 = time.perf_counter()
             try:
-                lowered = fn.trace(*qkv, extra_s).lower()
-                t1 = time.perf_counter()
-                text = lowered.compile(compiler_options=MOCK_COMPILE_OPTIONS).as_text()
+                with in_mesh():
+                    traced = fn.trace(*qkv, extra_s)
+                    lowered = traced.lower()
+                    t1 = time.perf_counter()
+                    text = lowered.compile(compiler_options=MOCK_COMPILE_OPTIONS).as_text()
             except Exception as e:  # a combo cuDNN declines here is reported, not hidden
                 failures.append(f"{name}/{direction}: {type(e).__name__}: {str(e)[:300]}")
                 print(f"  {name:20s} {direction}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -170,6 +194,13 @@ def child_mock(topology: str) -> dict:
             whole = "dropout_rate" in kw
             batch = B if whole else B // data
             ok = (gathers > 0) is whole and shapes and all(s.split("[")[1].startswith(f"{batch},") for s in shapes)
+            if explicit:  # the results' types: the output the query's spec, each gradient its primal's
+                primals = [qkv[0]] if direction == "fwd" else [*qkv, *(extra_s[n] for n in sorted(extra))]
+                mistyped = [(_spec_of(o), _spec_of(p)) for o, p in zip(jax.tree.leaves(traced.out_info), primals)
+                            if _spec_of(o) != _spec_of(p)]  # fmt: skip
+                if mistyped:
+                    ok = False
+                    failures.append(f"{name}/{direction}: results typed {mistyped} (got, want)")
             report[f"{name}/{direction}"] = dict(all_gathers=gathers, cudnn_calls=shapes, trace_lower_s=t1 - t0,
                                                  compile_s=t2 - t1,
                                                  graphs_built=[(l, round(s, 2)) for l, s in built])  # fmt: skip
@@ -182,12 +213,13 @@ def child_mock(topology: str) -> dict:
     qb = tuple(sharded(x, P("data", None, None, None)) for x in (q, k, v))
     t0 = time.perf_counter()
     try:
-        text = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-                       ).trace(*qb).lower().compile().as_text()  # fmt: skip
+        with in_mesh():
+            text = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+                           ).trace(*qb).lower().compile().as_text()  # fmt: skip
         print(f"  jax.nn cudnn fwd: all-gathers {all_gathers(text)}, {time.perf_counter() - t0:.1f} s", flush=True)
     except Exception as e:  # for comparison only
         print(f"  jax.nn cudnn fwd: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    print(json.dumps({"topology": topology, "failures": failures}), flush=True)
+    print(json.dumps({"topology": topology, "mode": mode, "failures": failures}), flush=True)
     return {"failures": failures}
 
 
@@ -230,6 +262,22 @@ def child_one_device() -> dict:
     print(f"[one-device] unsharded {plain * 1e3:.3f} ms, one-device mesh {meshed * 1e3:.3f} ms (x{ratio:.3f}); "
           f"results bitwise equal: {same}", flush=True)  # fmt: skip
     failures = [] if same and ratio < 1.05 else [f"one-device mesh: equal={same}, time ratio {ratio:.3f}"]
+    # The same program with explicit axes (`AxisType.Explicit` under `jax.set_mesh`): the layout work runs under
+    # `jax.sharding.auto_axes` around the same graph calls; the results keep the operands' specs.
+    explicit = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"),
+                                 axis_types=(jax.sharding.AxisType.Explicit,) * 2)  # fmt: skip
+    with jax.set_mesh(explicit):
+        xs = tuple(jax.device_put(x, jax.sharding.NamedSharding(explicit, P("data", None, "model", None)))
+                   for x in (q, k, v))  # fmt: skip
+        typed = timed(*xs)
+        c = step(*xs)
+    same_explicit = all(np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+                        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c)))  # fmt: skip
+    specs = {_spec_of(jax.typeof(g)) for g in c[1]}
+    print(f"[one-device] explicit axes {typed * 1e3:.3f} ms (x{typed / plain:.3f}); results bitwise equal: "
+          f"{same_explicit}; gradients typed {sorted(specs)}", flush=True)  # fmt: skip
+    if not same_explicit or specs != {("data", None, "model", None)}:
+        failures.append(f"one-device mesh with explicit axes: equal={same_explicit}, gradients typed {specs}")
     print(json.dumps({"failures": failures}), flush=True)
     return {"failures": failures}
 
@@ -352,13 +400,15 @@ def main() -> int:
     if args.child:
         kind, *rest = args.child
         sys.path.insert(0, str(ROOT))
-        result = {"mock": lambda: child_mock(rest[0]), "one-device": child_one_device, "dropout": child_dropout,
+        result = {"mock": lambda: child_mock(*rest), "one-device": child_one_device, "dropout": child_dropout,
                   "chunked": lambda: child_chunked(*rest)}[kind]()  # fmt: skip
         return 1 if result["failures"] else 0
     failures: list[str] = []
     for part in args.only:
         if part.startswith("mock-"):
             failures += spawn(["mock", f"1x{part.split('-')[1]}x1"], args.timeout)
+        elif part.startswith("explicit-"):
+            failures += spawn(["mock", f"1x{part.split('-')[1]}x1", "explicit"], args.timeout)
         elif part == "chunked":
             for implementation, autotune, direction in [
                 ("cudnn", "default", "grad"),

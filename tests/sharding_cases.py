@@ -10,8 +10,16 @@ Not collected by a plain `pytest` run: `tests/test_sharding.py` runs this file i
 so the compiled program is the one XLA partitions on GPUs. Every case compiles the forward and the gradients with
 batch over a `data` axis and heads over a `model` axis (mesh 4 x 2), counts the all-gathers in the compiled HLO
 (none), and compares out, lse and every gradient with the unsharded call at the dtype's tolerances (`helpers.py`).
+
+The same cases (and an FP8 forward) run again with JAX's explicit sharding (`AxisType.Explicit` axes under
+`jax.set_mesh`, `test_explicit_axes_*`): the results must also carry the operands' shardings in their types. Before
+the cuDNN implementation ran its layout work under `jax.sharding.auto_axes` (`mesh_visibility.with_automatic_axes`),
+the graph calls still partitioned, but their results (a `jax.ffi.ffi_call`'s) were typed replicated: forward-only
+programs all-gathered out and lse onto every device, and gradients failed to trace (the custom VJP's cotangent of lse
+typed replicated, its reference lse split).
 """
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -49,6 +57,16 @@ MESH_SHAPE = (4, 2)
 
 def mesh() -> jax.sharding.Mesh:
     return jax.make_mesh(MESH_SHAPE, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def explicit_mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh(MESH_SHAPE, ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+
+def spec_of(x: jax.Array) -> tuple:
+    """The partition spec in `x`'s type, one entry per dim (None: whole)."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return tuple(e or None for e in spec + (None,) * (x.ndim - len(spec)))
 
 
 @pytest.fixture(autouse=True)
@@ -298,16 +316,25 @@ def test_local_graphs_have_the_local_batch_and_heads(monkeypatch):
 # Layers: heads over the model axis (weights split by output / input features), batch over the data axis
 
 
-def _layer_tp_check(apply, params, x, param_sharding, m):
+AXES = [pytest.param(False, id="automatic"), pytest.param(True, id="explicit", marks=pytest.mark.full)]
+"""The layers under automatic axes (fast tier) and explicit ones (`jax.set_mesh`; full tier)."""
+
+
+def _layer_tp_check(apply, params, x, param_sharding, m, explicit=False):
     expected = jax.jit(apply)(params, x)
-    params_s = jax.tree.map(lambda p, s: jax.device_put(p, s), params, param_sharding)
-    x_s = jax.device_put(x, jax.sharding.NamedSharding(m, P("data", None, None)))
-    compiled = jax.jit(apply).lower(params_s, x_s).compile()
-    assert all_gathers(compiled.as_text()) == 0, compiled.as_text()
-    assert_out_close(compiled(params_s, x_s), expected, DTYPE)
+    with jax.set_mesh(m) if explicit else contextlib.nullcontext():
+        params_s = jax.tree.map(lambda p, s: jax.device_put(p, s), params, param_sharding)
+        x_s = jax.device_put(x, jax.sharding.NamedSharding(m, P("data", None, None)))
+        compiled = jax.jit(apply).lower(params_s, x_s).compile()
+        assert all_gathers(compiled.as_text()) == 0, compiled.as_text()
+        out = compiled(params_s, x_s)
+    if explicit:
+        assert spec_of(out) == ("data", None, None), jax.typeof(out)
+    assert_out_close(out, expected, DTYPE)
 
 
-def test_equinox_layer_heads_over_model_axis():
+@pytest.mark.parametrize("explicit", AXES)
+def test_equinox_layer_heads_over_model_axis(explicit):
     import equinox as eqx
 
     layer = attnlib.equinox.MultiheadAttention(
@@ -315,7 +342,7 @@ def test_equinox_layer_heads_over_model_axis():
         dtype=DTYPE, key=jax.random.key(0),
     )  # fmt: skip
     params, static = eqx.partition(layer, eqx.is_array)
-    m = mesh()
+    m = explicit_mesh() if explicit else mesh()
 
     def spec_of(path, p):
         name = jax.tree_util.keystr(path)
@@ -330,10 +357,11 @@ def test_equinox_layer_heads_over_model_axis():
         return jax.vmap(lambda s: model(s, s, s))(x)
 
     x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 7, 24)), DTYPE)
-    _layer_tp_check(apply, params, x, shardings, m)
+    _layer_tp_check(apply, params, x, shardings, m, explicit)
 
 
-def test_haiku_layer_heads_over_model_axis():
+@pytest.mark.parametrize("explicit", AXES)
+def test_haiku_layer_heads_over_model_axis(explicit):
     import haiku as hk
 
     def forward(x):
@@ -346,7 +374,7 @@ def test_haiku_layer_heads_over_model_axis():
     model = hk.without_apply_rng(hk.transform(forward))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 7, 24)), DTYPE)
     params = jax.tree.map(lambda p: p.astype(DTYPE), model.init(jax.random.key(0), x))
-    m = mesh()
+    m = explicit_mesh() if explicit else mesh()
 
     def spec_of(path, p):
         name = jax.tree_util.keystr(path)
@@ -354,4 +382,96 @@ def test_haiku_layer_heads_over_model_axis():
             return jax.sharding.NamedSharding(m, P("model", None) if p.ndim == 2 else P())
         return jax.sharding.NamedSharding(m, P(None, "model") if p.ndim == 2 else P("model"))
 
-    _layer_tp_check(model.apply, params, x, jax.tree_util.tree_map_with_path(spec_of, params), m)
+    _layer_tp_check(model.apply, params, x, jax.tree_util.tree_map_with_path(spec_of, params), m, explicit)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Explicit axes ("sharding in types": `AxisType.Explicit` under `jax.set_mesh`): the same programs, the operands'
+# shardings in their types. The results must carry them (out the query's spec with its head dim whole, lse the
+# query's without its head dim, each gradient its primal's), compile with no all-gather, and equal the unsharded call.
+
+
+def placed_spec(case: Case, name: str, x: jax.Array, m: jax.sharding.Mesh) -> tuple:
+    spec = tuple(sharding_of(case, name, x, m).spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def check_types(case: Case, actual, diff: dict, m: jax.sharding.Mesh) -> None:
+    """`out` typed like the query (head dim whole), `lse` like the query without its head dim, each gradient like its
+    primal."""
+    if case.grads:
+        (_, (out, lse)), grads = actual
+        for name, g in grads.items():
+            assert spec_of(g) == placed_spec(case, name, diff[name], m), (name, jax.typeof(g))
+    else:
+        out, lse = actual
+    q_spec = placed_spec(case, "query", diff["query"], m)
+    assert spec_of(out) == q_spec[:-1] + (None,), jax.typeof(out)
+    assert spec_of(lse) == q_spec[:-1], jax.typeof(lse)
+
+
+def fp8_graphs(monkeypatch) -> None:
+    """The CPU model runs FP8 forward graphs too (`test_fp8_cudnn_emulated.emulate_fp8`; 16-bit graphs as before)."""
+    from test_fp8_cudnn_emulated import emulate_fp8
+
+    monkeypatch.setattr(cpu_graph, "emulate_graph", emulate_fp8)
+
+
+EXPLICIT_CASES = {
+    **CASES,
+    "fp8_forward": Case("fp8_forward", {"fp8": "current", "is_causal": True}, Hv=16, grads=False),  # FP8: H == Hv
+}
+
+EXPLICIT_FAST = {"gqa_window_sinks", "padding_lengths", "thd_heads", "fp8_forward"}
+"""The fast tier under explicit axes: GQA groups with sinks, per-batch lengths, a ragged graph's heads and the FP8
+graph; the rest are `full`."""
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in EXPLICIT_FAST else (pytest.mark.full,)) for n in EXPLICIT_CASES]
+)
+def test_explicit_axes_keep_the_shardings_without_all_gathers(name, monkeypatch):
+    """Under explicit axes each graph runs on its shard (built for the local batch and heads), no operand is
+    gathered, the results carry the operands' shardings, and they equal the unsharded call's."""
+    case = EXPLICIT_CASES[name]
+    if case.kwargs.get("fp8"):
+        fp8_graphs(monkeypatch)
+    built = []
+    monkeypatch.setattr(cpu_graph, "entry_for", lambda spec, real=cpu_graph.entry_for: built.append(spec) or real(spec))
+    fn, diff, rest = program(case)
+    expected = fn(diff, rest)
+    m = explicit_mesh()
+    with jax.set_mesh(m):
+        diff_s, rest_s = place(case, diff, m), place(case, rest, m)
+        built.clear()
+        compiled = fn.lower(diff_s, rest_s).compile()
+        assert all_gathers(compiled.as_text()) == 0, compiled.as_text()
+        actual = compiled(diff_s, rest_s)
+    check_types(case, actual, diff, m)
+    compare(case, actual, expected)
+    q_heads = diff["query"].shape[-2]
+    local_heads = q_heads // 2 if case.K % 2 == 0 or q_heads % 2 == 0 else q_heads
+    assert any(s.n == local_heads and s.n < q_heads for s in built), [(s.direction, s.b, s.n, s.k) for s in built]
+
+
+def test_explicit_axes_dropout_call_is_kept_whole(monkeypatch, caplog):
+    """A cuDNN dropout call is not split under explicit axes either: XLA gathers its operands (the unsharded call's
+    mask on every device, logged once), and the results still carry the operands' shardings."""
+    monkeypatch.setattr(logs, "_logged", set())
+    built = []
+    monkeypatch.setattr(cpu_graph, "entry_for", lambda spec, real=cpu_graph.entry_for: built.append(spec) or real(spec))
+    dropout = {"is_causal": True, "dropout_rate": 0.25, "dropout_key": jax.random.key(3)}
+    case = dataclasses.replace(CASES["causal"], kwargs=dropout)
+    fn, diff, rest = program(case)
+    m = explicit_mesh()
+    with jax.set_mesh(m), caplog.at_level(logging.WARNING, logger="attnlib"):
+        diff_s, rest_s = place(case, diff, m), place(case, rest, m)
+        compiled = fn.lower(diff_s, rest_s).compile()
+        # The CPU model draws no mask: run for the result types only, and wait for it (a program still running when
+        # the process exits aborts it).
+        actual = jax.block_until_ready(compiled(diff_s, rest_s))
+    assert all_gathers(compiled.as_text()) >= 3  # q, k, v at least
+    assert {(s.direction, s.b, s.n, s.k) for s in built} == {("fwd", 4, 6, 2), ("bwd", 4, 6, 2)}, built
+    messages = [r.getMessage() for r in caplog.records if "dropout" in r.getMessage()]
+    assert len(messages) == 1 and "Q dim 0 (b) over ['data']" in messages[0], messages
+    check_types(case, actual, diff, m)

@@ -2,7 +2,8 @@
 
 `test_eight_device_cases` runs `tests/sharding_cases.py` in a subprocess with 8 simulated CPU devices (the flag must
 be set before JAX starts): the real cuDNN graph call, partitioned by attnlib's rule and run by a test-only CPU
-handler, against the unsharded call, with no all-gather. The rest runs here: the Shardy rule and the per-shard spec.
+handler, against the unsharded call, with no all-gather, under automatic axes and under explicit ones (the results
+typed with the operands' shardings). The rest runs here: the Shardy rule and the per-shard spec.
 """
 
 import dataclasses

@@ -8,7 +8,7 @@ import jax
 
 from ... import fp8 as fp8_lib, logs
 from ...config import AttentionConfig, AttentionInputs
-from .. import placement
+from .. import mesh_visibility, placement
 from ..base import Context, Implementation
 from . import autotune as autotune_lib, cache, executor as executor_lib, graphs, support, varlen
 
@@ -98,13 +98,26 @@ class Cudnn(Implementation):
             logs.log_once((config, message), logging.WARNING, message)
             run_config, run_inputs = fp8_lib.without_fp8(config), fp8_lib.fp8_fallback_inputs(config, inputs)
         try:
-            return self._run(run_config, run_inputs, context)
+            return self._on_mesh(run_config, run_inputs, context)
         except graphs.GraphRejected as e:
             if context.remaining is None:
                 raise
             message = f"attnlib.attention: cudnn failed to build its kernel ({e}); using the next candidate."
             logs.log_once((config, message), logging.WARNING, message)
             return context.remaining(config, inputs)
+
+    def _on_mesh(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
+        """`_run`, on a mesh with explicit axes (`AxisType.Explicit`) with those axes made automatic
+        (`mesh_visibility.with_automatic_axes`): the layout work around the graphs runs as under automatic axes, each
+        graph call partitions by its `custom_partitioning` rule there (`partitioning.py`), and the results are typed
+        like the query. Called on the explicit axes themselves, a graph call's results (a `jax.ffi.ffi_call`'s) would
+        be typed replicated: XLA would gather them onto every device, and their cotangents would not match the
+        operands' types."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh_visibility.explicit_axes(mesh):
+            run = lambda inputs: self._run(config, inputs, context)  # noqa: E731
+            return mesh_visibility.with_automatic_axes(run, inputs, mesh)
+        return self._run(config, inputs, context)
 
     def _run(self, config: AttentionConfig, inputs: AttentionInputs, context: Context) -> tuple[jax.Array, ...]:
         from . import attention, modifier, paged  # the graph code loads when a call is traced, not at import

@@ -25,6 +25,14 @@ unsharded call does, whatever Philox offset it gets (`tests/gpu_sharding_check.p
 H200 with cuDNN 9.27: a batch split with the same or a shifted offset and a head split with a shifted offset all drew
 masks different from the unsharded call's). XLA gathers the operands and each device runs the whole call (the
 unsharded call's mask), logged once (`_log_resharded`); the plain-JAX implementations split dropout exactly.
+
+Explicit axes (`AxisType.Explicit`, "sharding in types"): the rule is the same. `Cudnn` runs the whole
+implementation with the explicit axes made automatic (`mesh_visibility.with_automatic_axes`, a
+`jax.sharding.auto_axes` typed like the query), so every call here is traced on automatic axes and XLA partitions it
+as above. On the explicit axes themselves the calls still partitioned, but their results were typed replicated (a
+`custom_partitioning` call is typed as the function it wraps, here `jax.ffi.ffi_call`s whose results carry no
+sharding; jax-ml/jax#34811 reports more trouble with `custom_partitioning` on explicit axes): XLA gathered out and
+lse onto every device, and the custom VJP's cotangents did not match the operands' types.
 """
 
 import dataclasses

@@ -9,7 +9,7 @@ import numpy as np
 
 from ... import logs
 from ...config import AttentionConfig, AttentionInputs
-from .. import placement
+from .. import mesh_visibility, placement
 from ..base import Context, Implementation
 from . import blocks, mesh_call, paged, ragged
 from .flex import support as flex_support
@@ -231,7 +231,7 @@ class PallasTpu(Implementation):
         if reason is not None:
             raise NotImplementedError(f"pallas_tpu: {reason}")
         mesh = jax.sharding.get_abstract_mesh()
-        if mesh_call.explicit_axes(mesh):
+        if mesh_visibility.explicit_axes(mesh):
             run = lambda inputs: self._attention(config, inputs, context)  # noqa: E731
             return mesh_call.with_automatic_axes(run, inputs, mesh)
         return self._attention(config, inputs, context)

@@ -15,22 +15,24 @@ XLA moves nothing the rule keeps in place. The mesh is visible
   over the rest (`automatic_layout`), logged once at INFO; XLA reshards operands laid out otherwise.
 
 Inside `jax.shard_map` the manual axes are the caller's: only the remaining ones (if any) are wrapped. A mesh of one
-device, or none at all, leaves the call to `partitioning` unchanged.
+device, or none at all, leaves the call to `partitioning` unchanged. What is not TPU-specific (the visible mesh, its
+explicit axes, an implementation run on automatic axes with results typed like the query) is `mesh_visibility.py`'s,
+shared with the cuDNN implementation.
 """
 
 import contextlib
 import contextvars
-import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from ... import logs
-from .. import partition_rules as rules
+from .. import mesh_visibility, partition_rules as rules
+from ..mesh_visibility import explicit_axes, free_axes, is_explicit as _explicit
 from ..partition_rules import BATCH, Dim
 
 
@@ -39,29 +41,6 @@ PLATFORMS_WITHOUT_CALLBACKS = ("tpu",)
 
 HEAD_AXIS_NAMES = frozenset({"model", "tensor", "tp", "mp", "heads", "head"})
 """Mesh axis names that, with automatic axes, split the heads (tensor parallelism) rather than the batch."""
-
-
-def _has_axes(mesh: Any) -> bool:
-    return mesh is not None and not getattr(mesh, "empty", True)
-
-
-def visible_mesh(operands: Sequence[jax.Array]) -> Any | None:
-    """The abstract mesh a call traced now runs over: `jax.set_mesh`'s (or the one JAX sets under explicit axes and
-    inside `shard_map`), else the mesh of an operand's `NamedSharding` type; None when neither shows one."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if _has_axes(mesh):
-        return mesh
-    for x in operands:
-        sharding = getattr(jax.typeof(x), "sharding", None)
-        candidate = getattr(sharding, "mesh", None)
-        if _has_axes(candidate):
-            return candidate
-    return None
-
-
-def free_axes(mesh: Any) -> tuple[str, ...]:
-    """The axes of `mesh` not manual (not already split by an enclosing `shard_map`)."""
-    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
 
 
 def needs_wrapping(mesh: Any | None) -> bool:
@@ -78,7 +57,7 @@ def needs_wrapping(mesh: Any | None) -> bool:
 def explain(mesh: Any) -> str | None:
     """What a call traced now does on `mesh` (`jax.set_mesh`'s), for `attnlib.explain`: None where it runs as on one
     device (no mesh shown, or one XLA partitions through the rule's callbacks)."""
-    if not _has_axes(mesh) or not needs_wrapping(mesh):
+    if not mesh_visibility.has_axes(mesh) or not needs_wrapping(mesh):
         return None
     axes = {a: mesh.shape[a] for a in free_axes(mesh)}
     if explicit_axes(mesh):
@@ -86,10 +65,6 @@ def explain(mesh: Any) -> str | None:
     else:
         layout = f"the batch split first, the heads over axes named {sorted(HEAD_AXIS_NAMES)}"
     return f"runs each kernel call on every device's shard of the mesh {axes} (a `jax.shard_map`: {layout})"
-
-
-def _explicit(mesh: Any, axis: str) -> bool:
-    return mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
 
 
 _CALLER_LAYOUT: contextvars.ContextVar[tuple[tuple[str, ...], tuple[str, ...]] | None] = contextvars.ContextVar(
@@ -107,43 +82,12 @@ def _caller_layout(batch: tuple[str, ...], heads: tuple[str, ...]) -> Iterator[N
         _CALLER_LAYOUT.reset(token)
 
 
-def explicit_axes(mesh: Any) -> tuple[str, ...]:
-    """The explicit axes of the mesh a call traced now runs over (those `jax.sharding.auto_axes` can free)."""
-    return tuple(a for a in free_axes(mesh) if _explicit(mesh, a)) if _has_axes(mesh) else ()
-
-
-def _result_spec(q_spec: tuple[Any, ...], rank: int) -> PartitionSpec:
-    """The spec of a result of rank `rank` of a call whose query (`[*B, T, N, H]`, THD `[T, N, H]`) has `q_spec`:
-    the output drops the head dim's split, `lse` the head dim, `max_logit` the tokens and the head dim."""
-    q_rank = len(q_spec)
-    if rank == q_rank:
-        return PartitionSpec(*q_spec[:-1], None)
-    if rank == q_rank - 1:
-        return PartitionSpec(*q_spec[:-1])
-    return PartitionSpec(*q_spec[:-3], q_spec[-2])
-
-
 def with_automatic_axes(run: Callable[[Any], tuple[jax.Array, ...]], inputs: Any, mesh: Any) -> tuple[jax.Array, ...]:
-    """`run(inputs)` (an implementation's results for its `AttentionInputs`) with `mesh`'s explicit axes made
-    automatic inside (`jax.sharding.auto_axes`): the kernels' layout work (reshapes that split the heads into GQA
-    groups, padding) then needs no sharding of its own, and each kernel call splits as the caller's query does (its
-    batch and heads axes, `_CALLER_LAYOUT`). The results carry the query's spec (the output's head dim and `lse`'s
-    last dim unsplit)."""
-    q_spec = tuple(rules.mesh_axes(jax.typeof(inputs.query).sharding, inputs.query.ndim))
-    batch = tuple(a for d in q_spec[:-3] for a in d)
-    names = [f.name for f in dataclasses.fields(inputs)]
-    leaves, tree = jax.tree.flatten(tuple(getattr(inputs, n) for n in names))
-
-    def inner(*xs: jax.Array) -> tuple[jax.Array, ...]:
-        values = jax.tree.unflatten(tree, xs)
-        with _caller_layout(batch, q_spec[-2]):
-            return tuple(run(dataclasses.replace(inputs, **dict(zip(names, values)))))
-
-    axes = explicit_axes(mesh)
-    shapes = jax.eval_shape(jax.sharding.auto_axes(inner, axes=axes, out_sharding=PartitionSpec()), *leaves)
-    spec = tuple(d or None for d in q_spec)
-    out_sharding = tuple(_result_spec(spec, len(x.shape)) for x in shapes)
-    return tuple(jax.sharding.auto_axes(inner, axes=axes, out_sharding=out_sharding)(*leaves))
+    """`run(inputs)` with `mesh`'s explicit axes made automatic inside (`mesh_visibility.with_automatic_axes`): the
+    kernels' layout work (reshapes that split the heads into GQA groups, padding) then needs no sharding of its own,
+    and each kernel call splits as the caller's query does (its batch and heads axes, `_CALLER_LAYOUT`). The results
+    carry the query's spec (the output's head dim and `lse`'s last dim unsplit)."""
+    return mesh_visibility.with_automatic_axes(run, inputs, mesh, around=_caller_layout)
 
 
 def automatic_layout(

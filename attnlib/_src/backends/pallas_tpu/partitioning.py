@@ -47,7 +47,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from .. import kernel_settings, partition_rules as rules, placement
+from .. import kernel_settings, mesh_visibility, partition_rules as rules, placement
 from ..partition_rules import BATCH, Dim, GROUP, KV_HEADS
 from . import mesh_call, unseen_mesh
 
@@ -158,7 +158,7 @@ def call(
     (`kernel_settings.as_written`) with 64-bit operands narrowed to 32 bits. `kv_heads_ok(local)`: whether the
     kernel takes a shard of `local` key/value heads (a split it does not take keeps the heads whole)."""
     operands = [None if x is None else kernel_settings.narrowed(x) for x in operands]
-    mesh = mesh_call.visible_mesh([x for x in operands if x is not None])
+    mesh = mesh_visibility.visible_mesh([x for x in operands if x is not None])
     with kernel_settings.as_written():
         if mesh_call.needs_wrapping(mesh):
             return _on_mesh(fn, signature, operands, kv_heads_ok, mesh)
