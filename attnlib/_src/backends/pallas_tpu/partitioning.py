@@ -165,23 +165,35 @@ def call(
         return _call(fn, signature, operands, kv_heads_ok)
 
 
+def _named_dims(signature: Signature, operands: Sequence[jax.Array | None]):
+    """`(indices of the operands present, (batch, query heads, key/value heads), their dims, the results' dims)`."""
+    present = [i for i, x in enumerate(operands) if x is not None]
+    q, kv = operands[0], operands[1]
+    assert q is not None and kv is not None
+    b, n, k = q.shape[0], q.shape[1], kv.shape[signature.kv_heads_axis] // signature.kv_slots
+    in_dims = [signature.dims_of_input(i, n, k) for i in present]
+    out_dims = [signature.dims_of_output(i, n, k) for i in range(len(signature.outputs))]
+    return present, (b, n, k), in_dims, out_dims
+
+
+def _refilled(count: int, present: Sequence[int], xs: Sequence[jax.Array]) -> list[jax.Array | None]:
+    """The `count` operands of a call, `xs` at the indices `present`, None elsewhere."""
+    full: list[jax.Array | None] = [None] * count
+    for i, x in zip(present, xs):
+        full[i] = x
+    return full
+
+
 def _on_mesh(
     fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Array | None],
     kv_heads_ok: Callable[[int], bool] | None, mesh: Any,
 ) -> Any:
     """The call as a `shard_map` over `mesh`'s free axes (`mesh_call`): each device's call is local there."""
-    present = [i for i, x in enumerate(operands) if x is not None]
-    arrays = [x for x in operands if x is not None]
-    q, kv = arrays[0], arrays[1]
-    b, n, k = q.shape[0], q.shape[1], kv.shape[signature.kv_heads_axis] // signature.kv_slots
-    in_dims = [signature.dims_of_input(i, n, k) for i in present]
-    out_dims = [signature.dims_of_output(i, n, k) for i in range(len(signature.outputs))]
+    present, (b, n, k), in_dims, out_dims = _named_dims(signature, operands)
+    arrays = [operands[i] for i in present]
 
     def local(*xs: jax.Array) -> tuple[jax.Array, ...]:
-        full: list[jax.Array | None] = [None] * len(operands)
-        for i, x in zip(present, xs):
-            full[i] = x
-        outs = _call(fn, signature, full, kv_heads_ok)
+        outs = _call(fn, signature, _refilled(len(operands), present, xs), kv_heads_ok)
         return outs if isinstance(outs, tuple) else (outs,)
 
     description = (
@@ -199,21 +211,13 @@ def _call(
     fn: Callable[..., Any], signature: Signature, operands: Sequence[jax.Array | None],
     kv_heads_ok: Callable[[int], bool] | None,
 ) -> Any:
-    present = [i for i, x in enumerate(operands) if x is not None]
+    present, (b, n, k), in_dims, out_dims = _named_dims(signature, operands)
     arrays = [operands[i] for i in present]
     assert all(x is not None for x in arrays)
     kinds = [signature.inputs[i] for i in present]
-    q, kv = operands[0], operands[1]
-    assert q is not None and kv is not None
-    b, n, k = q.shape[0], q.shape[1], kv.shape[signature.kv_heads_axis] // signature.kv_slots
-    in_dims = [signature.dims_of_input(i, n, k) for i in present]
-    out_dims = [signature.dims_of_output(i, n, k) for i in range(len(signature.outputs))]
 
     def run(*xs: jax.Array) -> tuple[jax.Array, ...]:
-        full: list[jax.Array | None] = [None] * len(operands)
-        for i, x in zip(present, xs):
-            full[i] = x
-        outs = fn(*full)
+        outs = fn(*_refilled(len(operands), present, xs))
         return tuple(outs) if isinstance(outs, tuple) else (outs,)
 
     # `custom_partitioning` takes no closed-over constants, and splash's block tables are NumPy constants of its
