@@ -457,6 +457,14 @@ layout; `unseen`: `jit(..., in_shardings=...)` on unsharded arguments there, so 
 HLO interpreter."""
 
 
+def _on_jax_0_12(mode: str) -> tuple:
+    """JAX 0.12: `unseen_mesh` is not reached (`unseen_mesh.REACHABLE`), and under explicit axes the caller's mesh
+    reaches the kernels' `custom_partitioning` callbacks on CPU devices (not yet adapted)."""
+    if jax.__version_info__ < (0, 12) or mode == "callbacks_unreached":
+        return ()
+    return (pytest.mark.xfail(strict=False, reason=f"{mode} on JAX 0.12: " + (_on_jax_0_12.__doc__ or "")),)
+
+
 EACH_WAY_FAST = {("gqa_sinks", "explicit"), ("flex_alibi_segments", "callbacks_unreached"), ("flex_dropout", "unseen")}
 """One case of each way in the fast tier (splash, the flex kernel with a gradient through `score_mod_args`, dropout);
 the rest are `full`."""
@@ -465,7 +473,7 @@ the rest are `full`."""
 @pytest.mark.parametrize(
     "name, mode",
     [
-        pytest.param(n, m, marks=() if (n, m) in EACH_WAY_FAST else (pytest.mark.full,))
+        pytest.param(n, m, marks=(() if (n, m) in EACH_WAY_FAST else (pytest.mark.full,)) + _on_jax_0_12(m))
         for n in ("gqa_sinks", "mqa_groups_split", "flex_alibi_segments", "flex_dropout")
         for m in MODES
     ],

@@ -55,6 +55,11 @@ def hlo_interpreter():
     return pltpu.force_tpu_interpret_mode(True)  # type: ignore[arg-type]
 
 
+REACHABLE = jax.__version_info__ < (0, 12)
+"""JAX 0.12 treats a primitive whose jaxpr parameter holds a `custom_partitioning` as a "high" one and asks for a rule
+lowering it to plain primitives, which this one does not have yet: there a kernel call is lowered as before (a
+program that shows no mesh fails to compile on a TPU slice, as it did before `unseen_mesh`)."""
+
 kernel_or_interpreted_p = jex.Primitive("attnlib_pallas_tpu_kernel_or_interpreted")
 kernel_or_interpreted_p.multiple_results = True
 
@@ -98,5 +103,7 @@ def call(
     """`kernel(*xs)` (a tuple of arrays), lowered as the kernel wherever it can run and as `interpreted(*xs)` (the
     same call through Pallas's HLO interpreter, or None where the kernel has none) in a TPU program XLA partitions
     over several devices. `label`: the kernel's and the call's names, for the warning."""
+    if not REACHABLE:
+        return tuple(kernel(*xs))
     closed = jax.make_jaxpr(lambda *ys: tuple(kernel(*ys)))(*xs)
     return tuple(kernel_or_interpreted_p.bind(*xs, kernel=closed, interpreted=interpreted, label=label))
