@@ -77,7 +77,7 @@ def _infos(kernel) -> dict:
 
 
 def _splash_kernel(spec, block_sizes, **kw):
-    return splash.make_splash_mha(masks.splash_mask(spec), block_sizes=block_sizes, head_shards=1, q_seq_shards=1, **kw)
+    return splash.make_splash_mha(mask_info.splash_mask(spec), block_sizes=block_sizes, head_shards=1, q_seq_shards=1, **kw)
 
 
 def _structured_kernel(spec, block_sizes, **kw):

@@ -21,6 +21,7 @@ visible block's mask from `q_sequence` and the key index), so, as in splash, the
 `partial_mask_blocks`; a full mask has no partly visible block.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -194,6 +195,24 @@ def _one(
     )
 
 
+@functools.lru_cache(maxsize=128)
+def splash_mask(spec: Any) -> Any:
+    """Splash's `MultiHeadMask` of `spec` (a `masks.MaskSpec`): one head, shared by every head. Cached, so that the
+    kernels of one mask share its `mask_function` (a static argument of splash's kernels), as splash's own cached mask processing made
+    them."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    shape = (spec.q_len, spec.kv_len)
+    if spec.kind == "causal":
+        mask = splash.CausalMask(shape, offset=spec.offset)
+    elif spec.kind == "local":
+        assert spec.window is not None
+        mask = splash.LocalMask(shape, window_size=spec.window, offset=spec.offset)
+    else:
+        mask = splash.FullMask(shape)
+    return splash.MultiHeadMask([mask])  # one head: every head shares it
+
+
 def mask_infos(spec: Any, block_sizes: Any, *, downcast_smem_data: bool = True) -> MaskInfos:
     """Splash's forward, dQ and dK/dV `MaskInfo`s of the static mask `spec` (a `masks.MaskSpec`) for `block_sizes`
     (splash `BlockSizes`), as `make_splash_mha(MultiHeadMask([mask]), block_sizes=block_sizes, head_shards=1,
@@ -202,9 +221,7 @@ def mask_infos(spec: Any, block_sizes: Any, *, downcast_smem_data: bool = True) 
     Raises:
         ValueError: a block does not divide its padded length, or the mask hides every block.
     """
-    from . import masks
-
-    mask = masks.splash_mask(spec).masks[0]
+    mask = splash_mask(spec).masks[0]
     mask_function = getattr(mask, "mask_function", None)
     q_sequence = getattr(mask, "q_sequence", None)
     one = lambda shape, is_dkv, shrink=True: _one(

@@ -83,24 +83,6 @@ def mask_spec(
     return MaskSpec("full", q_len, kv_len)
 
 
-@functools.lru_cache(maxsize=128)
-def splash_mask(spec: MaskSpec) -> Any:
-    """Splash's `MultiHeadMask` of `spec`: one head, shared by every head. Cached, so that the kernels of one mask
-    share its `mask_function` (a static argument of splash's kernels), as splash's own cached mask processing made
-    them."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    shape = (spec.q_len, spec.kv_len)
-    if spec.kind == "causal":
-        mask = splash.CausalMask(shape, offset=spec.offset)
-    elif spec.kind == "local":
-        assert spec.window is not None
-        mask = splash.LocalMask(shape, window_size=spec.window, offset=spec.offset)
-    else:
-        mask = splash.FullMask(shape)
-    return splash.MultiHeadMask([mask])  # one head: every head shares it
-
-
 def kernel(spec: Kernel, save_residuals: bool = True) -> Any:
     """The splash kernel of `spec` (its forward saving the log-sum-exp unless `save_residuals` is False; its
     `MaskInfo`s for the backward), built on the first call with these arguments and reused afterwards (whatever
