@@ -198,8 +198,8 @@ def _one(
 @functools.lru_cache(maxsize=128)
 def splash_mask(spec: Any) -> Any:
     """Splash's `MultiHeadMask` of `spec` (a `masks.MaskSpec`): one head, shared by every head. Cached, so that the
-    kernels of one mask share its `mask_function` (a static argument of splash's kernels), as splash's own cached mask processing made
-    them."""
+    kernels of one mask share its `mask_function` (a static argument of splash's kernels), as splash's own cached
+    mask processing made them."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     shape = (spec.q_len, spec.kv_len)
